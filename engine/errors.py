@@ -1,0 +1,22 @@
+"""Errors the engine raises for problems a user can fix (bad paths, bad files).
+
+Front ends turn these into one line on stderr and an exit code; anything else is a bug.
+"""
+from __future__ import annotations
+
+
+class FlashMoEError(Exception):
+    """Base class: a problem with input the user gave us."""
+
+
+class ModelLoadError(FlashMoEError):
+    """A model folder or file is missing, unreadable or inconsistent (exit code 3)."""
+
+    def __init__(self, path, problem: str):
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"{self.path}: {problem}")
+
+
+class ConvertError(ModelLoadError):
+    """A conversion source cannot be converted."""
