@@ -1,0 +1,214 @@
+"""Where each expert's bytes live: the packed on-disk format and the manifest that describes it.
+
+A flashmoe model folder keeps one file per MoE layer, `experts/layer_NNN.bin`. Expert e of that
+layer starts at e * stride; its parts (gate/up/down weight, scales, biases) lie back to back, so
+one read fetches one expert. The stride is a multiple of ALIGNMENT so O_DIRECT reads work.
+
+Both the packed format and direct mode (reading out of an unconverted checkpoint) describe an
+expert the same way, as a list of `Part`s and where each part's bytes are (`Extent`s); the
+store does not care which it is streaming from.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..errors import ModelLoadError
+from ..safetensors_io import DTYPES, ITEM_SIZES, array_bytes
+
+FORMAT = "flashmoe-experts"
+VERSION = 1
+ALIGNMENT = 16 * 1024
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One tensor of one expert, e.g. `gate_proj.scales` of shape [I, H/64]."""
+
+    name: str
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = ITEM_SIZES[self.dtype]
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def mx_dtype(self):
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Bytes of consecutive parts of one expert: `nbytes` at `offset` of `path` fill parts[first:last]."""
+
+    path: str
+    offset: int
+    nbytes: int
+    first: int
+    last: int
+
+
+@dataclass
+class LayerExperts:
+    """The routed experts of one MoE layer."""
+
+    layer: int
+    module: str  # path of the switch module in the model, e.g. model.layers.3.mlp.switch_mlp
+    num_experts: int
+    parts: tuple[Part, ...]
+    # packed format only
+    file: str | None = None
+    stride: int = 0
+    checksums: list[int] = field(default_factory=list)
+    # direct mode only: per part, (path, offset of expert 0, bytes per expert)
+    sources: list[tuple[str, int, int]] | None = None
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def extents(self, root: Path, expert: int) -> list[Extent]:
+        if self.file is not None:
+            return [Extent(str(root / self.file), expert * self.stride, self.expert_bytes, 0, len(self.parts))]
+        return [Extent(path, off + expert * per, per, i, i + 1)
+                for i, (path, off, per) in enumerate(self.sources)]
+
+    @property
+    def signature(self) -> tuple:
+        """Layers with the same signature can share one slot pool."""
+        return tuple((p.name, p.dtype, p.shape) for p in self.parts)
+
+
+def layer_file_name(layer: int) -> str:
+    return f"layer_{layer:03d}.bin"
+
+
+def stride_for(expert_bytes: int) -> int:
+    return -(-expert_bytes // ALIGNMENT) * ALIGNMENT
+
+
+def write_layer(folder: Path, layer: int, module: str, tensors: dict[str, mx.array],
+                part_names: list[str]) -> LayerExperts:
+    """Pack one layer's stacked expert tensors ([E, ...] each) into experts/layer_NNN.bin.
+
+    Written under a temporary name and renamed, so a half-written file is never taken for a
+    finished one.
+    """
+    from ..safetensors_io import DTYPE_NAMES
+
+    first = tensors[part_names[0]]
+    num_experts = first.shape[0]
+    parts = tuple(Part(n, DTYPE_NAMES[tensors[n].dtype], tuple(tensors[n].shape[1:])) for n in part_names)
+    expert_bytes = sum(p.nbytes for p in parts)
+    stride = stride_for(expert_bytes)
+    pad = b"\0" * (stride - expert_bytes)
+    views = [array_bytes(tensors[n]) for n in part_names]
+    checksums = []
+    name = layer_file_name(layer)
+    tmp = folder / (name + ".partial")
+    with open(tmp, "wb") as f:
+        for e in range(num_experts):
+            crc = 0
+            for p, v in zip(parts, views):
+                chunk = v[e * p.nbytes:(e + 1) * p.nbytes]
+                f.write(chunk)
+                crc = zlib.crc32(chunk, crc)
+            f.write(pad)
+            checksums.append(crc)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / name)
+    return LayerExperts(layer, module, num_experts, parts, file=name, stride=stride, checksums=checksums)
+
+
+def write_manifest(folder: Path, layers: list[LayerExperts], extra: dict | None = None) -> None:
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "alignment": ALIGNMENT,
+        **(extra or {}),
+        "layers": [
+            {
+                "layer": l.layer,
+                "module": l.module,
+                "file": l.file,
+                "num_experts": l.num_experts,
+                "stride": l.stride,
+                "expert_bytes": l.expert_bytes,
+                "parts": [{"name": p.name, "dtype": p.dtype, "shape": list(p.shape)} for p in l.parts],
+                "checksums": l.checksums,
+            }
+            for l in layers
+        ],
+    }
+    tmp = folder / (MANIFEST + ".partial")
+    tmp.write_text(json.dumps(doc, indent=1))
+    os.replace(tmp, folder / MANIFEST)
+
+
+def read_manifest(folder: Path) -> list[LayerExperts]:
+    """Parse experts/manifest.json and check that every layer file has the size it promises."""
+    path = folder / MANIFEST
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(path, "missing") from None
+    except OSError as e:
+        raise ModelLoadError(path, f"cannot read: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ModelLoadError(path, "not valid JSON") from None
+    if doc.get("format") != FORMAT:
+        raise ModelLoadError(path, f"not a flashmoe expert manifest (format {doc.get('format')!r})")
+    if doc.get("version") != VERSION:
+        raise ModelLoadError(path, f"format version {doc.get('version')} is not supported (this flashmoe reads {VERSION})")
+    layers = []
+    try:
+        for d in doc["layers"]:
+            parts = tuple(Part(p["name"], p["dtype"], tuple(p["shape"])) for p in d["parts"])
+            l = LayerExperts(d["layer"], d["module"], d["num_experts"], parts, file=d["file"],
+                             stride=d["stride"], checksums=list(d["checksums"]))
+            if l.expert_bytes != d["expert_bytes"] or l.stride < l.expert_bytes or len(l.checksums) != l.num_experts:
+                raise ModelLoadError(path, f"layer {l.layer}: sizes in the manifest disagree with its part shapes")
+            layers.append(l)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(path, f"malformed manifest ({e})") from None
+    for l in layers:
+        f = folder / l.file
+        try:
+            size = f.stat().st_size
+        except FileNotFoundError:
+            raise ModelLoadError(f, "missing expert file") from None
+        except OSError as e:
+            raise ModelLoadError(f, f"cannot read: {e.strerror or e}") from None
+        want = l.stride * l.num_experts
+        if size != want:
+            raise ModelLoadError(f, f"truncated or wrong size: {size} bytes, the manifest says {want}")
+        if not os.access(f, os.R_OK):
+            raise ModelLoadError(f, "not readable (permission denied)")
+    return layers
+
+
+def verify(folder: Path, layers: list[LayerExperts], progress=None) -> list[tuple[int, int, str]]:
+    """Check every expert block against its checksum; return (layer, expert, file) of each failure."""
+    bad = []
+    for l in layers:
+        path = folder / l.file
+        with open(path, "rb") as f:
+            for e in range(l.num_experts):
+                f.seek(e * l.stride)
+                data = f.read(l.expert_bytes)
+                if len(data) != l.expert_bytes or zlib.crc32(data) != l.checksums[e]:
+                    bad.append((l.layer, e, str(path)))
+        if progress:
+            progress(l)
+    return bad

@@ -1,0 +1,241 @@
+"""The expert store: a fixed bank of slots per expert shape, filled from disk on demand.
+
+The graph never sees a new tensor: each MoE layer computes over a slot bank of fixed shape
+([S, out, in] per part) and we only change which slot holds which expert, reading straight into
+the slot's memory (MLX CPU arrays expose a writable buffer). Slots are shared by all layers of the
+same shape and evicted least-recently-used, so the byte budget is a hard limit.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from time import perf_counter
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import ModelLoadError
+from .layout import Extent, LayerExperts
+
+PAGE = 4096
+
+
+@dataclass
+class LayerStats:
+    """Counters of one layer since the last reset (one decode step, usually)."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    io_wait_s: float = 0.0
+    route_s: float = 0.0
+    compute_s: float = 0.0
+
+
+class SlotPool:
+    """S slots for experts of one signature: one MLX array of shape [S, *part.shape] per part."""
+
+    def __init__(self, parts, slots: int):
+        self.parts = parts
+        self.slots = slots
+        self.expert_bytes = sum(p.nbytes for p in parts)
+        self.arrays = {p.name: mx.zeros((slots, *p.shape), dtype=p.mx_dtype) for p in parts}
+        mx.eval(list(self.arrays.values()))
+        # Writable byte views of each slot of each part: reads land here directly.
+        self._views = [memoryview(self.arrays[p.name]).cast("B") for p in parts]
+        self.table: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, LRU first
+        self.free = list(range(slots - 1, -1, -1))
+
+    def slot_views(self, slot: int, first: int, last: int) -> list[memoryview]:
+        return [self._views[i][slot * p.nbytes:(slot + 1) * p.nbytes]
+                for i, p in enumerate(self.parts[first:last], start=first)]
+
+    @property
+    def used_bytes(self) -> int:
+        return len(self.table) * self.expert_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.slots * self.expert_bytes
+
+
+class ExpertStore:
+    """Owns the slot pools, the open files and the reader threads."""
+
+    def __init__(self, root: Path, layers: list[LayerExperts], top_k: int,
+                 budget_bytes: int | None = None, io_threads: int = 8, direct_io: bool = False):
+        self.root = root
+        self.layers = {l.layer: l for l in layers}
+        self.direct_io = direct_io
+        self.top_k = max(1, top_k)
+        self.stats: dict[int, LayerStats] = {l.layer: LayerStats() for l in layers}
+        self.pending: list[mx.array] = []
+        self._fds: dict[str, int] = {}
+        self._local = threading.local()
+        self._pool_of: dict[int, SlotPool] = {}
+        self.pools: list[SlotPool] = []
+        self.budget_bytes = self._make_pools(layers, budget_bytes)
+        self._exec = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="flashmoe-io")
+        self.peak_used_bytes = 0
+
+    # -- sizing --------------------------------------------------------------------------
+    def _make_pools(self, layers, budget_bytes) -> int:
+        groups: dict[tuple, list[LayerExperts]] = {}
+        for l in layers:
+            groups.setdefault(l.signature, []).append(l)
+        total = sum(l.expert_bytes * l.num_experts for l in layers)
+        if budget_bytes is None:
+            budget_bytes = total
+        granted = 0
+        for sig, ls in groups.items():
+            group_total = sum(l.expert_bytes * l.num_experts for l in ls)
+            share = budget_bytes * group_total // total if total else 0
+            eb = ls[0].expert_bytes
+            # Never below one token's experts; never above every expert of these layers.
+            slots = min(max(self.top_k, share // eb), sum(l.num_experts for l in ls))
+            slots = max(slots, min(self.top_k, max(l.num_experts for l in ls)))
+            pool = SlotPool(ls[0].parts, slots)
+            self.pools.append(pool)
+            for l in ls:
+                self._pool_of[l.layer] = pool
+            granted += pool.capacity_bytes
+        return max(budget_bytes, granted)
+
+    def pool(self, layer: int) -> SlotPool:
+        return self._pool_of[layer]
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(p.used_bytes for p in self.pools)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return sum(p.capacity_bytes for p in self.pools)
+
+    # -- the hot path --------------------------------------------------------------------
+    def fetch(self, layer: int, experts) -> np.ndarray:
+        """Make sure `experts` (distinct ids, at most pool.slots of them) of `layer` sit in slots.
+
+        Returns a lookup table expert id -> slot id (0 for experts not asked for).
+        """
+        pool = self._pool_of[layer]
+        info = self.layers[layer]
+        stats = self.stats[layer]
+        wanted = {int(e) for e in experts}
+        assert len(wanted) <= pool.slots, "caller must chunk to the pool size"
+        lut = np.zeros(info.num_experts, dtype=np.uint32)
+        misses = []
+        for e in wanted:
+            slot = pool.table.get((layer, e))
+            if slot is None:
+                misses.append(e)
+            else:
+                pool.table.move_to_end((layer, e))
+                lut[e] = slot
+        stats.hits += len(wanted) - len(misses)
+        if misses:
+            # Slots are about to be overwritten: finish every computation that reads them.
+            if self.pending:
+                mx.eval(self.pending)
+                self.pending.clear()
+            jobs = []
+            for e in misses:
+                slot = self._take_slot(pool, layer, wanted)
+                pool.table[(layer, e)] = slot
+                lut[e] = slot
+                for ext in info.extents(self.root, e):
+                    jobs.append((ext, pool.slot_views(slot, ext.first, ext.last)))
+            t0 = perf_counter()
+            if len(jobs) == 1:
+                self._read(*jobs[0])
+            else:
+                for f in [self._exec.submit(self._read, *j) for j in jobs]:
+                    f.result()
+            stats.io_wait_s += perf_counter() - t0
+            stats.misses += len(misses)
+            stats.bytes_read += len(misses) * info.expert_bytes
+            self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
+        return lut
+
+    def _take_slot(self, pool: SlotPool, layer: int, wanted: set[int]) -> int:
+        if pool.free:
+            return pool.free.pop()
+        for key in pool.table:  # oldest first
+            if key[0] != layer or key[1] not in wanted:
+                return pool.table.pop(key)
+        raise RuntimeError("no evictable slot")  # unreachable while callers chunk
+
+    def note_output(self, y: mx.array) -> None:
+        """Remember a lazy result that reads the slots, so a later eviction evaluates it first."""
+        self.pending.append(y)
+
+    # -- reading -------------------------------------------------------------------------
+    def _fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if self.direct_io else 0)
+            try:
+                fd = os.open(path, flags)
+            except OSError as e:
+                raise ModelLoadError(path, f"cannot open: {e.strerror or e}") from None
+            if not self.direct_io and hasattr(os, "posix_fadvise"):
+                # Expert reads are scattered: readahead past an expert is wasted bandwidth.
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            self._fds[path] = fd
+        return fd
+
+    def _read(self, ext: Extent, views: list[memoryview]) -> None:
+        fd = self._fd(ext.path)
+        try:
+            if self.direct_io:
+                got = self._read_direct(fd, ext, views)
+            else:
+                got = os.preadv(fd, views, ext.offset)
+        except OSError as e:
+            raise ModelLoadError(ext.path, f"read failed at offset {ext.offset}: {e.strerror or e}") from None
+        if got != ext.nbytes:
+            raise ModelLoadError(ext.path, f"truncated: wanted {ext.nbytes} bytes at offset {ext.offset}, got {got}")
+
+    def _read_direct(self, fd: int, ext: Extent, views: list[memoryview]) -> int:
+        # O_DIRECT needs aligned offsets, sizes and memory: read an aligned window into a
+        # page-aligned staging buffer (one per reader thread), then copy the parts out.
+        start = ext.offset - ext.offset % PAGE
+        end = -(-(ext.offset + ext.nbytes) // PAGE) * PAGE
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < end - start:
+            buf = mmap.mmap(-1, end - start)
+            self._local.buf = buf
+        mv = memoryview(buf)[: end - start]
+        skip = ext.offset - start
+        got = max(0, min(os.preadv(fd, [mv], start) - skip, ext.nbytes))
+        data = mv[skip:skip + got]
+        pos = 0
+        for v in views:
+            n = max(0, min(len(v), got - pos))
+            v[:n] = data[pos:pos + n]
+            pos += len(v)
+        return got
+
+    # -- telemetry -----------------------------------------------------------------------
+    def take_stats(self) -> dict[int, LayerStats]:
+        """Counters since the last call, per layer; resets them."""
+        out = self.stats
+        self.stats = {k: LayerStats() for k in out}
+        return out
+
+    def evict_all(self) -> None:
+        """Forget every cached expert (a cold start for benchmarks)."""
+        for p in self.pools:
+            p.table.clear()
+            p.free = list(range(p.slots - 1, -1, -1))
+
+    def close(self) -> None:
+        self._exec.shutdown(wait=True)
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

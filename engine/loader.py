@@ -1,0 +1,280 @@
+"""load(path): an mlx-lm model whose MoE layers stream their experts from disk.
+
+Two kinds of folder load the same way:
+- packed (the output of `flashmoe convert`): resident.safetensors + experts/ + manifest;
+- direct: an unconverted mlx-lm folder; experts are read out of the stacked `switch_mlp`
+  tensors of its safetensors files at the offsets their headers give, with no repack.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .errors import ModelLoadError
+from .experts.layout import LayerExperts, Part, read_manifest
+from .experts.store import ExpertStore
+from .experts.switch import StreamingSwitchGLU
+from .safetensors_io import DTYPES, read_header
+
+RESIDENT = "resident.safetensors"
+EXPERTS_DIR = "experts"
+_LAYER_RE = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: dict
+    path: Path
+    mode: str  # "packed" or "direct"
+    store: ExpertStore | None
+    layers: list[LayerExperts]
+    timing: list = field(default_factory=lambda: ["step"])  # shared with the streaming modules
+    tokenizer: object = None
+
+    @property
+    def top_k(self) -> int:
+        return top_k_of(self.config)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+def text_config(config: dict) -> dict:
+    """Multimodal configs (Qwen3.5) keep the language model's settings under text_config."""
+    return {**config, **config.get("text_config", {})}
+
+
+def top_k_of(config: dict) -> int:
+    c = text_config(config)
+    for key in ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts"):
+        if isinstance(c.get(key), int):
+            return c[key]
+    return 1
+
+
+def read_config(path: Path) -> dict:
+    cfg = path / "config.json"
+    if not path.exists():
+        raise ModelLoadError(path, "no such file or directory")
+    if not path.is_dir():
+        raise ModelLoadError(path, "not a model folder (it is a file; give the folder that holds config.json)")
+    if not cfg.exists():
+        raise ModelLoadError(path, "not a model folder: no config.json")
+    try:
+        config = json.loads(cfg.read_text())
+    except OSError as e:
+        raise ModelLoadError(cfg, f"cannot read: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(cfg, f"not valid JSON ({e})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelLoadError(cfg, "no model_type: this is not a model config")
+    gen = path / "generation_config.json"
+    if gen.exists():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            if eos is not None:
+                config["eos_token_id"] = eos
+        except (OSError, json.JSONDecodeError):
+            pass
+    return config
+
+
+def model_classes(config: dict, cfg_path: Path):
+    """mlx-lm's class for model_type, honouring its remapping table."""
+    from mlx_lm.utils import _get_classes
+
+    try:
+        return _get_classes(config)
+    except ValueError:
+        import mlx_lm
+
+        raise ModelLoadError(cfg_path, f"unknown model_type {config['model_type']!r} "
+                             f"(mlx-lm {mlx_lm.__version__} has no such architecture)") from None
+
+
+def build_model(config: dict, path: Path) -> nn.Module:
+    model_class, args_class = model_classes(config, path / "config.json")
+    try:
+        return model_class(args_class.from_dict(config))
+    except (TypeError, KeyError, ValueError) as e:
+        raise ModelLoadError(path / "config.json", f"does not describe a valid {config['model_type']} model ({e})") from None
+
+
+def switch_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every routed-expert block (SwitchGLU-like: stacked gate/up/down) by module path."""
+    out = {}
+    for name, m in model.named_modules():
+        if name.endswith("switch_mlp") and all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj")):
+            out[name] = m
+    return out
+
+
+def layer_index(module_path: str) -> int:
+    m = _LAYER_RE.search(module_path)
+    if not m:
+        raise ValueError(f"cannot tell the layer of {module_path}")
+    return int(m.group(1))
+
+
+def _shape_proxy(shape, dtype):
+    # infer_quant_config only looks at .shape and .dtype, so expert tensors need not be loaded.
+    return SimpleNamespace(shape=tuple(shape), dtype=dtype)
+
+
+def quantize_like_checkpoint(model: nn.Module, config: dict, shapes: dict) -> None:
+    """Quantize the modules the checkpoint stores quantized, as mlx-lm's loader decides it."""
+    quantization = config.get("quantization") or config.get("quantization_config")
+    if not quantization or "bits" not in quantization:
+        return
+    from mlx_lm.utils import infer_quant_config
+
+    def predicate(p, m):
+        if p in quantization:
+            return quantization[p]
+        if not hasattr(m, "to_quantized") or f"{p}.scales" not in shapes:
+            return False
+        return infer_quant_config(p, m, shapes)
+
+    nn.quantize(model, group_size=quantization.get("group_size", 64), bits=quantization["bits"],
+                mode=quantization.get("mode", "affine"), class_predicate=predicate)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(index, f"malformed index ({e})") from None
+        files = [path / n for n in names]
+        for f in files:
+            if not f.exists():
+                raise ModelLoadError(f, "missing (listed in model.safetensors.index.json)")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(path, "not a model folder: no .safetensors files")
+    return files
+
+
+def _mx_load(f: Path) -> dict:
+    try:
+        return mx.load(str(f))
+    except Exception as e:  # MLX raises RuntimeError/ValueError with its own text
+        raise ModelLoadError(f, f"cannot load safetensors ({e})") from None
+
+
+def _direct_layers(path: Path, model: nn.Module, headers: dict) -> list[LayerExperts]:
+    layers = []
+    for module, m in switch_modules(model).items():
+        parts, sources = [], []
+        for name, arr in tree_flatten(m.parameters()):
+            key = f"{module}.{name}"
+            info = headers.get(key)
+            if info is None:
+                raise ModelLoadError(path, f"no stacked expert tensor {key}: direct mode reads mlx-lm "
+                                     "checkpoints; run `flashmoe convert` on this folder first")
+            num_experts = arr.shape[0]
+            if info.shape[0] != num_experts or info.nbytes % num_experts:
+                raise ModelLoadError(info.path, f"{key} has shape {list(info.shape)}, expected {num_experts} experts")
+            parts.append(Part(name, info.dtype, tuple(info.shape[1:])))
+            sources.append((str(info.path), info.offset, info.nbytes // num_experts))
+        layers.append(LayerExperts(layer_index(module), module, num_experts, tuple(parts), sources=sources))
+    return layers
+
+
+def _check_layer_shapes(layers, modules, where: Path) -> None:
+    for l in layers:
+        m = modules.get(l.module)
+        if m is None:
+            raise ModelLoadError(where, f"layer {l.layer}: module {l.module} does not exist in this model")
+        want = {n: tuple(a.shape[1:]) for n, a in tree_flatten(m.parameters())}
+        have = {p.name: p.shape for p in l.parts}
+        if want != have:
+            raise ModelLoadError(where, f"layer {l.layer}: expert tensors {have} do not match "
+                                 f"the model config, which wants {want}")
+
+
+def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = 8,
+         direct_io: bool = False, load_tokenizer: bool = True) -> LoadedModel:
+    """Build the model for `path` with streamed experts. Resident weights are loaded here."""
+    path = Path(path)
+    config = read_config(path)
+    model = build_model(config, path)
+    packed = (path / EXPERTS_DIR / "manifest.json").exists() or (path / RESIDENT).exists()
+
+    if packed:
+        resident = path / RESIDENT
+        if not resident.exists():
+            raise ModelLoadError(resident, "missing")
+        weights = _mx_load(resident)
+        read_header(resident)  # fails clearly on a truncated file, before MLX does
+        layers = read_manifest(path / EXPERTS_DIR)
+        expert_shapes = {}
+        for l in layers:
+            for p in l.parts:
+                expert_shapes[f"{l.module}.{p.name}"] = _shape_proxy((l.num_experts, *p.shape), p.mx_dtype)
+    else:
+        files = _safetensors_files(path)
+        headers = {}
+        for f in files:
+            headers.update(read_header(f))
+        weights = {}
+        for f in files:
+            weights.update(_mx_load(f))
+        expert_shapes = {k: _shape_proxy(h.shape, DTYPES[h.dtype]) for k, h in headers.items() if ".switch_mlp." in k}
+        weights = {k: v for k, v in weights.items() if ".switch_mlp." not in k}
+        layers = None
+
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    shapes = {k: _shape_proxy(v.shape, v.dtype) for k, v in weights.items()}
+    shapes.update(expert_shapes)
+    try:
+        quantize_like_checkpoint(model, config, shapes)
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(path / "config.json", f"quantization does not match the weights ({e})") from None
+
+    modules = switch_modules(model)
+    if layers is None:
+        layers = _direct_layers(path, model, headers)
+    _check_layer_shapes(layers, modules, path / EXPERTS_DIR / "manifest.json" if packed else path)
+    if len(layers) != len(modules):
+        missing = sorted(set(modules) - {l.module for l in layers})
+        raise ModelLoadError(path / EXPERTS_DIR / "manifest.json", f"no experts for {missing[0]}")
+
+    store = ExpertStore(path / EXPERTS_DIR if packed else path, layers, top_k_of(config),
+                        budget_bytes=expert_cache, io_threads=io_threads, direct_io=direct_io) if layers else None
+    loaded = LoadedModel(model, config, path, "packed" if packed else "direct", store, layers)
+    for l in layers:
+        parent_path, _, attr = l.module.rpartition(".")
+        parent = dict(model.named_modules())[parent_path] if parent_path else model
+        setattr(parent, attr, StreamingSwitchGLU(modules[l.module], l.layer, store, loaded.timing))
+
+    model.eval()
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+        mx.eval(model.parameters())
+    except ValueError as e:
+        raise ModelLoadError(path, f"weights do not match the config: {e}") from None
+    except RuntimeError as e:
+        raise ModelLoadError(path, f"cannot read the resident weights ({e})") from None
+
+    if load_tokenizer:
+        from .tokenizer import Tokenizer
+
+        loaded.tokenizer = Tokenizer.from_folder(path)
+    return loaded

@@ -1,0 +1,116 @@
+"""Choosing the next token from logits: greedy, or temperature sampling with the usual filters.
+
+Everything stays in MLX ops so the same code runs on CPU and GPU without copying logits out.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0         # <= 0 means greedy
+    top_p: float = 1.0               # 1 disables
+    top_k: int = 0                   # 0 disables
+    min_p: float = 0.0               # 0 disables
+    repetition_penalty: float = 1.0  # 1 disables
+    repetition_context: int = 64     # how many recent ids the penalty looks at
+    seed: int | None = None          # None: a fresh random seed per Sampler
+
+    def __post_init__(self):
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not is_int(self.repetition_context) or self.repetition_context < 0:
+            raise ValueError(f"repetition_context must be an integer >= 0, got {self.repetition_context}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+class Sampler:
+    """Picks one token id per call. Holds its own PRNG key, so a fixed seed gives the
+    same sequence of choices regardless of any other use of MLX's global random state."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        self._key = mx.random.key(seed)
+
+    def __call__(self, logits: mx.array, history: list[int]) -> int:
+        p = self.params
+        if logits.ndim == 2 and logits.shape[0] == 1:
+            logits = logits[0]
+        if logits.ndim != 1:
+            raise ValueError(f"expected logits of shape [vocab], got {tuple(logits.shape)}")
+        logits = logits.astype(mx.float32)  # bf16/fp16 cumsums and comparisons are too coarse
+
+        if p.repetition_penalty != 1.0 and p.repetition_context > 0 and history:
+            logits = self._penalize(logits, history[-p.repetition_context:])
+        if p.greedy:
+            return int(mx.argmax(logits).item())
+
+        # Filters look at the untempered distribution (as mlx-lm and llama.cpp do), so
+        # temperature only reshapes the probabilities among the tokens that survive.
+        if 0 < p.top_k < logits.shape[0]:
+            logits = _top_k(logits, p.top_k)
+        if p.top_p < 1.0:
+            logits = _top_p(logits, p.top_p)
+        if p.min_p > 0.0:
+            logits = _min_p(logits, p.min_p)
+
+        self._key, key = mx.random.split(self._key)
+        return int(mx.random.categorical(logits / p.temperature, key=key).item())
+
+    def _penalize(self, logits: mx.array, recent: list[int]) -> mx.array:
+        """CTRL-style: make recently seen tokens less likely whatever their logit's sign."""
+        vocab = logits.shape[0]
+        ids = sorted({int(i) for i in recent if 0 <= int(i) < vocab})
+        if not ids:
+            return logits
+        idx = mx.array(ids)
+        seen = logits[idx]
+        penalty = self.params.repetition_penalty
+        logits[idx] = mx.where(seen > 0, seen / penalty, seen * penalty)
+        return logits
+
+
+def _top_k(logits: mx.array, k: int) -> mx.array:
+    # argpartition puts the k largest first; mask the rest.
+    drop = mx.argpartition(-logits, kth=k - 1)[k:]
+    logits[drop] = -mx.inf
+    return logits
+
+
+def _top_p(logits: mx.array, top_p: float) -> mx.array:
+    order = mx.argsort(-logits)
+    probs = mx.softmax(logits[order])
+    # Keep a token while the mass strictly before it is < top_p: the smallest prefix whose
+    # total reaches top_p, and always the most likely token.
+    before = mx.cumsum(probs) - probs
+    keep_sorted = before < top_p
+    keep = keep_sorted[mx.argsort(order)]  # back to vocabulary order
+    return mx.where(keep, logits, -mx.inf)
+
+
+def _min_p(logits: mx.array, min_p: float) -> mx.array:
+    # prob >= min_p * max_prob  <=>  logit >= max_logit + log(min_p); avoids tiny-prob underflow.
+    threshold = mx.max(logits) + math.log(min_p)
+    return mx.where(logits >= threshold, logits, -mx.inf)

@@ -1,0 +1,274 @@
+"""Tokenizer: the `tokenizers` library plus Hugging Face chat templates rendered with jinja2.
+
+We deliberately avoid importing transformers: it is slow to import and heavy. The template
+environment mirrors what transformers sets up so that model-provided templates render the same.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+
+from engine.errors import FlashMoEError, ModelLoadError
+
+# Used when a model ships no template: plain ChatML, which most chat models understand.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ChatTemplateError(jinja2.TemplateError, FlashMoEError):
+    """A chat template refused the conversation (raise_exception) or failed while rendering."""
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    # jinja's builtin tojson HTML-escapes <, >, & and ' which would corrupt prompts.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (used by some templates to mark assistant
+    text for training masks); we only need it to parse, so it renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _make_environment() -> jinja2.Environment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _read_json(path: Path) -> dict | None:
+    """The JSON object in `path`, or None when the file does not exist."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(path, f"cannot read file: {e}") from e
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(path, f"invalid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(path, f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any, path: Path, key: str) -> str | None:
+    """bos_token/eos_token are written either as a string or as {"content": ...}."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise ModelLoadError(path, f"{key} must be a string or an object with 'content'")
+
+
+def _id_list(value: Any, path: Path) -> list[int]:
+    """eos_token_id is an int, a list of ints, or null."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ModelLoadError(path, f"eos_token_id must be an int or a list of ints, got {value!r}")
+    return values
+
+
+class StreamingDetokenizer:
+    """Turns token ids into text one at a time without splitting multi-byte characters.
+
+    Decodes a short window of recent ids and emits the new part once it no longer ends in
+    U+FFFD (an incomplete UTF-8 sequence). Decoding a window starting at `_prefix` rather
+    than only the new ids keeps decoders that look at neighbours (e.g. sentencepiece's
+    leading space) consistent with a whole-sequence decode.
+
+    tokenizers.decoders.DecodeStream does the same but has no flush, so a trailing
+    incomplete character would be lost; hence this small implementation.
+    """
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool = False):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: ids before it are fully emitted and no longer decoded
+        self._read = 0    # ids before it have been emitted
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        done = self._decode(self._ids[self._prefix:self._read])
+        now = self._decode(self._ids[self._prefix:])
+        if len(now) <= len(done) or now.endswith("\ufffd"):
+            return ""  # nothing new yet, or a character is still incomplete
+        new = now[len(done):]
+        self._prefix, self._read = self._read, len(self._ids)
+        self.text += new
+        return new
+
+    def flush(self) -> str:
+        """Emit whatever is pending (an incomplete character comes out as U+FFFD)."""
+        done = self._decode(self._ids[self._prefix:self._read])
+        now = self._decode(self._ids[self._prefix:])
+        new = now[len(done):]
+        self._prefix = self._read = len(self._ids)
+        self.text += new
+        return new
+
+
+class Tokenizer:
+    """A model's tokenizer and chat template, loaded from its folder."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token: str | None = None,
+                 eos_token: str | None = None, eos_token_ids: frozenset[int] = frozenset(),
+                 chat_templates: dict[str, jinja2.Template] | None = None):
+        self._tok = tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.has_chat_template = bool(chat_templates)
+        if not chat_templates:
+            chat_templates = {"default": _make_environment().from_string(FALLBACK_CHAT_TEMPLATE)}
+        self._templates = chat_templates
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> Tokenizer:
+        folder = Path(path)
+        if not folder.is_dir():
+            raise ModelLoadError(folder, "not a directory")
+
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ModelLoadError(tok_file, "missing (every model folder needs tokenizer.json)")
+        _read_json(tok_file)  # gives a clear "invalid JSON" before tokenizers' terser message
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # tokenizers raises plain Exception subclasses
+            raise ModelLoadError(tok_file, f"cannot load tokenizer: {e}") from e
+
+        cfg_file = folder / "tokenizer_config.json"
+        cfg = _read_json(cfg_file) or {}
+        bos_token = _token_content(cfg.get("bos_token"), cfg_file, "bos_token")
+        eos_token = _token_content(cfg.get("eos_token"), cfg_file, "eos_token")
+
+        eos_ids: set[int] = set()
+        if eos_token is not None:
+            eos_id = tok.token_to_id(eos_token)
+            if eos_id is None:
+                raise ModelLoadError(cfg_file, f"eos_token {eos_token!r} is not in the vocabulary")
+            eos_ids.add(eos_id)
+        config_file = folder / "config.json"
+        config = _read_json(config_file) or {}
+        eos_ids.update(_id_list(config.get("eos_token_id"), config_file))
+        text_config = config.get("text_config")  # multimodal configs nest the language model
+        if isinstance(text_config, dict):
+            eos_ids.update(_id_list(text_config.get("eos_token_id"), config_file))
+        gen_file = folder / "generation_config.json"
+        gen = _read_json(gen_file) or {}
+        eos_ids.update(_id_list(gen.get("eos_token_id"), gen_file))
+
+        templates = cls._load_templates(folder, cfg)
+        return cls(tok, bos_token=bos_token, eos_token=eos_token,
+                   eos_token_ids=frozenset(eos_ids), chat_templates=templates)
+
+    @staticmethod
+    def _load_templates(folder: Path, cfg: dict) -> dict[str, jinja2.Template]:
+        """Compile every template the folder provides, keyed by name ("default", "tool_use", ...).
+
+        Compiling at load time means a broken template fails here, naming its file,
+        instead of in the middle of a chat.
+        """
+        cfg_file = folder / "tokenizer_config.json"
+        sources: dict[str, tuple[str, Path]] = {}
+        raw = cfg.get("chat_template")
+        if isinstance(raw, str):
+            sources["default"] = (raw, cfg_file)
+        elif isinstance(raw, list):
+            for entry in raw:
+                if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                        and isinstance(entry.get("template"), str)):
+                    raise ModelLoadError(cfg_file, "chat_template list entries need 'name' and 'template' strings")
+                sources[entry["name"]] = (entry["template"], cfg_file)
+        elif raw is not None:
+            raise ModelLoadError(cfg_file, "chat_template must be a string or a list of {name, template}")
+
+        # Newer exports keep the template outside tokenizer_config.json; that copy wins.
+        json_file = folder / "chat_template.json"
+        data = _read_json(json_file)
+        if data is not None:
+            if not isinstance(data.get("chat_template"), str):
+                raise ModelLoadError(json_file, "expected a string 'chat_template'")
+            sources["default"] = (data["chat_template"], json_file)
+        jinja_file = folder / "chat_template.jinja"
+        if jinja_file.is_file():
+            try:
+                sources["default"] = (jinja_file.read_text(encoding="utf-8"), jinja_file)
+            except (OSError, UnicodeDecodeError) as e:
+                raise ModelLoadError(jinja_file, f"cannot read file: {e}") from e
+
+        if sources and "default" not in sources:
+            raise ModelLoadError(cfg_file, "chat_template list has no template named 'default'")
+        env = _make_environment()
+        templates = {}
+        for name, (source, file) in sources.items():
+            try:
+                templates[name] = env.from_string(source)
+            except jinja2.TemplateSyntaxError as e:
+                raise ModelLoadError(file, f"chat template {name!r} does not parse: {e.message} (line {e.lineno})") from e
+        return templates
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True, **template_kwargs) -> str:
+        name = "tool_use" if tools and "tool_use" in self._templates else "default"
+        variables = dict(template_kwargs)
+        variables.update(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            # "" rather than None so templates doing `bos_token + ...` still work.
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:
+            return self._templates[name].render(**variables)
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template {name!r} failed: {e}") from e
+
+    def detokenizer(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
+        return StreamingDetokenizer(self._tok, skip_special_tokens=skip_special_tokens)
