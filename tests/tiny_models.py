@@ -95,7 +95,7 @@ def save_folder(folder: Path, arch: str, *, bits: int | None = None, group_size:
     save_model(folder, model)
     save_config(config, folder / "config.json")
     if tokenizer:
-        from tiny_tokenizer import write_tiny_tokenizer
+        from tests.tiny_tokenizer import write_tiny_tokenizer
 
         write_tiny_tokenizer(folder, VOCAB)
     return folder

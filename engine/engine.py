@@ -1,0 +1,135 @@
+"""The Engine: one long-lived thread that owns MLX, the model and every generation.
+
+MLX streams belong to the thread that made them (mlx-lm #1181), so the model is loaded and run
+on one thread only. Callers submit a request and iterate its events from a queue; `cancel()` is
+checked between tokens.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+from time import perf_counter
+
+from .errors import FlashMoEError, ModelLoadError
+from .events import EngineFailed, GenerationFinished, ModelLoaded
+from .generate import GenerationRequest, Session, generate, model_bits
+
+_STOP = object()
+
+
+class Handle:
+    """The events of one submitted request; iterate it, or cancel it."""
+
+    def __init__(self, request: GenerationRequest, session: str):
+        self.request = request
+        self.session = session
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def __iter__(self):
+        while True:
+            ev = self.events.get()
+            yield ev
+            if isinstance(ev, (GenerationFinished, EngineFailed)):
+                return
+
+
+class Engine:
+    def __init__(self, model_path, *, expert_cache: int | None = None, io_threads: int = 8,
+                 direct_io: bool = False):
+        self.model_path = model_path
+        self._load_args = dict(expert_cache=expert_cache, io_threads=io_threads, direct_io=direct_io)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._loaded_event = threading.Event()
+        self._stopped = threading.Event()
+        self.loaded_info: ModelLoaded | None = None
+        self.load_error: BaseException | None = None
+        self.loaded = None
+        self._sessions: dict[str, Session] = {}
+        # mlx-lm imports transformers; doing that first on a non-main thread can abort the
+        # process at exit ("terminate called without an active exception"), so import it here.
+        import mlx_lm.utils  # noqa: F401
+
+        self._thread = threading.Thread(target=self._run, name="flashmoe-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side -----------------------------------------------------------------------
+    def wait_loaded(self, timeout: float | None = None) -> ModelLoaded:
+        """Block until the model is loaded; re-raises the load error, if any."""
+        self._loaded_event.wait(timeout)
+        if self.load_error is not None:
+            raise self.load_error
+        return self.loaded_info
+
+    def submit(self, request: GenerationRequest, session: str = "default") -> Handle:
+        handle = Handle(request, session)
+        self._inbox.put(handle)
+        return handle
+
+    def reset_session(self, session: str = "default") -> None:
+        self._inbox.put(("reset", session))
+
+    def close(self) -> None:
+        self._inbox.put(_STOP)
+        self._stopped.wait(timeout=10)
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        from .loader import load
+
+        t0 = perf_counter()
+        try:
+            self.loaded = load(self.model_path, **self._load_args)
+            lm = self.loaded
+            self.loaded_info = ModelLoaded(
+                model=str(lm.path), model_type=lm.config["model_type"], mode=lm.mode,
+                layers=lm.num_layers, moe_layers=len(lm.layers),
+                experts=lm.layers[0].num_experts if lm.layers else 0, top_k=lm.top_k,
+                bits=model_bits(lm.config), cache_bytes=lm.store.capacity_bytes if lm.store else 0,
+                load_s=perf_counter() - t0)
+        except BaseException as e:  # reported to the caller by wait_loaded
+            self.load_error = e
+        self._loaded_event.set()
+
+        while True:
+            item = self._inbox.get()
+            if item is _STOP:
+                break
+            if isinstance(item, tuple) and item[0] == "reset":
+                self._sessions.pop(item[1], None)
+                continue
+            self._serve(item)
+        if self.loaded is not None:
+            self.loaded.close()
+        self._stopped.set()
+        # Park instead of returning: when a thread that used MLX exits, its thread-local
+        # streams are torn down and the process can abort at exit. A parked daemon thread
+        # simply ends with the process.
+        threading.Event().wait()
+
+    def _serve(self, handle: Handle) -> None:
+        if self.loaded is None:
+            handle.events.put(EngineFailed(f"model not loaded: {self.load_error}", type(self.load_error).__name__, 3))
+            return
+        session = self._sessions.setdefault(handle.session, Session(self.loaded))
+        try:
+            for ev in generate(self.loaded, session, handle.request, handle._cancel):
+                handle.events.put(ev)
+        except ModelLoadError as e:  # a read failed mid-generation: an I/O problem, exit 3
+            session.reset()
+            handle.events.put(EngineFailed(str(e), type(e).__name__, 3))
+        except (FlashMoEError, ValueError) as e:
+            session.reset()
+            handle.events.put(EngineFailed(str(e), type(e).__name__, 1))
+        except Exception as e:  # a bug: keep the traceback for the log
+            session.reset()
+            handle.events.put(EngineFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
+                                           type(e).__name__, 1))

@@ -1,0 +1,111 @@
+"""What the engine tells its callers, as frozen dataclasses of plain values.
+
+No MLX arrays, nothing mutable: an event can be queued across threads and written as one JSON
+line as it is (`to_dict`).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["event"] = EVENT_NAMES[type(self)]
+        return d
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLoaded(Event):
+    model: str
+    model_type: str
+    mode: str  # "packed" | "direct"
+    layers: int
+    moe_layers: int
+    experts: int
+    top_k: int
+    bits: int | None
+    cache_bytes: int
+    load_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillProgress(Event):
+    done: int
+    total: int
+    reused: int  # prompt tokens whose cache was kept from the previous turn
+
+
+@dataclass(frozen=True, slots=True)
+class TokenGenerated(Event):
+    id: int
+    text: str  # "" while a multi-byte character is still incomplete
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRow:
+    layer: int
+    attn_ms: float  # attention or linear-attention mixer (layer timing only)
+    route_ms: float  # router + the sync that tells us the expert ids
+    expert_io_ms: float  # waiting for expert reads
+    expert_compute_ms: float  # layer timing only
+    other_ms: float  # norms, shared expert, combine (layer timing only)
+    hits: int
+    misses: int
+    bytes_read: int
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTimings(Event):
+    step: int
+    mode: str  # "step" | "layer"
+    rows: tuple[LayerRow, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class StepFinished(Event):
+    step: int
+    wall_ms: float
+    tok_per_s: float
+    expert_bytes_read: int
+    hits: int
+    misses: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationFinished(Event):
+    reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    reused_prompt_tokens: int
+    generation_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    prefill_s: float
+    decode_s: float
+    bytes_per_token: float  # expert bytes read per decoded token
+    hit_rate: float  # expert cache hits / lookups during decode
+    top_k: int
+    bits: int | None
+    cache_state: str  # "cold" (first generation since load) | "warm"
+    text: str = ""  # the whole reply
+    tail: str = ""  # reply text not yet sent in TokenGenerated events (held back, then released)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFailed(Event):
+    message: str
+    exc_type: str
+    exit_code: int = 1
+
+
+EVENT_NAMES = {
+    ModelLoaded: "loaded",
+    PrefillProgress: "prefill",
+    TokenGenerated: "token",
+    LayerTimings: "layers",
+    StepFinished: "step",
+    GenerationFinished: "done",
+    EngineFailed: "error",
+}

@@ -1,0 +1,222 @@
+"""Generation as a plain generator of events: prefill, then sample one token at a time.
+
+No threads here (the Engine runs this on its own thread); tests and scripts can iterate it
+directly. A Session keeps the KV / recurrent cache of one conversation so that the next turn only
+runs the tokens that are new.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Iterator
+
+import mlx.core as mx
+
+from .events import GenerationFinished, LayerTimings, PrefillProgress, StepFinished, TokenGenerated
+from .sampling import Sampler, SamplingParams
+from .timing import LayerClock, rows_from
+
+TIMING_MODES = ("off", "step", "layer")
+
+
+@dataclass
+class GenerationRequest:
+    """One turn. Give `messages` (rendered with the chat template) or `prompt` (raw text)."""
+
+    messages: list[dict] | None = None
+    prompt: str | None = None
+    tools: list[dict] | None = None
+    max_tokens: int = 512
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    timing: str = "step"
+    template_kwargs: dict = field(default_factory=dict)
+    prefill_step: int = 256
+
+    def __post_init__(self):
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of messages or prompt")
+        if self.timing not in TIMING_MODES:
+            raise ValueError(f"timing must be one of {', '.join(TIMING_MODES)}, got {self.timing!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+
+class Session:
+    """The cache of one conversation and the token ids it holds."""
+
+    def __init__(self, loaded):
+        self.loaded = loaded
+        self.cache = None
+        self.tokens: list[int] = []
+
+    def reset(self) -> None:
+        self.cache = None
+        self.tokens = []
+
+    def prepare(self, ids: list[int]) -> int:
+        """Keep the cached prefix that `ids` shares; returns how many tokens are reused."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+        if self.cache is not None:
+            common = 0
+            for a, b in zip(self.tokens, ids):
+                if a != b:
+                    break
+                common += 1
+            common = min(common, len(ids) - 1)  # the last prompt token must run to give logits
+            drop = len(self.tokens) - common
+            if drop == 0:
+                return common
+            if drop > 0 and can_trim_prompt_cache(self.cache):
+                trim_prompt_cache(self.cache, drop)
+                del self.tokens[common:]
+                return common
+        self.cache = make_prompt_cache(self.loaded.model)
+        self.tokens = []
+        return 0
+
+
+class StopMatcher:
+    """Holds back text that may be the start of a stop string, so it never reaches the user."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to show, whether a stop string was hit)."""
+        self.pending += text
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0:
+                out, self.pending = self.pending[:i], ""
+                return out, True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+
+def render_prompt(loaded, request: GenerationRequest) -> list[int]:
+    tok = loaded.tokenizer
+    if request.prompt is not None:
+        return tok.encode(request.prompt, add_special_tokens=True)
+    text = tok.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=True,
+                                   **request.template_kwargs)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def generate(loaded, session: Session, request: GenerationRequest,
+             cancel: threading.Event | None = None) -> Iterator:
+    """Yield PrefillProgress, TokenGenerated, StepFinished, LayerTimings and GenerationFinished."""
+    model, tok, store = loaded.model, loaded.tokenizer, loaded.store
+    cancel = cancel or threading.Event()
+    clock = getattr(loaded, "clock", None)
+    if request.timing == "layer":
+        if clock is None:
+            clock = loaded.clock = LayerClock(loaded)
+        clock.install()
+    loaded.timing[0] = request.timing
+    cold = not getattr(loaded, "warm", False)
+
+    ids = render_prompt(loaded, request)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    reused = session.prepare(ids)
+    todo = ids[reused:]
+
+    # -- prefill --------------------------------------------------------------------------
+    t0 = perf_counter()
+    done = 0
+    logits = None
+    yield PrefillProgress(0, len(todo), reused)
+    while done < len(todo):
+        if cancel.is_set():
+            break
+        chunk = todo[done:done + request.prefill_step]
+        logits = model(mx.array([chunk]), cache=session.cache)[0, -1]
+        mx.eval(logits, [c.state for c in session.cache if c.state is not None])
+        session.tokens.extend(chunk)
+        done += len(chunk)
+        yield PrefillProgress(done, len(todo), reused)
+    prefill_s = perf_counter() - t0
+    if store is not None:
+        store.take_stats()  # decode figures start clean
+        store.pending.clear()
+
+    # -- decode ---------------------------------------------------------------------------
+    sampler = Sampler(request.sampling)
+    detok = tok.detokenizer()
+    stops = StopMatcher(request.stop)
+    eos = tok.eos_token_ids
+    history = list(ids)
+    text_out: list[str] = []
+    reason = "cancelled" if logits is None else "length"
+    steps = bytes_read = hits = lookups = 0
+    t_decode = perf_counter()
+    step_start = t_decode
+    while logits is not None:
+        if cancel.is_set():
+            reason = "cancelled"
+            break
+        token = sampler(logits, history)
+        steps += 1
+        if token in eos:
+            reason = "stop"
+            break
+        shown, hit_stop = stops.feed(detok.add(token))
+        text_out.append(shown)
+        yield TokenGenerated(token, shown, steps - 1)
+        history.append(token)
+        if hit_stop:
+            reason = "stop"
+            break
+        if steps >= request.max_tokens:
+            break
+        logits = model(mx.array([[token]]), cache=session.cache)[0, -1]
+        mx.eval(logits)
+        session.tokens.append(token)
+        now = perf_counter()
+        if store is not None:
+            stats = store.take_stats()
+            store.pending.clear()
+            s_bytes = sum(s.bytes_read for s in stats.values())
+            s_hits = sum(s.hits for s in stats.values())
+            s_miss = sum(s.misses for s in stats.values())
+            bytes_read, hits, lookups = bytes_read + s_bytes, hits + s_hits, lookups + s_hits + s_miss
+        else:
+            stats, s_bytes, s_hits, s_miss = {}, 0, 0, 0
+        if request.timing != "off":
+            wall = now - step_start
+            yield StepFinished(steps - 1, wall * 1e3, 1.0 / wall if wall > 0 else 0.0, s_bytes, s_hits, s_miss)
+            rows = clock.rows(stats) if request.timing == "layer" else rows_from(loaded.num_layers, stats)
+            yield LayerTimings(steps - 1, request.timing, rows)
+        step_start = now
+    decode_s = perf_counter() - t_decode
+    loaded.warm = True
+
+    tail = stops.pending if reason != "stop" else ""
+    tail += detok.flush() if reason != "stop" else ""
+    text = "".join(text_out) + tail
+    fed = max(0, steps - 1)  # the first token came from the prefill's logits
+    yield GenerationFinished(
+        reason=reason, prompt_tokens=len(ids), reused_prompt_tokens=reused, generation_tokens=steps,
+        prompt_tps=len(todo) / prefill_s if prefill_s > 0 else 0.0,
+        generation_tps=steps / decode_s if decode_s > 0 else 0.0,
+        prefill_s=prefill_s, decode_s=decode_s,
+        bytes_per_token=bytes_read / fed if fed else 0.0,
+        hit_rate=hits / lookups if lookups else 0.0,
+        top_k=loaded.top_k, bits=model_bits(loaded.config), cache_state="cold" if cold else "warm",
+        text=text, tail=tail)
+
+
+def model_bits(config: dict) -> int | None:
+    q = config.get("quantization") or config.get("quantization_config") or {}
+    return q.get("bits")

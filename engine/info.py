@@ -1,0 +1,54 @@
+"""What a model folder holds, read from its config, manifest and safetensors headers only."""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from .experts.layout import read_manifest
+from .loader import EXPERTS_DIR, RESIDENT, _safetensors_files, read_config, text_config, top_k_of
+from .safetensors_io import read_header
+
+_SWITCH = re.compile(r"^(.*\.switch_mlp)\.")
+
+
+def describe(path: str | Path) -> dict:
+    path = Path(path)
+    config = read_config(path)
+    c = text_config(config)
+    packed = (path / RESIDENT).exists()
+    if packed:
+        resident = sum(t.nbytes for t in read_header(path / RESIDENT).values())
+        layers = [(l.layer, l.num_experts, l.expert_bytes) for l in read_manifest(path / EXPERTS_DIR)]
+    else:
+        headers = {}
+        for f in _safetensors_files(path):
+            headers.update(read_header(f))
+        resident = sum(t.nbytes for k, t in headers.items() if not _SWITCH.match(k))
+        per_module = defaultdict(lambda: [0, 0])
+        for k, t in headers.items():
+            m = _SWITCH.match(k)
+            if m:
+                per_module[m.group(1)][0] = t.shape[0]
+                per_module[m.group(1)][1] += t.nbytes // t.shape[0]
+        layers = sorted((int(re.search(r"layers\.(\d+)\.", m).group(1)), e, b) for m, (e, b) in per_module.items())
+    q = config.get("quantization") or {}
+    k = top_k_of(config)
+    expert_total = sum(e * b for _, e, b in layers)
+    return {
+        "path": str(path),
+        "format": "flashmoe (packed experts)" if packed else "mlx-lm folder (direct mode)",
+        "model_type": config["model_type"],
+        "layers": c.get("num_hidden_layers"),
+        "moe_layers": len(layers),
+        "experts": layers[0][1] if layers else 0,
+        "top_k": k,
+        "bits": q.get("bits"),
+        "group_size": q.get("group_size"),
+        "hidden_size": c.get("hidden_size"),
+        "vocab_size": c.get("vocab_size"),
+        "resident_bytes": resident,
+        "expert_bytes": expert_total,
+        "expert_block_bytes": layers[0][2] if layers else 0,
+        "bytes_per_token_cold": sum(min(k, e) * b for _, e, b in layers),
+    }

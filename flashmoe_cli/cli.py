@@ -1,0 +1,209 @@
+"""`flashmoe`: argument parsing, and the mapping from failures to one-line errors and exit codes.
+
+Heavy imports (MLX, the engine) happen inside the commands, so `--help` and usage errors are fast.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+from . import __version__
+from .exit_codes import ExitCode
+
+EPILOG = """exit codes: 0 ok, 1 generation failure, 2 usage, 3 model load or I/O, 4 timeout,
+5 approval needed but not interactive, 130 interrupted"""
+
+
+class UsageError(Exception):
+    """Bad arguments: exit code 2."""
+
+
+def parse_size(text: str) -> int:
+    """'2GB', '512MB', '1.5G', '0' -> bytes (powers of 1024, like the rest of the tools)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GB, 512MB or 0)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
+    return int(float(m.group(1)) * scale)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--expert-cache", type=parse_size, default=None, metavar="SIZE",
+                   help="byte budget of the expert cache, e.g. 2GB, 512MB; 0 keeps only what the "
+                        "current token needs (default: every expert, bounded by the model size)")
+    p.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT (bypass the page cache)")
+    p.add_argument("--io-threads", type=int, default=8, metavar="N", help="parallel expert reads (default 8)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashmoe", description="Run Mixture-of-Experts models bigger than memory, streaming experts from disk.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"flashmoe {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="generate one reply (stdin and/or PROMPT in, answer on stdout)",
+                         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("prompt", nargs="?", help="the prompt; piped stdin comes first, then a blank line, then this")
+    run.add_argument("-m", "--model", required=True, metavar="MODEL", help="model folder (flashmoe or mlx-lm)")
+    run.add_argument("-s", "--system", help="system prompt")
+    run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    run.add_argument("--max-tokens", type=int, default=512, metavar="N")
+    run.add_argument("--temp", type=float, default=0.0, metavar="T", help="temperature; 0 is greedy (default)")
+    run.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    run.add_argument("--top-k", type=int, default=0, metavar="K")
+    run.add_argument("--min-p", type=float, default=0.0, metavar="P")
+    run.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R")
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    run.add_argument("--timing", choices=("off", "step", "layer"), default="step",
+                     help="step: host-side figures only; layer: per-layer breakdown (adds syncs)")
+    run.add_argument("--json", action="store_true", help="one JSON event per line on stdout")
+    _add_engine_options(run)
+
+    conv = sub.add_parser("convert", help="convert an mlx-lm model folder into a flashmoe folder")
+    conv.add_argument("src", metavar="SRC")
+    conv.add_argument("out", metavar="OUT")
+    conv.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=None,
+                      help="quantize to this many bits (default: keep the source's precision)")
+    conv.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64)
+
+    info = sub.add_parser("info", help="describe a model folder")
+    info.add_argument("model", metavar="MODEL")
+    info.add_argument("--json", action="store_true")
+
+    ver = sub.add_parser("verify", help="check every expert block against the manifest's checksums")
+    ver.add_argument("model", metavar="MODEL")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return ExitCode.USAGE
+    try:
+        if args.command == "run":
+            from .headless import run
+
+            return run(args)
+        if args.command == "convert":
+            return cmd_convert(args)
+        if args.command == "info":
+            return cmd_info(args)
+        if args.command == "verify":
+            return cmd_verify(args)
+    except UsageError as e:
+        error(str(e))
+        return ExitCode.USAGE
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    except BrokenPipeError:
+        quiet_broken_pipe()
+        return ExitCode.OK
+    except Exception as e:
+        from engine.errors import FlashMoEError, ModelLoadError
+
+        if isinstance(e, ModelLoadError):
+            error(str(e))
+            return ExitCode.MODEL
+        if isinstance(e, FlashMoEError):
+            error(str(e))
+            return ExitCode.FAILURE
+        raise
+    return ExitCode.USAGE
+
+
+def error(message: str) -> None:
+    print(f"flashmoe: error: {message}", file=sys.stderr)
+
+
+def quiet_broken_pipe() -> None:
+    # The reader went away (`| head`): point stdout at /dev/null so the final flush is silent.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+class Progress:
+    """A one-line progress bar on a terminal; a line per update otherwise."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream = stream
+        self.tty = stream.isatty()
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        width = 30
+        fill = int(width * done / max(total, 1))
+        line = f"[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {what}"
+        if self.tty:
+            self.stream.write("\r\033[K" + line + ("\n" if done >= total else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+def cmd_convert(args) -> int:
+    from engine.convert import convert
+
+    out = convert(args.src, args.out, bits=args.bits, group_size=args.group_size, progress=Progress())
+    print(f"flashmoe: wrote {out}", file=sys.stderr)
+    return ExitCode.OK
+
+
+def cmd_info(args) -> int:
+    from engine.info import describe
+
+    d = describe(args.model)
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return ExitCode.OK
+    rows = [
+        ("model", d["path"]), ("format", d["format"]), ("architecture", d["model_type"]),
+        ("layers", f"{d['layers']} ({d['moe_layers']} with routed experts)"),
+        ("experts", f"{d['experts']} per layer, top-{d['top_k']} routed per token"),
+        ("bits", f"{d['bits']} (group size {d['group_size']})" if d["bits"] else "unquantized"),
+        ("resident bytes", human_bytes(d["resident_bytes"])),
+        ("expert bytes", f"{human_bytes(d['expert_bytes'])} ({human_bytes(d['expert_block_bytes'])} per expert)"),
+        ("read per token at 0% hits", human_bytes(d["bytes_per_token_cold"])),
+    ]
+    for k, v in rows:
+        print(f"{k:>26}: {v}")
+    return ExitCode.OK
+
+
+def cmd_verify(args) -> int:
+    from pathlib import Path
+
+    from engine.experts.layout import read_manifest, verify
+    from engine.loader import EXPERTS_DIR, read_config
+
+    root = Path(args.model)
+    read_config(root)
+    if not (root / EXPERTS_DIR).exists():
+        from engine.info import describe
+
+        describe(root)  # checks every safetensors header
+        print(f"{root}: direct-mode folder (no checksums); headers and sizes are consistent", file=sys.stderr)
+        return ExitCode.OK
+    layers = read_manifest(root / EXPERTS_DIR)
+    bad = verify(root / EXPERTS_DIR, layers, progress=lambda l: Progress()(f"layer {l.layer}", layers.index(l) + 1, len(layers)))
+    for layer, expert, path in bad:
+        error(f"{path}: layer {layer} expert {expert}: checksum mismatch (corrupted)")
+    if bad:
+        return ExitCode.MODEL
+    n = sum(l.num_experts for l in layers)
+    print(f"{root}: all {n} experts in {len(layers)} layers match the manifest", file=sys.stderr)
+    return ExitCode.OK

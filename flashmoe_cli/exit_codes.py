@@ -1,0 +1,12 @@
+"""Exit codes, documented in the README and `flashmoe --help`."""
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    FAILURE = 1  # generation or tool failure
+    USAGE = 2  # bad arguments or configuration
+    MODEL = 3  # model load or I/O problem
+    TIMEOUT = 4
+    APPROVAL = 5  # a tool needed approval and nobody could give it
+    INTERRUPTED = 130

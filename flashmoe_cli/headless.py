@@ -1,0 +1,135 @@
+"""`flashmoe run`: one reply, no UI. The answer goes to stdout and nothing else does."""
+from __future__ import annotations
+
+import json
+import sys
+
+from .exit_codes import ExitCode
+
+
+def read_prompt(arg: str | None, stdin=None) -> str:
+    """Piped stdin, a blank line, then the argument (either alone is fine)."""
+    from .cli import UsageError
+
+    stdin = stdin or sys.stdin
+    piped = None
+    if stdin is not None and not stdin.isatty():
+        piped = stdin.read()
+    parts = [p for p in (piped, arg) if p]
+    if not parts:
+        raise UsageError("no prompt: give PROMPT or pipe text into stdin")
+    return "\n\n".join(p.rstrip("\n") if i == 0 and len(parts) > 1 else p for i, p in enumerate(parts))
+
+
+def summary(done, loaded) -> str:
+    """The one-line summary on stderr: every speed with its conditions."""
+    from .cli import human_bytes
+
+    bits = f"{done.bits}-bit" if done.bits else "float"
+    parts = [
+        f"prefill {done.prompt_tokens - done.reused_prompt_tokens} tok {done.prompt_tps:.1f} tok/s",
+        f"decode {done.generation_tokens} tok {done.generation_tps:.2f} tok/s",
+        f"{human_bytes(done.bytes_per_token)}/token read",
+        f"hit rate {done.hit_rate:.0%}",
+        f"K={done.top_k}", bits, f"{done.cache_state} cache",
+        f"{loaded.model_type} ({loaded.mode})",
+    ]
+    return " | ".join(parts)
+
+
+def layer_table(rows_sum: dict, steps: int) -> str:
+    head = f"{'layer':>5} {'attn':>8} {'route':>8} {'io':>8} {'compute':>8} {'other':>8} {'hits':>6} {'miss':>6} {'read':>10}"
+    lines = [f"per-layer mean over {steps} decode steps (ms):", head]
+    for i in sorted(rows_sum):
+        r = rows_sum[i]
+        lines.append(f"{i:>5} {r[0] / steps:8.2f} {r[1] / steps:8.2f} {r[2] / steps:8.2f} {r[3] / steps:8.2f} "
+                     f"{r[4] / steps:8.2f} {r[5]:>6} {r[6]:>6} {r[7] / steps:>10.0f}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from engine import EngineFailed, GenerationFinished, LayerTimings, SamplingParams, TokenGenerated
+    from engine.generate import GenerationRequest
+
+    from .cli import UsageError, error
+
+    text = read_prompt(args.prompt)
+    try:
+        sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                  repetition_penalty=args.repetition_penalty, seed=args.seed)
+        if args.raw:
+            request = GenerationRequest(prompt=text, max_tokens=args.max_tokens, sampling=sampling,
+                                        stop=tuple(args.stop), timing=args.timing)
+        else:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                       [{"role": "user", "content": text}]
+            request = GenerationRequest(messages=messages, max_tokens=args.max_tokens, sampling=sampling,
+                                        stop=tuple(args.stop), timing=args.timing)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+    from engine.engine import Engine
+
+    engine = Engine(args.model, expert_cache=args.expert_cache, io_threads=args.io_threads,
+                    direct_io=args.direct_io)
+    loaded = engine.wait_loaded()
+    out = sys.stdout
+    if args.json:
+        _emit_json(out, loaded.to_dict())
+    handle = engine.submit(request)
+    rows_sum: dict[int, list] = {}
+    steps = 0
+    done = None
+    interrupted = False
+    events = iter(handle)
+    while True:
+        try:
+            ev = next(events)
+        except StopIteration:
+            break
+        except KeyboardInterrupt:
+            # First Ctrl-C: stop generating, keep what we have, report, exit 130.
+            handle.cancel()
+            interrupted = True
+            continue
+        if isinstance(ev, TokenGenerated):
+            if args.json:
+                _emit_json(out, ev.to_dict())
+            elif ev.text:
+                out.write(ev.text)
+                out.flush()
+        elif isinstance(ev, LayerTimings):
+            steps += 1
+            for r in ev.rows:
+                acc = rows_sum.setdefault(r.layer, [0.0] * 8)
+                for j, v in enumerate((r.attn_ms, r.route_ms, r.expert_io_ms, r.expert_compute_ms, r.other_ms,
+                                       r.hits, r.misses, r.bytes_read)):
+                    acc[j] += v
+            if args.json:
+                _emit_json(out, ev.to_dict())
+        elif isinstance(ev, GenerationFinished):
+            done = ev
+        elif isinstance(ev, EngineFailed):
+            error(ev.message.splitlines()[0])
+            return ev.exit_code
+        elif args.json:
+            _emit_json(out, ev.to_dict())
+    if args.json:
+        d = done.to_dict()
+        _emit_json(out, d)
+    else:
+        if done.tail:
+            out.write(done.tail)
+        out.write("\n")
+        out.flush()
+    if args.timing != "off":
+        print(summary(done, loaded), file=sys.stderr)
+        if args.timing == "layer" and steps:
+            print(layer_table(rows_sum, steps), file=sys.stderr)
+    engine.close()
+    return ExitCode.INTERRUPTED if interrupted else ExitCode.OK
+
+
+def _emit_json(out, d: dict) -> None:
+    out.write(json.dumps(d, ensure_ascii=False) + "\n")
+    out.flush()
