@@ -34,9 +34,13 @@ class Handle:
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
+    def get(self, timeout: float | None = None):
+        """The next event. Safe to call again after a KeyboardInterrupt, unlike a generator."""
+        return self.events.get(timeout=timeout)
+
     def __iter__(self):
         while True:
-            ev = self.events.get()
+            ev = self.get()
             yield ev
             if isinstance(ev, (GenerationFinished, EngineFailed)):
                 return
@@ -50,6 +54,7 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loaded_event = threading.Event()
         self._stopped = threading.Event()
+        self._current: Handle | None = None
         self.loaded_info: ModelLoaded | None = None
         self.load_error: BaseException | None = None
         self.loaded = None
@@ -78,6 +83,8 @@ class Engine:
         self._inbox.put(("reset", session))
 
     def close(self) -> None:
+        if self._current is not None:
+            self._current.cancel()
         self._inbox.put(_STOP)
         self._stopped.wait(timeout=10)
 
@@ -120,6 +127,7 @@ class Engine:
             handle.events.put(EngineFailed(f"model not loaded: {self.load_error}", type(self.load_error).__name__, 3))
             return
         session = self._sessions.setdefault(handle.session, Session(self.loaded))
+        self._current = handle
         try:
             for ev in generate(self.loaded, session, handle.request, handle._cancel):
                 handle.events.put(ev)
@@ -133,3 +141,5 @@ class Engine:
             session.reset()
             handle.events.put(EngineFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
                                            type(e).__name__, 1))
+        finally:
+            self._current = None

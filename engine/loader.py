@@ -177,21 +177,46 @@ def _mx_load(f: Path) -> dict:
         raise ModelLoadError(f, f"cannot load safetensors ({e})") from None
 
 
+# Hugging Face names of the expert projections, for per-expert checkpoints (mixtral: w1/w3/w2).
+_EXPERT_ALIASES = {"gate_proj": ("gate_proj", "w1"), "up_proj": ("up_proj", "w3"), "down_proj": ("down_proj", "w2")}
+
+
+def _per_expert_keys(module: str, part: str, expert: int) -> list[str]:
+    """Candidate names of one expert's tensor in an unsanitized (per-expert) checkpoint."""
+    base = module[: -len(".switch_mlp")]
+    proj, _, leaf = part.partition(".")
+    bases = {base, base.replace("language_model.model.", "model.language_model.")}
+    return [f"{b}.experts.{expert}.{alias}.{leaf}" for b in bases for alias in _EXPERT_ALIASES.get(proj, (proj,))]
+
+
 def _direct_layers(path: Path, model: nn.Module, headers: dict) -> list[LayerExperts]:
+    """Locate every expert slice in the checkpoint's own files: stacked [E, ...] tensors
+    (mlx-lm layout) or one tensor per expert (Hugging Face layout)."""
     layers = []
     for module, m in switch_modules(model).items():
         parts, sources = [], []
         for name, arr in tree_flatten(m.parameters()):
+            num_experts = arr.shape[0]
             key = f"{module}.{name}"
             info = headers.get(key)
-            if info is None:
-                raise ModelLoadError(path, f"no stacked expert tensor {key}: direct mode reads mlx-lm "
-                                     "checkpoints; run `flashmoe convert` on this folder first")
-            num_experts = arr.shape[0]
-            if info.shape[0] != num_experts or info.nbytes % num_experts:
-                raise ModelLoadError(info.path, f"{key} has shape {list(info.shape)}, expected {num_experts} experts")
-            parts.append(Part(name, info.dtype, tuple(info.shape[1:])))
-            sources.append((str(info.path), info.offset, info.nbytes // num_experts))
+            if info is not None:
+                if info.shape[0] != num_experts or info.nbytes % num_experts:
+                    raise ModelLoadError(info.path, f"{key} has shape {list(info.shape)}, expected {num_experts} experts")
+                per = info.nbytes // num_experts
+                parts.append(Part(name, info.dtype, tuple(info.shape[1:])))
+                sources.append([(str(info.path), info.offset + e * per) for e in range(num_experts)])
+                continue
+            slices = []
+            for e in range(num_experts):
+                found = next((headers[k] for k in _per_expert_keys(module, name, e) if k in headers), None)
+                if found is None:
+                    raise ModelLoadError(path, f"no expert tensor for {key} (expert {e}): direct mode reads "
+                                         "stacked or per-expert checkpoints; run `flashmoe convert` on this folder")
+                if e and (found.dtype, found.shape) != (slices[0].dtype, slices[0].shape):
+                    raise ModelLoadError(found.path, f"{found.name} differs in shape or dtype from expert 0")
+                slices.append(found)
+            parts.append(Part(name, slices[0].dtype, tuple(slices[0].shape)))
+            sources.append([(str(t.path), t.offset) for t in slices])
         layers.append(LayerExperts(layer_index(module), module, num_experts, tuple(parts), sources=sources))
     return layers
 
@@ -235,12 +260,15 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         weights = {}
         for f in files:
             weights.update(_mx_load(f))
-        expert_shapes = {k: _shape_proxy(h.shape, DTYPES[h.dtype]) for k, h in headers.items() if ".switch_mlp." in k}
-        weights = {k: v for k, v in weights.items() if ".switch_mlp." not in k}
         layers = None
 
     if hasattr(model, "sanitize"):
+        # sanitize sees the experts too (some checks depend on them); stacking them stays lazy
+        # and is never evaluated, because the expert tensors are dropped right after.
         weights = model.sanitize(weights)
+    if not packed:
+        expert_shapes = {k: _shape_proxy(v.shape, v.dtype) for k, v in weights.items() if ".switch_mlp." in k}
+        weights = {k: v for k, v in weights.items() if ".switch_mlp." not in k}
     shapes = {k: _shape_proxy(v.shape, v.dtype) for k, v in weights.items()}
     shapes.update(expert_shapes)
     try:

@@ -15,10 +15,11 @@ def read_prompt(arg: str | None, stdin=None) -> str:
     piped = None
     if stdin is not None and not stdin.isatty():
         piped = stdin.read()
-    parts = [p for p in (piped, arg) if p]
+    # `echo hi |` ends with a newline the user did not mean as part of the prompt.
+    parts = [p for p in (piped.rstrip("\n") if piped else None, arg) if p]
     if not parts:
         raise UsageError("no prompt: give PROMPT or pipe text into stdin")
-    return "\n\n".join(p.rstrip("\n") if i == 0 and len(parts) > 1 else p for i, p in enumerate(parts))
+    return "\n\n".join(parts)
 
 
 def summary(done, loaded) -> str:
@@ -48,10 +49,10 @@ def layer_table(rows_sum: dict, steps: int) -> str:
 
 
 def run(args) -> int:
-    from engine import EngineFailed, GenerationFinished, LayerTimings, SamplingParams, TokenGenerated
+    from engine import SamplingParams
     from engine.generate import GenerationRequest
 
-    from .cli import UsageError, error
+    from .cli import UsageError
 
     text = read_prompt(args.prompt)
     try:
@@ -72,6 +73,17 @@ def run(args) -> int:
 
     engine = Engine(args.model, expert_cache=args.expert_cache, io_threads=args.io_threads,
                     direct_io=args.direct_io)
+    try:
+        return _generate(args, engine, request)
+    finally:
+        engine.close()
+
+
+def _generate(args, engine, request) -> int:
+    from engine import EngineFailed, GenerationFinished, LayerTimings, TokenGenerated
+
+    from .cli import error
+
     loaded = engine.wait_loaded()
     out = sys.stdout
     if args.json:
@@ -79,16 +91,12 @@ def run(args) -> int:
     handle = engine.submit(request)
     rows_sum: dict[int, list] = {}
     steps = 0
-    done = None
     interrupted = False
-    events = iter(handle)
     while True:
         try:
-            ev = next(events)
-        except StopIteration:
-            break
+            ev = handle.get()
         except KeyboardInterrupt:
-            # First Ctrl-C: stop generating, keep what we have, report, exit 130.
+            # Ctrl-C: stop generating, keep what we have, report it, exit 130.
             handle.cancel()
             interrupted = True
             continue
@@ -107,26 +115,23 @@ def run(args) -> int:
                     acc[j] += v
             if args.json:
                 _emit_json(out, ev.to_dict())
-        elif isinstance(ev, GenerationFinished):
-            done = ev
         elif isinstance(ev, EngineFailed):
             error(ev.message.splitlines()[0])
             return ev.exit_code
+        elif isinstance(ev, GenerationFinished):
+            break
         elif args.json:
             _emit_json(out, ev.to_dict())
+    done = ev
     if args.json:
-        d = done.to_dict()
-        _emit_json(out, d)
+        _emit_json(out, done.to_dict())
     else:
-        if done.tail:
-            out.write(done.tail)
-        out.write("\n")
+        out.write(done.tail + "\n")
         out.flush()
     if args.timing != "off":
         print(summary(done, loaded), file=sys.stderr)
         if args.timing == "layer" and steps:
             print(layer_table(rows_sum, steps), file=sys.stderr)
-    engine.close()
     return ExitCode.INTERRUPTED if interrupted else ExitCode.OK
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -70,8 +70,8 @@ class LayerExperts:
     file: str | None = None
     stride: int = 0
     checksums: list[int] = field(default_factory=list)
-    # direct mode only: per part, (path, offset of expert 0, bytes per expert)
-    sources: list[tuple[str, int, int]] | None = None
+    # direct mode only: sources[part][expert] = (path, offset) of that slice
+    sources: list[list[tuple[str, int]]] | None = None
 
     @property
     def expert_bytes(self) -> int:
@@ -80,8 +80,7 @@ class LayerExperts:
     def extents(self, root: Path, expert: int) -> list[Extent]:
         if self.file is not None:
             return [Extent(str(root / self.file), expert * self.stride, self.expert_bytes, 0, len(self.parts))]
-        return [Extent(path, off + expert * per, per, i, i + 1)
-                for i, (path, off, per) in enumerate(self.sources)]
+        return [Extent(*self.sources[i][expert], p.nbytes, i, i + 1) for i, p in enumerate(self.parts)]
 
     @property
     def signature(self) -> tuple:

@@ -1,0 +1,130 @@
+"""flashmoe convert: same weights as mlx-lm, atomic output, resumable, bounded memory."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load_model, quantize_model
+
+from engine.convert import convert
+from engine.errors import ConvertError, ModelLoadError
+from engine.loader import load
+from tests.conftest import ROOT, run_cli
+
+TOKENS = mx.array([[3, 17, 250, 42, 9, 101, 77, 5]])
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 64), (2, 32), (8, 64)])
+def test_bits_gives_mlx_lms_quantization(model_factory, tmp_path, bits, group_size):
+    src = model_factory("qwen3_next")  # float32 source
+    out = convert(src, tmp_path / "q", bits=bits, group_size=group_size)
+    ref, config = load_model(src)
+    with contextlib.redirect_stdout(io.StringIO()):
+        ref, _ = quantize_model(ref, config, group_size, bits)
+    lm = load(out, load_tokenizer=False)
+    assert lm.config["quantization"]["bits"] == bits
+    assert mx.abs(lm.model(TOKENS) - ref(TOKENS)).max().item() <= 1e-5
+    # the router stays 8-bit, as mlx-lm's qwen3_next predicate says
+    assert lm.config["quantization"]["model.layers.0.mlp.gate"]["bits"] == 8
+
+
+def test_rerun_on_finished_output_does_nothing(model_factory, tmp_path):
+    out = convert(model_factory("olmoe", 4), tmp_path / "o")
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    r = run_cli("convert", model_factory("olmoe", 4), out)
+    assert r.returncode == 0 and "already converted" in r.stderr
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == stamps
+
+
+def test_interrupted_conversion_leaves_nothing_loadable_and_resumes(model_factory, tmp_path):
+    src = model_factory("deepseek_v3", 4)
+    out = tmp_path / "d"
+    with pytest.raises(RuntimeError, match="injected"):
+        convert(src, out, _fail_after_layers=1)
+    assert not out.exists()
+    with pytest.raises(ModelLoadError):
+        load(out)
+    partial = out.with_name("d.partial")
+    kept = partial / "experts/layer_001.bin"  # deepseek's first MoE layer is layer 1
+    assert kept.exists()
+    inode = kept.stat().st_ino
+    convert(src, out)
+    assert not partial.exists()
+    assert (out / "experts/layer_001.bin").stat().st_ino == inode  # finished layer not redone
+    fresh = convert(src, tmp_path / "fresh")
+    for f in ("experts/layer_001.bin", "experts/layer_002.bin", "resident.safetensors", "experts/manifest.json"):
+        assert (out / f).read_bytes() == (fresh / f).read_bytes(), f
+
+
+def test_conversion_errors(model_factory, tmp_path):
+    src = model_factory("mixtral", 4)
+    with pytest.raises(ConvertError, match="already quantized"):
+        convert(src, tmp_path / "x", bits=2)
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "file").write_text("mine")
+    with pytest.raises(ConvertError, match="not a finished flashmoe model"):
+        convert(src, tmp_path / "taken")
+    assert (tmp_path / "taken" / "file").read_text() == "mine"
+    r = run_cli("convert", tmp_path / "nothing", tmp_path / "y")
+    assert r.returncode == 3 and "no such file" in r.stderr and "Traceback" not in r.stderr
+    r = run_cli("convert", src, tmp_path / "y", "--bits", "5")
+    assert r.returncode == 2
+
+
+def test_manifest_describes_the_packed_files(model_factory):
+    out = model_factory("glm4_moe", 4, converted=True)
+    doc = json.loads((out / "experts/manifest.json").read_text())
+    assert doc["format"] == "flashmoe-experts" and doc["version"] == 1
+    for layer in doc["layers"]:
+        assert layer["stride"] % doc["alignment"] == 0 and layer["stride"] >= layer["expert_bytes"]
+        names = [p["name"] for p in layer["parts"]]
+        assert set(names) == {f"{p}.{k}" for p in ("gate_proj", "up_proj", "down_proj")
+                              for k in ("weight", "scales", "biases")}
+        size = (out / "experts" / layer["file"]).stat().st_size
+        assert size == layer["stride"] * layer["num_experts"] and len(layer["checksums"]) == layer["num_experts"]
+
+
+@pytest.mark.slow
+def test_peak_memory_is_about_one_layer(tmp_path):
+    """Convert a float model of ~400 MB of experts in a fresh process and watch its peak RSS."""
+    script = textwrap.dedent(f"""
+        import json, resource, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from pathlib import Path
+        import mlx.core as mx
+        from mlx_lm.utils import save_config, save_model
+        from tests.tiny_models import make_model
+        import tests.tiny_models as tm
+        tm.CONFIGS["big"] = dict(tm.CONFIGS["qwen3_moe"], hidden_size=256, moe_intermediate_size=512,
+                                 num_experts=32, num_hidden_layers=8, head_dim=64)
+        model, config = make_model("big")
+        save_model(Path({str(tmp_path / 'src')!r}), model)
+        save_config(config, Path({str(tmp_path / 'src')!r}) / "config.json")
+        del model
+        import gc; gc.collect(); mx.clear_cache()
+        from engine.convert import convert
+        import os
+        def rss():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        base = rss()
+        peak = [base]
+        import threading, time
+        def watch():
+            while True:
+                peak[0] = max(peak[0], rss()); time.sleep(0.01)
+        threading.Thread(target=watch, daemon=True).start()
+        convert({str(tmp_path / 'src')!r}, {str(tmp_path / 'out')!r})
+        print(json.dumps({{"growth": peak[0] - base}}))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    growth = json.loads(r.stdout.strip().splitlines()[-1])["growth"]
+    layer_bytes = 32 * 3 * 256 * 512 * 4  # 50 MB of float32 experts per layer; 400 MB in all
+    assert growth < 3 * layer_bytes, f"peak grew by {growth / 2**20:.0f} MB"
