@@ -150,6 +150,8 @@ def generate(loaded, session: Session, request: GenerationRequest,
     if store is not None:
         store.take_stats()  # decode figures start clean
         store.pending.clear()
+    if clock is not None:
+        clock.reset()
 
     # -- decode ---------------------------------------------------------------------------
     sampler = Sampler(request.sampling)

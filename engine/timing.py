@@ -77,9 +77,12 @@ class LayerClock:
 
     def rows(self, store_stats: dict) -> tuple[LayerRow, ...]:
         out = rows_from(self.loaded.num_layers, store_stats, self.attn, self.total)
+        self.reset()
+        return out
+
+    def reset(self) -> None:
         self.attn.clear()
         self.total.clear()
-        return out
 
 
 def rows_from(num_layers: int, store_stats: dict, attn: dict | None = None,

@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate one reply (stdin and/or PROMPT in, answer on stdout)",
                          epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("prompt", nargs="?", help="the prompt; piped stdin comes first, then a blank line, then this")
-    run.add_argument("-m", "--model", required=True, metavar="MODEL", help="model folder (flashmoe or mlx-lm)")
+    run.add_argument("-m", "--model", metavar="MODEL",
+                     help="model folder (flashmoe or mlx-lm); default: the built-in demo model, built on first use")
     run.add_argument("-s", "--system", help="system prompt")
     run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     run.add_argument("--max-tokens", type=int, default=512, metavar="N")
@@ -85,7 +86,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     ver = sub.add_parser("verify", help="check every expert block against the manifest's checksums")
     ver.add_argument("model", metavar="MODEL")
+
+    demo = sub.add_parser("demo", help="build the demo model (SmolLM2-135M as an 8-expert MoE) and print its path")
+    demo.add_argument("--rebuild", action="store_true", help="build it again from the GGUF")
     return parser
+
+
+def resolve_model(model: str | None) -> str:
+    """The model folder to use: the one given, or the demo model (built on first use)."""
+    if model:
+        return model
+    from engine.demo import ensure_demo
+
+    return str(ensure_demo(progress=Progress()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_info(args)
         if args.command == "verify":
             return cmd_verify(args)
+        if args.command == "demo":
+            return cmd_demo(args)
     except UsageError as e:
         error(str(e))
         return ExitCode.USAGE
@@ -206,4 +221,13 @@ def cmd_verify(args) -> int:
         return ExitCode.MODEL
     n = sum(l.num_experts for l in layers)
     print(f"{root}: all {n} experts in {len(layers)} layers match the manifest", file=sys.stderr)
+    return ExitCode.OK
+
+
+def cmd_demo(args) -> int:
+    from engine.demo import remove_demo
+
+    if args.rebuild:
+        remove_demo()
+    print(resolve_model(None))
     return ExitCode.OK

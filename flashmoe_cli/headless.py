@@ -40,11 +40,11 @@ def summary(done, loaded) -> str:
 
 def layer_table(rows_sum: dict, steps: int) -> str:
     head = f"{'layer':>5} {'attn':>8} {'route':>8} {'io':>8} {'compute':>8} {'other':>8} {'hits':>6} {'miss':>6} {'read':>10}"
-    lines = [f"per-layer mean over {steps} decode steps (ms):", head]
+    lines = [f"per layer over {steps} decode steps: mean ms per step; hits, misses and bytes read in total", head]
     for i in sorted(rows_sum):
         r = rows_sum[i]
         lines.append(f"{i:>5} {r[0] / steps:8.2f} {r[1] / steps:8.2f} {r[2] / steps:8.2f} {r[3] / steps:8.2f} "
-                     f"{r[4] / steps:8.2f} {r[5]:>6} {r[6]:>6} {r[7] / steps:>10.0f}")
+                     f"{r[4] / steps:8.2f} {r[5]:>6.0f} {r[6]:>6.0f} {r[7]:>10.0f}")
     return "\n".join(lines)
 
 
@@ -71,7 +71,9 @@ def run(args) -> int:
 
     from engine.engine import Engine
 
-    engine = Engine(args.model, expert_cache=args.expert_cache, io_threads=args.io_threads,
+    from .cli import resolve_model
+
+    engine = Engine(resolve_model(args.model), expert_cache=args.expert_cache, io_threads=args.io_threads,
                     direct_io=args.direct_io)
     try:
         return _generate(args, engine, request)
