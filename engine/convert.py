@@ -20,7 +20,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from .errors import ConvertError, ModelLoadError
+from .errors import ConvertError
 from .experts.layout import MANIFEST, LayerExperts, Part, layer_file_name, write_layer, write_manifest
 from .loader import (EXPERTS_DIR, RESIDENT, _mx_load, _safetensors_files, build_model, layer_index,
                      quantize_like_checkpoint, read_config, switch_modules)

@@ -61,7 +61,7 @@ class Engine:
         self._sessions: dict[str, Session] = {}
         # mlx-lm imports transformers; doing that first on a non-main thread can abort the
         # process at exit ("terminate called without an active exception"), so import it here.
-        import mlx_lm.utils  # noqa: F401
+        import mlx_lm.utils  # noqa: F401  (pyflakes: needed for its side effect)
 
         self._thread = threading.Thread(target=self._run, name="flashmoe-engine", daemon=True)
         self._thread.start()

@@ -5,7 +5,7 @@ line as it is (`to_dict`).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from .errors import ModelLoadError
 from .experts.layout import LayerExperts, Part, read_manifest
 from .experts.store import ExpertStore
 from .experts.switch import StreamingSwitchGLU
-from .safetensors_io import DTYPES, read_header
+from .safetensors_io import read_header
 
 RESIDENT = "resident.safetensors"
 EXPERTS_DIR = "experts"
@@ -81,6 +81,12 @@ def read_config(path: Path) -> dict:
         raise ModelLoadError(cfg, f"not valid JSON ({e})") from None
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelLoadError(cfg, "no model_type: this is not a model config")
+    try:
+        normalize_config(config)
+        if isinstance(config.get("text_config"), dict):
+            normalize_config(config["text_config"])
+    except ValueError as e:
+        raise ModelLoadError(cfg, str(e)) from None
     gen = path / "generation_config.json"
     if gen.exists():
         try:
@@ -90,6 +96,33 @@ def read_config(path: Path) -> dict:
         except (OSError, json.JSONDecodeError):
             pass
     return config
+
+
+def normalize_config(c: dict) -> None:
+    """Add the classic key names mlx-lm reads where a config has only the new ones.
+
+    transformers 5 nests rope settings under `rope_parameters`, calls the expert count
+    `num_local_experts` for Qwen3-MoE, and lists `layer_types` instead of an attention interval.
+    Without this, some models fail to load and others silently use a default rope_theta.
+    """
+    rope = c.get("rope_parameters")
+    if isinstance(rope, dict):
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key not in c and key in rope:
+                c[key] = rope[key]
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default" and not c.get("rope_scaling"):
+            c["rope_scaling"] = {**rope, "type": kind, "rope_type": kind}
+    if "num_experts" not in c and "num_local_experts" in c and c.get("model_type") != "mixtral":
+        c["num_experts"] = c["num_local_experts"]
+    kinds = c.get("layer_types")
+    if "full_attention_interval" not in c and isinstance(kinds, list) and "linear_attention" in kinds:
+        full = [i for i, k in enumerate(kinds) if k == "full_attention"]
+        if full:
+            n = full[0] + 1
+            if full != list(range(n - 1, len(kinds), n)):
+                raise ValueError("layer_types is not periodic: mlx-lm needs one full-attention layer every N layers")
+            c["full_attention_interval"] = n
 
 
 def model_classes(config: dict, cfg_path: Path):

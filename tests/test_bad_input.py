@@ -7,9 +7,8 @@ import shutil
 
 import pytest
 
-from engine import EngineFailed, ModelLoadError
-from engine.generate import GenerationRequest, Session, generate
-from engine.loader import load
+from engine import EngineFailed
+from engine.generate import GenerationRequest
 from tests.conftest import run_cli
 
 

@@ -1,7 +1,6 @@
 """The engine thread, events, sessions, timing and the cache budget."""
 from __future__ import annotations
 
-import mlx.core as mx
 import pytest
 
 from engine import EngineFailed, GenerationFinished, LayerTimings, PrefillProgress, TokenGenerated

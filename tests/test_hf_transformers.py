@@ -8,15 +8,13 @@ checks that flashmoe gives transformers' own logits on the same token ids:
 - packed: `convert(hf_folder)` then `load`;
 - 8-bit: `convert(hf_folder, bits=8)` then `load`, under a looser, measured bound (see below).
 
-transformers 5 writes a few config keys under new names (`rope_parameters`, `layer_types`,
-`num_local_experts`) that mlx-lm 0.32 does not read; Hub checkpoints carry the classic names.
-The logit tests add the classic names (`_with_classic_config_keys`), and
-`test_config_as_written_by_transformers` records, as a strict xfail, that the folder exactly as
-transformers 5 wrote it does not load yet.
+Folders are loaded exactly as transformers 5 wrote them: it names a few config keys
+differently from what mlx-lm 0.32 reads (`rope_parameters`, `layer_types`, `num_local_experts`),
+and flashmoe's config reading adds the classic names (without that, some models fail to load and
+others silently run with mlx-lm's default rope_theta).
 """
 from __future__ import annotations
 
-import json
 import shutil
 
 import numpy as np
@@ -100,28 +98,6 @@ def _token_ids(seed: int = 0) -> list[int]:
     return [int(i) for i in np.random.RandomState(seed).randint(0, VOCAB, SEQ)]
 
 
-def _with_classic_config_keys(folder):
-    """Add the config names mlx-lm reads next to the ones transformers 5 writes, as in Hub
-    checkpoints saved by transformers 4: rope_theta and partial_rotary_factor (transformers 5
-    nests them in rope_parameters), num_experts (qwen3_moe now says num_local_experts) and
-    full_attention_interval (qwen3_next now lists layer_types)."""
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    rope = config.get("rope_parameters") or {}
-    for key in ("rope_theta", "partial_rotary_factor"):
-        if key in rope:
-            config.setdefault(key, rope[key])
-    if "num_local_experts" in config:
-        config.setdefault("num_experts", config["num_local_experts"])
-    layer_types = config.get("layer_types")
-    if layer_types and "full_attention" in layer_types:
-        interval = layer_types.index("full_attention") + 1
-        assert layer_types == ["linear_attention" if (i + 1) % interval else "full_attention"
-                               for i in range(len(layer_types))], layer_types
-        config.setdefault("full_attention_interval", interval)
-    path.write_text(json.dumps(config, indent=2))
-
-
 class HFCase:
     def __init__(self, arch, folder, raw_folder, ids, logits):
         self.arch, self.folder, self.raw_folder, self.ids, self.logits = arch, folder, raw_folder, ids, logits
@@ -141,7 +117,6 @@ def hf(request, tmp_path_factory) -> HFCase:
     model.save_pretrained(raw, safe_serialization=True)
     folder = root / "hf"
     shutil.copytree(raw, folder)
-    _with_classic_config_keys(folder)
     return HFCase(arch, folder, raw, ids, logits)
 
 
@@ -228,7 +203,6 @@ def test_sharded_hf_checkpoint_direct(tmp_path):
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits.float().numpy()
     model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
-    _with_classic_config_keys(tmp_path)
     assert (tmp_path / "model.safetensors.index.json").exists()
     loaded, logits = _flashmoe_logits(tmp_path, ids)
     assert loaded.mode == "direct"
@@ -236,31 +210,10 @@ def test_sharded_hf_checkpoint_direct(tmp_path):
     assert np.abs(logits - ref).max() < ATOL
 
 
-# The folder exactly as transformers 5 writes it. mlx-lm 0.32's ModelArgs read rope_theta,
-# partial_rotary_factor, num_experts and full_attention_interval, which transformers 5 writes as
-# rope_parameters.{rope_theta,partial_rotary_factor}, num_local_experts and layer_types;
-# flashmoe's read_config passes config.json through unchanged. Depending on the arch the load
-# fails (a required field is missing) or, worse, succeeds with mlx-lm's default rope_theta.
-_RAW_CONFIG_XFAIL = {
-    "qwen3_moe": "ModelArgs missing num_experts and rope_theta (written as num_local_experts, "
-                 "rope_parameters.rope_theta)",
-    "qwen3_next": "ModelArgs missing rope_theta and partial_rotary_factor (in rope_parameters); "
-                  "with those, full_attention_interval is absent (layer_types written instead), "
-                  "mlx-lm's default 4 puts attention on the wrong layers: 'parameters not in model'",
-    "mixtral": "rope_theta only in rope_parameters: mlx-lm silently uses its default 1e6 "
-               "instead of 5e4; measured max |diff| 0.47",
-    "olmoe": "rope_theta only in rope_parameters: mlx-lm silently uses its default 1e4 "
-             "instead of 5e4; measured max |diff| 0.26",
-    "deepseek_v3": "rope_theta only in rope_parameters: mlx-lm silently uses its default 1e4 "
-                   "instead of 5e4; measured max |diff| 0.050",
-}
 
-
-@pytest.mark.parametrize("arch", [
-    pytest.param(a, marks=pytest.mark.xfail(strict=True, reason=_RAW_CONFIG_XFAIL[a])) for a in ARCHS])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_config_as_written_by_transformers(arch, tmp_path):
-    if int(transformers.__version__.split(".")[0]) < 5:
-        pytest.xfail("transformers < 5 writes the classic config names")  # nothing to test
+    """transformers 5 names (rope_parameters, num_local_experts, layer_types) load correctly."""
     model = _build(arch)
     ids = _token_ids()
     with torch.no_grad():

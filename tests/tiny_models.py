@@ -9,11 +9,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-import json
 from pathlib import Path
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 VOCAB = 320
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
