@@ -41,7 +41,7 @@ def human_bytes(n: float) -> str:
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-cache", type=parse_size, default=None, metavar="SIZE",
                    help="byte budget of the expert cache, e.g. 2GB, 512MB; 0 keeps only what the "
-                        "current token needs (default: every expert, bounded by the model size)")
+                        "current token needs (default: every expert, at most a quarter of the RAM)")
     p.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT (bypass the page cache)")
     p.add_argument("--io-threads", type=int, default=8, metavar="N", help="parallel expert reads (default 8)")
 

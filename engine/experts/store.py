@@ -37,6 +37,15 @@ class LayerStats:
     compute_s: float = 0.0
 
 
+def default_budget(total_expert_bytes: int) -> int:
+    """Every expert if they fit in a quarter of physical memory, else that quarter."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 8 << 30
+    return min(total_expert_bytes, ram // 4)
+
+
 class SlotPool:
     """S slots for experts of one signature: one MLX array of shape [S, *part.shape] per part."""
 
@@ -90,7 +99,7 @@ class ExpertStore:
             groups.setdefault(l.signature, []).append(l)
         total = sum(l.expert_bytes * l.num_experts for l in layers)
         if budget_bytes is None:
-            budget_bytes = total
+            budget_bytes = default_budget(total)
         granted = 0
         for sig, ls in groups.items():
             group_total = sum(l.expert_bytes * l.num_experts for l in ls)
