@@ -14,6 +14,7 @@ import io
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -23,7 +24,7 @@ from mlx.utils import tree_flatten, tree_map
 from .errors import ConvertError
 from .experts.layout import MANIFEST, LayerExperts, Part, layer_file_name, write_layer, write_manifest
 from .loader import (EXPERTS_DIR, RESIDENT, _mx_load, _safetensors_files, build_model, layer_index,
-                     quantize_like_checkpoint, read_config, switch_modules)
+                     quantize_like_checkpoint, read_config, switch_modules, text_config)
 from .safetensors_io import write_streaming
 
 # Files copied as they are: tokenizer, chat template, generation settings.
@@ -38,9 +39,70 @@ def is_converted(path: Path) -> bool:
         (path / EXPERTS_DIR / MANIFEST).exists()
 
 
+@dataclass(frozen=True)
+class QuantPlan:
+    """What to quantize to how many bits. Experts may differ from the rest, and per layer."""
+
+    bits: int | None = None  # resident weights (and experts, unless expert_bits is given)
+    group_size: int = 64
+    expert_bits: int | None = None
+    layer_bits: tuple[tuple[int, int], ...] = ()  # (layer, bits) overrides for routed experts
+
+    @property
+    def active(self) -> bool:
+        return self.bits is not None or self.expert_bits is not None or bool(self.layer_bits)
+
+    def check(self, src: Path) -> None:
+        for b in (self.bits, self.expert_bits, *(b for _, b in self.layer_bits)):
+            if b is not None and b not in SUPPORTED_BITS:
+                raise ConvertError(src, f"{b} bits is not supported (use 2, 3, 4, 5, 6 or 8)")
+        if self.group_size not in (32, 64, 128):
+            raise ConvertError(src, f"group size {self.group_size} is not supported (use 32, 64 or 128)")
+        if self.layer_bits and self.expert_bits is None and self.bits is None:
+            raise ConvertError(src, "per-layer expert bits need --expert-bits or --bits for the other layers")
+
+    def expert_bits_for(self, layer: int) -> int | None:
+        return dict(self.layer_bits).get(layer, self.expert_bits if self.expert_bits is not None else self.bits)
+
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def parse_layer_bits(specs: list[str], num_layers: int) -> tuple[tuple[int, int], ...]:
+    """'first:2=4', 'last:2=4', '3-5=8', '7=8' -> ((layer, bits), ...). Later specs win."""
+    out: dict[int, int] = {}
+    for spec in specs:
+        try:
+            where, bits = spec.split("=")
+            bits = int(bits)
+            if where.startswith("first:"):
+                layers = range(0, int(where[6:]))
+            elif where.startswith("last:"):
+                layers = range(num_layers - int(where[5:]), num_layers)
+            elif "-" in where:
+                lo, hi = where.split("-")
+                layers = range(int(lo), int(hi) + 1)
+            else:
+                layers = [int(where)]
+        except ValueError:
+            raise ValueError(f"--layer-bits {spec!r}: expected LAYERS=BITS with LAYERS like 7, 3-5, first:2 or last:2") from None
+        for l in layers:
+            if not 0 <= l < num_layers:
+                raise ValueError(f"--layer-bits {spec!r}: layer {l} does not exist (the model has {num_layers})")
+            out[l] = bits
+    return tuple(sorted(out.items()))
+
+
 def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_size: int = 64,
-            progress: Progress | None = None, _fail_after_layers: int | None = None) -> Path:
-    """Convert `src` into a flashmoe folder at `out`; returns `out`. Does nothing if `out` is done."""
+            expert_bits: int | None = None, layer_bits=(),
+            dtype: str | None = None, progress: Progress | None = None,
+            _fail_after_layers: int | None = None) -> Path:
+    """Convert `src` (an mlx-lm / Hugging Face folder, or a .gguf file) into a flashmoe folder at
+    `out`; returns `out`. Does nothing if `out` is already complete.
+
+    `layer_bits` overrides the experts' bits per layer: (layer, bits) pairs, or specs such as
+    "first:2=4", "last:2=4", "3-5=8" (see parse_layer_bits).
+    """
     src, out = Path(src), Path(out)
     progress = progress or (lambda *a: None)
     if is_converted(out):
@@ -48,12 +110,22 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
         return out
     if out.exists():
         raise ConvertError(out, "exists and is not a finished flashmoe model; remove it or pick another path")
-    if bits is not None and bits not in (2, 3, 4, 5, 6, 8):
-        raise ConvertError(src, f"--bits {bits} is not supported (use 2, 3, 4, 5, 6 or 8)")
-    if group_size not in (32, 64, 128):
-        raise ConvertError(src, f"--group-size {group_size} is not supported (use 32, 64 or 128)")
+    plan = QuantPlan(bits, group_size, expert_bits, tuple(l for l in layer_bits if not isinstance(l, str)))
+    plan.check(src)
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise ConvertError(src, f"dtype {dtype!r} is not supported (use {', '.join(FLOAT_DTYPES)})")
+    if src.is_file() and src.suffix == ".gguf":
+        return _convert_gguf(src, out, plan=plan, layer_bits=layer_bits, dtype=dtype, progress=progress)
 
     config = read_config(src)
+    specs = [l for l in layer_bits if isinstance(l, str)]
+    if specs:
+        try:
+            plan = QuantPlan(bits, group_size, expert_bits, parse_layer_bits(specs, text_config(config)["num_hidden_layers"]))
+        except ValueError as e:
+            raise ConvertError(src, str(e)) from None
+        plan.check(src)
+        layer_bits = plan.layer_bits
     files = _safetensors_files(src)
     model = build_model(config, src)
     weights = {}
@@ -71,22 +143,23 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
         raise ConvertError(src, f"weights do not match the config: {e}") from None
     del weights
 
-    if bits is not None:
+    if dtype is not None:
+        # Cast float tensors (weights of unquantized layers, scales and biases) before quantizing.
+        target = FLOAT_DTYPES[dtype]
+        model.update(tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p,
+                              model.parameters()))
+    if plan.active:
         if source_quant:
-            if (source_quant.get("bits"), source_quant.get("group_size")) == (bits, group_size):
-                bits = None  # already what was asked for
+            if (source_quant.get("bits"), source_quant.get("group_size")) == (bits, group_size) and \
+                    expert_bits is None and not layer_bits:
+                plan = QuantPlan()  # already what was asked for
             else:
-                raise ConvertError(src, f"already quantized ({source_quant.get('bits')}-bit); "
-                                   "convert it without --bits, or start from the float checkpoint")
-    if bits is not None:
-        from mlx_lm.utils import quantize_model
-
-        with contextlib.redirect_stdout(io.StringIO()):  # it prints a line of its own
-            model, config = quantize_model(model, config, group_size, bits)
+                raise ConvertError(src, f"already quantized ({source_quant.get('bits')}-bit); convert it "
+                                   "without --bits/--expert-bits, or start from the float checkpoint")
+    if plan.active:
+        model, config = _quantize(model, config, plan)
 
     experts = switch_modules(model)
-    if not experts:
-        raise ConvertError(src, f"{config['model_type']} has no routed experts (no switch_mlp): nothing to stream")
     params = tree_flatten(model.parameters())
     model.update(tree_map(lambda _: mx.array([]), model.parameters()))  # drop the model's references
     del model
@@ -102,7 +175,8 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
     del params
 
     work = out.with_name(out.name + ".partial")
-    options = {"source": str(src.resolve()), "bits": bits, "group_size": group_size}
+    options = {"source": str(src.resolve()), "bits": bits, "group_size": group_size, "expert_bits": expert_bits,
+               "layer_bits": [list(x) for x in layer_bits], "dtype": dtype}
     _prepare_workdir(work, options)
     (work / EXPERTS_DIR).mkdir(exist_ok=True)
 
@@ -120,7 +194,8 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
                 raise RuntimeError("injected failure (test)")
             tensors = dict(parts)
             mx.eval(list(tensors.values()))
-            l = write_layer(work / EXPERTS_DIR, layer, module, tensors, [n for n, _ in parts])
+            l = write_layer(work / EXPERTS_DIR, layer, module, tensors, [n for n, _ in parts],
+                            quantization=module_quantization(config, module))
             del tensors
             _write_json(done, _layer_to_json(l))
             layers.append(l)
@@ -168,11 +243,67 @@ def _write_json(path: Path, doc) -> None:
 
 def _layer_to_json(l: LayerExperts) -> dict:
     return {"layer": l.layer, "module": l.module, "num_experts": l.num_experts, "file": l.file,
-            "stride": l.stride, "checksums": l.checksums,
+            "stride": l.stride, "checksums": l.checksums, "quantization": l.quantization,
             "parts": [[p.name, p.dtype, list(p.shape)] for p in l.parts]}
 
 
 def _layer_from_json(d: dict) -> LayerExperts:
     parts = tuple(Part(n, dt, tuple(s)) for n, dt, s in d["parts"])
     return LayerExperts(d["layer"], d["module"], d["num_experts"], parts, file=d["file"],
-                        stride=d["stride"], checksums=d["checksums"])
+                        stride=d["stride"], checksums=d["checksums"], quantization=d.get("quantization"))
+
+
+FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def module_quantization(config: dict, module: str) -> dict | None:
+    """Bits and group size of a switch module's experts (its gate_proj), from the config."""
+    q = config.get("quantization")
+    if not q:
+        return None
+    per = q.get(f"{module}.gate_proj")
+    if per is False:
+        return None
+    if isinstance(per, dict):
+        return {"bits": per["bits"], "group_size": per["group_size"]}
+    return {"bits": q["bits"], "group_size": q["group_size"]}
+
+
+def _quantize(model, config: dict, plan: QuantPlan):
+    """mlx-lm's quantize_model, with expert bits per layer on top of the model's own rules."""
+    from mlx_lm.utils import quantize_model
+
+    own = getattr(model, "quant_predicate", None)
+    experts = list(switch_modules(model))
+    base_bits = plan.bits if plan.bits is not None else plan.expert_bits
+
+    def predicate(path, module):
+        switch = next((m for m in experts if path.startswith(m + ".")), None)
+        if switch is None:
+            if plan.bits is None:
+                return False  # only the experts were asked for
+            return own(path, module) if own else True
+        b = plan.expert_bits_for(layer_index(switch))
+        if b is None:
+            return False
+        return {"group_size": plan.group_size, "bits": b, "mode": "affine"}
+
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints a line of its own
+        return quantize_model(model, config, plan.group_size, base_bits, quant_predicate=predicate)
+
+
+def _convert_gguf(src: Path, out: Path, *, plan: QuantPlan, layer_bits, dtype, progress) -> Path:
+    """GGUF: dequantize into a float Hugging Face folder beside OUT, then convert that."""
+    from .gguf_import import gguf_to_hf_folder
+
+    stage = out.with_name(out.name + ".gguf-src")
+    if not (stage / "config.json").exists():
+        progress("reading the GGUF", 0, 1)
+        try:
+            gguf_to_hf_folder(src, stage)
+        except ValueError as e:
+            raise ConvertError(src, str(e)) from None
+    result = convert(stage, out, bits=plan.bits, group_size=plan.group_size, expert_bits=plan.expert_bits,
+                     layer_bits=layer_bits, dtype=dtype, progress=progress)
+    shutil.rmtree(stage, ignore_errors=True)
+    return result

@@ -19,7 +19,9 @@ def describe(path: str | Path) -> dict:
     packed = (path / RESIDENT).exists()
     if packed:
         resident = sum(t.nbytes for t in read_header(path / RESIDENT).values())
-        layers = [(l.layer, l.num_experts, l.expert_bytes) for l in read_manifest(path / EXPERTS_DIR)]
+        manifest = read_manifest(path / EXPERTS_DIR)
+        layers = [(l.layer, l.num_experts, l.expert_bytes) for l in manifest]
+        modules = {l.layer: l.module for l in manifest}
     else:
         headers = {}
         for f in _safetensors_files(path):
@@ -32,8 +34,15 @@ def describe(path: str | Path) -> dict:
                 per_module[m.group(1)][0] = t.shape[0]
                 per_module[m.group(1)][1] += t.nbytes // t.shape[0]
         layers = sorted((int(re.search(r"layers\.(\d+)\.", m).group(1)), e, b) for m, (e, b) in per_module.items())
+        modules = {int(re.search(r"layers\.(\d+)\.", m).group(1)): m for m in per_module}
+    from .convert import module_quantization
+
     q = config.get("quantization") or {}
     k = top_k_of(config)
+    expert_bits: dict = {}
+    for layer, _, _ in layers:
+        mq = module_quantization(config, modules[layer])
+        expert_bits.setdefault(mq["bits"] if mq else None, []).append(layer)
     expert_total = sum(e * b for _, e, b in layers)
     return {
         "path": str(path),
@@ -51,4 +60,26 @@ def describe(path: str | Path) -> dict:
         "expert_bytes": expert_total,
         "expert_block_bytes": layers[0][2] if layers else 0,
         "bytes_per_token_cold": sum(min(k, e) * b for _, e, b in layers),
+        "expert_bits": {str(b): ls for b, ls in expert_bits.items()},
     }
+
+
+def expert_bits_summary(expert_bits: dict) -> str:
+    """{"2": [1], "4": [0, 2]} -> '2-bit (layer 1), 4-bit (layers 0, 2)'."""
+    parts = []
+    for bits, layers in sorted(expert_bits.items(), key=lambda kv: (kv[0] == "None", kv[0])):
+        name = "float" if bits == "None" else f"{bits}-bit"
+        where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {_ranges(layers)}"
+        parts.append(f"{name} ({where})")
+    return ", ".join(parts)
+
+
+def _ranges(xs: list[int]) -> str:
+    out, start = [], None
+    for i, x in enumerate(xs):
+        if start is None:
+            start = x
+        if i + 1 == len(xs) or xs[i + 1] != x + 1:
+            out.append(str(start) if start == x else f"{start}-{x}" if x > start + 1 else f"{start}, {x}")
+            start = None
+    return ", ".join(out)

@@ -73,12 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="one JSON event per line on stdout")
     _add_engine_options(run)
 
-    conv = sub.add_parser("convert", help="convert an mlx-lm model folder into a flashmoe folder")
-    conv.add_argument("src", metavar="SRC")
+    conv = sub.add_parser("convert", help="convert a model (mlx-lm or Hugging Face folder, or .gguf) into a flashmoe folder")
+    conv.add_argument("src", metavar="SRC", help="mlx-lm / Hugging Face model folder, or a .gguf file")
     conv.add_argument("out", metavar="OUT")
-    conv.add_argument("--bits", type=int, choices=(2, 3, 4, 8), default=None,
+    conv.add_argument("--bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None,
                       help="quantize to this many bits (default: keep the source's precision)")
     conv.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64)
+    conv.add_argument("--expert-bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None,
+                      help="bits of the routed experts (default: --bits)")
+    conv.add_argument("--layer-bits", action="append", default=[], metavar="LAYERS=BITS",
+                      help="experts' bits for some layers: 7=8, 3-5=8, first:2=4, last:2=4 (repeatable)")
+    conv.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                      help="cast float tensors (and quantization scales) to this type; float32 is "
+                           "fastest on CPU (default: keep the source's)")
 
     info = sub.add_parser("info", help="describe a model folder")
     info.add_argument("model", metavar="MODEL")
@@ -173,13 +180,14 @@ class Progress:
 def cmd_convert(args) -> int:
     from engine.convert import convert
 
-    out = convert(args.src, args.out, bits=args.bits, group_size=args.group_size, progress=Progress())
+    out = convert(args.src, args.out, bits=args.bits, group_size=args.group_size, expert_bits=args.expert_bits,
+                  layer_bits=args.layer_bits, dtype=args.dtype, progress=Progress())
     print(f"flashmoe: wrote {out}", file=sys.stderr)
     return ExitCode.OK
 
 
 def cmd_info(args) -> int:
-    from engine.info import describe
+    from engine.info import describe, expert_bits_summary
 
     d = describe(args.model)
     if args.json:
@@ -191,6 +199,7 @@ def cmd_info(args) -> int:
         ("experts", f"{d['experts']} per layer, top-{d['top_k']} routed per token"),
         ("bits", f"{d['bits']} (group size {d['group_size']})" if d["bits"] else "unquantized"),
         ("resident bytes", human_bytes(d["resident_bytes"])),
+        ("expert bits", expert_bits_summary(d["expert_bits"])),
         ("expert bytes", f"{human_bytes(d['expert_bytes'])} ({human_bytes(d['expert_block_bytes'])} per expert)"),
         ("read per token at 0% hits", human_bytes(d["bytes_per_token_cold"])),
     ]

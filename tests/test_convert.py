@@ -73,7 +73,7 @@ def test_conversion_errors(model_factory, tmp_path):
     assert (tmp_path / "taken" / "file").read_text() == "mine"
     r = run_cli("convert", tmp_path / "nothing", tmp_path / "y")
     assert r.returncode == 3 and "no such file" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("convert", src, tmp_path / "y", "--bits", "5")
+    r = run_cli("convert", src, tmp_path / "y", "--bits", "7")
     assert r.returncode == 2
 
 
@@ -128,3 +128,65 @@ def test_peak_memory_is_about_one_layer(tmp_path):
     growth = json.loads(r.stdout.strip().splitlines()[-1])["growth"]
     layer_bytes = 32 * 3 * 256 * 512 * 4  # 50 MB of float32 experts per layer; 400 MB in all
     assert growth < 3 * layer_bytes, f"peak grew by {growth / 2**20:.0f} MB"
+
+
+def test_mixed_precision_experts(model_factory, tmp_path):
+    """2-bit experts, 4-bit in the first and last layer, 8-bit elsewhere: recorded and exact."""
+    src = model_factory("qwen3_moe")  # float32, 3 layers
+    out = convert(src, tmp_path / "mixed", bits=8, expert_bits=2, layer_bits=["first:1=4", "last:1=4"])
+    manifest = json.loads((out / "experts/manifest.json").read_text())
+    assert [l["quantization"]["bits"] for l in manifest["layers"]] == [4, 2, 4]
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    assert q["model.layers.1.mlp.switch_mlp.gate_proj"]["bits"] == 2
+    assert q["model.layers.0.mlp.switch_mlp.down_proj"]["bits"] == 4
+    assert q["bits"] == 8 and q["model.layers.0.mlp.gate"]["bits"] == 8  # router
+    # 2- and 4-bit layers have different shapes: they get separate slot pools
+    lm = load(out, load_tokenizer=False)
+    assert len(lm.store.pools) == 2
+    # the same plan through mlx-lm's own quantization is the exact reference
+    from engine.convert import QuantPlan, _quantize
+
+    ref, config = load_model(src)
+    ref, _ = _quantize(ref, config, QuantPlan(8, 64, 2, ((0, 4), (2, 4))))
+    assert mx.abs(lm.model(TOKENS) - ref(TOKENS)).max().item() <= 1e-5
+    info = run_cli("info", out)
+    assert "2-bit (layer 1), 4-bit (layers 0, 2)" in info.stdout, info.stdout
+
+
+def test_layer_bits_errors(model_factory, tmp_path):
+    src = model_factory("qwen3_moe")
+    with pytest.raises(ConvertError, match="layer 7 does not exist"):
+        convert(src, tmp_path / "a", bits=4, layer_bits=["7=8"])
+    with pytest.raises(ConvertError, match="expected LAYERS=BITS"):
+        convert(src, tmp_path / "a", bits=4, layer_bits=["first=8"])
+
+
+def test_dtype_casts_scales(model_factory, tmp_path):
+    src = model_factory("mixtral")
+    out = convert(src, tmp_path / "bf", bits=4, dtype="bfloat16")
+    manifest = json.loads((out / "experts/manifest.json").read_text())
+    dtypes = {p["name"]: p["dtype"] for p in manifest["layers"][0]["parts"]}
+    assert dtypes["gate_proj.scales"] == "BF16" and dtypes["gate_proj.weight"] == "U32"
+    assert load(out, load_tokenizer=False).model(TOKENS).dtype == mx.bfloat16
+
+
+def test_dense_model_converts_and_runs(tmp_path):
+    """A model without routed experts still converts and runs (nothing to stream)."""
+    from mlx_lm.utils import save_config, save_model
+
+    from tests.tiny_models import _COMMON
+
+    import mlx_lm.models.llama as llama
+
+    config = dict(_COMMON, model_type="llama", intermediate_size=128, head_dim=16)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    save_model(tmp_path / "dense", model)
+    save_config(config, tmp_path / "dense" / "config.json")
+    out = convert(tmp_path / "dense", tmp_path / "dense-fm", bits=4)
+    lm = load(out, load_tokenizer=False)
+    assert lm.store is None and lm.layers == []
+    ref, cfg = load_model(tmp_path / "dense")
+    with contextlib.redirect_stdout(io.StringIO()):
+        ref, _ = quantize_model(ref, cfg, 64, 4)
+    assert mx.abs(lm.model(TOKENS) - ref(TOKENS)).max().item() <= 1e-5

@@ -70,6 +70,7 @@ class LayerExperts:
     file: str | None = None
     stride: int = 0
     checksums: list[int] = field(default_factory=list)
+    quantization: dict | None = None  # {"bits", "group_size"} of these experts; None if float
     # direct mode only: sources[part][expert] = (path, offset) of that slice
     sources: list[list[tuple[str, int]]] | None = None
 
@@ -97,7 +98,7 @@ def stride_for(expert_bytes: int) -> int:
 
 
 def write_layer(folder: Path, layer: int, module: str, tensors: dict[str, mx.array],
-                part_names: list[str]) -> LayerExperts:
+                part_names: list[str], quantization: dict | None = None) -> LayerExperts:
     """Pack one layer's stacked expert tensors ([E, ...] each) into experts/layer_NNN.bin.
 
     Written under a temporary name and renamed, so a half-written file is never taken for a
@@ -127,7 +128,8 @@ def write_layer(folder: Path, layer: int, module: str, tensors: dict[str, mx.arr
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, folder / name)
-    return LayerExperts(layer, module, num_experts, parts, file=name, stride=stride, checksums=checksums)
+    return LayerExperts(layer, module, num_experts, parts, file=name, stride=stride, checksums=checksums,
+                        quantization=quantization)
 
 
 def write_manifest(folder: Path, layers: list[LayerExperts], extra: dict | None = None) -> None:
@@ -144,6 +146,7 @@ def write_manifest(folder: Path, layers: list[LayerExperts], extra: dict | None 
                 "num_experts": l.num_experts,
                 "stride": l.stride,
                 "expert_bytes": l.expert_bytes,
+                "quantization": l.quantization,
                 "parts": [{"name": p.name, "dtype": p.dtype, "shape": list(p.shape)} for p in l.parts],
                 "checksums": l.checksums,
             }
@@ -175,7 +178,8 @@ def read_manifest(folder: Path) -> list[LayerExperts]:
         for d in doc["layers"]:
             parts = tuple(Part(p["name"], p["dtype"], tuple(p["shape"])) for p in d["parts"])
             l = LayerExperts(d["layer"], d["module"], d["num_experts"], parts, file=d["file"],
-                             stride=d["stride"], checksums=list(d["checksums"]))
+                             stride=d["stride"], checksums=list(d["checksums"]),
+                             quantization=d.get("quantization"))
             if l.expert_bytes != d["expert_bytes"] or l.stride < l.expert_bytes or len(l.checksums) != l.num_experts:
                 raise ModelLoadError(path, f"layer {l.layer}: sizes in the manifest disagree with its part shapes")
             layers.append(l)
