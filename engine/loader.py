@@ -222,6 +222,29 @@ def _per_expert_keys(module: str, part: str, expert: int) -> list[str]:
     return [f"{b}.experts.{expert}.{alias}.{leaf}" for b in bases for alias in _EXPERT_ALIASES.get(proj, (proj,))]
 
 
+def _fused_slices(module: str, part: str, num_experts: int, headers: dict):
+    """Qwen3.5 originals fuse gate and up as experts.gate_up_proj [E, 2I, H]: each half of an
+    expert's block is contiguous, so it streams without a repack."""
+    proj, _, leaf = part.partition(".")
+    if leaf != "weight" or proj not in ("gate_proj", "up_proj", "down_proj"):
+        return None
+    base = module[: -len(".switch_mlp")]
+    for b in {base, base.replace("language_model.model.", "model.language_model.")}:
+        key = f"{b}.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+        t = headers.get(key)
+        if t is None or t.shape[0] != num_experts:
+            continue
+        per = t.nbytes // num_experts
+        if proj == "down_proj":
+            return Part(part, t.dtype, tuple(t.shape[1:])), [(str(t.path), t.offset + e * per) for e in range(num_experts)]
+        rows = t.shape[1] // 2
+        half = per // 2
+        skip = half if proj == "up_proj" else 0
+        return (Part(part, t.dtype, (rows, *t.shape[2:])),
+                [(str(t.path), t.offset + e * per + skip) for e in range(num_experts)])
+    return None
+
+
 def _direct_layers(path: Path, model: nn.Module, headers: dict) -> list[LayerExperts]:
     """Locate every expert slice in the checkpoint's own files: stacked [E, ...] tensors
     (mlx-lm layout) or one tensor per expert (Hugging Face layout)."""
@@ -238,6 +261,12 @@ def _direct_layers(path: Path, model: nn.Module, headers: dict) -> list[LayerExp
                 per = info.nbytes // num_experts
                 parts.append(Part(name, info.dtype, tuple(info.shape[1:])))
                 sources.append([(str(info.path), info.offset + e * per) for e in range(num_experts)])
+                continue
+            fused = _fused_slices(module, name, num_experts, headers)
+            if fused is not None:
+                part, srcs = fused
+                parts.append(part)
+                sources.append(srcs)
                 continue
             slices = []
             for e in range(num_experts):

@@ -89,7 +89,12 @@ def read_headers(paths: Iterable[Path]) -> dict[str, TensorInfo]:
 def array_bytes(a: mx.array) -> memoryview:
     """The raw bytes of an evaluated array (C order), without a copy where possible."""
     mx.eval(a)
-    return memoryview(a).cast("B")
+    view = memoryview(a)
+    if not view.c_contiguous:  # a slice of a bigger tensor (e.g. half of a fused gate_up)
+        a = mx.contiguous(a)
+        mx.eval(a)
+        view = memoryview(a)
+    return view.cast("B")
 
 
 def write_streaming(path: str | Path, items: list[tuple[str, mx.array]],
