@@ -296,8 +296,15 @@ def _check_layer_shapes(layers, modules, where: Path) -> None:
 
 
 def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = 8,
-         direct_io: bool = False, load_tokenizer: bool = True) -> LoadedModel:
-    """Build the model for `path` with streamed experts. Resident weights are loaded here."""
+         direct_io: bool = False, load_tokenizer: bool = True, dtype: str | None = None) -> LoadedModel:
+    """Build the model for `path` with streamed experts. Resident weights are loaded here.
+
+    dtype "float32" widens 16-bit float tensors (weights, quantization scales and biases, and
+    experts as they are read): MLX's CPU kernels are much faster in float32, and its CPU
+    gather_mm takes nothing else. None keeps what the checkpoint stores.
+    """
+    if dtype not in (None, "float32"):
+        raise ValueError(f"dtype must be None or 'float32', got {dtype!r}")
     path = Path(path)
     config = read_config(path)
     model = build_model(config, path)
@@ -347,7 +354,8 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         raise ModelLoadError(path / EXPERTS_DIR / "manifest.json", f"no experts for {missing[0]}")
 
     store = ExpertStore(path / EXPERTS_DIR if packed else path, layers, top_k_of(config),
-                        budget_bytes=expert_cache, io_threads=io_threads, direct_io=direct_io) if layers else None
+                        budget_bytes=expert_cache, io_threads=io_threads, direct_io=direct_io,
+                        upcast=dtype == "float32") if layers else None
     loaded = LoadedModel(model, config, path, "packed" if packed else "direct", store, layers)
     for l in layers:
         parent_path, _, attr = l.module.rpartition(".")
@@ -355,6 +363,8 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         setattr(parent, attr, StreamingSwitchGLU(modules[l.module], l.layer, store, loaded.timing))
 
     model.eval()
+    if dtype == "float32":
+        weights = {k: v.astype(mx.float32) if v.dtype in (mx.bfloat16, mx.float16) else v for k, v in weights.items()}
     try:
         model.load_weights(list(weights.items()), strict=True)
         mx.eval(model.parameters())

@@ -44,6 +44,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "current token needs (default: every expert, at most a quarter of the RAM)")
     p.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT (bypass the page cache)")
     p.add_argument("--io-threads", type=int, default=8, metavar="N", help="parallel expert reads (default 8)")
+    p.add_argument("--dtype", choices=("auto", "float32", "keep"), default="auto",
+                   help="float32 widens 16-bit weights and scales (much faster on MLX's CPU backend); "
+                        "auto: float32 on CPU, keep elsewhere")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="build the demo model (SmolLM2-135M as an 8-expert MoE) and print its path")
     demo.add_argument("--rebuild", action="store_true", help="build it again from the GGUF")
     return parser
+
+
+def resolve_dtype(choice: str) -> str | None:
+    if choice == "auto":
+        import mlx.core as mx
+
+        return "float32" if mx.default_device() == mx.cpu else None
+    return None if choice == "keep" else choice
 
 
 def resolve_model(model: str | None) -> str:

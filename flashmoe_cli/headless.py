@@ -71,10 +71,10 @@ def run(args) -> int:
 
     from engine.engine import Engine
 
-    from .cli import resolve_model
+    from .cli import resolve_dtype, resolve_model
 
     engine = Engine(resolve_model(args.model), expert_cache=args.expert_cache, io_threads=args.io_threads,
-                    direct_io=args.direct_io)
+                    direct_io=args.direct_io, dtype=resolve_dtype(args.dtype))
     try:
         return _generate(args, engine, request)
     finally:

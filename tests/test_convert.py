@@ -10,6 +10,7 @@ import textwrap
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model, quantize_model
 
 from engine.convert import convert
@@ -190,3 +191,49 @@ def test_dense_model_converts_and_runs(tmp_path):
     with contextlib.redirect_stdout(io.StringIO()):
         ref, _ = quantize_model(ref, cfg, 64, 4)
     assert mx.abs(lm.model(TOKENS) - ref(TOKENS)).max().item() <= 1e-5
+
+
+def test_bf16_sharded_per_expert_original_to_4bit(model_factory, tmp_path):
+    """A Hugging Face style release: bf16, one tensor per expert, two shards with an index."""
+    from safetensors.numpy import save_file
+
+    from tests.tiny_models import make_model
+
+    model, config = make_model("mixtral")
+    flat = dict(tree_flatten(model.parameters()))
+    hf = {}
+    for k, v in flat.items():
+        v = v.astype(mx.bfloat16)
+        if ".switch_mlp." in k:
+            base, rest = k.split(".switch_mlp.")
+            proj = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[rest.split(".")[0]]
+            for e in range(v.shape[0]):
+                hf[f"{base}.experts.{e}.{proj}.weight"] = v[e]
+        else:
+            hf[k] = v
+    src = tmp_path / "hf"
+    src.mkdir()
+    names = sorted(hf)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for fname, keys in shards.items():
+        mx.save_safetensors(str(src / fname), {k: hf[k] for k in keys})
+    index = {"weight_map": {k: f for f, ks in shards.items() for k in ks}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    (src / "config.json").write_text(json.dumps(config))
+    out = convert(src, tmp_path / "q4", bits=4, dtype="float32")
+    lm = load(out, load_tokenizer=False)
+    ref, cfg = load_model(src)  # mlx-lm on the same folder, same steps
+    from mlx.utils import tree_map as tmap
+
+    ref.update(tmap(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p, ref.parameters()))
+    with contextlib.redirect_stdout(io.StringIO()):
+        ref, _ = quantize_model(ref, cfg, 64, 4)
+    assert mx.abs(lm.model(TOKENS) - ref(TOKENS)).max().item() <= 1e-5
+    # The experts also stream straight out of the bf16 shards, widened to float32 as they are
+    # read (MLX's CPU gather_mm takes float32 only), against mlx-lm on the same widened weights.
+    direct = load(src, load_tokenizer=False, dtype="float32")
+    assert direct.layers[0].parts[0].dtype == "BF16" and direct.store.pools[0].held[0].dtype == "F32"
+    ref32, _ = load_model(src)
+    ref32.update(tmap(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p, ref32.parameters()))
+    assert mx.abs(direct.model(TOKENS) - ref32(TOKENS)).max().item() <= 1e-5

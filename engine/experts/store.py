@@ -20,10 +20,18 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelLoadError
-from .layout import Extent, LayerExperts
+from .layout import Extent, LayerExperts, Part
 
 PAGE = 4096
+_HALF = ("BF16", "F16")
 
+
+def _to_float32(src: memoryview, dtype: str, dst: memoryview) -> None:
+    out = np.frombuffer(dst, dtype=np.float32)
+    if dtype == "BF16":  # bfloat16 is the top half of a float32
+        out.view(np.uint32)[:] = np.frombuffer(src, dtype=np.uint16).astype(np.uint32) << 16
+    else:
+        out[:] = np.frombuffer(src, dtype=np.float16)
 
 @dataclass
 class LayerStats:
@@ -46,23 +54,35 @@ def default_budget(total_expert_bytes: int) -> int:
     return min(total_expert_bytes, ram // 4)
 
 
+def held_parts(parts, upcast: bool) -> list[Part]:
+    """The parts as the slots hold them: 16-bit floats widened to float32 when upcasting."""
+    return [Part(p.name, "F32", p.shape) if upcast and p.dtype in _HALF else p for p in parts]
+
+
 class SlotPool:
     """S slots for experts of one signature: one MLX array of shape [S, *part.shape] per part."""
 
-    def __init__(self, parts, slots: int):
-        self.parts = parts
+    def __init__(self, parts, slots: int, upcast: bool = False):
+        self.parts = parts  # as stored on disk
+        # MLX's CPU gather_mm takes float32 only (and half-precision scales are slow there):
+        # with `upcast`, 16-bit float parts live in the slots as float32, converted on read.
+        self.held = held_parts(parts, upcast)
         self.slots = slots
-        self.expert_bytes = sum(p.nbytes for p in parts)
-        self.arrays = {p.name: mx.zeros((slots, *p.shape), dtype=p.mx_dtype) for p in parts}
+        self.expert_bytes = sum(p.nbytes for p in self.held)
+        self.arrays = {p.name: mx.zeros((slots, *p.shape), dtype=p.mx_dtype) for p in self.held}
         mx.eval(list(self.arrays.values()))
         # Writable byte views of each slot of each part: reads land here directly.
-        self._views = [memoryview(self.arrays[p.name]).cast("B") for p in parts]
+        self._views = [memoryview(self.arrays[p.name]).cast("B") for p in self.held]
         self.table: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, LRU first
         self.free = list(range(slots - 1, -1, -1))
 
     def slot_views(self, slot: int, first: int, last: int) -> list[memoryview]:
         return [self._views[i][slot * p.nbytes:(slot + 1) * p.nbytes]
-                for i, p in enumerate(self.parts[first:last], start=first)]
+                for i, p in enumerate(self.held[first:last], start=first)]
+
+    def conversions(self, first: int, last: int) -> list[str | None]:
+        """Per part: the on-disk dtype to convert from, or None when it is read as is."""
+        return [p.dtype if p.dtype != h.dtype else None for p, h in zip(self.parts[first:last], self.held[first:last])]
 
     @property
     def used_bytes(self) -> int:
@@ -77,7 +97,8 @@ class ExpertStore:
     """Owns the slot pools, the open files and the reader threads."""
 
     def __init__(self, root: Path, layers: list[LayerExperts], top_k: int,
-                 budget_bytes: int | None = None, io_threads: int = 8, direct_io: bool = False):
+                 budget_bytes: int | None = None, io_threads: int = 8, direct_io: bool = False,
+                 upcast: bool = False):
         self.root = root
         self.layers = {l.layer: l for l in layers}
         self.direct_io = direct_io
@@ -87,6 +108,7 @@ class ExpertStore:
         self._fds: dict[str, int] = {}
         self._local = threading.local()
         self._pool_of: dict[int, SlotPool] = {}
+        self.upcast = upcast
         self.pools: list[SlotPool] = []
         self.budget_bytes = self._make_pools(layers, budget_bytes)
         self._exec = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="flashmoe-io")
@@ -104,11 +126,11 @@ class ExpertStore:
         for sig, ls in groups.items():
             group_total = sum(l.expert_bytes * l.num_experts for l in ls)
             share = budget_bytes * group_total // total if total else 0
-            eb = ls[0].expert_bytes
+            eb = sum(p.nbytes for p in held_parts(ls[0].parts, self.upcast))
             # Never below one token's experts; never above every expert of these layers.
             slots = min(max(self.top_k, share // eb), sum(l.num_experts for l in ls))
             slots = max(slots, min(self.top_k, max(l.num_experts for l in ls)))
-            pool = SlotPool(ls[0].parts, slots)
+            pool = SlotPool(ls[0].parts, slots, self.upcast)
             self.pools.append(pool)
             for l in ls:
                 self._pool_of[l.layer] = pool
@@ -158,7 +180,8 @@ class ExpertStore:
                 pool.table[(layer, e)] = slot
                 lut[e] = slot
                 for ext in info.extents(self.root, e):
-                    jobs.append((ext, pool.slot_views(slot, ext.first, ext.last)))
+                    jobs.append((ext, pool.slot_views(slot, ext.first, ext.last),
+                                 pool.conversions(ext.first, ext.last)))
             t0 = perf_counter()
             if len(jobs) == 1:
                 self._read(*jobs[0])
@@ -198,8 +221,17 @@ class ExpertStore:
             self._fds[path] = fd
         return fd
 
-    def _read(self, ext: Extent, views: list[memoryview]) -> None:
+    def _read(self, ext: Extent, views: list[memoryview], conversions: list) -> None:
         fd = self._fd(ext.path)
+        targets = views
+        if any(conversions):
+            # Read the on-disk bytes into a staging buffer, then widen each part into its slot.
+            sizes = [len(v) // 2 if c else len(v) for v, c in zip(views, conversions)]
+            stage = memoryview(bytearray(sum(sizes)))
+            views, pos = [], 0
+            for n in sizes:
+                views.append(stage[pos:pos + n])
+                pos += n
         try:
             if self.direct_io:
                 got = self._read_direct(fd, ext, views)
@@ -209,6 +241,9 @@ class ExpertStore:
             raise ModelLoadError(ext.path, f"read failed at offset {ext.offset}: {e.strerror or e}") from None
         if got != ext.nbytes:
             raise ModelLoadError(ext.path, f"truncated: wanted {ext.nbytes} bytes at offset {ext.offset}, got {got}")
+        for src, dst, conv in zip(views, targets, conversions):
+            if conv:
+                _to_float32(src, conv, dst)
 
     def _read_direct(self, fd: int, ext: Extent, views: list[memoryview]) -> int:
         # O_DIRECT needs aligned offsets, sizes and memory: read an aligned window into a
