@@ -250,7 +250,7 @@ def _attention_hparams(m: _Meta, *, eps_default: float) -> dict:
     if m.int("rope.dimension_count", hp["head_dim"]) != hp["head_dim"]:
         raise ValueError(f"GGUF uses partial rotary embeddings; {m.arch} rotates the whole head")
     if m.get("attention.clamp_kqv", None) is not None:
-        raise ValueError(f"GGUF clamps q/k/v (attention.clamp_kqv); mlx-lm's models do not")
+        raise ValueError("GGUF clamps q/k/v (attention.clamp_kqv); mlx-lm's models do not")
     return hp
 
 
@@ -264,8 +264,10 @@ def _rope_scaling(m: _Meta, model_type: str, allowed: tuple[str, ...] = ()) -> d
     if scaling == "linear":
         return {"type": "linear", "factor": factor}
     # yarn (deepseek2). llama.cpp stores 0.1 * mscale_all_dim as yarn_log_multiplier and, like
-    # the DeepSeek configs, assumes mscale == mscale_all_dim.
-    mscale = _f32(np.float32(m.get("rope.scaling.yarn_log_multiplier", 0.0)) * np.float32(10))
+    # the DeepSeek configs, assumes mscale == mscale_all_dim. Six significant digits undo the
+    # float32 rounding of the stored product (0.0707 -> 0.707, not 0.70699996).
+    log_mul = float(np.float32(m.float("rope.scaling.yarn_log_multiplier", 0.0)))
+    mscale = float(f"{log_mul * 10:.6g}")
     return {"type": "yarn", "factor": factor,
             "original_max_position_embeddings": m.int("rope.scaling.original_context_length"),
             "beta_fast": m.float("rope.scaling.yarn_beta_fast", 32.0),
@@ -440,7 +442,7 @@ def _add_routed_experts(plan: _Planner, i: int, prefix: str, moe: dict, hidden: 
 
 def _llama_hparams(m: _Meta) -> dict:
     hp = _attention_hparams(m, eps_default=1e-5)
-    hp = {"hidden_size": hp["hidden_size"], "intermediate_size": m.int("feed_forward_length"), **hp}
+    hp = {"hidden_size": hp.pop("hidden_size"), "intermediate_size": m.int("feed_forward_length"), **hp}
     scaling = _rope_scaling(m, "llama", allowed=("linear",))
     if scaling:
         hp["rope_scaling"] = scaling

@@ -11,6 +11,7 @@ import re
 import sys
 
 from . import __version__
+from .config import ConfigError
 from .exit_codes import ExitCode
 
 EPILOG = """exit codes: 0 ok, 1 generation failure, 2 usage, 3 model load or I/O, 4 timeout,
@@ -38,15 +39,92 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
-def _add_engine_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--expert-cache", type=parse_size, default=None, metavar="SIZE",
+S = argparse.SUPPRESS  # settings flags default to "not given", so config and env can fill them
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by run and chat; their defaults come from config.py."""
+    p.add_argument("-m", "--model", metavar="MODEL", default=S,
+                   help="model folder (flashmoe or mlx-lm); default: the built-in demo model, built on first use")
+    p.add_argument("-s", "--system", default=S, help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=S, metavar="N", help="default 512")
+    p.add_argument("--temp", type=float, default=S, metavar="T", help="temperature; 0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=S, metavar="P", help="default 1.0")
+    p.add_argument("--top-k", type=int, default=S, metavar="K", help="default 0 (off)")
+    p.add_argument("--min-p", type=float, default=S, metavar="P", help="default 0 (off)")
+    p.add_argument("--repetition-penalty", type=float, default=S, metavar="R", help="default 1.0 (off)")
+    p.add_argument("--seed", type=int, default=S)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--timing", choices=("off", "step", "layer"), default=S,
+                   help="step (default): host-side figures only; layer: per-layer breakdown (adds syncs)")
+    p.add_argument("--expert-cache", type=parse_size, default=S, metavar="SIZE",
                    help="byte budget of the expert cache, e.g. 2GB, 512MB; 0 keeps only what the "
                         "current token needs (default: every expert, at most a quarter of the RAM)")
     p.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT (bypass the page cache)")
-    p.add_argument("--io-threads", type=int, default=8, metavar="N", help="parallel expert reads (default 8)")
-    p.add_argument("--dtype", choices=("auto", "float32", "keep"), default="auto",
+    p.add_argument("--io-threads", type=int, default=S, metavar="N", help="parallel expert reads (default 8)")
+    p.add_argument("--dtype", choices=("auto", "float32", "keep"), default=S,
                    help="float32 widens 16-bit weights and scales (much faster on MLX's CPU backend); "
-                        "auto: float32 on CPU, keep elsewhere")
+                        "auto (default): float32 on CPU, keep elsewhere")
+    p.add_argument("-c", "--continue", dest="continue_", action="store_true",
+                   help="continue the most recent conversation")
+    p.add_argument("--cid", metavar="ID", help="continue the conversation with this id (see `flashmoe logs`)")
+    p.add_argument("-n", "--no-log", action="store_true", help="do not save this conversation")
+    p.add_argument("--engine", choices=("real", "fake"), default="real", help=argparse.SUPPRESS)
+
+
+def apply_settings(args) -> None:
+    """defaults < config file < FLASHMOE_* < flags: fill args with the merged settings."""
+    from .config import SETTINGS, load_settings
+
+    explicit = {k: getattr(args, k) for k in SETTINGS if hasattr(args, k)}
+    for k, v in load_settings(explicit).items():
+        setattr(args, k, v)
+
+
+def make_engine(args):
+    """The engine for run/chat: the real one, or (tests, hidden flag) a scripted fake."""
+    if args.engine == "fake":
+        from engine.fake import FakeEngine
+
+        replies = json.loads(os.environ.get("FLASHMOE_FAKE_REPLIES", "null"))
+        delay = float(os.environ.get("FLASHMOE_FAKE_DELAY", "0"))
+        return FakeEngine(replies, token_delay=delay)
+    from engine.engine import Engine
+
+    return Engine(resolve_model(args.model), expert_cache=args.expert_cache, io_threads=args.io_threads,
+                  direct_io=args.direct_io, dtype=resolve_dtype(args.dtype))
+
+
+def open_conversation(args, engine, model_name: str):
+    """A ChatSession, resumed (-c / --cid) or new; saved unless -n."""
+    from engine.sampling import SamplingParams
+
+    from .chat import ChatOptions, ChatSession
+    from .store import logging_disabled, open_store
+
+    try:
+        sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                  repetition_penalty=args.repetition_penalty, seed=args.seed)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    options = ChatOptions(max_tokens=args.max_tokens, sampling=sampling, timing=args.timing,
+                          system=args.system, stop=tuple(args.stop))
+    resume = args.continue_ or args.cid
+    store = None if (args.no_log or logging_disabled()) and not resume else open_store()
+    cid = args.cid
+    if args.continue_ and cid is None:
+        cid = store.latest()
+        if cid is None:
+            raise UsageError("--continue: there is no saved conversation yet")
+    try:
+        session = ChatSession(engine, store, options, cid=cid, model_name=model_name)
+    except KeyError:
+        raise UsageError(f"--cid {cid}: no such conversation (see `flashmoe logs`)") from None
+    if args.no_log:
+        session.store = None  # resumed, but this turn is not saved
+    return session
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,22 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate one reply (stdin and/or PROMPT in, answer on stdout)",
                          epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("prompt", nargs="?", help="the prompt; piped stdin comes first, then a blank line, then this")
-    run.add_argument("-m", "--model", metavar="MODEL",
-                     help="model folder (flashmoe or mlx-lm); default: the built-in demo model, built on first use")
-    run.add_argument("-s", "--system", help="system prompt")
     run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    run.add_argument("--max-tokens", type=int, default=512, metavar="N")
-    run.add_argument("--temp", type=float, default=0.0, metavar="T", help="temperature; 0 is greedy (default)")
-    run.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    run.add_argument("--top-k", type=int, default=0, metavar="K")
-    run.add_argument("--min-p", type=float, default=0.0, metavar="P")
-    run.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R")
-    run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    run.add_argument("--timing", choices=("off", "step", "layer"), default="step",
-                     help="step: host-side figures only; layer: per-layer breakdown (adds syncs)")
     run.add_argument("--json", action="store_true", help="one JSON event per line on stdout")
-    _add_engine_options(run)
+    _add_model_options(run)
+
+    chat = sub.add_parser("chat", help="chat in the terminal (TUI; a line REPL with --no-tui or TERM=dumb)",
+                          epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    chat.add_argument("--no-tui", action="store_true", help="plain line REPL instead of the full-screen app")
+    _add_model_options(chat)
+
+    logs = sub.add_parser("logs", help="list saved conversations, or show one")
+    logs.add_argument("action", nargs="?", choices=("list", "show", "path"), default="list")
+    logs.add_argument("cid", nargs="?", metavar="ID", help="conversation id for `show` (default: the latest)")
+    logs.add_argument("-n", "--count", type=int, default=20, help="how many to list (default 20)")
+    logs.add_argument("--json", action="store_true")
 
     conv = sub.add_parser("convert", help="convert a model (mlx-lm or Hugging Face folder, or .gguf) into a flashmoe folder")
     conv.add_argument("src", metavar="SRC", help="mlx-lm / Hugging Face model folder, or a .gguf file")
@@ -126,10 +202,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return ExitCode.USAGE
     try:
+        if args.command in ("run", "chat"):
+            apply_settings(args)
         if args.command == "run":
             from .headless import run
 
             return run(args)
+        if args.command == "chat":
+            return cmd_chat(args)
+        if args.command == "logs":
+            return cmd_logs(args)
         if args.command == "convert":
             return cmd_convert(args)
         if args.command == "info":
@@ -139,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return cmd_demo(args)
     except UsageError as e:
+        error(str(e))
+        return ExitCode.USAGE
+    except ConfigError as e:
         error(str(e))
         return ExitCode.USAGE
     except KeyboardInterrupt:
@@ -250,4 +335,58 @@ def cmd_demo(args) -> int:
     if args.rebuild:
         remove_demo()
     print(resolve_model(None))
+    return ExitCode.OK
+
+
+def cmd_chat(args) -> int:
+    """Pick the face: TUI on a terminal, line REPL on a dumb one or with --no-tui, else headless."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        from .headless import run
+
+        args.prompt, args.raw, args.json = None, False, False
+        return run(args)
+    if args.no_tui or os.environ.get("TERM", "") in ("dumb", ""):
+        from .repl import run_repl
+
+        return run_repl(args)
+    from .tui.app import run_tui
+
+    return run_tui(args)
+
+
+def cmd_logs(args) -> int:
+    import time
+
+    from .paths import logs_db
+    from .store import open_store
+
+    if args.action == "path":
+        print(logs_db())
+        return ExitCode.OK
+    store = open_store()
+    if args.action == "list":
+        convs = store.list(args.count)
+        if args.json:
+            print(json.dumps([c.__dict__ for c in convs], indent=2))
+            return ExitCode.OK
+        if not convs:
+            print("no saved conversations", file=sys.stderr)
+        for c in convs:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.created))
+            print(f"{c.id}  {when}  {c.messages:>3} msgs  {c.title or ''}")
+        return ExitCode.OK
+    cid = args.cid or store.latest()
+    conv = store.get(cid) if cid else None
+    if conv is None:
+        raise UsageError(f"no conversation {cid!r}" if cid else "no saved conversations")
+    msgs = store.messages(cid)
+    if args.json:
+        print(json.dumps({"conversation": conv.__dict__, "messages": [m.__dict__ for m in msgs]}, indent=2))
+        return ExitCode.OK
+    print(f"# {conv.id}  model: {conv.model or '?'}")
+    if conv.system:
+        print(f"\n[system]\n{conv.system}")
+    for m in msgs:
+        mark = " (interrupted)" if m.interrupted else ""
+        print(f"\n[{m.role}{mark}]\n{m.content}")
     return ExitCode.OK

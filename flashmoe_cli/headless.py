@@ -49,48 +49,28 @@ def layer_table(rows_sum: dict, steps: int) -> str:
 
 
 def run(args) -> int:
-    from engine import SamplingParams
-    from engine.generate import GenerationRequest
-
-    from .cli import UsageError
+    from .cli import make_engine, open_conversation
 
     text = read_prompt(args.prompt)
+    session = open_conversation(args, None, model_name=str(args.model or "demo"))  # checks the flags first
+    engine = session.engine = make_engine(args)
     try:
-        sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                  repetition_penalty=args.repetition_penalty, seed=args.seed)
-        if args.raw:
-            request = GenerationRequest(prompt=text, max_tokens=args.max_tokens, sampling=sampling,
-                                        stop=tuple(args.stop), timing=args.timing)
-        else:
-            messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-                       [{"role": "user", "content": text}]
-            request = GenerationRequest(messages=messages, max_tokens=args.max_tokens, sampling=sampling,
-                                        stop=tuple(args.stop), timing=args.timing)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-
-    from engine.engine import Engine
-
-    from .cli import resolve_dtype, resolve_model
-
-    engine = Engine(resolve_model(args.model), expert_cache=args.expert_cache, io_threads=args.io_threads,
-                    direct_io=args.direct_io, dtype=resolve_dtype(args.dtype))
-    try:
-        return _generate(args, engine, request)
+        loaded = engine.wait_loaded()
+        handle = session.send_raw(text) if args.raw else session.send(text)
+        return _stream(args, loaded, session, handle)
     finally:
         engine.close()
 
 
-def _generate(args, engine, request) -> int:
+def _stream(args, loaded, session, handle) -> int:
+    """Write the reply as it comes; record it; the summary goes to stderr."""
     from engine import EngineFailed, GenerationFinished, LayerTimings, TokenGenerated
 
     from .cli import error
 
-    loaded = engine.wait_loaded()
     out = sys.stdout
     if args.json:
         _emit_json(out, loaded.to_dict())
-    handle = engine.submit(request)
     rows_sum: dict[int, list] = {}
     steps = 0
     interrupted = False
@@ -125,6 +105,7 @@ def _generate(args, engine, request) -> int:
         elif args.json:
             _emit_json(out, ev.to_dict())
     done = ev
+    session.finish(done.text, done, interrupted=done.reason == "cancelled")
     if args.json:
         _emit_json(out, done.to_dict())
     else:

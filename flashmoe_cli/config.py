@@ -1,0 +1,75 @@
+"""Settings: defaults < config file < FLASHMOE_* environment < flags the user typed.
+
+The config file is TOML at FLASHMOE_HOME/config.toml (see `flashmoe config path`), with the
+same names as the long flags, e.g.
+
+    model = "~/models/qwen3-30b-fm"
+    max_tokens = 1024
+    temp = 0.7
+    expert_cache = "4GB"
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from .paths import config_file
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# name -> (default, parser from text)
+SETTINGS = {
+    "model": (None, str),
+    "system": (None, str),
+    "max_tokens": (512, int),
+    "temp": (0.0, float),
+    "top_p": (1.0, float),
+    "top_k": (0, int),
+    "min_p": (0.0, float),
+    "repetition_penalty": (1.0, float),
+    "seed": (None, int),
+    "timing": ("step", str),
+    "expert_cache": (None, "size"),
+    "io_threads": (8, int),
+    "dtype": ("auto", str),
+}
+
+
+class ConfigError(Exception):
+    """A bad config file or FLASHMOE_* variable (exit code 2)."""
+
+
+def _parse(name: str, value, where: str):
+    kind = SETTINGS[name][1]
+    try:
+        if kind == "size":
+            from .cli import parse_size
+
+            return value if isinstance(value, int) else parse_size(str(value))
+        return kind(value)
+    except (ValueError, TypeError, Exception) as e:
+        raise ConfigError(f"{where}: {name} = {value!r} is not valid ({e})") from None
+
+
+def load_settings(explicit: dict) -> dict:
+    """Merge the layers; `explicit` holds only the flags the user actually typed."""
+    merged = {k: d for k, (d, _) in SETTINGS.items()}
+    path = config_file()
+    if path.exists():
+        try:
+            data = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: {e}") from None
+        for k, v in data.items():
+            if k not in SETTINGS:
+                raise ConfigError(f"{path}: unknown setting {k!r} (known: {', '.join(SETTINGS)})")
+            merged[k] = _parse(k, v, str(path))
+    for k in SETTINGS:
+        env = os.environ.get("FLASHMOE_" + k.upper())
+        if env is not None and env != "":
+            merged[k] = _parse(k, env, "FLASHMOE_" + k.upper())
+    merged.update(explicit)
+    return merged

@@ -1,0 +1,134 @@
+"""Conversations on disk: one SQLite database, a row per message written as it happens.
+
+Each message is committed on its own, so a crash loses nothing that was shown. Migrations are an
+append-only list: the database records how many have run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MIGRATIONS = [
+    """
+    CREATE TABLE conversations (
+        id TEXT PRIMARY KEY,
+        created REAL NOT NULL,
+        model TEXT,
+        system TEXT,
+        title TEXT
+    );
+    CREATE TABLE messages (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        conversation_id TEXT NOT NULL REFERENCES conversations(id),
+        created REAL NOT NULL,
+        role TEXT NOT NULL,
+        content TEXT NOT NULL,
+        interrupted INTEGER NOT NULL DEFAULT 0,
+        stats TEXT
+    );
+    CREATE INDEX messages_by_conversation ON messages(conversation_id, id);
+    """,
+]
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+    created: float
+    interrupted: bool = False
+    stats: dict | None = None
+
+    def for_template(self) -> dict:
+        return {"role": self.role, "content": self.content}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str
+    created: float
+    model: str | None
+    system: str | None
+    title: str | None
+    messages: int = 0
+
+
+class Store:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(self.path), check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self._migrate()
+
+    def _migrate(self) -> None:
+        done = self.db.execute("PRAGMA user_version").fetchone()[0]
+        for i, sql in enumerate(MIGRATIONS[done:], start=done + 1):
+            with self.db:
+                self.db.executescript(sql)
+                self.db.execute(f"PRAGMA user_version = {i}")
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- writing -------------------------------------------------------------------------
+    def new_conversation(self, model: str | None, system: str | None = None) -> str:
+        cid = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
+        with self.db:
+            self.db.execute("INSERT INTO conversations (id, created, model, system) VALUES (?, ?, ?, ?)",
+                            (cid, time.time(), model, system))
+        return cid
+
+    def add_message(self, cid: str, role: str, content: str, *, interrupted: bool = False,
+                    stats: dict | None = None) -> None:
+        with self.db:
+            self.db.execute(
+                "INSERT INTO messages (conversation_id, created, role, content, interrupted, stats) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (cid, time.time(), role, content, int(interrupted), json.dumps(stats) if stats else None))
+            if role == "user":
+                self.db.execute("UPDATE conversations SET title = ? WHERE id = ? AND title IS NULL",
+                                (content.strip().splitlines()[0][:80] if content.strip() else "", cid))
+
+    def set_system(self, cid: str, system: str | None) -> None:
+        with self.db:
+            self.db.execute("UPDATE conversations SET system = ? WHERE id = ?", (system, cid))
+
+    # -- reading -------------------------------------------------------------------------
+    def get(self, cid: str) -> Conversation | None:
+        row = self.db.execute(
+            "SELECT c.id, c.created, c.model, c.system, c.title, COUNT(m.id) FROM conversations c "
+            "LEFT JOIN messages m ON m.conversation_id = c.id WHERE c.id = ? GROUP BY c.id", (cid,)).fetchone()
+        return Conversation(*row) if row else None
+
+    def latest(self) -> str | None:
+        row = self.db.execute("SELECT id FROM conversations ORDER BY created DESC, rowid DESC LIMIT 1").fetchone()
+        return row[0] if row else None
+
+    def list(self, limit: int = 20) -> list[Conversation]:
+        rows = self.db.execute(
+            "SELECT c.id, c.created, c.model, c.system, c.title, COUNT(m.id) FROM conversations c "
+            "LEFT JOIN messages m ON m.conversation_id = c.id GROUP BY c.id "
+            "ORDER BY c.created DESC, c.rowid DESC LIMIT ?", (limit,)).fetchall()
+        return [Conversation(*r) for r in rows]
+
+    def messages(self, cid: str) -> list[Message]:
+        rows = self.db.execute(
+            "SELECT role, content, created, interrupted, stats FROM messages WHERE conversation_id = ? ORDER BY id",
+            (cid,)).fetchall()
+        return [Message(r[0], r[1], r[2], bool(r[3]), json.loads(r[4]) if r[4] else None) for r in rows]
+
+
+def open_store() -> Store:
+    from .paths import logs_db
+
+    return Store(logs_db())
+
+
+def logging_disabled() -> bool:
+    return os.environ.get("FLASHMOE_NO_LOG", "") not in ("", "0")
