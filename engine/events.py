@@ -83,12 +83,13 @@ class GenerationFinished(Event):
     prompt_tps: float
     generation_tps: float
     prefill_s: float
-    decode_s: float
+    decode_s: float  # the forward passes after the first token
+    io_wait_s: float  # of decode_s, time spent waiting for expert reads
     bytes_per_token: float  # expert bytes read per decoded token
     hit_rate: float  # expert cache hits / lookups during decode
     top_k: int
     bits: int | None
-    cache_state: str  # "cold" (first generation since load) | "warm"
+    cache_state: str  # "cold": the expert slots were empty when it started; else "warm"
     text: str = ""  # the whole reply
     tail: str = ""  # reply text not yet sent in TokenGenerated events (held back, then released)
 

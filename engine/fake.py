@@ -71,5 +71,5 @@ class FakeEngine:
         put(GenerationFinished(
             reason=reason, prompt_tokens=self.prompt_tokens, reused_prompt_tokens=0,
             generation_tokens=len(text), prompt_tps=240.0, generation_tps=len(text) / wall,
-            prefill_s=0.05, decode_s=wall, bytes_per_token=4 << 20, hit_rate=0.75, top_k=4, bits=4,
+            prefill_s=0.05, decode_s=wall, io_wait_s=wall * 0.3, bytes_per_token=4 << 20, hit_rate=0.75, top_k=4, bits=4,
             cache_state="warm", text="".join(text), tail=""))

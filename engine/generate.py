@@ -124,7 +124,8 @@ def generate(loaded, session: Session, request: GenerationRequest,
             clock = loaded.clock = LayerClock(loaded)
         clock.install()
     loaded.timing[0] = request.timing
-    cold = not getattr(loaded, "warm", False)
+    # "cold": the expert slots start empty (first turn after load, or after evict_all).
+    cold = store is not None and store.used_bytes == 0
 
     ids = render_prompt(loaded, request)
     if not ids:
@@ -162,8 +163,8 @@ def generate(loaded, session: Session, request: GenerationRequest,
     text_out: list[str] = []
     reason = "cancelled" if logits is None else "length"
     steps = bytes_read = hits = lookups = 0
-    t_decode = perf_counter()
-    step_start = t_decode
+    io_wait = 0.0
+    t_first = step_start = perf_counter()
     while logits is not None:
         if cancel.is_set():
             reason = "cancelled"
@@ -190,6 +191,7 @@ def generate(loaded, session: Session, request: GenerationRequest,
             stats = store.take_stats()
             store.pending.clear()
             s_bytes = sum(s.bytes_read for s in stats.values())
+            io_wait += sum(s.io_wait_s for s in stats.values())
             s_hits = sum(s.hits for s in stats.values())
             s_miss = sum(s.misses for s in stats.values())
             bytes_read, hits, lookups = bytes_read + s_bytes, hits + s_hits, lookups + s_hits + s_miss
@@ -201,18 +203,19 @@ def generate(loaded, session: Session, request: GenerationRequest,
             rows = clock.rows(stats) if request.timing == "layer" else rows_from(loaded.num_layers, stats)
             yield LayerTimings(steps - 1, request.timing, rows)
         step_start = now
-    decode_s = perf_counter() - t_decode
-    loaded.warm = True
+    # The first token comes from the prefill's logits: decode speed counts the forward passes
+    # after it, over the time they took.
+    fed = max(0, steps - 1)
+    decode_s = step_start - t_first if fed else 0.0
 
     tail = stops.pending if reason != "stop" else ""
     tail += detok.flush() if reason != "stop" else ""
     text = "".join(text_out) + tail
-    fed = max(0, steps - 1)  # the first token came from the prefill's logits
     yield GenerationFinished(
         reason=reason, prompt_tokens=len(ids), reused_prompt_tokens=reused, generation_tokens=steps,
         prompt_tps=len(todo) / prefill_s if prefill_s > 0 else 0.0,
-        generation_tps=steps / decode_s if decode_s > 0 else 0.0,
-        prefill_s=prefill_s, decode_s=decode_s,
+        generation_tps=fed / decode_s if decode_s > 0 else 0.0,
+        prefill_s=prefill_s, decode_s=decode_s, io_wait_s=io_wait,
         bytes_per_token=bytes_read / fed if fed else 0.0,
         hit_rate=hits / lookups if lookups else 0.0,
         top_k=loaded.top_k, bits=model_bits(loaded.config), cache_state="cold" if cold else "warm",

@@ -46,16 +46,7 @@ class StreamingSwitchGLU(nn.Module):
             lut = store.fetch(layer, wanted)
             y = inner(x, mx.array(lut[ids], dtype=indices.dtype))
         else:
-            # More distinct experts than slots (long prefill, small budget): run them in
-            # groups that fit, keeping each position's result from its own group.
-            y = None
-            for start in range(0, len(wanted), slots):
-                group = wanted[start:start + slots]
-                lut = store.fetch(layer, group)
-                inside = np.isin(ids, group)
-                yg = inner(x, mx.array(np.where(inside, lut[ids], 0), dtype=indices.dtype))
-                y = yg if y is None else mx.where(mx.array(inside)[..., None], yg, y)
-                mx.eval(y)  # the next group overwrites slots this one reads
+            y = self._in_groups(x, ids, wanted, slots, indices.dtype)
         if self._timing[0] == "layer":
             t1 = perf_counter()
             mx.eval(y)
@@ -63,3 +54,23 @@ class StreamingSwitchGLU(nn.Module):
         else:
             store.note_output(y)
         return y
+
+    def _in_groups(self, x, ids, wanted, slots, dtype):
+        """More distinct experts than slots (a long prefill under a small budget): load them a
+        group at a time and run each group only on the (token, k) pairs that chose it."""
+        store, inner = self._store, self._inner.module
+        k = ids.shape[-1]
+        flat_ids = ids.reshape(-1)
+        x_flat = x.reshape(-1, x.shape[-1])
+        y = None
+        for start in range(0, len(wanted), slots):
+            group = wanted[start:start + slots]
+            lut = store.fetch(self._layer, group)
+            pairs = np.nonzero(np.isin(flat_ids, group))[0]
+            rows = x_flat[mx.array(pairs // k)]
+            out = inner(rows, mx.array(lut[flat_ids[pairs]][:, None], dtype=dtype))[:, 0]
+            if y is None:
+                y = mx.zeros((flat_ids.size, out.shape[-1]), dtype=out.dtype)
+            y = y.at[mx.array(pairs)].add(out)  # each pair belongs to one group: add onto zero
+            mx.eval(y)  # the next group overwrites slots this one reads
+        return y.reshape(*ids.shape, -1)
