@@ -302,6 +302,7 @@ def _convert_gguf(src: Path, out: Path, *, plan: QuantPlan, layer_bits, dtype, p
         try:
             gguf_to_hf_folder(src, stage)
         except ValueError as e:
+            shutil.rmtree(stage, ignore_errors=True)
             raise ConvertError(src, str(e)) from None
     result = convert(stage, out, bits=plan.bits, group_size=plan.group_size, expert_bits=plan.expert_bits,
                      layer_bits=layer_bits, dtype=dtype, progress=progress)

@@ -32,7 +32,8 @@ def summary(done, loaded) -> str:
         f"decode {done.generation_tokens} tok {done.generation_tps:.2f} tok/s",
         f"{human_bytes(done.bytes_per_token)}/token read",
         f"hit rate {done.hit_rate:.0%}",
-        f"K={done.top_k}", bits, f"{done.cache_state} cache",
+        f"io wait {done.io_wait_s / done.decode_s:.0%}" if done.decode_s > 0 else "io wait -",
+        f"K={done.top_k}", bits, f"{done.cache_state} expert cache",
         f"{loaded.model_type} ({loaded.mode})",
     ]
     return " | ".join(parts)

@@ -26,7 +26,7 @@ def test_pipe_in_answer_out(model):
     assert r.stdout.endswith("\n") and len(r.stdout) > 1
     # stderr: the summary line with its conditions; nothing on stdout but the answer
     summary = r.stderr.strip().splitlines()[-1]
-    for needle in ("prefill", "decode 8 tok", "tok/s", "/token read", "hit rate", "K=2", "4-bit", "cold cache"):
+    for needle in ("prefill", "decode 8 tok", "tok/s", "/token read", "hit rate", "K=2", "4-bit", "cold expert cache"):
         assert needle in summary
 
 

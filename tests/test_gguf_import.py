@@ -727,3 +727,42 @@ def test_moe_family_pretokenizers(tmp_path, pre, text, expected):
     src = write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(), pre=pre)
     tok = Tokenizer.from_file(str(gguf_to_hf_folder(src, tmp_path / "out") / "tokenizer.json"))
     assert tok.encode(text).ids == [TOKENS.index(t) for t in expected]
+
+
+@pytest.mark.parametrize("bits", [None, 8])
+def test_flashmoe_convert_gguf_end_to_end(tmp_path, bits):
+    """`flashmoe convert model.gguf OUT [--bits 8]` streams the GGUF's weights, exactly as mlx-lm
+    runs the same weights (for --bits, after mlx-lm's own quantization)."""
+    import contextlib
+    import io
+
+    from mlx_lm.utils import load_model, quantize_model
+
+    from engine.loader import load
+    from tests.conftest import run_cli
+
+    _, config, params = make_moe_model("qwen3_moe")
+    src = write_moe_gguf(tmp_path / "tiny.gguf", config, to_gguf_tensors(params, config), {})
+    args = ["convert", src, tmp_path / "out"] + (["--bits", str(bits)] if bits else [])
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "out.gguf-src").exists()  # the staging folder is gone
+    lm = load(tmp_path / "out")
+    assert lm.mode == "packed" and len(lm.layers) == config["num_hidden_layers"]
+    ref_folder = gguf_to_hf_folder(src, tmp_path / "ref")
+    ref, cfg = load_model(ref_folder)
+    if bits:
+        with contextlib.redirect_stdout(io.StringIO()):
+            ref, _ = quantize_model(ref, cfg, 64, bits)
+    tokens = mx.array([MOE_TOKENS])
+    assert mx.abs(lm.model(tokens) - ref(tokens)).max().item() <= 1e-5
+
+
+def test_unsupported_gguf_is_one_line_error(tmp_path):
+    from tests.conftest import run_cli
+
+    src = _moe_source(tmp_path, meta=lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID))
+    r = run_cli("convert", src, tmp_path / "out")
+    assert r.returncode == 3 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("flashmoe: error: ") and "gating function" in r.stderr
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,390 @@
+"""User tools: command tools from a JSON or YAML file, and Python functions from a module file.
+
+Command tool file: a list (or {"tools": [...]}) of OpenAI tool objects, each with a "command" argv
+list. `{arg}` placeholders in the argv are filled from the validated arguments and the argv runs
+without a shell, so an argument like `; rm -rf /` stays one literal argument:
+
+    - type: function
+      function:
+        name: word_count
+        description: Count the words in a file.
+        parameters:
+          type: object
+          properties: {file: {type: string}}
+          required: [file]
+      command: [wc, -w, "{file}"]
+      paths: [file]        # optional: arguments the sandbox checks as workspace paths
+      timeout: 30          # optional, seconds
+
+The flat form {name, description, parameters, command} is accepted too. An argv item whose
+placeholder names an absent optional argument (without a schema default) is left out; `{{` and `}}`
+are literal braces. argv[0] must be fixed. Command tools have risk "exec".
+
+Python tools: every public top-level function defined in the file (or those in `__all__`) becomes a
+tool; type hints give the JSON Schema, the docstring's first paragraph the description and its
+Google-style "Args:" section the parameter descriptions. Risk is "exec" unless the function has a
+`risk` attribute ("read", "write" or "exec").
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import sys
+import types
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from tools.errors import ToolDefinitionError, ToolFileError
+from tools.registry import RISKS, Tool
+from tools.runner import CommandRunner, ToolResult
+
+_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
+
+
+# ---- command tools from JSON / YAML ------------------------------------------------------------
+
+
+def _parse_template(path: str, tool: str, item: str) -> list[str | tuple[str]]:
+    """Split an argv item into literal strings and ("argname",) placeholders."""
+    parts: list[str | tuple[str]] = []
+    pos = 0
+    for m in _PLACEHOLDER.finditer(item):
+        if m.start() > pos:
+            parts.append(item[pos:m.start()])
+        tok = m.group(0)
+        if tok in ("{{", "}}"):
+            parts.append(tok[0])
+        elif tok in ("{", "}"):
+            raise ToolFileError(path, f"tool '{tool}': unbalanced brace in command item {item!r} "
+                                      "(write {{ or }} for a literal brace)")
+        else:
+            name = (m.group(1) or "").strip()
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_-]*$", name):
+                raise ToolFileError(path, f"tool '{tool}': bad placeholder {tok!r} in command item {item!r}")
+            parts.append((name,))
+        pos = m.end()
+    if pos < len(item):
+        parts.append(item[pos:])
+    return parts
+
+
+def _arg_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return ""
+    if isinstance(value, (int, float)):
+        return str(value)
+    return json.dumps(value, ensure_ascii=False)
+
+
+def fill_command(template: list[list[str | tuple[str]]], arguments: dict[str, Any],
+                 defaults: dict[str, Any]) -> list[str]:
+    """The argv for one call: placeholders replaced by argument text, items with absent args dropped."""
+    argv: list[str] = []
+    for parts in template:
+        out: list[str] = []
+        keep = True
+        for p in parts:
+            if isinstance(p, tuple):
+                name = p[0]
+                if name in arguments:
+                    out.append(_arg_text(arguments[name]))
+                elif name in defaults:
+                    out.append(_arg_text(defaults[name]))
+                else:
+                    keep = False
+                    break
+            else:
+                out.append(p)
+        if keep:
+            argv.append("".join(out))
+    return argv
+
+
+def _command_tool(path: str, obj: Any, index: int, runner: CommandRunner) -> Tool:
+    where = f"tool #{index + 1}"
+    if not isinstance(obj, dict):
+        raise ToolFileError(path, f"{where} is a {type(obj).__name__}, expected an object")
+    fn = obj.get("function") if obj.get("type", "function") == "function" and "function" in obj else obj
+    if not isinstance(fn, dict):
+        raise ToolFileError(path, f"{where}: \"function\" must be an object")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name:
+        raise ToolFileError(path, f"{where} has no name")
+    where = f"tool '{name}'"
+    params = fn.get("parameters") or {"type": "object", "properties": {}}
+    if not isinstance(params, dict):
+        raise ToolFileError(path, f"{where}: parameters must be a JSON Schema object")
+    props = params.get("properties") or {}
+    command = obj.get("command", fn.get("command"))
+    if (not isinstance(command, list) or not command
+            or not all(isinstance(c, (str, int, float)) and not isinstance(c, bool) for c in command)):
+        raise ToolFileError(path, f"{where}: \"command\" must be a non-empty list of strings (an argv, "
+                                  "not a shell line)")
+    template = [_parse_template(path, name, str(c)) for c in command]
+    if any(isinstance(p, tuple) for p in template[0]):
+        raise ToolFileError(path, f"{where}: the program (command[0]) must be fixed, not a placeholder")
+    for parts in template:
+        for p in parts:
+            if isinstance(p, tuple) and p[0] not in props:
+                raise ToolFileError(path, f"{where}: placeholder {{{p[0]}}} is not one of its parameters "
+                                          f"({', '.join(props) or 'none'})")
+    defaults = {k: v["default"] for k, v in props.items() if isinstance(v, dict) and "default" in v}
+    paths = obj.get("paths", [])
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise ToolFileError(path, f"{where}: \"paths\" must be a list of parameter names")
+    timeout = obj.get("timeout")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ToolFileError(path, f"{where}: \"timeout\" must be a positive number of seconds")
+
+    def run(**arguments: Any) -> ToolResult:
+        return runner.run(fill_command(template, arguments, defaults), timeout=timeout)
+
+    try:
+        return Tool(name, str(fn.get("description", "")), params, run, "exec", path_args=tuple(paths), source=path)
+    except ToolDefinitionError as e:
+        raise ToolFileError(path, str(e).replace(f" ({path})", "")) from None
+
+
+def load_tool_file(path: str | os.PathLike[str], runner: CommandRunner | None = None) -> list[Tool]:
+    """Command tools from a .json, .yaml or .yml file; the runner sets cwd, timeout and output cap."""
+    p = Path(path)
+    shown = str(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ToolFileError(shown, "no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ToolFileError(shown, f"cannot read: {e}") from None
+    suffix = p.suffix.lower()
+    if suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ToolFileError(shown, f"invalid JSON: {e}") from None
+    elif suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ToolFileError(shown, f"invalid YAML{at}: {problem}") from None
+    else:
+        raise ToolFileError(shown, "unknown tool file type; use .json, .yaml or .yml (or .py for Python tools)")
+    if isinstance(data, dict) and "tools" in data:
+        data = data["tools"]
+    if not isinstance(data, list):
+        raise ToolFileError(shown, "expected a list of tool objects (or {\"tools\": [...]})")
+    runner = runner or CommandRunner()
+    tools = [_command_tool(shown, obj, i, runner) for i, obj in enumerate(data)]
+    names = [t.name for t in tools]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise ToolFileError(shown, f"tool '{dup}' is defined twice")
+    return tools
+
+
+# ---- Python tools ------------------------------------------------------------------------------
+
+_NONE = type(None)
+
+
+def schema_for_type(hint: Any) -> dict[str, Any]:
+    """JSON Schema for a type hint; raises TypeError for hints it cannot express."""
+    if hint is inspect.Parameter.empty:
+        raise TypeError("missing type hint")
+    if hint is Any:
+        return {}
+    if hint is str:
+        return {"type": "string"}
+    if hint is bool:
+        return {"type": "boolean"}
+    if hint is int:
+        return {"type": "integer"}
+    if hint is float:
+        return {"type": "number"}
+    if hint is _NONE or hint is None:
+        return {"type": "null"}
+    if hint in (list, typing.List):  # noqa: UP006
+        return {"type": "array"}
+    if hint in (dict, typing.Dict):  # noqa: UP006
+        return {"type": "object"}
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin is Literal:
+        values = list(args)
+        if not all(isinstance(v, (str, int, float, bool)) or v is None for v in values):
+            raise TypeError(f"Literal values must be str, int, float, bool or None: {hint!r}")
+        schema: dict[str, Any] = {"enum": values}
+        kinds = {("boolean" if isinstance(v, bool) else "integer" if isinstance(v, int) else
+                  "number" if isinstance(v, float) else "null" if v is None else "string") for v in values}
+        if len(kinds) == 1:
+            schema = {"type": kinds.pop(), "enum": values}
+        return schema
+    if origin in (Union, types.UnionType):
+        members = [a for a in args if a is not _NONE]
+        nullable = len(members) < len(args)
+        subs = [schema_for_type(a) for a in members]
+        if len(subs) == 1:
+            sub = subs[0]
+            if not nullable:
+                return sub
+            if set(sub) <= {"type", "enum", "items", "additionalProperties"} and isinstance(sub.get("type"), str):
+                out = dict(sub, type=[sub["type"], "null"])
+                if "enum" in out:
+                    out["enum"] = [*out["enum"], None]
+                return out
+            return {"anyOf": [sub, {"type": "null"}]}
+        return {"anyOf": subs + ([{"type": "null"}] if nullable else [])}
+    if origin in (list, typing.List):  # noqa: UP006
+        return {"type": "array", "items": schema_for_type(args[0])} if args else {"type": "array"}
+    if origin in (dict, typing.Dict):  # noqa: UP006
+        if args and args[0] is not str:
+            raise TypeError(f"dict keys must be str in JSON: {hint!r}")
+        return {"type": "object", "additionalProperties": schema_for_type(args[1])} if args else {"type": "object"}
+    raise TypeError(f"unsupported type hint {getattr(hint, '__name__', None) or hint!r}")
+
+
+_SECTION = re.compile(r"^(Args|Arguments|Parameters|Params|Returns|Return|Yields|Raises|Examples?|Notes?|"
+                      r"Attributes|See Also|Warnings?|Todo)\s*:\s*$")
+_ARG_LINE = re.compile(r"^\*{0,2}([A-Za-z_][A-Za-z0-9_]*)\s*(?:\(([^)]*)\))?\s*:\s*(.*)$")
+
+
+def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
+    """(description, {param: description}) from a Google-style docstring."""
+    if not doc:
+        return "", {}
+    lines = inspect.cleandoc(doc).splitlines()
+    desc: list[str] = []
+    i = 0
+    while i < len(lines) and lines[i].strip() and not _SECTION.match(lines[i].strip()):
+        desc.append(lines[i].strip())
+        i += 1
+    params: dict[str, str] = {}
+    in_args = False
+    indent = None
+    current: str | None = None
+    for line in lines[i:]:
+        stripped = line.strip()
+        m = _SECTION.match(stripped)
+        if m and (len(line) - len(line.lstrip())) == 0:
+            in_args = m.group(1) in ("Args", "Arguments", "Parameters", "Params")
+            indent, current = None, None
+            continue
+        if not in_args or not stripped:
+            continue
+        ind = len(line) - len(line.lstrip())
+        if indent is None:
+            indent = ind
+        am = _ARG_LINE.match(stripped)
+        if ind <= indent and am:
+            current = am.group(1)
+            params[current] = am.group(3).strip()
+        elif current is not None and ind > indent:
+            params[current] = (params[current] + " " + stripped).strip()
+        elif ind < indent:
+            in_args = False
+    return " ".join(desc), params
+
+
+def tool_from_function(fn: Callable[..., Any], *, risk: str | None = None, source: str = "") -> Tool:
+    """A Tool whose JSON Schema comes from fn's signature and type hints; raises TypeError/ValueError
+    with a message naming the parameter when fn cannot be a tool."""
+    name = fn.__name__
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception as e:  # unresolvable string annotations
+        raise TypeError(f"function '{name}': cannot resolve type hints: {e}") from None
+    description, arg_docs = parse_docstring(fn.__doc__)
+    props: dict[str, Any] = {}
+    required: list[str] = []
+    for pname, param in inspect.signature(fn).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise TypeError(f"function '{name}': *{pname}/**{pname} parameters cannot be tool arguments")
+        if param.kind is param.POSITIONAL_ONLY:
+            raise TypeError(f"function '{name}': positional-only parameter '{pname}' cannot be a tool argument")
+        if pname not in hints:
+            raise TypeError(f"function '{name}': parameter '{pname}' has no type hint")
+        try:
+            schema = schema_for_type(hints[pname])
+        except TypeError as e:
+            raise TypeError(f"function '{name}': parameter '{pname}': {e}") from None
+        if pname in arg_docs and arg_docs[pname]:
+            schema = {**schema, "description": arg_docs[pname]}
+        if param.default is param.empty:
+            required.append(pname)
+        else:
+            try:
+                json.dumps(param.default)
+            except (TypeError, ValueError):
+                raise TypeError(f"function '{name}': the default of '{pname}' is not JSON-serialisable") from None
+            schema = {**schema, "default": param.default}
+        props[pname] = schema
+    parameters: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
+    if required:
+        parameters["required"] = required
+    chosen = risk or getattr(fn, "risk", None) or "exec"
+    if chosen not in RISKS:
+        raise ValueError(f"function '{name}': risk must be one of {', '.join(RISKS)}, not {chosen!r}")
+
+    def call(**arguments: Any) -> Any:
+        return fn(**arguments)
+
+    call.__name__ = name
+    return Tool(name, description or name, parameters, call, chosen, source=source)  # type: ignore[arg-type]
+
+
+def load_python_tools(path: str | os.PathLike[str], *, risk: str | None = None) -> list[Tool]:
+    """Tools from the public top-level functions of a Python file (see the module docstring)."""
+    p = Path(path)
+    shown = str(path)
+    if p.suffix != ".py":
+        raise ToolFileError(shown, "Python tools must come from a .py file")
+    if not p.is_file():
+        raise ToolFileError(shown, "no such file")
+    digest = hashlib.sha1(str(p.resolve()).encode()).hexdigest()[:10]
+    modname = f"flashmoe_user_tools_{re.sub(r'[^0-9A-Za-z_]', '_', p.stem)}_{digest}"
+    spec = importlib.util.spec_from_file_location(modname, p)
+    if spec is None or spec.loader is None:
+        raise ToolFileError(shown, "cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[modname] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        sys.modules.pop(modname, None)
+        raise ToolFileError(shown, f"syntax error at line {e.lineno}: {e.msg}") from None
+    except Exception as e:
+        sys.modules.pop(modname, None)
+        raise ToolFileError(shown, f"import failed: {type(e).__name__}: {e}") from None
+    exported = getattr(module, "__all__", None)
+    if exported is not None:
+        names = list(exported)
+        missing = [n for n in names if not inspect.isfunction(getattr(module, n, None))]
+        if missing:
+            raise ToolFileError(shown, f"__all__ names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                                       "not a function")
+    else:
+        names = [n for n, v in vars(module).items()
+                 if inspect.isfunction(v) and v.__module__ == modname and not n.startswith("_")]
+    if not names:
+        raise ToolFileError(shown, "defines no public top-level functions")
+    tools: list[Tool] = []
+    for n in names:
+        try:
+            tools.append(tool_from_function(getattr(module, n), risk=risk, source=shown))
+        except (TypeError, ValueError, ToolDefinitionError) as e:
+            raise ToolFileError(shown, str(e).replace(f" ({shown})", "")) from None
+    return tools
