@@ -68,7 +68,7 @@ class Engine:
 
     # -- caller side -----------------------------------------------------------------------
     def wait_loaded(self, timeout: float | None = None) -> ModelLoaded:
-        """Block until the model is loaded; re-raises the load error, if any."""
+        """Block until the model is loaded; re-raises the load error, if any; None on timeout."""
         self._loaded_event.wait(timeout)
         if self.load_error is not None:
             raise self.load_error

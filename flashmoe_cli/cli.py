@@ -88,7 +88,7 @@ def make_engine(args):
 
         replies = json.loads(os.environ.get("FLASHMOE_FAKE_REPLIES", "null"))
         delay = float(os.environ.get("FLASHMOE_FAKE_DELAY", "0"))
-        return FakeEngine(replies, token_delay=delay)
+        return FakeEngine(replies, token_delay=delay, fail=os.environ.get("FLASHMOE_FAKE_FAIL") or None)
     from engine.engine import Engine
 
     return Engine(resolve_model(args.model), expert_cache=args.expert_cache, io_threads=args.io_threads,
@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("prompt", nargs="?", help="the prompt; piped stdin comes first, then a blank line, then this")
     run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     run.add_argument("--json", action="store_true", help="one JSON event per line on stdout")
+    run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                     help="stop the reply after this long (model loading included) and exit 4")
     _add_model_options(run)
 
     chat = sub.add_parser("chat", help="chat in the terminal (TUI; a line REPL with --no-tui or TERM=dumb)",

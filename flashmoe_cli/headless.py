@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import queue
 import sys
+import time
 
 from .exit_codes import ExitCode
 
@@ -54,16 +56,23 @@ def run(args) -> int:
 
     text = read_prompt(args.prompt)
     session = open_conversation(args, None, model_name=str(args.model or "demo"))  # checks the flags first
+    timeout = getattr(args, "timeout", None)
+    deadline = None if timeout is None else time.monotonic() + timeout
     engine = session.engine = make_engine(args)
     try:
-        loaded = engine.wait_loaded()
+        loaded = engine.wait_loaded(timeout)
+        if loaded is None:
+            from .cli import error
+
+            error(f"timed out after {timeout:g} s while loading the model")
+            return ExitCode.TIMEOUT
         handle = session.send_raw(text) if args.raw else session.send(text)
-        return _stream(args, loaded, session, handle)
+        return _stream(args, loaded, session, handle, deadline)
     finally:
         engine.close()
 
 
-def _stream(args, loaded, session, handle) -> int:
+def _stream(args, loaded, session, handle, deadline: float | None = None) -> int:
     """Write the reply as it comes; record it; the summary goes to stderr."""
     from engine import EngineFailed, GenerationFinished, LayerTimings, TokenGenerated
 
@@ -74,10 +83,15 @@ def _stream(args, loaded, session, handle) -> int:
         _emit_json(out, loaded.to_dict())
     rows_sum: dict[int, list] = {}
     steps = 0
-    interrupted = False
+    interrupted = timed_out = False
     while True:
         try:
-            ev = handle.get()
+            wait = None if deadline is None or timed_out else max(0.0, deadline - time.monotonic())
+            ev = handle.get(timeout=wait)
+        except queue.Empty:  # past the deadline: stop, keep what we have, exit 4
+            handle.cancel()
+            timed_out = True
+            continue
         except KeyboardInterrupt:
             # Ctrl-C: stop generating, keep what we have, report it, exit 130.
             handle.cancel()
@@ -116,6 +130,9 @@ def _stream(args, loaded, session, handle) -> int:
         print(summary(done, loaded), file=sys.stderr)
         if args.timing == "layer" and steps:
             print(layer_table(rows_sum, steps), file=sys.stderr)
+    if timed_out:
+        error(f"timed out after {args.timeout:g} s; the reply above is partial")
+        return ExitCode.TIMEOUT
     return ExitCode.INTERRUPTED if interrupted else ExitCode.OK
 
 

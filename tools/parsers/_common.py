@@ -1,0 +1,132 @@
+"""Helpers the format parsers share: finding marked blocks, decoding JSON call objects leniently."""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from tools.calls import ToolCall
+
+_DECODER = json.JSONDecoder()
+_FENCE = re.compile(r"^```[A-Za-z0-9_-]*[ \t]*\n?(.*?)\n?[ \t]*```\s*$", re.DOTALL)
+# Tolerates the low-bit quoting failure (\name\ for "name") so a broken call still gets a name.
+_NAME_KEY = re.compile(r"""[\\"']*name[\\"']*\s*:\s*[\\"']*([A-Za-z0-9_.\-]+)""")
+_ARGS_KEY = re.compile(r"""[\\"']*(?:arguments|parameters|args)[\\"']*\s*:\s*""")
+
+
+def blocks(text: str, start: str, end: str) -> list[tuple[str, str]]:
+    """(raw, body) for each start...end block; an unterminated last block runs to the end. Text
+    without the start marker is taken as one body (callers may pass just the inside of a call)."""
+    if not start or start not in text:
+        return [(text, text)]
+    out: list[tuple[str, str]] = []
+    pos = 0
+    while True:
+        i = text.find(start, pos)
+        if i < 0:
+            break
+        j = text.find(end, i + len(start)) if end else -1
+        if j < 0:
+            out.append((text[i:], text[i + len(start):]))
+            break
+        out.append((text[i:j + len(end)], text[i + len(start):j]))
+        pos = j + len(end)
+    return out
+
+
+def strip_fence(s: str) -> str:
+    """The inside of a ```json ... ``` fence, or s unchanged."""
+    m = _FENCE.match(s.strip())
+    return m.group(1) if m else s
+
+
+def json_values(s: str) -> Iterator[tuple[Any, str]]:
+    """(value, verbatim text) for each JSON value in s: one object, several in a row, or the items
+    of a top-level array. Raises json.JSONDecodeError at the first undecodable one."""
+    n = len(s)
+    pos = 0
+
+    def skip(p: int, chars: str = " \t\r\n") -> int:
+        while p < n and s[p] in chars:
+            p += 1
+        return p
+
+    pos = skip(pos)
+    if pos < n and s[pos] == "[":
+        pos = skip(pos + 1)
+        while pos < n and s[pos] != "]":
+            value, end = _DECODER.raw_decode(s, pos)
+            yield value, s[pos:end]
+            pos = skip(end, " \t\r\n,")
+        return
+    while pos < n:
+        value, end = _DECODER.raw_decode(s, pos)
+        yield value, s[pos:end]
+        pos = skip(end, " \t\r\n,;")
+
+
+def call_from_object(obj: Any, raw: str) -> ToolCall:
+    """A ToolCall from a decoded {"name": ..., "arguments": ...} (or OpenAI's {"function": {...}})."""
+    if not isinstance(obj, dict):
+        return ToolCall(None, None, raw, error=f"expected a JSON object with \"name\" and \"arguments\", "
+                                               f"got {json.dumps(obj)[:80]}")
+    if isinstance(obj.get("function"), dict) and "name" not in obj:
+        obj = obj["function"]
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolCall(None, None, raw, error="the tool call has no \"name\"")
+    call_id = obj.get("id") if isinstance(obj.get("id"), str) else None
+    for key in ("arguments", "parameters", "args"):
+        if key in obj:
+            args = obj[key]
+            break
+    else:
+        # Small models sometimes inline the arguments next to the name.
+        args = {k: v for k, v in obj.items() if k not in ("name", "id", "type")}
+    if isinstance(args, dict):
+        return ToolCall(name, args, raw, id=call_id)
+    if isinstance(args, str):
+        try:
+            decoded = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return ToolCall(name, None, raw, error="the arguments string is not valid JSON",
+                            arguments_text=args, id=call_id)
+        if isinstance(decoded, dict):
+            return ToolCall(name, decoded, raw, id=call_id)
+    return ToolCall(name, None, raw, error="the arguments are not a JSON object",
+                    arguments_text=json.dumps(args, ensure_ascii=False), id=call_id)
+
+
+def lenient_call(s: str, raw: str, error: str) -> ToolCall:
+    """Best effort for text that is not valid JSON: find the name and cut out the arguments text,
+    so validation can say exactly what is wrong (and repair the backslash-quote failure)."""
+    m = _NAME_KEY.search(s)
+    name = m.group(1) if m else None
+    a = _ARGS_KEY.search(s)
+    args_text = None
+    if a:
+        rest = s[a.end():].rstrip()
+        if rest.endswith("}") and s.lstrip().startswith("{"):
+            rest = rest[:-1].rstrip()  # the closing brace of the outer call object
+        args_text = rest.rstrip(",").rstrip()
+    return ToolCall(name, None, raw, error=error, arguments_text=args_text)
+
+
+def json_calls(body: str, raw: str) -> list[ToolCall]:
+    """Calls from a body holding one or more JSON call objects (Hermes, Mistral's list form)."""
+    s = strip_fence(body).strip()
+    if not s:
+        return [ToolCall(None, None, raw, error="empty tool call")]
+    values: list[tuple[Any, str]] = []
+    try:
+        for item in json_values(s):
+            values.append(item)
+    except json.JSONDecodeError as e:
+        # A stray closing brace after a complete call is a common slip; anything else is not.
+        tail = s[e.pos:].strip()
+        if not values or tail.strip("}] \t\r\n"):
+            return [lenient_call(s, raw, f"invalid JSON: {e}")]
+    if len(values) == 1:
+        return [call_from_object(values[0][0], raw)]
+    return [call_from_object(v, text) for v, text in values]

@@ -1,0 +1,19 @@
+"""Qwen3 / Qwen2.5 / Hermes: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
+from __future__ import annotations
+
+from typing import Any
+
+from tools.calls import ToolCall
+from tools.parsers._common import blocks, json_calls
+
+name = "json_tools"
+tool_call_start = "<tool_call>"
+tool_call_end = "</tool_call>"
+
+
+def parse_tool_call(text: str, tools: Any = None) -> list[ToolCall]:
+    """Every call in `text` (whole tool-call blocks, or the inside of one)."""
+    calls: list[ToolCall] = []
+    for raw, body in blocks(text, tool_call_start, tool_call_end):
+        calls.extend(json_calls(body, raw))
+    return calls

@@ -1,0 +1,58 @@
+"""Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (older models) or
+`[TOOL_CALLS]NAME[ARGS]{...}` repeated once per call (newer ones; `[CALL_ID]id` may sit before
+`[ARGS]`). There is no end marker: the calls run to the end of the reply."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tools.calls import ToolCall
+from tools.parsers._common import _DECODER, json_calls
+
+name = "mistral"
+tool_call_start = "[TOOL_CALLS]"
+tool_call_end = ""
+
+
+def _new_style(seg: str, raw: str) -> ToolCall:
+    head, _, args = seg.partition("[ARGS]")
+    call_id = None
+    if "[CALL_ID]" in head:
+        head, _, call_id = head.partition("[CALL_ID]")
+        call_id = call_id.strip() or None
+    fname = head.strip()
+    if not fname:
+        return ToolCall(None, None, raw, error="no tool name before [ARGS]")
+    a = args.strip()
+    if not a:
+        return ToolCall(fname, None, raw, arguments_text="", id=call_id)
+    try:
+        value, end = _DECODER.raw_decode(a)
+    except json.JSONDecodeError as e:
+        return ToolCall(fname, None, raw, error=f"invalid JSON: {e}", arguments_text=a, id=call_id)
+    if not isinstance(value, dict):
+        return ToolCall(fname, None, raw, error="the arguments are not a JSON object", arguments_text=a, id=call_id)
+    return ToolCall(fname, value, raw, id=call_id)
+
+
+def parse_tool_call(text: str, tools: Any = None) -> list[ToolCall]:
+    if tool_call_start in text:
+        pieces = text.split(tool_call_start)
+        segs = [(tool_call_start + p, p) for p in pieces[1:]]
+    else:
+        segs = [(text, text)]
+    calls: list[ToolCall] = []
+    for raw, seg in segs:
+        s = seg.strip()
+        if not s:
+            continue
+        if s.startswith(("[", "{", "```")):
+            calls.extend(json_calls(s, raw))
+        elif "[ARGS]" in s:
+            calls.append(_new_style(s, raw))
+        else:
+            calls.append(ToolCall(None, None, raw, error="expected a JSON list of calls or NAME[ARGS]{...} "
+                                                         "after [TOOL_CALLS]"))
+    if not calls:
+        calls.append(ToolCall(None, None, text, error="empty tool call"))
+    return calls
