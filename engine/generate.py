@@ -13,6 +13,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
+from .constrain import apply_mask
 from .events import GenerationFinished, LayerTimings, PrefillProgress, StepFinished, TokenGenerated
 from .sampling import Sampler, SamplingParams
 from .timing import LayerClock, rows_from
@@ -33,6 +34,7 @@ class GenerationRequest:
     timing: str = "step"
     template_kwargs: dict = field(default_factory=dict)
     prefill_step: int = 256
+    constraint: object = None  # ConstraintFactory: make(tokenizer) -> Constraint (engine/constrain.py)
 
     def __post_init__(self):
         if (self.messages is None) == (self.prompt is None):
@@ -156,6 +158,7 @@ def generate(loaded, session: Session, request: GenerationRequest,
 
     # -- decode ---------------------------------------------------------------------------
     sampler = Sampler(request.sampling)
+    constraint = request.constraint(tok) if request.constraint is not None else None
     detok = tok.detokenizer()
     stops = StopMatcher(request.stop)
     eos = tok.eos_token_ids
@@ -169,8 +172,14 @@ def generate(loaded, session: Session, request: GenerationRequest,
         if cancel.is_set():
             reason = "cancelled"
             break
+        if constraint is not None:
+            mask = constraint.allowed()
+            if mask is not None:
+                logits = apply_mask(logits, mask)
         token = sampler(logits, history)
         steps += 1
+        if constraint is not None:
+            constraint.accept(token)
         if token in eos:
             reason = "stop"
             break
@@ -178,7 +187,7 @@ def generate(loaded, session: Session, request: GenerationRequest,
         text_out.append(shown)
         yield TokenGenerated(token, shown, steps - 1)
         history.append(token)
-        if hit_stop:
+        if hit_stop or (constraint is not None and constraint.done()):
             reason = "stop"
             break
         if steps >= request.max_tokens:
