@@ -245,6 +245,13 @@ def _fused_slices(module: str, part: str, num_experts: int, headers: dict):
     return None
 
 
+def _mx_load_checked(f: Path) -> dict:
+    if not f.exists():
+        raise ModelLoadError(f, "missing")
+    read_header(f)  # fails clearly on a truncated file, before MLX does
+    return _mx_load(f)
+
+
 def _direct_layers(path: Path, model: nn.Module, headers: dict) -> list[LayerExperts]:
     """Locate every expert slice in the checkpoint's own files: stacked [E, ...] tensors
     (mlx-lm layout) or one tensor per expert (Hugging Face layout)."""
@@ -309,28 +316,16 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     config = read_config(path)
     model = build_model(config, path)
     packed = (path / EXPERTS_DIR / "manifest.json").exists() or (path / RESIDENT).exists()
+    where = path / EXPERTS_DIR / "manifest.json" if packed else path
 
     if packed:
-        resident = path / RESIDENT
-        if not resident.exists():
-            raise ModelLoadError(resident, "missing")
-        weights = _mx_load(resident)
-        read_header(resident)  # fails clearly on a truncated file, before MLX does
-        layers = read_manifest(path / EXPERTS_DIR)
-        expert_shapes = {}
-        for l in layers:
-            for p in l.parts:
-                expert_shapes[f"{l.module}.{p.name}"] = _shape_proxy((l.num_experts, *p.shape), p.mx_dtype)
+        weights, layers = _mx_load_checked(path / RESIDENT), read_manifest(path / EXPERTS_DIR)
+        expert_shapes = {f"{l.module}.{p.name}": _shape_proxy((l.num_experts, *p.shape), p.mx_dtype)
+                         for l in layers for p in l.parts}
     else:
         files = _safetensors_files(path)
-        headers = {}
-        for f in files:
-            headers.update(read_header(f))
-        weights = {}
-        for f in files:
-            weights.update(_mx_load(f))
-        layers = None
-
+        headers = {k: v for f in files for k, v in read_header(f).items()}
+        weights = {k: v for f in files for k, v in _mx_load(f).items()}
     if hasattr(model, "sanitize"):
         # sanitize sees the experts too (some checks depend on them); stacking them stays lazy
         # and is never evaluated, because the expert tensors are dropped right after.
@@ -338,29 +333,30 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     if not packed:
         expert_shapes = {k: _shape_proxy(v.shape, v.dtype) for k, v in weights.items() if ".switch_mlp." in k}
         weights = {k: v for k, v in weights.items() if ".switch_mlp." not in k}
-    shapes = {k: _shape_proxy(v.shape, v.dtype) for k, v in weights.items()}
-    shapes.update(expert_shapes)
+
     try:
-        quantize_like_checkpoint(model, config, shapes)
+        quantize_like_checkpoint(model, config, {**{k: _shape_proxy(v.shape, v.dtype) for k, v in weights.items()},
+                                                 **expert_shapes})
     except (KeyError, ValueError) as e:
         raise ModelLoadError(path / "config.json", f"quantization does not match the weights ({e})") from None
 
     modules = switch_modules(model)
-    if layers is None:
+    if not packed:
         layers = _direct_layers(path, model, headers)
-    _check_layer_shapes(layers, modules, path / EXPERTS_DIR / "manifest.json" if packed else path)
+    _check_layer_shapes(layers, modules, where)
     if len(layers) != len(modules):
         missing = sorted(set(modules) - {l.module for l in layers})
-        raise ModelLoadError(path / EXPERTS_DIR / "manifest.json", f"no experts for {missing[0]}")
+        raise ModelLoadError(where, f"no experts for {missing[0]}")
 
     store = ExpertStore(path / EXPERTS_DIR if packed else path, layers, top_k_of(config),
                         budget_bytes=expert_cache, io_threads=io_threads, direct_io=direct_io,
                         upcast=dtype == "float32") if layers else None
     loaded = LoadedModel(model, config, path, "packed" if packed else "direct", store, layers)
+    parents = dict(model.named_modules())
     for l in layers:
         parent_path, _, attr = l.module.rpartition(".")
-        parent = dict(model.named_modules())[parent_path] if parent_path else model
-        setattr(parent, attr, StreamingSwitchGLU(modules[l.module], l.layer, store, loaded.timing))
+        setattr(parents[parent_path] if parent_path else model, attr,
+                StreamingSwitchGLU(modules[l.module], l.layer, store, loaded.timing))
 
     model.eval()
     if dtype == "float32":
