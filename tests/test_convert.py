@@ -195,7 +195,6 @@ def test_dense_model_converts_and_runs(tmp_path):
 
 def test_bf16_sharded_per_expert_original_to_4bit(model_factory, tmp_path):
     """A Hugging Face style release: bf16, one tensor per expert, two shards with an index."""
-
     from tests.tiny_models import make_model
 
     model, config = make_model("mixtral")
