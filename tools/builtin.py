@@ -41,6 +41,8 @@ class Builtins:
             raise ToolRunError(f"no such file: {path}")
         if p.is_dir():
             raise ToolRunError(f"{path} is a directory; use list_dir to see what it contains")
+        if not p.is_file():  # a FIFO or device would block or never end
+            raise ToolRunError(f"{path} is not a regular file")
         return p
 
     def read_file(self, path: str, offset: int = 1, limit: int | None = None) -> str:

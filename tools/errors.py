@@ -16,7 +16,7 @@ class ToolDefinitionError(ToolError):
 class ToolFileError(ToolDefinitionError):
     """A user tool file (JSON, YAML or Python) cannot be loaded; the message names the file."""
 
-    def __init__(self, path, problem: str):
+    def __init__(self, path: object, problem: str) -> None:
         self.path = str(path)
         self.problem = problem
         super().__init__(f"{self.path}: {problem}")

@@ -108,7 +108,8 @@ class Sandbox:
     def _inside(self, path: Path) -> bool:
         return any(path == r or path.is_relative_to(r) for r in self.roots)
 
-    def _forms(self, path: Path) -> list[str]:
+    def forms(self, path: Path) -> list[str]:
+        """The strings deny patterns and rules match a path by: absolute, and workspace-relative."""
         forms = [path.as_posix()]
         if path.is_relative_to(self.root):
             forms.append(self.relative(path))
@@ -117,7 +118,7 @@ class Sandbox:
     def denied_by(self, *paths: Path) -> str | None:
         """The deny pattern one of the paths matches, if any."""
         for path in paths:
-            forms = self._forms(path)
+            forms = self.forms(path)
             for text, rx in self.deny:
                 if any(rx.match(f) for f in forms):
                     return text
@@ -251,8 +252,8 @@ class Policy:
                 resolved = candidate.resolve(strict=False)
             except (OSError, RuntimeError):
                 return [value], []
-            allow_forms = self.sandbox._forms(resolved)
-            return [value, *self.sandbox._forms(lexical), *allow_forms], allow_forms
+            allow_forms = self.sandbox.forms(resolved)
+            return [value, *self.sandbox.forms(lexical), *allow_forms], allow_forms
         if tool.risk == "exec":
             parts = [p.strip() for p in _SHELL_SPLIT.split(value)]
             deny_forms = [value.strip()] + [p for p in parts if p]

@@ -46,17 +46,34 @@ class Reply:
     segments: list[Segment] = field(default_factory=list)
 
 
+_CALL_KEYS = ("name", "function", "arguments", "parameters", "type", "id")
+_FIRST_KEY = re.compile(r"""[\\"']*([A-Za-z_]*)""")
+
+
 def _maybe_bare_call(s: str) -> bool:
-    """Could s (left-stripped, non-empty) still become a reply that is only a JSON call?"""
-    if s[0] in "{[":
-        return True
+    """Could s (left-stripped, non-empty) still become a reply that is only a JSON call?
+    It must open with `{` (or `[{`, optionally in a code fence) and a key a call object has."""
     if "```".startswith(s):
         return True
     m = _FENCE_OPEN.match(s)
-    if not m:
+    if m:
+        s = s[m.end():].lstrip(" \t\r\n")
+        if not s:
+            return True
+    if s[0] == "[":
+        s = s[1:].lstrip()
+        if not s:
+            return True
+    if s[0] != "{":
         return False
-    after = s[m.end():].lstrip(" \t\r\n")
-    return after == "" or after[0] in "{["
+    s = s[1:].lstrip()
+    if not s:
+        return True
+    k = _FIRST_KEY.match(s)
+    assert k is not None
+    if k.end() == len(s):  # the first key is still arriving
+        return any(name.startswith(k.group(1)) for name in _CALL_KEYS)
+    return k.group(1) in _CALL_KEYS
 
 
 def _complete_with_trailing_text(s: str) -> bool:

@@ -254,7 +254,8 @@ def schema_for_type(hint: Any) -> dict[str, Any]:
         if args and args[0] is not str:
             raise TypeError(f"dict keys must be str in JSON: {hint!r}")
         return {"type": "object", "additionalProperties": schema_for_type(args[1])} if args else {"type": "object"}
-    raise TypeError(f"unsupported type hint {getattr(hint, '__name__', None) or hint!r}")
+    shown = hint.__name__ if isinstance(hint, type) else repr(hint)
+    raise TypeError(f"unsupported type hint {shown}")
 
 
 _SECTION = re.compile(r"^(Args|Arguments|Parameters|Params|Returns|Return|Yields|Raises|Examples?|Notes?|"
@@ -374,8 +375,8 @@ def load_python_tools(path: str | os.PathLike[str], *, risk: str | None = None) 
         names = list(exported)
         missing = [n for n in names if not inspect.isfunction(getattr(module, n, None))]
         if missing:
-            raise ToolFileError(shown, f"__all__ names {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
-                                       "not a function")
+            verb = "is" if len(missing) == 1 else "are"
+            raise ToolFileError(shown, f"__all__ names {', '.join(missing)}, which {verb} not a function")
     else:
         names = [n for n, v in vars(module).items()
                  if inspect.isfunction(v) and v.__module__ == modname and not n.startswith("_")]

@@ -107,7 +107,9 @@ def lenient_call(s: str, raw: str, error: str) -> ToolCall:
     args_text = None
     if a:
         rest = s[a.end():].rstrip()
-        if rest.endswith("}") and s.lstrip().startswith("{"):
+        if s.lstrip().startswith("[") and rest.endswith("]"):
+            rest = rest[:-1].rstrip()  # the closing bracket of a list of calls
+        if rest.endswith("}") and rest.count("}") > rest.count("{"):
             rest = rest[:-1].rstrip()  # the closing brace of the outer call object
         args_text = rest.rstrip(",").rstrip()
     return ToolCall(name, None, raw, error=error, arguments_text=args_text)

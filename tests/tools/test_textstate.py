@@ -1,0 +1,136 @@
+"""The streaming state machine: markers split at every offset never leak into visible text."""
+from __future__ import annotations
+
+import pytest
+
+from tools.parsers import deepseek_v3, json_tools, mistral, plain_json, qwen3_coder
+from tools.textstate import Segment, TextState, split_reply
+
+B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DS_CALL = f"{B}{CB}function{SEP}read_file\n```json\n{{\"path\": \"a\"}}\n```{CE}{E}"
+HERMES = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a<b>.txt"}}\n</tool_call>'
+XML = "<tool_call>\n<function=read_file>\n<parameter=path>\n<tool>.txt\n</parameter>\n</function>\n</tool_call>"
+
+# (parser, reply, kwargs, expected visible text, expected reasoning, expected raw calls)
+CASES = [
+    (json_tools, "<think>Let me <b>check</b> the <tool_call> idea.</think>I'll read it.\n" + HERMES + "\nDone <t.",
+     {}, "I'll read it.\n\nDone <t.", "Let me <b>check</b> the <tool_call> idea.", [HERMES]),
+    (json_tools, HERMES + HERMES, {}, "", "", [HERMES, HERMES]),
+    (json_tools, "a < b and <tool but not a call; </thinking> <thin", {},
+     "a < b and <tool but not a call; </thinking> <thin", "", []),
+    (json_tools, "reasoning first</think>answer", {"in_reasoning": True}, "answer", "reasoning first", []),
+    (json_tools, "cut off <tool_call>\n{\"name\": \"x\"", {}, "cut off ", "", ['<tool_call>\n{"name": "x"']),
+    (qwen3_coder, "<think>\n\n</think>\n\nSure.\n" + XML, {}, "\n\nSure.\n", "\n\n", [XML]),
+    (mistral, "Checking. [TOOL_CALLS]read_file[ARGS]{\"path\": \"[x]\"}[TOOL_CALLS]list_dir[ARGS]{}", {},
+     "Checking. ", "", ['[TOOL_CALLS]read_file[ARGS]{"path": "[x]"}[TOOL_CALLS]list_dir[ARGS]{}']),
+    (mistral, "An [TOOL] that is not [TOOL_CALL", {}, "An [TOOL] that is not [TOOL_CALL", "", []),
+    (deepseek_v3, "<think>hm</think>Reading.<｜tool▁call" + "s are odd " + DS_CALL + " ok",
+     {}, "Reading.<｜tool▁calls are odd  ok", "hm", [DS_CALL]),
+    (plain_json, '<think>x</think>\n{"name": "read_file", "arguments": {"path": "a"}}\n', {},
+     "", "x", ['\n{"name": "read_file", "arguments": {"path": "a"}}\n']),
+    (plain_json, '```json\n{"name": "read_file", "arguments": {}}\n```', {}, "",
+     "", ['```json\n{"name": "read_file", "arguments": {}}\n```']),
+    (plain_json, '{"a": 1} is a JSON object.', {}, '{"a": 1} is a JSON object.', "", []),
+    (plain_json, "  Just text with {braces}.", {}, "  Just text with {braces}.", "", []),
+    (plain_json, "```python\nprint(1)\n```", {}, "```python\nprint(1)\n```", "", []),
+]
+
+
+def run(parser, chunks, **kw):
+    st = TextState(parser, **kw)
+    segs: list[Segment] = []
+    for c in chunks:
+        segs += st.feed(c)
+    segs += st.finish()
+    text = "".join(s.text for s in segs if s.kind == "text")
+    reasoning = "".join(s.text for s in segs if s.kind == "reasoning")
+    calls = [s.text for s in segs if s.kind == "tool_call"]
+    assert (text, reasoning, calls) == (st.text, st.reasoning, st.tool_calls)
+    return text, reasoning, calls
+
+
+@pytest.mark.parametrize("parser, reply, kw, text, reasoning, calls", CASES)
+def test_unsplit(parser, reply, kw, text, reasoning, calls):
+    assert run(parser, [reply], **kw) == (text, reasoning, calls)
+    r = split_reply(reply, parser, **kw)
+    assert (r.text, r.reasoning, r.tool_calls) == (text, reasoning, calls)
+
+
+@pytest.mark.parametrize("parser, reply, kw, text, reasoning, calls", CASES)
+def test_split_at_every_offset(parser, reply, kw, text, reasoning, calls):
+    expected = (text, reasoning, calls)
+    for i in range(len(reply) + 1):
+        assert run(parser, [reply[:i], reply[i:]], **kw) == expected, f"split at {i}"
+    assert run(parser, list(reply), **kw) == expected, "one character at a time"
+
+
+@pytest.mark.parametrize("parser, reply, kw, text, reasoning, calls", CASES)
+def test_split_three_ways(parser, reply, kw, text, reasoning, calls):
+    expected = (text, reasoning, calls)
+    n = len(reply)
+    for i in range(0, n + 1, 3):
+        for j in range(i, min(n, i + 30) + 1):
+            assert run(parser, [reply[:i], reply[i:j], reply[j:]], **kw) == expected, f"split at {i},{j}"
+
+
+def test_utf8_bytes_split_anywhere():
+    """Bytes decoded incrementally (as a streaming detokenizer would) give the same result."""
+    import codecs
+
+    reply = "<think>…</think>Ça va " + DS_CALL + " fin"
+    data = reply.encode()
+    expected = run(deepseek_v3, [reply])
+    for i in range(len(data) + 1):
+        dec = codecs.getincrementaldecoder("utf-8")()
+        chunks = [dec.decode(data[:i]), dec.decode(data[i:], final=True)]
+        assert run(deepseek_v3, chunks) == expected
+
+
+def test_partial_marker_held_back_then_released():
+    st = TextState(json_tools)
+    assert st.feed("Hello <tool") == [Segment("text", "Hello ")]
+    assert st.feed("box>") == [Segment("text", "<toolbox>")]
+    assert st.feed(" <tool_") == [Segment("text", " ")]
+    out = st.feed("call>{}")
+    assert out == [Segment("tool_call_begin", "<tool_call>")]
+    assert st.feed("</tool_call>") == [Segment("tool_call", "<tool_call>{}</tool_call>")]
+
+
+def test_unterminated_call_is_flagged():
+    st = TextState(json_tools)
+    st.feed("<tool_call>{")
+    assert st.finish() == [Segment("tool_call", "<tool_call>{", closed=False)]
+    st = TextState(mistral)
+    st.feed("[TOOL_CALLS]f[ARGS]{}")
+    assert st.finish() == [Segment("tool_call", "[TOOL_CALLS]f[ARGS]{}", closed=True)]
+
+
+def test_bare_json_reply_is_held_until_decided():
+    st = TextState(plain_json)
+    assert st.feed('{"name": "x", "arguments": {}') == []
+    assert st.feed('} and more') == [Segment("text", '{"name": "x", "arguments": {}} and more')]
+    st = TextState(plain_json)
+    assert st.feed("Hi {") == [Segment("text", "Hi {")]
+
+
+def test_feed_after_finish_raises():
+    st = TextState(json_tools)
+    st.finish()
+    with pytest.raises(RuntimeError):
+        st.feed("x")
+
+
+@pytest.mark.parametrize("reply", ["[see the docs](http://x) for more", '{"answer": 42} it is.', "{ not json",
+                                   "```python\nx = 1"])
+def test_non_call_replies_stream_before_the_end(reply):
+    st = TextState(plain_json)
+    out = st.feed(reply)
+    assert "".join(s.text for s in out if s.kind == "text") == reply
+
+
+def test_bare_call_prefix_is_held():
+    st = TextState(plain_json)
+    assert st.feed('```json\n[{"na') == []
+    assert st.feed('me": "list_dir", "arguments": {}}]\n```') == []
+    assert st.finish() == [Segment("tool_call", '```json\n[{"name": "list_dir", "arguments": {}}]\n```')]
