@@ -101,7 +101,7 @@ class Engine:
                 layers=lm.num_layers, moe_layers=len(lm.layers),
                 experts=lm.layers[0].num_experts if lm.layers else 0, top_k=lm.top_k,
                 bits=model_bits(lm.config), cache_bytes=lm.store.capacity_bytes if lm.store else 0,
-                load_s=perf_counter() - t0)
+                load_s=perf_counter() - t0, chat_template=lm.tokenizer.template_source if lm.tokenizer else "")
         except BaseException as e:  # reported to the caller by wait_loaded
             self.load_error = e
         self._loaded_event.set()

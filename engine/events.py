@@ -11,9 +11,7 @@ from dataclasses import asdict, dataclass
 @dataclass(frozen=True, slots=True)
 class Event:
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["event"] = EVENT_NAMES[type(self)]
-        return d
+        return {"event": EVENT_NAMES[type(self)], **asdict(self)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +26,7 @@ class ModelLoaded(Event):
     bits: int | None
     cache_bytes: int
     load_s: float
+    chat_template: str = ""  # its text: front ends pick the tool-call format from it
 
 
 @dataclass(frozen=True, slots=True)

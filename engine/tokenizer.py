@@ -159,6 +159,7 @@ class Tokenizer:
         if not chat_templates:
             chat_templates = {"default": _make_environment().from_string(FALLBACK_CHAT_TEMPLATE)}
         self._templates = chat_templates
+        self.template_source = ""  # the chat template's text, when the folder has one
 
     @classmethod
     def from_folder(cls, path: str | Path) -> Tokenizer:
@@ -197,8 +198,10 @@ class Tokenizer:
         eos_ids.update(_id_list(gen.get("eos_token_id"), gen_file))
 
         templates = cls._load_templates(folder, cfg)
-        return cls(tok, bos_token=bos_token, eos_token=eos_token,
-                   eos_token_ids=frozenset(eos_ids), chat_templates=templates)
+        out = cls(tok, bos_token=bos_token, eos_token=eos_token,
+                  eos_token_ids=frozenset(eos_ids), chat_templates=templates)
+        out.template_source = getattr(templates.get("tool_use") or templates.get("default"), "flashmoe_source", "")
+        return out
 
     @staticmethod
     def _load_templates(folder: Path, cfg: dict) -> dict[str, jinja2.Template]:
@@ -242,6 +245,7 @@ class Tokenizer:
         for name, (source, file) in sources.items():
             try:
                 templates[name] = env.from_string(source)
+                templates[name].flashmoe_source = source  # tool-call format sniffing reads it
             except jinja2.TemplateSyntaxError as e:
                 raise ModelLoadError(file, f"chat template {name!r} does not parse: {e.message} (line {e.lineno})") from e
         return templates

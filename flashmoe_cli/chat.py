@@ -54,8 +54,27 @@ class ChatSession:
             self.cid = self.store.new_conversation(self.model_name, self.system)
         self.store.add_message(self.cid, role, content, **kw)
 
-    def messages(self) -> list[dict]:
-        return ([{"role": "system", "content": self.system}] if self.system else []) + self.history
+    def messages(self, extra_system: str | None = None) -> list[dict]:
+        system = "\n\n".join(p for p in (self.system, extra_system) if p)
+        return ([{"role": "system", "content": system}] if system else []) + self.history
+
+    def add(self, message: dict, done: GenerationFinished | None = None, interrupted: bool = False) -> None:
+        """Append any message (user, assistant with tool_calls, tool result) and record it."""
+        self.history.append(message)
+        extra = {k: v for k, v in message.items() if k not in ("role", "content")}
+        stats = None
+        if done is not None or extra:
+            stats = {k: v for k, v in done.to_dict().items() if k not in ("text", "tail", "event")} if done else {}
+            if extra:
+                stats["message"] = extra  # tool_calls, name: needed to render the history again
+        self._record(message["role"], message["content"], interrupted=interrupted, stats=stats)
+
+    def generate(self, tools: list[dict] | None = None, constraint=None, extra_system: str | None = None):
+        """A reply to the history as it stands; returns the engine's Handle."""
+        request = GenerationRequest(messages=self.messages(extra_system), tools=tools, constraint=constraint,
+                                    max_tokens=self.options.max_tokens, sampling=self.options.sampling,
+                                    stop=self.options.stop, timing=self.options.timing)
+        return self.engine.submit(request, session=self.session_key)
 
     def send(self, text: str):
         """Record the user's message and start the reply; returns the engine's Handle."""

@@ -11,6 +11,7 @@ import re
 import sys
 
 from . import __version__
+from .agent_cli import add_tool_options
 from .config import ConfigError
 from .exit_codes import ExitCode
 
@@ -142,11 +143,24 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="stop the reply after this long (model loading included) and exit 4")
     _add_model_options(run)
+    add_tool_options(run)
 
     chat = sub.add_parser("chat", help="chat in the terminal (TUI; a line REPL with --no-tui or TERM=dumb)",
                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     chat.add_argument("--no-tui", action="store_true", help="plain line REPL instead of the full-screen app")
     _add_model_options(chat)
+    add_tool_options(chat)
+
+    agent = sub.add_parser("agent", help="run a scripted tool-using session unattended",
+                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    agent.add_argument("--script", required=True, metavar="FILE",
+                       help='session.jsonl: {"role": "user", "content": "..."} per line ("-": stdin)')
+    agent.add_argument("--transcript", metavar="FILE", help="every event as JSON lines")
+    agent.add_argument("--approve", choices=("ask", "auto", "never"), default="ask",
+                       help="ask (on the terminal; fails closed without one), auto (reads and writes; "
+                            "never commands), never (declined, the model is told)")
+    _add_model_options(agent)
+    add_tool_options(agent)
 
     logs = sub.add_parser("logs", help="list saved conversations, or show one")
     logs.add_argument("action", nargs="?", choices=("list", "show", "path"), default="list")
@@ -204,8 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return ExitCode.USAGE
     try:
-        if args.command in ("run", "chat"):
+        if args.command in ("run", "chat", "agent"):
             apply_settings(args)
+        if args.command == "agent":
+            from .agent_cli import cmd_agent
+
+            return cmd_agent(args)
         if args.command == "run":
             from .headless import run
 

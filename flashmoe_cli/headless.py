@@ -66,6 +66,10 @@ def run(args) -> int:
 
             error(f"timed out after {timeout:g} s while loading the model")
             return ExitCode.TIMEOUT
+        if getattr(args, "tools", None):
+            from .agent_cli import run_with_tools
+
+            return run_with_tools(args, session, loaded, text)
         handle = session.send_raw(text) if args.raw else session.send(text)
         return _stream(args, loaded, session, handle, deadline)
     finally:
@@ -80,7 +84,7 @@ def _stream(args, loaded, session, handle, deadline: float | None = None) -> int
 
     out = sys.stdout
     if args.json:
-        _emit_json(out, loaded.to_dict())
+        _emit_json(out, loaded.to_dict() | {"chat_template": None})
     rows_sum: dict[int, list] = {}
     steps = 0
     interrupted = timed_out = False

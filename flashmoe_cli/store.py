@@ -45,7 +45,8 @@ class Message:
     stats: dict | None = None
 
     def for_template(self) -> dict:
-        return {"role": self.role, "content": self.content}
+        extra = (self.stats or {}).get("message", {})  # tool_calls of an assistant turn, a tool's name
+        return {"role": self.role, "content": self.content, **extra}
 
 
 @dataclass(frozen=True)

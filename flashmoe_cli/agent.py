@@ -1,0 +1,223 @@
+"""The tool loop: generate -> split the reply -> validate / approve / run each call -> feed the
+results back -> generate again, until the model answers without calls or a limit is reached.
+
+UI-agnostic: every face (headless, line REPL, TUI, scripted sessions) drives an AgentLoop and
+renders the events it emits; approvals come from the face's Approver.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+from engine.events import EngineFailed, GenerationFinished, TokenGenerated
+from tools.calls import ToolCall
+from tools.executor import ToolExecutor
+from tools.textstate import TextState
+
+CONSTRAIN_MODES = ("off", "tools", "required")
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    text: str
+    kind: str = "text"  # "text" | "reasoning"
+
+
+@dataclass(frozen=True)
+class ToolCallEvent:
+    name: str | None
+    arguments: dict | None
+    raw: str
+    valid: bool
+    error: str | None
+
+
+@dataclass(frozen=True)
+class ToolResultEvent:
+    name: str | None
+    ok: bool
+    status: str
+    content: str
+    duration_s: float
+    exit_code: int | None
+    truncated: bool
+
+
+@dataclass(frozen=True)
+class RepairEvent:
+    """A call that failed validation (kept verbatim), and what the model was told."""
+
+    name: str | None
+    raw: str
+    message: str
+    repaired: bool  # run anyway with the low-bit quoting put right
+
+
+@dataclass(frozen=True)
+class TurnFinished:
+    status: str  # done | chain-limit | approval-needed | repairs-exhausted | cancelled | failed
+    rounds: int
+    message: str = ""
+    exit_code: int = 0
+
+
+def tool_instructions(tools: list[dict]) -> str:
+    """For chat templates that know no tools: how to call them, in the Qwen / Hermes format."""
+    text = resources.files("prompts").joinpath("tool_instructions.md").read_text()
+    return text.replace("{tools}", "\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+
+
+@dataclass
+class AgentLoop:
+    session: object  # flashmoe_cli.chat.ChatSession
+    executor: ToolExecutor
+    parser: object  # a tools.parsers module
+    template: str = ""  # the chat template's text ("" when unknown)
+    constrain: str = "off"
+    on_event: Callable[[object], None] = lambda ev: None
+    _cancel: threading.Event = field(default_factory=threading.Event)
+    _handle: object = None
+
+    def __post_init__(self):
+        if self.constrain not in CONSTRAIN_MODES:
+            raise ValueError(f"--constrain must be one of {', '.join(CONSTRAIN_MODES)}, got {self.constrain!r}")
+        # Templates that render `tools` get them natively; others get instructions in the system prompt.
+        self.native = "tools" in self.template
+        self.tools = self.executor.registry.definitions()
+        self._factories: dict[str, object] = {}
+
+    def cancel(self) -> None:
+        self._cancel.set()
+        if self._handle is not None:
+            self._handle.cancel()
+
+    def _constraint(self, first_round: bool):
+        """`required` forces a call in the first reply of a turn; later replies (after tool results)
+        may answer in text, with any call they start still held to the schemas."""
+        if self.constrain == "off":
+            return None
+        mode = "required" if self.constrain == "required" and first_round else "tools"
+        if mode not in self._factories:
+            from engine.constrain_json import tool_call_constraint
+
+            fmt = "xml" if getattr(self.parser, "name", "") == "qwen3_coder" else "json"
+            self._factories[mode] = tool_call_constraint(
+                self.tools, mode, fmt, getattr(self.parser, "tool_call_start", "<tool_call>") or "<tool_call>",
+                getattr(self.parser, "tool_call_end", "</tool_call>") or "</tool_call>")
+        return self._factories[mode]
+
+    def run_turn(self, text: str) -> TurnFinished:
+        self._cancel.clear()
+        self.executor.begin_turn()
+        self.session.add({"role": "user", "content": text})
+        rounds = 0
+        while True:
+            reply, calls, done = self._generate(first_round=rounds == 0)
+            if isinstance(done, EngineFailed):
+                return self._finish(TurnFinished("failed", rounds, done.message.splitlines()[0], done.exit_code))
+            if not calls:
+                self.session.add({"role": "assistant", "content": reply}, done=done,
+                                 interrupted=done.reason == "cancelled")
+                status = "cancelled" if done.reason == "cancelled" else "done"
+                return self._finish(TurnFinished(status, rounds))
+            rounds += 1
+            self._record_calls(reply, calls, done)
+            seen = len(self.executor.rejected)
+            results = self.executor.execute_round(calls)
+            for rej in self.executor.rejected[seen:]:
+                self.on_event(RepairEvent(rej.name, rej.raw, rej.message, rej.repaired))
+            for call, res in zip(calls, results):
+                self.on_event(ToolCallEvent(call.name, call.arguments, call.raw,
+                                            res.status not in ("invalid",), None if res.ok else res.error))
+                self.on_event(ToolResultEvent(res.name, res.ok, res.status, res.content, res.duration_s,
+                                              res.exit_code, res.truncated))
+                self._record_result(call, res.content)
+            if self._cancel.is_set():
+                return self._finish(TurnFinished("cancelled", rounds))
+            if self.executor.approval_needed:
+                return self._finish(TurnFinished("approval-needed", rounds,
+                                                 "a tool call needed approval, and this run cannot ask", 5))
+            if any(r.stop for r in results):
+                kind = "chain-limit" if any(r.status == "chain-limit" for r in results) else "repairs-exhausted"
+                return self._finish(TurnFinished(kind, rounds, results[-1].content, 1))
+
+    def _finish(self, ev: TurnFinished) -> TurnFinished:
+        self.on_event(ev)
+        return ev
+
+    def _generate(self, first_round: bool):
+        """One reply: stream its visible text, collect its tool calls."""
+        extra = None if self.native else tool_instructions(self.tools)
+        self._handle = self.session.generate(tools=self.tools if self.native else None,
+                                             constraint=self._constraint(first_round), extra_system=extra)
+        state = TextState(self.parser, tools=self.tools)
+        done = None
+        for ev in self._handle:
+            self.on_event(ev)
+            if isinstance(ev, TokenGenerated):
+                self._emit(state.feed(ev.text))
+            elif isinstance(ev, GenerationFinished):
+                self._emit(state.feed(ev.tail) + state.finish())
+                done = ev
+            elif isinstance(ev, EngineFailed):
+                return "", [], ev
+        calls: list[ToolCall] = []
+        for raw in state.tool_calls:
+            calls += self.parser.parse_tool_call(raw, self.tools)
+        return done.text, calls, done
+
+    def _emit(self, segments) -> None:
+        for seg in segments:
+            if seg.kind in ("text", "reasoning") and seg.text:
+                self.on_event(TextChunk(seg.text, seg.kind))
+
+    def _record_calls(self, reply: str, calls: list[ToolCall], done) -> None:
+        if self.native:
+            msg = {"role": "assistant", "content": _strip_calls(reply, self.parser),
+                   "tool_calls": [c.to_openai(f"call_{i}") for i, c in enumerate(calls)]}
+        else:
+            msg = {"role": "assistant", "content": reply}
+        self.session.add(msg, done=done)
+
+    def _record_result(self, call: ToolCall, content: str) -> None:
+        if self.native:
+            self.session.add({"role": "tool", "name": call.name or "", "content": content})
+        else:  # the Qwen way: results come back in a user turn
+            self.session.add({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+
+
+def _strip_calls(reply: str, parser) -> str:
+    start = getattr(parser, "tool_call_start", "")
+    return reply.split(start)[0].strip() if start and start in reply else reply
+
+
+def load_tools(specs: list[str], policy, runner):
+    """--tools SPEC...: 'builtin' (all), a built-in's name, or a .py / .json / .yaml tools file."""
+    from tools.builtin import builtin_tools
+    from tools.registry import ToolRegistry
+    from tools.user_tools import load_python_tools, load_tool_file
+
+    registry = ToolRegistry()
+    builtins = {t.name: t for t in builtin_tools(policy, runner)}
+    for spec in specs:
+        for part in spec.split(","):
+            part = part.strip()
+            if part == "builtin":
+                for t in builtins.values():
+                    registry.add(t) if t.name not in registry.names() else None
+            elif part in builtins:
+                registry.add(builtins[part])
+            elif part.endswith(".py"):
+                for t in load_python_tools(Path(part)):
+                    registry.add(t)
+            elif part.endswith((".json", ".yaml", ".yml")):
+                for t in load_tool_file(Path(part), runner):
+                    registry.add(t)
+            else:
+                raise ValueError(f"--tools {part!r}: not a built-in tool ({', '.join(builtins)}, builtin) "
+                                 "nor a .py, .json or .yaml file")
+    return registry

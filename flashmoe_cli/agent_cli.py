@@ -1,0 +1,237 @@
+"""Tool use from the command line: the shared --tools options, `run --tools` (headless, fails
+closed) and `flashmoe agent` (scripted sessions with a JSON-lines transcript)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .exit_codes import ExitCode
+
+
+def add_tool_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tools", action="append", default=[], metavar="SPEC",
+                   help="tools the model may call: 'builtin' (read_file, list_dir, search_files, write_file, "
+                        "edit_file, run_shell), one of those names, or a .py / .json / .yaml tools file "
+                        "(repeatable, comma-separated)")
+    p.add_argument("--workspace", metavar="DIR", default=".", help="the folder tools may touch (default: .)")
+    p.add_argument("--mode", choices=("read-only", "ask", "workspace-write", "yolo"), default="ask",
+                   help="permission mode (default ask); yolo needs --dangerously-skip-approvals")
+    p.add_argument("--allow", action="append", default=[], metavar="RULE", help="e.g. 'run_shell(git status*)'")
+    p.add_argument("--ask", action="append", default=[], metavar="RULE")
+    p.add_argument("--deny", action="append", default=[], metavar="RULE", help="deny beats ask beats allow")
+    p.add_argument("--dangerously-skip-approvals", action="store_true", help="allow --mode yolo")
+    p.add_argument("--constrain", choices=("off", "tools", "required"), default="off",
+                   help="constrained decoding of tool calls: from the call marker on (tools), or the whole "
+                        "first reply of each turn must be a call (required)")
+    p.add_argument("--max-repairs", type=int, default=2, metavar="N", help="repair rounds for bad calls (default 2)")
+    p.add_argument("--chain-limit", type=int, default=5, metavar="N",
+                   help="rounds of tool calls per user message (default 5)")
+
+
+def make_agent(args, session, template: str, approver, on_event):
+    """An AgentLoop for these options, or a UsageError naming the bad option."""
+    from tools.errors import ToolError
+    from tools.executor import ToolExecutor
+    from tools.parsers import json_tools, parser_for_template
+    from tools.policy import Policy
+    from tools.runner import CommandRunner
+
+    from .agent import AgentLoop, load_tools
+    from .cli import UsageError
+
+    workspace = Path(args.workspace).expanduser()
+    if not workspace.is_dir():
+        raise UsageError(f"--workspace {args.workspace}: not a folder")
+    try:
+        policy = Policy(workspace, args.mode, allow=args.allow, ask=args.ask, deny=args.deny,
+                        dangerously_skip_approvals=args.dangerously_skip_approvals)
+        registry = load_tools(args.tools, policy, CommandRunner(cwd=workspace))
+    except (ToolError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    if args.mode == "yolo":
+        print("flashmoe: yolo mode: every tool call runs without asking", file=sys.stderr)
+    executor = ToolExecutor(registry, policy, approver, max_repairs=args.max_repairs, chain_limit=args.chain_limit)
+    parser = parser_for_template(template, fallback=json_tools)
+    try:
+        return AgentLoop(session, executor, parser, template=template, constrain=args.constrain, on_event=on_event)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+class AutoApprover:
+    """--approve auto: yes to reads and writes the policy asks about; never to commands, which
+    need an explicit yes (an --allow rule, or an interactive answer)."""
+
+    interactive = True
+
+    def __init__(self, registry):
+        self.registry = registry
+
+    def ask(self, call, reason):
+        tool = self.registry.get(call.name or "")
+        return "no" if tool is None or tool.risk == "exec" else "yes"
+
+
+class DecliningApprover:
+    """--approve never: every ask is declined and the model is told so; the session goes on."""
+
+    interactive = True
+
+    def ask(self, call, reason):
+        return "no"
+
+
+class TerminalApprover:
+    """--approve ask: a y / N / always question on the controlling terminal."""
+
+    interactive = True
+
+    def __init__(self, tty):
+        self.tty = tty
+
+    def ask(self, call, reason):
+        args = json.dumps(call.arguments, ensure_ascii=False)
+        self.tty.write(f"\nflashmoe: {call.name}({args})\n  {reason}. Run it? [y/N/a(lways)] ")
+        self.tty.flush()
+        answer = self.tty.readline().strip().lower()
+        return {"y": "yes", "yes": "yes", "a": "always", "always": "always"}.get(answer, "no")
+
+
+def run_with_tools(args, session, loaded, text: str) -> int:
+    """Headless `run --tools`: the answer on stdout, tool activity on stderr; fails closed."""
+    from tools.policy import NonInteractiveApprover
+
+    from .agent import TextChunk, ToolCallEvent, ToolResultEvent
+
+    def show(ev):
+        if isinstance(ev, TextChunk) and ev.kind == "text":
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        elif isinstance(ev, ToolCallEvent):
+            state = "" if ev.valid else f" [invalid: {ev.error}]"
+            print(f"flashmoe: tool call {ev.name}({json.dumps(ev.arguments, ensure_ascii=False)}){state}",
+                  file=sys.stderr)
+        elif isinstance(ev, ToolResultEvent):
+            print(f"flashmoe: {ev.name} -> {ev.status}", file=sys.stderr)
+
+    loop = make_agent(args, session, loaded.chat_template, NonInteractiveApprover(), show)
+    try:
+        end = loop.run_turn(text)
+    except KeyboardInterrupt:
+        loop.cancel()
+        return ExitCode.INTERRUPTED
+    sys.stdout.write("\n")
+    if end.status in ("done",):
+        return ExitCode.OK
+    if end.status == "cancelled":
+        return ExitCode.INTERRUPTED
+    print(f"flashmoe: error: {end.message or end.status}", file=sys.stderr)
+    return ExitCode.APPROVAL if end.status == "approval-needed" else ExitCode.FAILURE
+
+
+def read_script(path: str) -> list[dict]:
+    """session.jsonl: one {"role": "user"|"system", "content": ...} per line ('-' reads stdin)."""
+    from .cli import UsageError
+
+    try:
+        lines = sys.stdin.read().splitlines() if path == "-" else Path(path).read_text().splitlines()
+    except OSError as e:
+        raise UsageError(f"--script {path}: cannot read ({e.strerror or e})") from None
+    turns = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--script {path} line {n}: not JSON ({e.msg})") from None
+        if not isinstance(d, dict) or d.get("role") not in ("user", "system") or not isinstance(d.get("content"), str):
+            raise UsageError(f'--script {path} line {n}: expected {{"role": "user" or "system", "content": "..."}}')
+        if d["role"] == "system" and turns:
+            raise UsageError(f"--script {path} line {n}: a system line may only come first")
+        turns.append(d)
+    if not any(t["role"] == "user" for t in turns):
+        raise UsageError(f"--script {path}: no user turns")
+    return turns
+
+
+class Transcript:
+    """Every event as a JSON line, written as it happens to OUT.partial, renamed to OUT at the end."""
+
+    def __init__(self, path: str | None):
+        self.path = Path(path) if path else None
+        self.tmp = self.path.with_name(self.path.name + ".partial") if self.path else None
+        self.file = open(self.tmp, "w") if self.tmp else None
+
+    def write(self, d: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(d, ensure_ascii=False, default=str) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+            os.replace(self.tmp, self.path)
+
+
+def cmd_agent(args) -> int:
+    """`flashmoe agent`: user turns from a script, every event to the transcript."""
+    import dataclasses
+
+    from tools.policy import NonInteractiveApprover
+
+    from .agent import RepairEvent, TextChunk, ToolCallEvent, ToolResultEvent, TurnFinished
+    from .cli import UsageError, make_engine, open_conversation
+
+    if not args.tools:
+        raise UsageError("agent needs --tools (e.g. --tools builtin)")
+    turns = read_script(args.script)
+    if turns[0]["role"] == "system":
+        args.system = turns.pop(0)["content"]
+    session = open_conversation(args, None, model_name=str(args.model or "demo"))
+    engine = session.engine = make_engine(args)
+    transcript = Transcript(args.transcript)
+    try:
+        loaded = engine.wait_loaded()
+        transcript.write(loaded.to_dict() | {"chat_template": None})
+
+        def record(ev):
+            if isinstance(ev, TextChunk):
+                if ev.kind == "text":
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                return
+            if hasattr(ev, "to_dict"):
+                transcript.write(ev.to_dict())
+            else:
+                kind = {ToolCallEvent: "tool_call", ToolResultEvent: "tool_result", RepairEvent: "repair",
+                        TurnFinished: "turn_end"}[type(ev)]
+                transcript.write({"event": kind, **dataclasses.asdict(ev)})
+                if isinstance(ev, ToolCallEvent):
+                    print(f"flashmoe: tool call {ev.name} {'ok' if ev.valid else 'invalid: ' + str(ev.error)}",
+                          file=sys.stderr)
+
+        approver = {"never": DecliningApprover(), "ask": None}.get(args.approve)
+        loop = make_agent(args, session, loaded.chat_template, approver or NonInteractiveApprover(), record)
+        if args.approve == "auto":
+            loop.executor.approver = AutoApprover(loop.executor.registry)
+        elif args.approve == "ask":
+            try:
+                loop.executor.approver = TerminalApprover(open("/dev/tty", "r+"))
+            except OSError:
+                pass  # no terminal: fail closed
+        for n, turn in enumerate(turns):
+            transcript.write({"event": "user", "content": turn["content"], "turn": n})
+            end = loop.run_turn(turn["content"])
+            sys.stdout.write("\n")
+            if end.status not in ("done",):
+                print(f"flashmoe: error: turn {n + 1}: {end.message or end.status}", file=sys.stderr)
+                return {"approval-needed": ExitCode.APPROVAL, "cancelled": ExitCode.INTERRUPTED}.get(
+                    end.status, ExitCode.FAILURE)
+        return ExitCode.OK
+    finally:
+        transcript.close()
+        engine.close()

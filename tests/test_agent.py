@@ -1,0 +1,117 @@
+"""The tool loop in scripted sessions and headless runs, on the fake engine and the demo model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+
+CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "notes.txt"}}\n</tool_call>'
+SHELL = '<tool_call>\n{"name": "run_shell", "arguments": {"command": "rm -rf /"}}\n</tool_call>'
+LOW_BIT = '<tool_call>\n{\\name\\: \\read_file\\, \\arguments\\: {\\path\\: \\notes.txt\\}}\n</tool_call>'
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "notes.txt").write_text("hello from the notes\n")
+    (ws / ".env").write_text("SECRET=1\n")
+    return ws
+
+
+def agent(tmp_path, workspace, replies, script, *extra):
+    (tmp_path / "s.jsonl").write_text("\n".join(json.dumps(t) for t in script) + "\n")
+    env = {"FLASHMOE_HOME": str(tmp_path / "home"), "FLASHMOE_FAKE_REPLIES": json.dumps(replies)}
+    r = run_cli("agent", "--engine", "fake", "--tools", "builtin", "--workspace", workspace,
+                "--script", tmp_path / "s.jsonl", "--transcript", tmp_path / "t.jsonl", *extra, env=env)
+    events = [json.loads(l) for l in (tmp_path / "t.jsonl").read_text().splitlines()] \
+        if (tmp_path / "t.jsonl").exists() else []
+    return r, [e for e in events if e["event"] not in ("token", "layers", "step", "prefill")]
+
+
+def test_scripted_session_transcript(tmp_path, workspace):
+    r, events = agent(tmp_path, workspace, [CALL, "Your notes say hello."],
+                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "notes?"}],
+                      "--approve", "auto")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "Your notes say hello."
+    assert [e["event"] for e in events] == ["loaded", "user", "done", "tool_call", "tool_result", "done", "turn_end"]
+    call, result = events[3], events[4]
+    assert call == {"event": "tool_call", "name": "read_file", "arguments": {"path": "notes.txt"}, "raw": CALL,
+                    "valid": True, "error": None}
+    assert result["ok"] and result["content"] == "hello from the notes\n"
+    assert events[-1]["status"] == "done"
+
+
+def test_low_bit_quoting_is_repaired_and_named(tmp_path, workspace):
+    r, events = agent(tmp_path, workspace, [LOW_BIT, "ok"], [{"role": "user", "content": "notes?"}])
+    assert r.returncode == 0, r.stderr
+    result = next(e for e in events if e["event"] == "tool_result")
+    assert "hello from the notes" in result["content"] and "double quotes" in result["content"]
+    repair = next(e for e in events if e["event"] == "repair")
+    assert repair["raw"] == LOW_BIT and "backslashes" in repair["message"]
+
+
+def test_invalid_calls_get_bounded_repairs(tmp_path, workspace):
+    bad = '<tool_call>\n{"name": "read_file", "arguments": {"file": "notes.txt"}}\n</tool_call>'
+    r, events = agent(tmp_path, workspace, [bad, bad, bad, bad], [{"role": "user", "content": "notes?"}],
+                      "--max-repairs", "2")
+    assert r.returncode == 1
+    calls = [e for e in events if e["event"] == "tool_call"]
+    assert len(calls) == 3 and not any(c["valid"] for c in calls)  # 1 + 2 repairs, then it stops
+    assert "$: 'path' is a required property" in next(e for e in events if e["event"] == "tool_result")["content"]
+    assert events[-1]["status"] == "repairs-exhausted"
+
+
+def test_shell_needs_approval_headless_fails_closed(tmp_path, workspace):
+    env = {"FLASHMOE_HOME": str(tmp_path / "home"), "FLASHMOE_FAKE_REPLIES": json.dumps([SHELL, "done"])}
+    r = run_cli("run", "--engine", "fake", "--tools", "builtin", "--workspace", workspace, "clean up", env=env)
+    assert r.returncode == 5, r.stderr
+    assert "approval" in r.stderr and "Traceback" not in r.stderr
+    # --approve auto does not run commands either; --approve never declines and goes on
+    r2, events = agent(tmp_path, workspace, [SHELL, "ok then"], [{"role": "user", "content": "x"}], "--approve", "never")
+    assert r2.returncode == 0
+    assert "declined" in next(e for e in events if e["event"] == "tool_result")["content"]
+
+
+def test_env_files_and_escapes_are_refused(tmp_path, workspace):
+    calls = ['<tool_call>\n{"name": "read_file", "arguments": {"path": ".env"}}\n</tool_call>',
+             '<tool_call>\n{"name": "read_file", "arguments": {"path": "../outside.txt"}}\n</tool_call>', "ok"]
+    r, events = agent(tmp_path, workspace, calls, [{"role": "user", "content": "x"}], "--approve", "auto")
+    results = [e for e in events if e["event"] == "tool_result"]
+    assert [x["status"] for x in results] == ["denied", "denied"]
+    assert "SECRET" not in json.dumps(events)
+
+
+def test_chain_limit_stops_the_turn(tmp_path, workspace):
+    r, events = agent(tmp_path, workspace, [CALL] * 10, [{"role": "user", "content": "x"}], "--approve", "auto",
+                      "--chain-limit", "3")
+    assert r.returncode == 1 and events[-1]["status"] == "chain-limit"
+    assert sum(e["event"] == "tool_result" and e["ok"] for e in events) == 3
+
+
+def test_bad_scripts_are_usage_errors(tmp_path, workspace):
+    (tmp_path / "s.jsonl").write_text('{"role": "robot", "content": "x"}\n')
+    r = run_cli("agent", "--engine", "fake", "--tools", "builtin", "--script", tmp_path / "s.jsonl")
+    assert r.returncode == 2 and "line 1" in r.stderr
+    r = run_cli("agent", "--engine", "fake", "--tools", "nonsense", "--script", tmp_path / "s.jsonl")
+    assert r.returncode == 2
+
+
+@pytest.mark.slow
+def test_demo_model_session_with_required_calls_completes(tmp_path, workspace):
+    """The real demo model, --constrain required, a read_file tool, a temporary workspace."""
+    import os
+
+    (tmp_path / "s.jsonl").write_text(json.dumps({"role": "user", "content": "What is in notes.txt?"}) + "\n")
+    env = {} if os.environ.get("FLASHMOE_HOME") else {"FLASHMOE_HOME": str(tmp_path / "home")}
+    r = run_cli("agent", "--tools", "read_file", "--workspace", workspace, "--script", tmp_path / "s.jsonl",
+                "--transcript", tmp_path / "t.jsonl", "--constrain", "required", "--max-tokens", "64",
+                env=env, timeout=900)
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(l) for l in (tmp_path / "t.jsonl").read_text().splitlines()]
+    calls = [e for e in events if e["event"] == "tool_call"]
+    assert calls and calls[0]["valid"] and calls[0]["name"] == "read_file"
+    assert events[-1] == {"event": "turn_end", "status": "done", "rounds": 1, "message": "", "exit_code": 0}
