@@ -1,0 +1,415 @@
+"""Constrained decoding for tool calls: the sampler may only pick tokens that keep the output a
+valid prefix of a call to one of the tools, with arguments that satisfy that tool's JSON Schema.
+
+Built on llguidance (an optional dependency, `pip install llguidance`): its Earley parser with
+inline JSON-Schema grammars computes the allowed-token bitmask over the `tokenizers` vocabulary
+(about 20 us per token for Qwen3's 151k vocabulary, a few ms at worst while its lexer warms
+up). We build its tokenizer from the tokenizer.json text, so transformers is never needed.
+
+Two modes (`tool_call_constraint(tools, mode)`):
+
+* "required" (OpenAI `tool_choice="required"`): the whole reply is constrained from its first
+  token. It must be exactly one call (or, with parallel=True, one or more calls separated by
+  "\\n"), after which `done()` is True and the generation loop stops; no text before or after.
+* "tools": free text, unconstrained (`allowed()` is None, so it costs nothing), until the start
+  marker appears, either as its own token or spelled out in pieces. From then on the call is
+  constrained exactly as in "required" mode; once the end marker is through, text is free
+  again, so further calls (each constrained) and text after them are possible; the end of the
+  turn is the model's EOS as usual.
+
+Two formats:
+
+* fmt="json", Qwen3 / Hermes: `<tool_call>\\n{"name": NAME, "arguments": ARGS}\\n</tool_call>`.
+  The JSON is written compactly the way `json.dumps` does (", " and ": " separators, no other
+  whitespace), which is also how the chat templates render it.
+* fmt="xml", Qwen3-Coder / Qwen3.5: `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE
+  \\n</parameter>\\n...</function>\\n</tool_call>`. String parameters are raw text (which cannot
+  contain "\\n</parameter>"; enum, const, minLength and maxLength hold, pattern and format do
+  not), other values are JSON for the property's schema. Parameters come in the order the
+  schema lists them; optional ones may be left out.
+
+Grammar choices, for a model that may not know JSON at all:
+
+* one alternative per tool, so the name decides which schema the arguments follow;
+* closed_objects (default True): an object schema that lists "properties" and says nothing
+  about additionalProperties / patternProperties / unevaluatedProperties gets no extra keys
+  (as OpenAI's strict mode requires); the output still satisfies the original schema;
+* max_string_length (default None): when set, strings with no maxLength/enum/const/pattern get
+  that maxLength, so a string cannot run on until max_tokens. Off by default because a tool
+  such as write_file legitimately takes long strings. Numbers, arrays without maxItems and
+  free-form objects are likewise unbounded; max_tokens is the backstop.
+
+Limits: a tool whose schema uses keywords llguidance does not implement (uniqueItems, not,
+if/then/else, contains, dependentRequired, ...) falls back to llguidance's "lenient" mode, where
+those keywords are ignored, so its output can still fail validation (the factory's `warnings`
+say which tools); the text of a string argument can contain the end marker (a parser that cuts
+at the first "</tool_call>" would then cut early); in "tools" mode a marker spelled in pieces
+whose last token runs on into text that no call can continue is left unconstrained; "required"
+mode leaves no room for a <think> block, so use it with thinking off.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+MODES = ("tools", "required")
+FORMATS = ("json", "xml")
+
+# Compact JSON, as json.dumps writes it and the chat templates render it.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+# Keys whose value is a schema, a list of schemas, or a map of name -> schema.
+_SCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+                "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SCHEMA_LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAP_KEYS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def _llg():
+    try:
+        import llguidance
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise RuntimeError("constrained decoding needs the llguidance package "
+                           "(pip install llguidance)") from e
+    return llguidance
+
+
+# -- schemas ------------------------------------------------------------------------------
+
+def _normalise_tools(tools: list[dict]) -> list[tuple[str, dict]]:
+    """(name, parameters schema) for OpenAI-style definitions (or bare {"name", "parameters"})."""
+    if not tools:
+        raise ValueError("tool_call_constraint needs at least one tool")
+    out: list[tuple[str, dict]] = []
+    for tool in tools:
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a tool needs a non-empty string name: {tool!r}")
+        params = fn.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, dict):
+            raise TypeError(f"tool {name!r}: parameters must be a JSON Schema object")
+        if any(name == n for n, _ in out):
+            raise ValueError(f"tool {name!r} is defined twice")
+        out.append((name, params))
+    return out
+
+
+def _is_string_schema(node: dict) -> bool:
+    t = node.get("type")
+    return t == "string" or (isinstance(t, list) and "string" in t)
+
+
+def _prepare_schema(schema: dict, *, closed_objects: bool, max_string_length: int | None) -> dict:
+    """A copy of `schema` tightened for generation (see the module docstring)."""
+    schema = copy.deepcopy(schema)
+
+    def visit(node: Any, in_allof: bool = False) -> None:
+        if not isinstance(node, dict):
+            return
+        if (closed_objects and not in_allof and isinstance(node.get("properties"), dict)
+                and not any(k in node for k in _OPEN_KEYS)):
+            node["additionalProperties"] = False
+        if (max_string_length is not None and _is_string_schema(node)
+                and not any(k in node for k in ("maxLength", "enum", "const", "pattern"))):
+            node["maxLength"] = max_string_length
+        for key in _SCHEMA_KEYS:
+            sub = node.get(key)
+            if isinstance(sub, list):  # "items" as a list in older drafts
+                for s in sub:
+                    visit(s)
+            else:
+                visit(sub)
+        for key in _SCHEMA_LIST_KEYS:
+            if isinstance(node.get(key), list):
+                for s in node[key]:
+                    visit(s, in_allof=key == "allOf")
+        for key in _SCHEMA_MAP_KEYS:
+            if isinstance(node.get(key), dict):
+                for s in node[key].values():
+                    visit(s)
+
+    visit(schema)
+    return schema
+
+
+def _json_grammar(schema: dict, lenient: bool) -> str:
+    """`%json {...}` for the lark grammar, with our JSON layout options."""
+    s = dict(schema)
+    options = dict(s.get("x-guidance") or {}, **_JSON_OPTIONS)
+    if lenient:
+        options["lenient"] = True
+    s["x-guidance"] = options
+    return "%json " + json.dumps(s, ensure_ascii=False)
+
+
+def _lit(text: str) -> str:
+    """A lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+# -- grammar ------------------------------------------------------------------------------
+
+def _resolve(node: Any, root: dict) -> Any:
+    """Follow a local "$ref" ("#/$defs/x") one step, for deciding a parameter's type."""
+    if isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#/"):
+        target: Any = root
+        for part in node["$ref"][2:].split("/"):
+            if not isinstance(target, dict):
+                return node
+            target = target.get(part.replace("~1", "/").replace("~0", "~"))
+        return target if isinstance(target, dict) else node
+    return node
+
+
+def _xml_value_rule(rule: str, prop: Any, root: dict, lenient: bool, lines: list[str]) -> str:
+    """Rules for one XML parameter value followed by "\\n</parameter>"; returns its name."""
+    end = "\n</parameter>"
+    node = _resolve(prop, root)
+    node = node if isinstance(node, dict) else {}
+    enum = node.get("enum")
+    if "const" in node and isinstance(node["const"], str):
+        enum = [node["const"]]
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        lines.append(f"{rule}: ({' | '.join(_lit(v) for v in enum)}) {_lit(end)}")
+    elif node.get("type") == "string":
+        lo, hi = node.get("minLength", 0), node.get("maxLength")
+        lo = lo if isinstance(lo, int) else 0
+        rep = f"{{{lo},{hi if isinstance(hi, int) else ''}}}"
+        # A lazy lexeme: the shortest text that ends in "\n</parameter>".
+        lines.append(f"{rule}[lazy]: /(?s:.){rep}\\n<\\/parameter>/")
+    else:
+        sub = prop if isinstance(prop, dict) else {}
+        if "$ref" in json.dumps(sub):
+            sub = dict(sub)
+            for key in ("$defs", "definitions"):
+                if key in root:
+                    sub.setdefault(key, root[key])
+        lines.append(f"{rule}: {_json_grammar(sub, lenient)} {_lit(end)}")
+    return rule
+
+
+def _tool_rules(i: int, name: str, schema: dict, fmt: str, lenient: bool, lines: list[str]) -> str:
+    """The rule for one tool's call body, `{"name": ..., "arguments": ...}` or `<function=...>`."""
+    rule = f"tool_{i}"
+    if fmt == "json":
+        head = '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+        lines.append(f"{rule}: {_lit(head)} {_json_grammar(schema, lenient)} {_lit('}')}")
+        return rule
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = set(schema.get("required") or [])
+    parts = []
+    for j, (key, prop) in enumerate(props.items()):
+        value = _xml_value_rule(f"{rule}_v{j}", prop, schema, lenient, lines)
+        lines.append(f"{rule}_p{j}: {_lit(f'<parameter={key}>' + chr(10))} {value} {_lit(chr(10))}")
+        parts.append(f"{rule}_p{j}" + ("" if key in required else "?"))
+    head = f"<function={name}>\n"
+    lines.append(f"{rule}: {_lit(head)} {' '.join(parts)} {_lit('</function>')}")
+    return rule
+
+
+def _marker(text: str, token_id: int | None) -> str:
+    """The marker as its own token where the tokenizer has one, or spelled out as text."""
+    if token_id is None:
+        return _lit(text)
+    return f"(<[{token_id}]> | {_lit(text)})"
+
+
+def build_grammar(schemas: list[tuple[str, dict, bool]], *, fmt: str, start: str, end: str,
+                  with_start: bool, parallel: bool, start_id: int | None = None,
+                  end_id: int | None = None) -> str:
+    """The lark grammar for a call to one of the tools, given as (name, parameters schema,
+    lenient); with_start=False: what follows the start marker."""
+    rules: list[str] = []
+    names = [_tool_rules(i, name, schema, fmt, lenient, rules)
+             for i, (name, schema, lenient) in enumerate(schemas)]
+    tail = f'"\\n" body "\\n" {_marker(end, end_id)}'
+    if with_start:
+        top = ['start: call ("\\n" call)*' if parallel else "start: call",
+               f"call: {_marker(start, start_id)} {tail}"]
+    else:
+        top = [f"start: {tail}"]
+    top.append(f"body: {' | '.join(names)}")
+    return "\n".join(["%llguidance {}", *top, *rules]) + "\n"
+
+
+# -- the constraint -----------------------------------------------------------------------
+
+_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_tokenizers_lock = threading.Lock()
+
+
+def ll_tokenizer(tokenizer) -> Any:
+    """llguidance's view of an engine Tokenizer, built once per tokenizer (~1 s for Qwen3)."""
+    with _tokenizers_lock:
+        lt = _tokenizers.get(tokenizer)
+        if lt is None:
+            eos = sorted(tokenizer.eos_token_ids) or None
+            lt = _llg().LLTokenizer(tokenizer._tok.to_str(), n_vocab=tokenizer.vocab_size, eos_token=eos)
+            _tokenizers[tokenizer] = lt
+        return lt
+
+
+class ToolCallConstraint:
+    """The Constraint (engine/constrain.py) for one generation."""
+
+    def __init__(self, lt, matchers: dict[str, Any], mode: str, start: str, start_id: int | None):
+        self._lt = lt
+        self._templates = matchers  # "call": whole call(s) (required), "body": after the start marker
+        self._mode = mode
+        self._start = start.encode("utf-8")
+        self._start_id = start_id
+        self._n = lt.vocab_size
+        self._bits = np.zeros((self._n + 31) // 32, dtype=np.int32)
+        self._tail = b""  # recent free text, to find a marker spelled in pieces
+        self._matcher = None
+        self._done = False
+        if mode == "required":
+            self._matcher = self._new_matcher("call")
+
+    def _new_matcher(self, which: str):
+        return self._templates[which].deep_copy()
+
+    @property
+    def in_call(self) -> bool:
+        return self._matcher is not None
+
+    def allowed(self) -> np.ndarray | None:
+        if self._matcher is None:
+            return None
+        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if self._matcher.is_error():
+            raise RuntimeError(f"tool-call constraint failed: {self._matcher.get_error()}")
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self._n).view(bool)
+
+    def accept(self, token: int) -> None:
+        token = int(token)
+        if self._matcher is not None:
+            if not self._matcher.consume_token(token):
+                raise RuntimeError(f"tool-call constraint: token {token} not allowed: "
+                                   f"{self._matcher.get_error()}")
+            if self._matcher.is_stopped():
+                self._matcher = None
+                self._tail = b""
+                if self._mode == "required":
+                    self._done = True
+            return
+        if self._done or token >= self._n:
+            return
+        if token == self._start_id:
+            self._matcher = self._new_matcher("body")
+            return
+        self._tail += self._lt.decode_bytes([token])
+        at = self._tail.find(self._start)
+        if at < 0:
+            self._tail = self._tail[-(len(self._start) - 1):] if len(self._start) > 1 else b""
+            return
+        # The marker was spelled in pieces; the token may have run past its end.
+        rest = self._tail[at + len(self._start):]
+        self._tail = b""
+        matcher = self._new_matcher("body")
+        if rest and not matcher.consume_tokens(self._lt.tokenize_bytes(rest)):
+            return  # text after the marker that no call can continue: leave it unconstrained
+        self._matcher = matcher
+
+    def done(self) -> bool:
+        return self._done
+
+
+class ToolCallConstraintFactory:
+    """`make(tokenizer) -> ToolCallConstraint`, as GenerationRequest.constraint wants it.
+
+    The tools, grammar and options are checked here, once; the per-tokenizer grammar (which
+    names the marker tokens by id) is built on first use and cached.
+    """
+
+    def __init__(self, tools: list[dict], mode: str = "required", fmt: str = "json",
+                 start: str = "<tool_call>", end: str = "</tool_call>", *, parallel: bool = False,
+                 closed_objects: bool = True, max_string_length: int | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if fmt not in FORMATS:
+            raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {fmt!r}")
+        if not start or not end:
+            raise ValueError("the start and end markers must not be empty")
+        if max_string_length is not None and max_string_length < 0:
+            raise ValueError(f"max_string_length must be >= 0, got {max_string_length}")
+        self.mode, self.fmt, self.start, self.end, self.parallel = mode, fmt, start, end, parallel
+        self.warnings: list[str] = []
+        self.schemas: list[tuple[str, dict, bool]] = []  # (name, parameters, lenient)
+        llg = _llg()
+        for name, params in _normalise_tools(tools):
+            schema = _prepare_schema(params, closed_objects=closed_objects,
+                                     max_string_length=max_string_length)
+            for lenient in (False, True):
+                g = build_grammar([(name, schema, lenient)], fmt=fmt, start=start, end=end,
+                                  with_start=True, parallel=False)
+                is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+                    llg.LLMatcher.grammar_from_lark(g))
+                if not is_error:
+                    if lenient:
+                        self.warnings.append(f"tool {name!r}: unsupported schema keywords are ignored")
+                    self.warnings += [f"tool {name!r}: {m}" for m in messages]
+                    self.schemas.append((name, schema, lenient))
+                    break
+                if lenient:
+                    raise ValueError(f"tool {name!r}: cannot build a grammar for its parameters: "
+                                     f"{messages[0] if messages else 'unknown error'}")
+        self._cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def matchers(self, tokenizer) -> tuple[Any, dict[str, Any], int | None]:
+        """llguidance's tokenizer, fresh matchers for "call" (from the start marker) and
+        "body" (after it), and the start marker's token id; each generation copies the
+        matchers, which is cheap (microseconds, against milliseconds to build one)."""
+        with self._lock:
+            hit = self._cache.get(tokenizer)
+            if hit is None:
+                lt = ll_tokenizer(tokenizer)
+                start_id = self._marker_id(lt, tokenizer, self.start)
+                end_id = self._marker_id(lt, tokenizer, self.end)
+                kw = {"fmt": self.fmt, "start": self.start, "end": self.end,
+                      "parallel": self.parallel, "start_id": start_id, "end_id": end_id}
+                llg = _llg()
+                matchers = {}
+                for which in ("call", "body"):
+                    g = llg.LLMatcher.grammar_from_lark(build_grammar(self.schemas, with_start=which == "call", **kw))
+                    m = llg.LLMatcher(lt, g, log_level=0)
+                    if m.is_error():
+                        raise ValueError(f"tool-call grammar rejected: {m.get_error()}")
+                    matchers[which] = m
+                hit = (lt, matchers, start_id)
+                self._cache[tokenizer] = hit
+            return hit
+
+    @staticmethod
+    def _marker_id(lt, tokenizer, text: str) -> int | None:
+        """The id of a token that is exactly the marker and that llguidance treats as special
+        (added tokens are), or None: then the marker is matched as text."""
+        tid = tokenizer.token_to_id(text)
+        if tid is None or tid >= lt.vocab_size or not lt.is_special_token(tid):
+            return None
+        return tid
+
+    def __call__(self, tokenizer) -> ToolCallConstraint:
+        lt, matchers, start_id = self.matchers(tokenizer)
+        return ToolCallConstraint(lt, matchers, self.mode, self.start, start_id)
+
+
+def tool_call_constraint(tools: list[dict], mode: str = "required", fmt: str = "json",
+                         start: str = "<tool_call>", end: str = "</tool_call>", **options
+                         ) -> ToolCallConstraintFactory:
+    """A ConstraintFactory for GenerationRequest.constraint (see the module docstring).
+
+    options: parallel (bool, "required" mode: allow more than one call), closed_objects (bool),
+    max_string_length (int | None).
+    """
+    return ToolCallConstraintFactory(tools, mode, fmt, start, end, **options)
