@@ -253,7 +253,7 @@ def ll_tokenizer(tokenizer) -> Any:
         lt = _tokenizers.get(tokenizer)
         if lt is None:
             eos = sorted(tokenizer.eos_token_ids) or None
-            lt = _llg().LLTokenizer(tokenizer._tok.to_str(), n_vocab=tokenizer.vocab_size, eos_token=eos)
+            lt = _llg().LLTokenizer(tokenizer.to_json(), n_vocab=tokenizer.vocab_size, eos_token=eos)
             _tokenizers[tokenizer] = lt
         return lt
 
