@@ -17,6 +17,7 @@ from engine.events import EngineFailed, GenerationFinished, TokenGenerated
 from tools.calls import ToolCall
 from tools.executor import ToolExecutor
 from tools.textstate import TextState
+from tools.validate import check_call
 
 CONSTRAIN_MODES = ("off", "tools", "required")
 
@@ -32,8 +33,9 @@ class ToolCallEvent:
     name: str | None
     arguments: dict | None
     raw: str
-    valid: bool
-    error: str | None
+    valid: bool  # parsed and matched its tool's schema (possibly after the low-bit quoting repair)
+    error: str | None  # why it failed, when the call or its run did
+    kind: str | None = None  # when invalid: parse, unknown-tool, malformed-json, schema, backslash-quotes, ...
 
 
 @dataclass(frozen=True)
@@ -131,8 +133,10 @@ class AgentLoop:
             for rej in self.executor.rejected[seen:]:
                 self.on_event(RepairEvent(rej.name, rej.raw, rej.message, rej.repaired))
             for call, res in zip(calls, results):
-                self.on_event(ToolCallEvent(call.name, call.arguments, call.raw,
-                                            res.status not in ("invalid",), None if res.ok else res.error))
+                verdict = check_call(call, self.executor.registry)  # to name the failure, repaired ones too
+                kind = None if verdict.ok else verdict.kind
+                self.on_event(ToolCallEvent(call.name, call.arguments, call.raw, res.status != "invalid",
+                                            None if res.ok else res.error, kind))
                 self.on_event(ToolResultEvent(res.name, res.ok, res.status, res.content, res.duration_s,
                                               res.exit_code, res.truncated))
                 self._record_result(call, res.content)

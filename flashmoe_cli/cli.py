@@ -162,6 +162,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(agent)
     add_tool_options(agent)
 
+    bench = sub.add_parser("bench", help="benchmarks that print every figure with its conditions")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)
+    bt = bench_sub.add_parser("tools", help="tool-call reliability per model and constrained-decoding mode")
+    bt.add_argument("-m", "--model", dest="models", action="append", metavar="MODEL",
+                    help="model folder (repeat for several bit widths; default: the demo model)")
+    bt.add_argument("--constrain-modes", default="off,required", metavar="MODES",
+                    help="comma-separated: off, tools, required (default off,required)")
+    bt.add_argument("--out", metavar="FILE", help="write the results as JSON")
+    bt.add_argument("--max-tokens", type=int, default=96, metavar="N", help="per reply (default 96)")
+    bt.add_argument("--max-repairs", type=int, default=2, metavar="N")
+    for name, kw in (("--expert-cache", dict(type=parse_size, default=S, metavar="SIZE")),
+                     ("--io-threads", dict(type=int, default=S)), ("--dtype", dict(default=S)),
+                     ("--temp", dict(type=float, default=S)), ("--seed", dict(type=int, default=S))):
+        bt.add_argument(name, **kw)
+    bt.add_argument("--direct-io", action="store_true")
+    bt.add_argument("--engine", choices=("real", "fake"), default="real", help=argparse.SUPPRESS)
+
     logs = sub.add_parser("logs", help="list saved conversations, or show one")
     logs.add_argument("action", nargs="?", choices=("list", "show", "path"), default="list")
     logs.add_argument("cid", nargs="?", metavar="ID", help="conversation id for `show` (default: the latest)")
@@ -224,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
             from .agent_cli import cmd_agent
 
             return cmd_agent(args)
+        if args.command == "bench":
+            apply_settings(args)
+            from .bench_tools import cmd_bench_tools
+
+            return cmd_bench_tools(args)
         if args.command == "run":
             from .headless import run
 

@@ -40,7 +40,7 @@ def test_scripted_session_transcript(tmp_path, workspace):
     assert [e["event"] for e in events] == ["loaded", "user", "done", "tool_call", "tool_result", "done", "turn_end"]
     call, result = events[3], events[4]
     assert call == {"event": "tool_call", "name": "read_file", "arguments": {"path": "notes.txt"}, "raw": CALL,
-                    "valid": True, "error": None}
+                    "valid": True, "error": None, "kind": None}
     assert result["ok"] and result["content"] == "hello from the notes\n"
     assert events[-1]["status"] == "done"
 
@@ -115,3 +115,19 @@ def test_demo_model_session_with_required_calls_completes(tmp_path, workspace):
     calls = [e for e in events if e["event"] == "tool_call"]
     assert calls and calls[0]["valid"] and calls[0]["name"] == "read_file"
     assert events[-1] == {"event": "turn_end", "status": "done", "rounds": 1, "message": "", "exit_code": 0}
+
+
+def test_bench_tools_reports_rates_and_failure_kinds(tmp_path):
+    broken_envelope = '<tool_call>\n{\\name\\: \\list_dir\\, \\arguments\\: {}}\n</tool_call>'
+    env = {"FLASHMOE_HOME": str(tmp_path / "home"),
+           "FLASHMOE_FAKE_REPLIES": json.dumps([CALL, broken_envelope, "no tools for me"])}
+    r = run_cli("bench", "tools", "--engine", "fake", "--constrain-modes", "off", "--out", tmp_path / "b.json", env=env)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "b.json").read_text())["results"][0]
+    # 8 prompts cycle through: good call, low-bit call (repaired), no call
+    assert res["prompts"] == 8 and res["valid_call_rate"] == pytest.approx(6 / 8)
+    assert res["repair_rate"] == pytest.approx(3 / 8)
+    assert res["failure_kinds"] == {"backslash-quotes": 3, "no-call": 2}
+    line = r.stdout.strip().splitlines()[-1]
+    for needle in ("valid calls 75%", "repaired 38%", "tok/s", "/token read", "hit rate", "4-bit", "K=4"):
+        assert needle in line, line

@@ -103,6 +103,10 @@ def check_call(call: ToolCall, registry: ToolRegistry) -> Verdict:
         if err is not None:
             return Verdict(False, None, f"malformed JSON in the arguments for '{tool.name}': {err}",
                            kind="malformed-json")
+        if call.error is not None and looks_backslash_quoted(call.raw):
+            # The envelope used backslashes for quotes and the parser salvaged the name and
+            # arguments: still the low-bit failure, so name it (the call may run repaired).
+            return _backslash_verdict(tool, repair_backslash_quotes(call.arguments_text) or "{}")
     else:
         return Verdict(False, None, f"could not parse the tool call to '{tool.name}': "
                                     f"{call.error or 'no arguments'}", kind="parse")

@@ -1,0 +1,138 @@
+"""`flashmoe bench tools`: how reliably a model calls tools, per model (bit width) and per
+constrained-decoding mode, with the speed conditions of every run.
+
+A fixed suite of prompts, each with the tool a good answer calls, in a scratch workspace. A
+turn ends after the first call that runs (or when repairs run out): we measure the calls, not
+the prose after them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+SUITE = [
+    ("Read the file notes.txt.", "read_file"),
+    ("List the files in the current folder.", "list_dir"),
+    ("Search the files for the word 'budget'.", "search_files"),
+    ("Create a file called todo.txt that contains the text 'buy milk'.", "write_file"),
+    ("In notes.txt, replace the word 'hello' with 'goodbye'.", "edit_file"),
+    ("What files are in the folder docs?", "list_dir"),
+    ("Show me the first 3 lines of data.csv.", "read_file"),
+    ("Which file mentions Paris?", "search_files"),
+]
+TOOLS = "read_file,list_dir,search_files,write_file,edit_file"
+
+
+def make_workspace(root: Path) -> Path:
+    (root / "docs").mkdir(parents=True)
+    (root / "notes.txt").write_text("hello world\nthe budget is 40 euros\n")
+    (root / "data.csv").write_text("city,country\nParis,France\nRome,Italy\nOslo,Norway\n")
+    (root / "docs" / "trip.md").write_text("A weekend in Paris.\n")
+    return root
+
+
+def run_suite(args, model: str, constrain: str) -> dict:
+    """One model, one mode: the suite's counts and speeds."""
+    from argparse import Namespace
+
+    from .agent import RepairEvent, ToolCallEvent, ToolResultEvent
+    from .agent_cli import AutoApprover, make_agent
+    from .cli import make_engine, open_conversation
+    from engine.events import GenerationFinished
+
+    ns = Namespace(**{**vars(args), "model": model, "constrain": constrain, "tools": [TOOLS], "no_log": True,
+                      "continue_": False, "cid": None, "mode": "workspace-write", "allow": [], "ask": [],
+                      "deny": [], "dangerously_skip_approvals": False, "chain_limit": 1, "stop": []})
+    engine = make_engine(ns)
+    loaded = engine.wait_loaded()
+    rows, kinds, speeds = [], Counter(), []
+    try:
+        for prompt, expected in SUITE:
+            with tempfile.TemporaryDirectory() as tmp:
+                ns.workspace = str(make_workspace(Path(tmp)))
+                session = open_conversation(ns, engine, model_name=model)
+                calls, repairs = [], []
+                loop = None
+
+                def on_event(ev):
+                    if isinstance(ev, ToolCallEvent):
+                        calls.append(ev)
+                        if ev.kind:
+                            kinds[ev.kind] += 1
+                    elif isinstance(ev, RepairEvent):
+                        repairs.append(ev)
+                    elif isinstance(ev, ToolResultEvent) and ev.status != "invalid":
+                        loop.cancel()  # a call ran: that is what we measure
+                    elif isinstance(ev, GenerationFinished):
+                        speeds.append(ev)
+
+                loop = make_agent(ns, session, loaded.chat_template, None, on_event)
+                loop.executor.approver = AutoApprover(loop.executor.registry)
+                t0 = time.perf_counter()
+                loop.run_turn(prompt)
+                if not calls:
+                    kinds["no-call"] += 1
+                rows.append({
+                    "prompt": prompt, "expected": expected, "seconds": time.perf_counter() - t0,
+                    "calls": [{"name": c.name, "valid": c.valid, "kind": c.kind, "raw": c.raw} for c in calls],
+                    "first_valid": bool(calls) and calls[0].valid,
+                    "right_tool": bool(calls) and calls[0].valid and calls[0].name == expected,
+                    "repaired": bool(repairs), "ended_valid": any(c.valid for c in calls),
+                })
+    finally:
+        engine.close()
+    n = len(rows)
+    decode = [s for s in speeds if s.decode_s > 0]
+    return {
+        "model": model, "model_type": loaded.model_type, "bits": loaded.bits, "top_k": loaded.top_k,
+        "constrain": constrain, "prompts": n,
+        "valid_call_rate": sum(r["first_valid"] for r in rows) / n,
+        "right_tool_rate": sum(r["right_tool"] for r in rows) / n,
+        "repair_rate": sum(r["repaired"] for r in rows) / n,
+        "valid_after_repair_rate": sum(r["ended_valid"] for r in rows) / n,
+        "failure_kinds": dict(kinds),
+        "decode_tps": sum(s.generation_tps for s in decode) / len(decode) if decode else 0.0,
+        "prefill_tps": sum(s.prompt_tps for s in speeds) / len(speeds) if speeds else 0.0,
+        "bytes_per_token": sum(s.bytes_per_token for s in decode) / len(decode) if decode else 0.0,
+        "hit_rate": sum(s.hit_rate for s in decode) / len(decode) if decode else 0.0,
+        "cache_state": "warm after the first prompt",
+        "generated_tokens": sum(s.generation_tokens for s in speeds),
+        "rows": rows,
+    }
+
+
+def cmd_bench_tools(args) -> int:
+    from .cli import UsageError, human_bytes
+
+    modes = [m.strip() for m in args.constrain_modes.split(",")]
+    if any(m not in ("off", "tools", "required") for m in modes):
+        raise UsageError(f"--constrain-modes {args.constrain_modes}: use off, tools and/or required")
+    models = args.models or [None]
+    machine = f"{os.cpu_count()} CPUs, {platform.machine()}, {platform.system()} {platform.release()}"
+    results = []
+    print(f"flashmoe bench tools: {len(SUITE)} prompts x {len(models)} model(s) x modes {', '.join(modes)}; "
+          f"machine {machine}", file=sys.stderr)
+    for model in models:
+        for mode in modes:
+            r = run_suite(args, model, mode)
+            results.append(r)
+            kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["failure_kinds"].items())) or "none"
+            print(f"{r['model_type']} {r['bits'] or 'float'}-bit K={r['top_k']} constrain={mode:<8} "
+                  f"valid calls {r['valid_call_rate']:.0%}  right tool {r['right_tool_rate']:.0%}  "
+                  f"repaired {r['repair_rate']:.0%}  valid after repair {r['valid_after_repair_rate']:.0%}  "
+                  f"failures: {kinds} | decode {r['decode_tps']:.2f} tok/s, prefill {r['prefill_tps']:.1f} tok/s, "
+                  f"{human_bytes(r['bytes_per_token'])}/token read, hit rate {r['hit_rate']:.0%}, "
+                  f"{r['generated_tokens']} tokens generated, expert cache {r['cache_state']} "
+                  f"[{r['model']}]")
+    if args.out:
+        out = Path(args.out)
+        tmp = out.with_name(out.name + ".partial")
+        tmp.write_text(json.dumps({"machine": machine, "results": results}, indent=2))
+        os.replace(tmp, out)
+    return 0
