@@ -57,6 +57,9 @@ def run_suite(args, model: str, constrain: str) -> dict:
             with tempfile.TemporaryDirectory() as tmp:
                 ns.workspace = str(make_workspace(Path(tmp)))
                 session = open_conversation(ns, engine, model_name=model)
+                # One engine cache for the suite: every prompt shares the long tool preamble,
+                # which then runs once, not once per prompt.
+                session.session_key = "bench-tools"
                 calls, repairs = [], []
                 loop = None
 

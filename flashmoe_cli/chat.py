@@ -47,6 +47,10 @@ class ChatSession:
         """The engine keeps this conversation's cache under this key."""
         return self._key
 
+    @session_key.setter
+    def session_key(self, key: str) -> None:
+        self._key = key
+
     def _record(self, role: str, content: str, **kw) -> None:
         if self.store is None:
             return
