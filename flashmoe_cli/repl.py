@@ -1,0 +1,324 @@
+"""`flashmoe chat --no-tui` (or TERM=dumb): a prompt-toolkit line REPL.
+
+Enter sends; Alt+Enter (Esc Enter) starts a new line and a bracketed paste keeps its newlines.
+History persists in `history_file()`; Ctrl-R searches it, and suggestions from it show in grey
+(Right arrow or Ctrl-E accepts one). The reply streams to stdout as it is generated; the timing
+summary goes to stderr after it.
+
+Ctrl-C while a reply streams stops it and keeps the partial text (marked "[interrupted]"). At the
+prompt Ctrl-C abandons the line; a second Ctrl-C on an empty line within QUIT_WINDOW seconds
+quits, and so does Ctrl-D on an empty line.
+
+Tests drive `run_repl(args, engine=FakeEngine(...), input=create_pipe_input(), output=DummyOutput(),
+stdout=io.StringIO(), stderr=io.StringIO())`, or `LineRepl` directly.
+"""
+from __future__ import annotations
+
+import queue
+import sys
+import time
+from pathlib import Path
+
+from prompt_toolkit import PromptSession
+from prompt_toolkit.auto_suggest import AutoSuggestFromHistory
+from prompt_toolkit.completion import Completer, Completion
+from prompt_toolkit.enums import DEFAULT_BUFFER
+from prompt_toolkit.filters import has_focus
+from prompt_toolkit.history import FileHistory, History, InMemoryHistory
+from prompt_toolkit.key_binding import KeyBindings
+
+from engine.events import EngineFailed, GenerationFinished, LayerTimings, TokenGenerated
+
+from .commands import ALIASES, COMMANDS, CommandError, help_text, parse
+from .exit_codes import ExitCode
+
+KEYS = """Keys:
+  Enter              send                    Alt+Enter (Esc Enter)  new line
+  Up / Down          previous / next line    Ctrl-R                 search the history
+  Right or Ctrl-E    accept the suggestion   Tab                    complete a /command
+  Ctrl-X Ctrl-E      edit in $EDITOR         Ctrl-C                 stop the reply / clear the line
+  Ctrl-D             quit (empty line)       Ctrl-C twice           quit"""
+
+QUIT_WINDOW = 1.5  # seconds between two Ctrl-C on an empty line that quit
+POLL_S = 0.1  # how often the stream loop wakes while it waits (keeps Ctrl-C prompt everywhere)
+TIMING_MODES = ("off", "step", "layer")
+
+
+class SlashCompleter(Completer):
+    """Completes /command names at the start of the line, nothing else."""
+
+    def get_completions(self, document, complete_event):
+        text = document.text_before_cursor
+        if not text.startswith("/") or " " in text or "\n" in text:
+            return
+        word = text[1:].lower()
+        for name in list(COMMANDS) + [a for a in ALIASES if a.isalpha()]:
+            if name.startswith(word):
+                yield Completion("/" + name, start_position=-len(text), display_meta=COMMANDS.get(name, ""))
+
+
+def open_history(path: Path | None = None, stderr=None) -> History:
+    """FileHistory at `path` (default: history_file()), creating its folder; in memory if that fails."""
+    if path is None:
+        from .paths import history_file
+
+        path = history_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab"), open(path, "rb"):  # can it be written and read back?
+            pass
+        return FileHistory(str(path))
+    except OSError as e:
+        print(f"flashmoe: warning: history is not saved ({path}: {e.strerror or e})", file=stderr or sys.stderr)
+        return InMemoryHistory()
+
+
+class LineRepl:
+    """The loop: read a line, run a command or send it, stream the reply. `run()` returns the exit code."""
+
+    def __init__(self, session, loaded, *, input=None, output=None, stdout=None, stderr=None,
+                 history: History | None = None, clock=time.monotonic):
+        self.session = session
+        self.loaded = loaded
+        self.out = stdout or sys.stdout
+        self.err = stderr or sys.stderr
+        self.clock = clock
+        self._armed_at: float | None = None  # when Ctrl-C on an empty line asked to confirm quitting
+        self.last_layers: tuple[dict, int] | None = None  # per-layer sums and steps of the last reply
+        self.prompt = PromptSession(
+            message=[("class:prompt", "> ")],
+            prompt_continuation=lambda width, line, wrap: [("class:prompt-continuation",
+                                                            "." * max(width - 1, 0) + " ")],
+            history=history if history is not None else InMemoryHistory(),
+            auto_suggest=AutoSuggestFromHistory(), enable_history_search=False,
+            completer=SlashCompleter(), complete_while_typing=False,
+            key_bindings=self._key_bindings(), multiline=False,
+            enable_open_in_editor=True, enable_suspend=True,
+            input=input, output=output)
+
+    # -- keys ------------------------------------------------------------------------------
+    def _key_bindings(self) -> KeyBindings:
+        kb = KeyBindings()
+        in_line = has_focus(DEFAULT_BUFFER)  # not while Ctrl-R searches
+
+        @kb.add("escape", "enter", filter=in_line)
+        def _newline(event):
+            event.current_buffer.insert_text("\n")
+
+        return kb
+
+    # -- output ----------------------------------------------------------------------------
+    def write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def say(self, text: str) -> None:
+        """A line for the user that is not the model's answer: stderr, after whatever stdout holds."""
+        self.out.flush()
+        print(text, file=self.err, flush=True)
+
+    def error(self, message: str) -> None:
+        self.say(f"flashmoe: error: {message}")
+
+    # -- the loop --------------------------------------------------------------------------
+    def banner(self) -> None:
+        ld = self.loaded
+        model = getattr(ld, "model", "") or "model"
+        mode = f" ({ld.model_type}, {ld.mode})" if getattr(ld, "model_type", None) else ""
+        self.say(f"flashmoe chat: {model}{mode}. /help lists the commands; Ctrl-D quits.")
+
+    def run(self) -> int:
+        self.banner()
+        while True:
+            line = self.read()
+            if line is None:
+                return ExitCode.OK
+            if not self.handle(line):
+                return ExitCode.OK
+
+    def read(self) -> str | None:
+        """The next line; None means quit (Ctrl-D on an empty line, or Ctrl-C twice on one)."""
+        while True:
+            try:
+                line = self.prompt.prompt()
+            except EOFError:
+                return None
+            except KeyboardInterrupt:
+                # prompt-toolkit's own Ctrl-C binding (also in its TERM=dumb prompt) leaves the text
+                if self.prompt.default_buffer.text:  # a line was being typed: drop it, stay
+                    self._armed_at = None
+                    continue
+                now = self.clock()
+                if self._armed_at is not None and now - self._armed_at <= QUIT_WINDOW:
+                    return None
+                self._armed_at = now
+                self.say("(press Ctrl-C again to quit, or Ctrl-D)")
+                continue
+            self._armed_at = None
+            return line
+
+    def handle(self, line: str) -> bool:
+        """Run one line; False means quit."""
+        if not line.strip():
+            return True
+        if line.strip().lower() in ("exit", "quit"):
+            return False
+        try:
+            cmd = parse(line)
+        except CommandError as e:
+            self.say(str(e))
+            return True
+        if cmd is not None:
+            return self.command(*cmd)
+        self.reply(line)
+        return True
+
+    def command(self, name: str, arg: str) -> bool:
+        s = self.session
+        if name == "exit":
+            return False
+        if name == "help":
+            self.say(help_text(KEYS))
+        elif name == "clear":
+            s.clear()
+            self.last_layers = None
+            self.say("started a new conversation")
+        elif name == "system":
+            if arg:
+                s.set_system(arg)
+                self.say("system prompt set")
+            else:
+                self.say(f"system prompt: {s.system}" if s.system else "no system prompt (set one: /system TEXT)")
+        elif name == "timing":
+            self._timing(arg)
+        elif name == "save":
+            if not arg:
+                self.say("usage: /save PATH")
+                return True
+            try:
+                path = s.save(arg)
+            except OSError as e:
+                self.error(f"{arg}: {e.strerror or e}")
+            else:
+                self.say(f"saved the conversation to {path}")
+        return True
+
+    def _timing(self, arg: str) -> None:
+        s = self.session
+        if not arg:
+            self.say(f"timing: {s.options.timing} (/timing off|step|layer sets it)")
+            if self.last_layers:
+                from .headless import layer_table
+
+                self.say(layer_table(*self.last_layers))
+            return
+        mode = arg.lower()
+        if mode not in TIMING_MODES:
+            self.say(f"/timing: expected off, step or layer, not {arg!r}")
+            return
+        s.options.timing = mode
+        self.say(f"timing: {mode}" + (" (per-layer breakdown; adds syncs)" if mode == "layer" else ""))
+
+    # -- one reply -------------------------------------------------------------------------
+    def reply(self, text: str) -> None:
+        """Send `text` and stream the answer; Ctrl-C stops it and keeps what came."""
+        handle = self.session.send(text)
+        pieces: list[str] = []
+        rows_sum: dict[int, list[float]] = {}
+        steps = 0
+        interrupted = False
+        done = None
+        while True:
+            try:
+                ev = handle.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            except KeyboardInterrupt:
+                if interrupted:  # a second Ctrl-C: stop waiting for the engine to wind down
+                    break
+                interrupted = True
+                handle.cancel()
+                continue
+            try:
+                if isinstance(ev, TokenGenerated):
+                    if ev.text:
+                        pieces.append(ev.text)
+                        self.write(ev.text)
+                elif isinstance(ev, LayerTimings):
+                    steps += 1
+                    for r in ev.rows:
+                        acc = rows_sum.setdefault(r.layer, [0.0] * 8)
+                        for j, v in enumerate((r.attn_ms, r.route_ms, r.expert_io_ms, r.expert_compute_ms,
+                                               r.other_ms, r.hits, r.misses, r.bytes_read)):
+                            acc[j] += v
+                elif isinstance(ev, EngineFailed):
+                    if pieces:
+                        self.write("\n")
+                    self.error((ev.message.strip().splitlines() or ["generation failed"])[0])
+                    self._drop_unanswered(text)
+                    return
+                elif isinstance(ev, GenerationFinished):
+                    done = ev
+                    break
+            except KeyboardInterrupt:
+                interrupted = True
+                handle.cancel()
+        if done is not None and done.reason == "cancelled":
+            interrupted = True
+        if done is not None:
+            self.write(done.tail)
+            reply = done.text
+        else:
+            reply = "".join(pieces)
+        self.write("\n")
+        if interrupted:
+            self.write("[interrupted]\n")
+        self.session.finish(reply, done, interrupted=interrupted)
+        self.last_layers = (rows_sum, steps) if steps else None
+        timing = self.session.options.timing
+        if done is not None and timing != "off":
+            from .headless import layer_table, summary
+
+            self.say(summary(done, self.loaded))
+            if timing == "layer" and steps:
+                self.say(layer_table(rows_sum, steps))
+
+    def _drop_unanswered(self, text: str) -> None:
+        """After a failed reply, forget the user's message so the next request alternates roles."""
+        h = self.session.history
+        if h and h[-1].get("role") == "user" and h[-1].get("content") == text:
+            h.pop()
+
+
+def run_repl(args, *, engine=None, input=None, output=None, stdout=None, stderr=None,
+             history: History | None = None, clock=time.monotonic) -> int:
+    """`flashmoe chat` as a line REPL. The keyword arguments are for tests (pipe input, DummyOutput)."""
+    from .cli import make_engine, open_conversation
+
+    err = stderr or sys.stderr
+    # The flags are checked (UsageError -> exit 2 in cli.main) before any model is loaded.
+    session = open_conversation(args, engine, model_name=str(getattr(args, "model", None) or "demo"))
+    try:
+        if engine is None:
+            print("flashmoe: loading the model...", file=err, flush=True)
+            engine = make_engine(args)
+        session.engine = engine
+        loaded = engine.wait_loaded()
+    except Exception as e:  # noqa: BLE001  (any load failure is one line and exit 3)
+        from engine.errors import FlashMoEError
+
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if not isinstance(e, (FlashMoEError, OSError)):
+            msg = f"could not load the model: {type(e).__name__}: {msg}"
+        print(f"flashmoe: error: {msg}", file=err, flush=True)
+        if engine is not None:
+            engine.close()
+        return ExitCode.MODEL
+    try:
+        if history is None:
+            history = open_history(stderr=err)
+        repl = LineRepl(session, loaded, input=input, output=output, stdout=stdout, stderr=err,
+                        history=history, clock=clock)
+        return repl.run()
+    finally:
+        engine.close()
