@@ -7,6 +7,7 @@ renders the events it emits; approvals come from the face's Approver.
 from __future__ import annotations
 
 import json
+import queue
 import threading
 from dataclasses import dataclass, field
 from importlib import resources
@@ -160,7 +161,14 @@ class AgentLoop:
                                              constraint=self._constraint(first_round), extra_system=extra)
         state = TextState(self.parser, tools=self.tools)
         done = None
-        for ev in self._handle:
+        while done is None:
+            try:
+                ev = self._handle.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            except KeyboardInterrupt:  # Ctrl-C stops the reply; the turn ends after it
+                self.cancel()
+                continue
             self.on_event(ev)
             if isinstance(ev, TokenGenerated):
                 self._emit(state.feed(ev.text))
@@ -169,6 +177,8 @@ class AgentLoop:
                 done = ev
             elif isinstance(ev, EngineFailed):
                 return "", [], ev
+        if done.reason == "cancelled":
+            return done.text, [], done  # an interrupted call is not run
         calls: list[ToolCall] = []
         for raw in state.tool_calls:
             calls += self.parser.parse_tool_call(raw, self.tools)

@@ -85,6 +85,8 @@ class LineRepl:
         self.clock = clock
         self._armed_at: float | None = None  # when Ctrl-C on an empty line asked to confirm quitting
         self.last_layers: tuple[dict, int] | None = None  # per-layer sums and steps of the last reply
+        self.agent = None  # an AgentLoop when the chat has tools (see use_tools)
+        self._input, self._output = input, output
         self.prompt = PromptSession(
             message=[("class:prompt", "> ")],
             prompt_continuation=lambda width, line, wrap: [("class:prompt-continuation",
@@ -170,7 +172,10 @@ class LineRepl:
             return True
         if cmd is not None:
             return self.command(*cmd)
-        self.reply(line)
+        if self.agent is not None:
+            self.agent_reply(line)
+        else:
+            self.reply(line)
         return True
 
     def command(self, name: str, arg: str) -> bool:
@@ -283,6 +288,54 @@ class LineRepl:
             if timing == "layer" and steps:
                 self.say(layer_table(rows_sum, steps))
 
+    # -- tools -----------------------------------------------------------------------------
+    def use_tools(self, args) -> None:
+        """Route replies through the tool loop, asking y / N / always before calls that need it."""
+        from .agent_cli import make_agent
+
+        self.agent = make_agent(args, self.session, self.loaded.chat_template, self, self._on_agent_event)
+
+    interactive = True  # as an Approver: the user is here to answer
+
+    def ask(self, call, reason: str) -> str:
+        """Approver: a y / N / always question under the call."""
+        import json
+
+        self.out.flush()
+        args = json.dumps(call.arguments, ensure_ascii=False)
+        question = PromptSession(input=self._input, output=self._output)
+        try:
+            answer = question.prompt(f"{call.name}({args})\n  {reason}. Run it? [y/N/a(lways)] ")
+        except (EOFError, KeyboardInterrupt):
+            return "no"
+        return {"y": "yes", "yes": "yes", "a": "always", "always": "always"}.get(answer.strip().lower(), "no")
+
+    def _on_agent_event(self, ev) -> None:
+        from .agent import TextChunk, ToolCallEvent, ToolResultEvent
+
+        if isinstance(ev, TextChunk) and ev.kind == "text":
+            self.write(ev.text)
+        elif isinstance(ev, ToolCallEvent):
+            import json
+
+            state = "" if ev.valid else f"  [invalid: {ev.error}]"
+            self.say(f"\n-> {ev.name}({json.dumps(ev.arguments, ensure_ascii=False)}){state}")
+        elif isinstance(ev, ToolResultEvent):
+            first = (ev.content.strip().splitlines() or [""])[0][:100]
+            self.say(f"<- {ev.status}: {first}")
+        elif isinstance(ev, GenerationFinished) and self.session.options.timing != "off":
+            from .headless import summary
+
+            self.say(summary(ev, self.loaded))
+
+    def agent_reply(self, text: str) -> None:
+        end = self.agent.run_turn(text)
+        self.write("\n")
+        if end.status == "cancelled":
+            self.write("[interrupted]\n")
+        elif end.status != "done":
+            self.error(end.message or end.status)
+
     def _drop_unanswered(self, text: str) -> None:
         """After a failed reply, forget the user's message so the next request alternates roles."""
         h = self.session.history
@@ -319,6 +372,8 @@ def run_repl(args, *, engine=None, input=None, output=None, stdout=None, stderr=
             history = open_history(stderr=err)
         repl = LineRepl(session, loaded, input=input, output=output, stdout=stdout, stderr=err,
                         history=history, clock=clock)
+        if getattr(args, "tools", None):
+            repl.use_tools(args)
         return repl.run()
     finally:
         engine.close()

@@ -435,3 +435,23 @@ def test_under_a_pseudo_terminal(home, term, flags):
             proc.kill()
             proc.wait()
         os.close(master)
+
+
+# -- tools ---------------------------------------------------------------------------------
+
+WRITE = '<tool_call>\n{"name": "write_file", "arguments": {"path": "todo.txt", "content": "buy milk"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("answer,written", [("y", True), ("n", False)])
+def test_tool_call_asks_y_n_and_runs_only_on_yes(tmp_path, answer, written):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    engine = FakeEngine([WRITE, "Done."])
+    keys = ["make a todo", ENTER, answer + ENTER, CTRL_D]
+    t = drive(keys, engine, "--tools", "builtin", "--workspace", str(ws))
+    assert t.code == 0, t
+    assert "-> write_file(" in t.err and "Done." in t.out
+    assert (ws / "todo.txt").exists() == written, t
+    assert ("<- ok" in t.err) == written and (("declined" in t.err) != written), t
+    # the tool result went back to the model before its second reply
+    assert any("<tool_response>" in m for m in user_messages(engine.requests[-1]))
