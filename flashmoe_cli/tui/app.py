@@ -1,0 +1,534 @@
+"""`flashmoe chat` on a terminal: a Textual app around a ChatSession.
+
+Threads: the engine runs on its own thread; a thread worker per reply iterates the Handle and
+posts messages (token text in ~30 ms batches, prefill progress, the end). Per-layer timings and
+step figures go into slots that a 10 Hz timer draws, so a fast model never floods the UI. Widgets
+change only on the UI thread, in the message handlers below.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from rich.text import Text
+from textual.actions import SkipAction
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal
+from textual.widgets import Markdown, Static
+from textual.worker import get_current_worker
+
+from engine.events import (
+    EngineFailed,
+    GenerationFinished,
+    LayerTimings,
+    PrefillProgress,
+    StepFinished,
+    TokenGenerated,
+)
+
+from ..cli import human_bytes
+from ..commands import CommandError, help_text, parse
+from ..exit_codes import ExitCode
+from .messages import (
+    EngineLoaded,
+    EngineLoadFailed,
+    ReplyDone,
+    ReplyFailed,
+    ReplyPrefill,
+    ReplyText,
+)
+from .palette import ChatCommands
+from .screens import HelpScreen
+from .widgets import (
+    AssistantMessage,
+    KeyHints,
+    LayerPanel,
+    Note,
+    PromptInput,
+    StatusBar,
+    Transcript,
+    UserMessage,
+)
+from .widgets.status_bar import rss_bytes
+
+BATCH_S = 0.03  # token text is batched this long before the Markdown is updated
+REDRAW_S = 0.1  # the layer panel and the live figures are redrawn at most this often
+RSS_EVERY = 10  # redraw ticks between memory readings
+QUIT_WINDOW_S = 1.0  # two Ctrl+C presses this close together quit
+TIMING_MODES = ("off", "step", "layer")
+
+
+@dataclass
+class Reply:
+    """The reply being generated."""
+    id: int
+    handle: object  # engine Handle
+    box: AssistantMessage
+    stream: object  # textual MarkdownStream
+    stopping: bool = False
+
+
+@dataclass
+class Live:
+    """Running figures of the current reply: written by its worker thread, read by the timer."""
+    decode_steps: int = 0
+    decode_ms: float = 0.0
+    steps: int = 0
+    bytes_read: int = 0
+    hits: int = 0
+    misses: int = 0
+
+
+class ChatApp(App[int]):
+    CSS_PATH = "app.tcss"
+    TITLE = "flashmoe"
+    COMMANDS = App.COMMANDS | {ChatCommands}
+    BINDINGS = [
+        Binding("ctrl+c", "ctrl_c", "Stop or quit", show=False, priority=True, id="flashmoe.ctrl_c"),
+        Binding("escape", "stop", "Stop the reply", show=False, id="flashmoe.stop"),
+        Binding("f1", "help", "Help", id="flashmoe.help"),
+        Binding("f2", "toggle_layers", "Layers", id="flashmoe.layers"),
+        Binding("ctrl+d", "end_of_input", "Quit", show=False, id="flashmoe.eof"),
+    ]
+
+    def __init__(self, session, *, cursor_blink: bool = True, rss=rss_bytes, show_layers: bool | None = None):
+        super().__init__()
+        self.session = session
+        self.engine = session.engine
+        self.cursor_blink = cursor_blink
+        self._rss = rss
+        self._show_layers = show_layers
+        self.loaded = None  # ModelLoaded, once the model is in
+        self.load_error: str | None = None
+        self.reply: Reply | None = None
+        self.exit_code = ExitCode.OK
+        self._queued: UserMessage | None = None  # typed while loading; sent when the model is in
+        self._reply_seq = 0
+        self._live = Live()
+        self._layer_slot: LayerTimings | None = None  # the latest timings, drawn by the timer
+        self._drawn: LayerTimings | None = None
+        self._ticks = 0
+        self._last_ctrl_c = float("-inf")
+        self.activity = ""
+
+    # -- layout --------------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield StatusBar(id="status")
+        with Horizontal(id="main"):
+            yield Transcript(id="transcript")
+            yield LayerPanel(id="layers")
+        yield Static(id="activity")
+        yield PromptInput(placeholder="Message (Enter sends; /help lists the commands)",
+                          cursor_blink=self.cursor_blink, id="prompt")
+        yield KeyHints(id="hints")
+
+    @property
+    def transcript(self) -> Transcript:
+        return self.query_one(Transcript)
+
+    @property
+    def panel(self) -> LayerPanel:
+        return self.query_one(LayerPanel)
+
+    @property
+    def prompt(self) -> PromptInput:
+        return self.query_one(PromptInput)
+
+    @property
+    def status(self) -> StatusBar:
+        return self.query_one(StatusBar)
+
+    def on_mount(self) -> None:
+        timing = self.session.options.timing
+        self.panel.set_mode(timing)
+        self.panel.display = (timing != "off") if self._show_layers is None else self._show_layers
+        self.status.set(rss=self._rss())
+        self.transcript.anchor()
+        for m in self.session.history:  # a resumed conversation (-c / --cid)
+            if m["role"] == "user":
+                self.transcript.mount(UserMessage(m["content"]))
+            elif m["role"] == "assistant":
+                self.transcript.mount(AssistantMessage(text=m["content"]))
+        self.set_activity("loading the model…")
+        self.set_interval(REDRAW_S, self.redraw)
+        self.run_worker(self._load_engine, thread=True, exit_on_error=False, group="load", name="load model")
+        self.prompt.focus()
+
+    def set_activity(self, text: str | Text, style: str = "") -> None:
+        """The line above the message box: loading, prefill progress, generating, ready."""
+        line = Text(" ") + (Text(text, style=style) if isinstance(text, str) else text)
+        self.activity = line.plain.strip()
+        self.query_one("#activity", Static).update(line)
+
+    def note(self, text: str, kind: str = "info", title: str = "", before=None) -> Note:
+        note = Note(text, kind, title)
+        self.transcript.mount(note, before=before)
+        self.transcript.anchor()
+        return note
+
+    # -- loading -------------------------------------------------------------------------
+    def _load_engine(self) -> None:  # worker thread
+        try:
+            info = self.engine.wait_loaded()
+        except BaseException as e:  # shown in the app; quitting then exits with code 3
+            self.post_message(EngineLoadFailed(str(e) or type(e).__name__, ExitCode.MODEL))
+            return
+        self.post_message(EngineLoaded(info))
+
+    async def on_engine_loaded(self, m: EngineLoaded) -> None:
+        info = self.loaded = m.info
+        name = Path(info.model).name or info.model
+        self.status.set(model=f"{name} ({info.model_type})", bits=info.bits, top_k=info.top_k)
+        bits = f"{info.bits}-bit" if info.bits else "unquantized"
+        self.note(f"{name}: {info.model_type}, {info.mode} experts, {info.layers} layers "
+                  f"({info.moe_layers} with experts), {info.experts} experts, top-{info.top_k}, {bits}, "
+                  f"expert cache {human_bytes(info.cache_bytes)}, loaded in {info.load_s:.1f} s\n"
+                  "Type a message and press Enter. /help lists the commands, F1 the keys.", title="model",
+                  before=self._queued)
+        self.set_activity("ready", "dim")
+        if self._queued is not None:
+            queued, self._queued = self._queued, None
+            await self.start_reply(queued.text, shown=True)
+
+    def on_engine_load_failed(self, m: EngineLoadFailed) -> None:
+        self.load_error = m.message
+        self.exit_code = m.exit_code
+        self._queued = None
+        self.status.set(model="not loaded")
+        self.note(f"Could not load the model: {m.message}", "error", title="error")
+        self.notify(m.message, title="Model failed to load", severity="error", timeout=10)
+        self.set_activity("the model is not loaded: /exit or Ctrl+D quits", "bold red")
+
+    # -- sending -------------------------------------------------------------------------
+    async def on_prompt_input_submitted(self, m: PromptInput.Submitted) -> None:
+        text = m.text
+        if not text.strip():
+            return
+        try:
+            command = parse(text)
+        except CommandError as e:
+            self.prompt.clear()
+            self.note(str(e), "error")
+            return
+        if command is not None:
+            self.prompt.clear()
+            self.run_slash(*command)
+            return
+        if self.reply is not None:
+            self.notify("A reply is still running; Esc stops it.", severity="warning")
+            return
+        if self.load_error is not None:
+            self.notify("The model is not loaded.", severity="error")
+            return
+        if self._queued is not None:
+            self.notify("A message is already waiting for the model to load.", severity="warning")
+            return
+        self.prompt.clear()
+        if self.loaded is None:
+            self._queued = UserMessage(text)
+            self.transcript.mount(self._queued)
+            self.notify("Still loading the model; the message goes when it is ready.")
+            return
+        await self.start_reply(text)
+
+    async def start_reply(self, text: str, shown: bool = False) -> None:
+        transcript = self.transcript
+        if not shown:
+            transcript.mount(UserMessage(text))
+        try:
+            handle = self.session.send(text)
+        except Exception as e:  # a bad template or request: shown, not fatal
+            self.note(f"Could not send: {e}", "error")
+            return
+        box = AssistantMessage()
+        await transcript.mount(box)  # the Markdown widget must be mounted before it is streamed into
+        box.mark("streaming")
+        self._reply_seq += 1
+        self.reply = Reply(self._reply_seq, handle, box, Markdown.get_stream(box.markdown))
+        self._live = Live()
+        transcript.anchor()
+        self.set_activity("prefill…", "dim")
+        self.run_worker(partial(self._drive, handle, self._reply_seq, self._live), thread=True,
+                        exit_on_error=False, group="reply", name=f"reply {self._reply_seq}")
+
+    def _drive(self, handle, reply_id: int, live: Live) -> None:  # worker thread
+        worker = get_current_worker()
+        batch: list[str] = []
+        last = time.monotonic()
+        while True:
+            if worker.is_cancelled:  # the app is closing
+                handle.cancel()
+                return
+            try:
+                ev = handle.get(timeout=BATCH_S)
+            except queue.Empty:
+                ev = None
+            if isinstance(ev, TokenGenerated):
+                if ev.text:
+                    batch.append(ev.text)
+            elif isinstance(ev, LayerTimings):
+                self._layer_slot = ev
+            elif isinstance(ev, StepFinished):
+                live.steps += 1
+                live.bytes_read += ev.expert_bytes_read
+                live.hits += ev.hits
+                live.misses += ev.misses
+                if ev.step > 0:  # the first pass holds the prompt's last token; speeds count the rest
+                    live.decode_steps += 1
+                    live.decode_ms += ev.wall_ms
+            elif isinstance(ev, PrefillProgress):
+                self.post_message(ReplyPrefill(reply_id, ev.done, ev.total))
+            elif isinstance(ev, (GenerationFinished, EngineFailed)):
+                if batch:
+                    self.post_message(ReplyText(reply_id, "".join(batch)))
+                done = ReplyDone(reply_id, ev) if isinstance(ev, GenerationFinished) else ReplyFailed(reply_id, ev)
+                self.post_message(done)
+                return
+            now = time.monotonic()
+            if batch and now - last >= BATCH_S:
+                self.post_message(ReplyText(reply_id, "".join(batch)))
+                batch.clear()
+                last = now
+
+    def _current(self, reply_id: int) -> Reply | None:
+        r = self.reply
+        return r if r is not None and r.id == reply_id else None
+
+    async def on_reply_text(self, m: ReplyText) -> None:
+        r = self._current(m.reply_id)
+        if r is None:
+            return
+        if not r.stopping:
+            self.set_activity("generating… Esc stops (the text so far is kept)", "dim")
+        await r.stream.write(m.text)
+
+    def on_reply_prefill(self, m: ReplyPrefill) -> None:
+        r = self._current(m.reply_id)
+        if r is None or r.stopping or m.total <= 0:
+            return
+        width = 24
+        fill = round(width * m.done / m.total)
+        bar = Text(" prefill ", style="dim")
+        bar.append("━" * fill, style="#5fafd7")
+        bar.append("━" * (width - fill), style="#3a3a3a")
+        bar.append(f" {m.done}/{m.total} tokens", style="dim")
+        self.set_activity(bar)
+
+    async def on_reply_done(self, m: ReplyDone) -> None:
+        r = self._current(m.reply_id)
+        if r is None:
+            return
+        done = m.finished
+        if done.tail:
+            await r.stream.write(done.tail)
+        await r.stream.stop()
+        self.reply = None
+        interrupted = done.reason == "cancelled"
+        try:
+            self.session.finish(done.text, done, interrupted=interrupted)
+        except Exception as e:  # the store failed: say so, keep going
+            self.note(f"Could not save the reply: {e}", "error")
+        if interrupted:
+            r.box.mark("interrupted")
+        else:
+            detail = f"{done.generation_tokens} tok · {done.generation_tps:.1f} tok/s"
+            r.box.mark("done", detail + (" · max tokens" if done.reason == "length" else ""))
+        self.status.set(tok_s=done.generation_tps, bytes_per_token=done.bytes_per_token, hit_rate=done.hit_rate)
+        self.redraw()
+        self.set_activity("stopped; the partial reply is kept" if interrupted else "ready", "dim")
+
+    async def on_reply_failed(self, m: ReplyFailed) -> None:
+        r = self._current(m.reply_id)
+        if r is None:
+            return
+        await r.stream.stop()
+        self.reply = None
+        partial_text = r.box.text
+        if partial_text:
+            r.box.mark("failed")
+            try:
+                self.session.finish(partial_text, None, interrupted=True)
+            except Exception as e:  # the store failed too: say so, keep going
+                self.note(f"Could not save the partial reply: {e}", "error")
+        else:
+            await r.box.remove()
+        message = m.failed.message.strip() or m.failed.exc_type
+        lines = message.splitlines()
+        shown = "\n".join(lines[:12] + (["…"] if len(lines) > 12 else []))
+        self.note(f"The engine failed ({m.failed.exc_type}): {shown}", "error", title="error")
+        self.notify(lines[0] if lines else message, title="Engine error", severity="error", timeout=10)
+        self.set_activity("the engine failed; see the message above", "bold red")
+
+    # -- the timer -----------------------------------------------------------------------
+    def redraw(self) -> None:
+        """At most 10 times a second: the latest layer timings, the live figures, memory."""
+        ev = self._layer_slot  # only the worker writes the slot, so no update is ever lost
+        if ev is not None and ev is not self._drawn:
+            self._drawn = ev
+            self.panel.show_timings(ev)
+        live = self._live
+        if self.reply is not None and live.steps:
+            changes = {"bytes_per_token": live.bytes_read / live.steps}
+            if live.decode_ms > 0:
+                changes["tok_s"] = live.decode_steps / live.decode_ms * 1e3
+            if live.hits + live.misses:
+                changes["hit_rate"] = live.hits / (live.hits + live.misses)
+            self.status.set(**changes)
+        self._ticks += 1
+        if self._ticks % RSS_EVERY == 0:
+            self.status.set(rss=self._rss())
+
+    # -- stopping and quitting -------------------------------------------------------------
+    def interrupt(self) -> bool:
+        r = self.reply
+        if r is None or r.stopping:
+            return False
+        r.handle.cancel()
+        r.stopping = True
+        self.set_activity("stopping…", "dim")
+        return True
+
+    def action_stop(self) -> None:
+        if self.reply is None or self.reply.stopping or len(self.screen_stack) > 1:
+            raise SkipAction()
+        self.interrupt()
+
+    def action_ctrl_c(self) -> None:
+        if self.interrupt():
+            self._last_ctrl_c = float("-inf")
+            return
+        if self.reply is None and self.focused is self.prompt and self.prompt.selected_text:
+            self.prompt.action_copy()  # Ctrl+C still copies a selection when there is nothing to stop
+            return
+        now = time.monotonic()
+        if now - self._last_ctrl_c <= QUIT_WINDOW_S:
+            self.quit_app()
+            return
+        self._last_ctrl_c = now
+        self.notify("Press Ctrl+C again to quit.", timeout=QUIT_WINDOW_S + 1)
+
+    def action_end_of_input(self) -> None:
+        if self.prompt.text:
+            raise SkipAction()
+        self.quit_app()
+
+    def on_prompt_input_end_of_input(self, m: PromptInput.EndOfInput) -> None:
+        self.quit_app()
+
+    def quit_app(self) -> None:
+        if self.reply is not None:
+            self.reply.handle.cancel()
+        self.exit(int(self.exit_code), return_code=int(self.exit_code))
+
+    async def on_unmount(self) -> None:
+        if self.reply is not None:  # quitting mid-reply: end the Markdown stream's task cleanly
+            self.reply.handle.cancel()
+            await self.reply.stream.stop()
+
+    async def action_quit(self) -> None:  # Ctrl+Q, and the palette's Quit: same exit code as /exit
+        self.quit_app()
+
+    def stop_engine(self) -> None:
+        """After the app has exited: stop a running reply and close the engine."""
+        if self.reply is not None:
+            self.reply.handle.cancel()
+        self.engine.close()
+
+    # -- other actions ---------------------------------------------------------------------
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_toggle_layers(self) -> None:
+        self.panel.display = not self.panel.display
+
+    def prefill_prompt(self, text: str) -> None:
+        self.prompt.text = text
+        self.prompt.move_cursor(self.prompt.document.end)
+        self.prompt.focus()
+
+    def run_slash(self, name: str, arg: str) -> None:
+        """A slash command (typed, or from the command palette)."""
+        session = self.session
+        if name == "help":
+            keys = "Keys: Enter send · Ctrl+J or Alt+Enter new line · Esc or Ctrl+C stop the reply · " \
+                   "Ctrl+C twice or Ctrl+D (empty box) quit · F1 help · F2 layer panel · Ctrl+P commands"
+            self.note(help_text(keys), title="help")
+        elif name == "clear":
+            if self.reply is not None:
+                self.notify("A reply is running; Esc stops it first.", severity="warning")
+                return
+            session.clear()
+            self.transcript.remove_children()
+            self.note("New conversation.")
+        elif name == "system":
+            if not arg:
+                self.note(f"System prompt: {session.system}" if session.system else "No system prompt is set.")
+                return
+            try:
+                session.set_system(arg)
+            except Exception as e:
+                self.note(f"Could not set the system prompt: {e}", "error")
+                return
+            self.note(f"System prompt set: {arg}")
+        elif name == "timing":
+            if not arg:
+                self.action_toggle_layers()
+            elif arg in TIMING_MODES:
+                session.options.timing = arg
+                self.panel.set_mode(arg)
+                self.panel.display = arg != "off"
+                self.note(f"Timing {arg} from the next reply."
+                          + (" Layer timing adds a sync per layer." if arg == "layer" else ""))
+            else:
+                self.note("usage: /timing [off|step|layer]", "error")
+        elif name == "save":
+            if not arg:
+                self.note("usage: /save PATH", "error")
+                return
+            try:
+                path = session.save(arg)
+            except OSError as e:
+                self.note(f"Could not save: {e}", "error")
+                return
+            self.note(f"Saved the conversation to {path}")
+        elif name == "exit":
+            self.quit_app()
+
+
+class _KeyName(str):
+    @property
+    def value(self) -> str:
+        return str(self)
+
+
+def teach_alt_enter() -> None:
+    """Make ESC CR (what most terminals send for Alt+Enter) the key "alt+enter".
+
+    Textual 8.2.8 reads ESC CR as a plain "enter" (it drops the Alt of keys it maps by table), so
+    Alt+Enter would send the message instead of starting a new line. Terminals that speak the
+    kitty keyboard protocol send CSI 13;3u, which Textual already reads as alt+enter.
+    """
+    from textual._ansi_sequences import ANSI_SEQUENCES_KEYS
+
+    ANSI_SEQUENCES_KEYS.setdefault("\x1b\r", (_KeyName("alt+enter"),))  # type: ignore[index]
+
+
+def run_tui(args) -> int:
+    """`flashmoe chat` on a terminal; returns the exit code."""
+    from ..cli import make_engine, open_conversation
+
+    teach_alt_enter()
+
+    session = open_conversation(args, None, model_name=str(args.model or "demo"))  # checks the flags first
+    session.engine = make_engine(args)
+    app = ChatApp(session)
+    try:
+        app.run()
+    finally:
+        app.stop_engine()
+    return ExitCode.OK if app.return_code is None else app.return_code

@@ -1,0 +1,4 @@
+"""The chat app's screens."""
+from .help import HelpScreen
+
+__all__ = ["HelpScreen"]

@@ -1,0 +1,8 @@
+"""The chat app's widgets."""
+from .hints import KeyHints
+from .layer_panel import LayerPanel
+from .prompt_input import PromptInput
+from .status_bar import StatusBar
+from .transcript import AssistantMessage, Note, Transcript, UserMessage
+
+__all__ = ["AssistantMessage", "KeyHints", "LayerPanel", "Note", "PromptInput", "StatusBar", "Transcript", "UserMessage"]

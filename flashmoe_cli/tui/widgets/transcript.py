@@ -1,0 +1,61 @@
+"""The conversation: user messages as typed, replies as streamed Markdown, notes and errors."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Markdown, Static
+
+
+class Transcript(VerticalScroll):
+    """Scrolls; anchored to the bottom while a reply streams, until the user scrolls up."""
+
+    can_focus = False
+
+
+class UserMessage(Static):
+    """What the user typed, shown verbatim (no Markdown, no markup)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(Text(text), classes="msg -user")
+        self.text = text
+        self.border_title = "you"
+
+
+class AssistantMessage(Vertical):
+    """A reply: a Markdown widget fed by a MarkdownStream while tokens arrive."""
+
+    def __init__(self, title: str = "assistant", text: str = "") -> None:
+        super().__init__(classes="msg -assistant")
+        self.border_title = title
+        self.markdown = Markdown(text or None)
+
+    def compose(self):
+        yield self.markdown
+
+    @property
+    def text(self) -> str:
+        return self.markdown.source
+
+    def mark(self, state: str, detail: str = "") -> None:
+        """state: "streaming", "done", "interrupted" or "failed"; shown on the bottom border."""
+        for s in ("streaming", "interrupted", "failed"):
+            self.set_class(s == state, f"-{s}")
+        if state == "streaming":
+            self.border_subtitle = "…"
+        elif state == "interrupted":
+            self.border_subtitle = "(interrupted)"
+        elif state == "failed":
+            self.border_subtitle = "(failed)"
+        else:
+            self.border_subtitle = detail
+
+
+class Note(Static):
+    """Help output, confirmations and errors: text, not part of the conversation."""
+
+    def __init__(self, text: str, kind: str = "info", title: str = "") -> None:
+        super().__init__(Text(text), classes=f"note -{kind}")
+        self.text = text
+        self.kind = kind
+        if title:
+            self.border_title = title

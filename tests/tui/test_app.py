@@ -1,0 +1,319 @@
+"""The chat app driven with Pilot and the fake engine."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.errors import ModelLoadError
+from flashmoe_cli.tui.app import ChatApp
+from flashmoe_cli.tui.messages import ReplyText
+from flashmoe_cli.tui.screens import HelpScreen
+from flashmoe_cli.tui.widgets import AssistantMessage, Note, UserMessage
+
+from .conftest import REPLY, make_app, send, wait_for, wait_idle
+
+pytestmark = pytest.mark.asyncio
+SIZE = (100, 32)
+
+
+def boxes(app: ChatApp, kind):
+    return list(app.transcript.query(kind))
+
+
+async def test_send_streams_the_reply_in_batches():
+    app, engine, session = make_app(token_delay=0.002)
+    messages = []
+    async with app.run_test(size=SIZE, message_hook=messages.append) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None, what="the model")
+        await pilot.press(*"hi")
+        await pilot.press("enter")
+        assert app.prompt.text == ""
+        await wait_idle(pilot)
+        [user] = boxes(app, UserMessage)
+        [reply] = boxes(app, AssistantMessage)
+        assert user.text == "hi"
+        assert reply.text == REPLY
+        assert not reply.has_class("-interrupted") and "tok/s" in str(reply.border_subtitle)
+        assert session.history == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": REPLY}]
+        assert engine.requests[0].timing == "layer"
+    batches = [m for m in messages if isinstance(m, ReplyText)]
+    tokens = len(REPLY.split())
+    assert 1 <= len(batches) < tokens, "token text should reach the Markdown in batches"
+    assert "".join(m.text for m in batches) == REPLY
+
+
+async def test_status_bar_shows_the_figures():
+    app, engine, session = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await send(pilot, "hi")
+        await wait_idle(pilot)
+        status = app.status.render_stats().plain
+    for part in ("fake (fake_moe)", "4-bit", "K=4", "20.0 tok/s", "4.0 MB/tok", "hits 75%", "RSS 256.0 MB"):
+        assert part in status, (part, status)
+
+
+@pytest.mark.parametrize("key", ["escape", "ctrl+c"])
+async def test_interrupt_keeps_the_partial_reply(key):
+    app, engine, session = make_app(gate_after=3)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await send(pilot, "tell me")
+        await wait_for(pilot, lambda: app.reply is not None and app.reply.box.text.count(" ") >= 2,
+                       what="the first tokens")
+        await pilot.press(key)
+        await wait_idle(pilot)
+        [reply] = boxes(app, AssistantMessage)
+        assert reply.has_class("-interrupted")
+        assert reply.border_subtitle == "(interrupted)"
+        assert reply.text and REPLY.startswith(reply.text) and reply.text != REPLY
+        assert session.history[-1] == {"role": "assistant", "content": reply.text}
+        assert app.is_running  # stopping a reply never quits
+        # and the next message works
+        engine.gate_after = None
+        await send(pilot, "again")
+        await wait_idle(pilot)
+        assert boxes(app, AssistantMessage)[-1].text == REPLY
+
+
+async def test_layer_panel_has_a_row_per_layer_and_coalesces():
+    app, engine, session = make_app(layers=8)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        assert app.panel.display
+        assert app.panel.row_texts() == []
+        await send(pilot, "hi")
+        await wait_idle(pilot)
+        rows = app.panel.row_texts()
+        steps = len(REPLY.split())
+        assert 1 <= app.panel.updates < steps, "the panel is redrawn at most ~10 times a second"
+        assert app.panel.step == steps - 1
+    assert len(rows) == 8
+    for i, row in enumerate(rows):
+        fields = row.split()
+        assert fields[0] == str(i)
+        attn, route, io, comp = map(float, fields[1:5])
+        assert route == 0.3 and comp == 3.0 and attn in (1.0, 1.5, 2.0) and 2.0 <= io <= 6.0
+        assert fields[5] == "3/1"
+        assert "█" in row
+
+
+async def test_step_timing_marks_the_layer_only_columns():
+    app, engine, session = make_app(timing="step")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await send(pilot, "hi")
+        await wait_idle(pilot)
+        app.panel.rows_widget.mode = "step"  # the fake always reports layer rows; draw them as step rows
+        row = app.panel.row_texts()[0].split()
+    assert row[1] == "-" and row[2] == "0.3" and row[4] == "-"
+
+
+async def test_f2_and_timing_command_toggle_the_panel():
+    app, engine, session = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        assert app.panel.display
+        await pilot.press("f2")
+        assert not app.panel.display
+        await pilot.press("f2")
+        assert app.panel.display
+        await send(pilot, "/timing")
+        assert not app.panel.display
+        await send(pilot, "/timing")
+        assert app.panel.display
+        await send(pilot, "/timing off")
+        assert not app.panel.display and session.options.timing == "off"
+        await send(pilot, "/timing step")
+        assert app.panel.display and session.options.timing == "step"
+        await send(pilot, "hi")
+        await wait_idle(pilot)
+        assert engine.requests[-1].timing == "step"
+        await send(pilot, "/timing sometimes")
+        assert boxes(app, Note)[-1].kind == "error"
+
+
+async def test_engine_error_is_shown_in_the_app():
+    app, engine, session = make_app(fail="the expert file is unreadable")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await send(pilot, "hi")
+        await wait_idle(pilot)
+        errors = [n for n in boxes(app, Note) if n.kind == "error"]
+        assert errors and "the expert file is unreadable" in errors[-1].text
+        assert boxes(app, AssistantMessage) == []  # no empty reply box left behind
+        assert any("unreadable" in n.message for n in app._notifications)
+        assert app.is_running
+
+
+async def test_load_failure_is_shown_and_exit_code_is_3():
+    app, engine, session = make_app(load_error=ModelLoadError("/models/x", "config.json is missing"))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.load_error is not None)
+        errors = [n for n in boxes(app, Note) if n.kind == "error"]
+        assert "config.json is missing" in errors[-1].text
+        await send(pilot, "hi")  # refused, not sent
+        assert engine.requests == []
+        await send(pilot, "/exit")
+    assert app.return_code == 3
+
+
+async def test_message_typed_while_loading_is_sent_when_loaded():
+    gate = threading.Event()
+    app, engine, session = make_app(load_gate=gate)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "early")
+        assert engine.requests == []
+        gate.set()
+        await wait_for(pilot, lambda: len(engine.requests) == 1)
+        await wait_idle(pilot)
+        assert [u.text for u in boxes(app, UserMessage)] == ["early"]
+        assert boxes(app, AssistantMessage)[0].text == REPLY
+
+
+async def test_clear_and_system_commands():
+    app, engine, session = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await send(pilot, "hi")
+        await wait_idle(pilot)
+        await send(pilot, "/clear")
+        await pilot.pause()
+        assert session.history == []
+        assert boxes(app, UserMessage) == [] and boxes(app, AssistantMessage) == []
+        assert [n.text for n in boxes(app, Note)] == ["New conversation."]
+        await send(pilot, "/system")
+        assert "No system prompt" in boxes(app, Note)[-1].text
+        await send(pilot, "/system You are terse.")
+        assert session.system == "You are terse."
+        await send(pilot, "hello")
+        await wait_idle(pilot)
+        assert engine.requests[-1].messages[0] == {"role": "system", "content": "You are terse."}
+        assert engine.requests[-1].messages[1:] == [{"role": "user", "content": "hello"}]
+        await send(pilot, "/system")
+        assert "You are terse." in boxes(app, Note)[-1].text
+
+
+async def test_help_save_and_unknown_commands(tmp_path):
+    app, engine, session = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await send(pilot, "/help")
+        assert "/timing" in boxes(app, Note)[-1].text
+        await send(pilot, "/frobnicate")
+        assert boxes(app, Note)[-1].kind == "error" and "/frobnicate" in boxes(app, Note)[-1].text
+        await send(pilot, "hi")
+        await wait_idle(pilot)
+        out = tmp_path / "chat.md"
+        await send(pilot, f"/save {out}")
+        assert "**assistant**" in out.read_text() and str(out) in boxes(app, Note)[-1].text
+        await send(pilot, "/save")
+        assert boxes(app, Note)[-1].kind == "error"
+
+
+async def test_enter_sends_and_newline_keys_insert_newlines():
+    app, engine, session = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await pilot.press("a", "ctrl+j", "b", "alt+enter", "c")
+        assert app.prompt.text == "a\nb\nc"
+        await pilot.press("enter")
+        await wait_idle(pilot)
+        assert engine.requests[0].messages[-1]["content"] == "a\nb\nc"
+
+
+async def test_ctrl_d_quits_only_on_an_empty_box():
+    app, engine, session = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await pilot.press("x", "left", "ctrl+d")  # deletes the x
+        assert app.is_running and app.prompt.text == ""
+        await pilot.press("ctrl+d")
+        await pilot.pause()
+    assert app.return_code == 0
+
+
+async def test_ctrl_c_twice_quits_but_once_does_not():
+    app, engine, session = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await pilot.press("ctrl+c")
+        await pilot.pause(0.05)
+        assert app.is_running
+        assert any("again" in n.message for n in app._notifications)
+        await pilot.press("ctrl+c")
+        await pilot.pause()
+    assert app.return_code == 0
+
+
+async def test_help_screen_and_command_palette():
+    app, engine, session = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await pilot.press("f1")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"timing: layer")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert session.options.timing == "layer"
+        await pilot.press("ctrl+p")
+        await pilot.press(*"set system")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.prompt.text == "/system "
+
+
+async def test_prefill_progress_is_shown():
+    app, engine, session = make_app(gate_after=0, prompt_tokens=3000)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await send(pilot, "a long prompt")
+        await wait_for(pilot, lambda: "3000/3000 tokens" in app.activity, what="the prefill bar")
+        assert app.activity.startswith("prefill")
+        engine.gate.set()
+        await wait_idle(pilot)
+        assert app.activity == "ready"
+
+
+async def test_quitting_mid_reply_cancels_it():
+    app, engine, session = make_app(gate_after=2)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await send(pilot, "go on")
+        await wait_for(pilot, lambda: app.reply is not None and app.reply.box.text, what="the first tokens")
+        handle = app.reply.handle
+        await pilot.press("ctrl+d")
+        await pilot.pause()
+    assert handle.cancelled and app.return_code == 0
+
+
+async def test_resumed_conversation_is_shown():
+    app, engine, session = make_app()
+    session.history = [{"role": "user", "content": "earlier question"},
+                       {"role": "assistant", "content": "earlier **answer**"}]
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        assert [u.text for u in boxes(app, UserMessage)] == ["earlier question"]
+        assert [a.text for a in boxes(app, AssistantMessage)] == ["earlier **answer**"]
+        await send(pilot, "and now?")
+        await wait_idle(pilot)
+        assert [m["content"] for m in engine.requests[0].messages] == ["earlier question", "earlier **answer**",
+                                                                         "and now?"]
+
+
+async def test_ctrl_c_copies_a_selection_when_idle():
+    app, engine, session = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await pilot.press(*"copy me", "shift+home")
+        assert app.prompt.selected_text == "copy me"
+        await pilot.press("ctrl+c")
+        assert app.clipboard == "copy me"
+        assert app.is_running and not any("again" in n.message for n in app._notifications)

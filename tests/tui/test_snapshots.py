@@ -1,0 +1,76 @@
+"""SVG snapshots of the chat app (pytest-textual-snapshot), 100x32, with the deterministic fake.
+
+Regenerate with `python -m pytest tests/tui/test_snapshots.py --snapshot-update` and look at
+the SVGs under __snapshots__/ before committing them.
+"""
+from __future__ import annotations
+
+from .conftest import make_app, send, wait_for, wait_idle
+
+SIZE = (100, 32)
+
+
+async def _loaded(pilot):
+    pilot.app.theme = "textual-dark"
+    await wait_for(pilot, lambda: pilot.app.loaded is not None, what="the model")
+
+
+async def mid_reply(pilot, prompt: str = "How does flashmoe run a model bigger than memory?"):
+    """A reply frozen after a few tokens (the fake holds the rest), with the layer panel drawn."""
+    app = pilot.app
+    await _loaded(pilot)
+    await send(pilot, prompt)
+    gate_after = app.engine.gate_after
+    await wait_for(pilot, lambda: app.reply is not None and app.panel.step == gate_after - 1
+                   and app.status.stats.tok_s is not None, what="the layer panel")
+    await wait_for(pilot, lambda: len(app.reply.box.text.split()) >= gate_after, what="the reply text")
+    await pilot.pause(0.2)
+
+
+def test_main_screen_after_a_reply(snap_compare):
+    app, engine, session = make_app()
+
+    async def run_before(pilot):
+        await _loaded(pilot)
+        await send(pilot, "What is a mixture of experts?")
+        await wait_idle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_main_screen_mid_reply(snap_compare):
+    app, engine, session = make_app(gate_after=9)
+    assert snap_compare(app, terminal_size=SIZE, run_before=mid_reply)
+
+
+def test_interrupted_reply(snap_compare):
+    app, engine, session = make_app(gate_after=5)
+
+    async def run_before(pilot):
+        await mid_reply(pilot, "Tell me everything.")
+        await pilot.press("escape")
+        await wait_idle(pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_engine_error(snap_compare):
+    app, engine, session = make_app(fail="layer 3 expert 17: read failed (I/O error)")
+
+    async def run_before(pilot):
+        await _loaded(pilot)
+        await send(pilot, "hi")
+        await wait_idle(pilot)
+        pilot.app.clear_notifications()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_help_screen(snap_compare):
+    app, engine, session = make_app()
+
+    async def run_before(pilot):
+        await _loaded(pilot)
+        await pilot.press("f1")
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
