@@ -179,6 +179,19 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--direct-io", action="store_true")
     bt.add_argument("--engine", choices=("real", "fake"), default="real", help=argparse.SUPPRESS)
 
+    bs = bench_sub.add_parser("speed", help="prefill and decode speed, warm and cold, against the disk's limit")
+    bs.add_argument("-m", "--model", metavar="MODEL", default=S, help="default: the demo model")
+    bs.add_argument("--prompt-tokens", type=int, default=64, metavar="N")
+    bs.add_argument("--tokens", type=int, default=32, metavar="N", help="generated per run (default 32)")
+    bs.add_argument("--rounds", type=int, default=1, metavar="N")
+    bs.add_argument("--cold-only", action="store_true")
+    bs.add_argument("--skip-disk", action="store_true", help="do not measure the disk")
+    bs.add_argument("--out", metavar="FILE", help="write the results as JSON")
+    for name, kw in (("--expert-cache", dict(type=parse_size, default=S, metavar="SIZE")),
+                     ("--io-threads", dict(type=int, default=S)), ("--dtype", dict(default=S))):
+        bs.add_argument(name, **kw)
+    bs.add_argument("--direct-io", action="store_true")
+
     logs = sub.add_parser("logs", help="list saved conversations, or show one")
     logs.add_argument("action", nargs="?", choices=("list", "show", "path"), default="list")
     logs.add_argument("cid", nargs="?", metavar="ID", help="conversation id for `show` (default: the latest)")
@@ -243,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_agent(args)
         if args.command == "bench":
             apply_settings(args)
+            if args.bench == "speed":
+                from .bench_speed import cmd_bench_speed
+
+                return cmd_bench_speed(args)
             from .bench_tools import cmd_bench_tools
 
             return cmd_bench_tools(args)

@@ -1,0 +1,137 @@
+"""Measurements behind `flashmoe bench`: the disk itself, and generation warm and cold.
+
+Cold means: the expert slots are emptied and the expert files are dropped from the page cache
+(posix_fadvise DONTNEED) right before the run, so every expert read goes to the device.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .generate import GenerationRequest, Session, generate
+
+FILLER = ("Mixture-of-experts models route each token to a few experts; the rest stay on the disk "
+          "until a token asks for them. We talked about the weather in Paris, the time of day, and "
+          "what to eat for dinner. Numbers like 12, 345 and 6789 appear too. ")
+
+
+def expert_files(loaded) -> list[Path]:
+    files = set()
+    for l in loaded.layers:
+        for ext in l.extents(loaded.store.root, 0):
+            files.add(Path(ext.path))
+    return sorted(files)
+
+
+def evict(files: list[Path]) -> None:
+    """Drop the files' pages from the page cache (they are clean, so this only forgets them)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@dataclass
+class DiskResult:
+    sequential_gbps: float
+    random_gbps: float
+    block_bytes: int
+    threads: int
+    bytes_read: int
+
+
+def measure_disk(files: list[Path], block: int, threads: int = 8, seconds: float = 2.0) -> DiskResult:
+    """Cold sequential (8 MiB reads) and random (expert-sized reads, `threads` in flight) GB/s."""
+    evict(files)
+    total = 0
+    buf = mmap.mmap(-1, 8 << 20)
+    t0 = time.perf_counter()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            off = 0
+            while time.perf_counter() - t0 < seconds / 2:
+                n = os.preadv(fd, [buf], off)
+                if n <= 0:
+                    break
+                total += n
+                off += n
+        finally:
+            os.close(fd)
+        if time.perf_counter() - t0 >= seconds / 2:
+            break
+    seq = total / (time.perf_counter() - t0) / 1e9
+
+    evict(files)
+    sizes = [(f, f.stat().st_size) for f in files if f.stat().st_size >= block]
+    rng = random.Random(0)
+    fds = {f: os.open(f, os.O_RDONLY) for f, _ in sizes}
+    for fd in fds.values():
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    bufs = [bytearray(block) for _ in range(threads)]
+
+    def one(i):
+        f, size = rng.choice(sizes)
+        off = rng.randrange(0, max(1, size - block + 1)) // 4096 * 4096
+        return os.preadv(fds[f], [bufs[i % threads]], off)
+
+    done = 0
+    t1 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        while time.perf_counter() - t1 < seconds / 2:
+            done += sum(pool.map(one, range(threads * 4)))
+    rand = done / (time.perf_counter() - t1) / 1e9
+    for fd in fds.values():
+        os.close(fd)
+    return DiskResult(seq, rand, block, threads, total + done)
+
+
+def prompt_of(tokenizer, n_tokens: int) -> str:
+    """Raw text of about `n_tokens` tokens (the same for every run)."""
+    text = FILLER
+    while len(tokenizer.encode(text)) < n_tokens:
+        text += FILLER
+    ids = tokenizer.encode(text)[:n_tokens]
+    return tokenizer.decode(ids)
+
+
+@dataclass
+class RunResult:
+    cache_state: str  # cold | warm
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_tps: float
+    decode_tps: float
+    bytes_per_token: float
+    theory_bytes_per_token: float
+    hit_rate: float
+    io_wait_share: float
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_generation(loaded, prompt: str, tokens: int, cold: bool) -> RunResult:
+    """One greedy generation in a fresh session; cold evicts slots and page cache first."""
+    if cold and loaded.store is not None:
+        loaded.store.evict_all()
+        evict(expert_files(loaded))
+    t0 = time.perf_counter()
+    request = GenerationRequest(prompt=prompt, max_tokens=tokens, timing="step")
+    done = None
+    for ev in generate(loaded, Session(loaded), request):
+        done = ev
+    miss = 1.0 - done.hit_rate
+    per_expert = (sum(l.expert_bytes for l in loaded.layers) / len(loaded.layers)) if loaded.layers else 0
+    theory = loaded.top_k * per_expert * len(loaded.layers) * miss
+    return RunResult("cold" if cold else "warm", done.prompt_tokens, done.generation_tokens, done.prompt_tps,
+                     done.generation_tps, done.bytes_per_token, theory, done.hit_rate,
+                     done.io_wait_s / done.decode_s if done.decode_s else 0.0, time.perf_counter() - t0)

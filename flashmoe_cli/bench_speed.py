@@ -1,0 +1,78 @@
+"""`flashmoe bench speed`: decode and prefill speed, warm and cold, with every condition printed,
+and the disk measured in the same run so cold figures read as a fraction of its limit."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from .exit_codes import ExitCode
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cmd_bench_speed(args) -> int:
+    from engine.benchmark import expert_files, measure_disk, prompt_of, run_generation
+    from engine.generate import model_bits
+    from engine.loader import load
+
+    from .cli import human_bytes, resolve_dtype, resolve_model
+
+    model = resolve_model(args.model)
+    loaded = load(model, expert_cache=args.expert_cache, io_threads=args.io_threads, direct_io=args.direct_io,
+                  dtype=resolve_dtype(args.dtype))
+    bits = model_bits(loaded.config)
+    expert = (sum(l.expert_bytes for l in loaded.layers) / len(loaded.layers)) if loaded.layers else 0
+    machine = f"{os.cpu_count()}x {_cpu()}, {platform.system()} {platform.release()}"
+    model_line = (f"{loaded.config['model_type']} ({loaded.mode}), {bits or 'float'}{'-bit' if bits else ''}, "
+                  f"K={loaded.top_k}, {len(loaded.layers)} MoE layers of {loaded.num_layers}, "
+                  f"expert {human_bytes(expert)}, expert cache {human_bytes(loaded.store.capacity_bytes if loaded.store else 0)}")
+    print(f"model   : {model}\n          {model_line}\nmachine : {machine}", flush=True)
+    result = {"model": str(model), "model_line": model_line, "machine": machine,
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": []}
+
+    disk = None
+    if loaded.layers and not args.skip_disk:
+        disk = measure_disk(expert_files(loaded), int(expert), threads=args.io_threads)
+        result["disk"] = disk.__dict__
+        print(f"disk    : expert files, cold: sequential {disk.sequential_gbps:.2f} GB/s; random "
+              f"{human_bytes(disk.block_bytes)} reads x{disk.threads} threads {disk.random_gbps:.2f} GB/s", flush=True)
+
+    prompt = prompt_of(loaded.tokenizer, args.prompt_tokens)
+    run_generation(loaded, prompt, 2, cold=False)  # compile and touch everything once
+    order = [("warm", False), ("cold", True)] if not args.cold_only else [("cold", True)]
+    for _ in range(args.rounds):
+        for name, cold in order:
+            r = run_generation(loaded, prompt, args.tokens, cold)
+            if not cold:  # measure warm on a second, identical run: everything cached
+                r = run_generation(loaded, prompt, args.tokens, cold=False)
+            limit = ""
+            if cold and disk and r.bytes_per_token:
+                ceiling = disk.random_gbps * 1e9 / r.bytes_per_token
+                limit = f" | disk limit {ceiling:.2f} tok/s, {r.decode_tps / ceiling:.0%} of it"
+                r_dict = r.as_dict() | {"disk_limit_tps": ceiling}
+            else:
+                r_dict = r.as_dict()
+            result["runs"].append(r_dict)
+            print(f"{name:<8}: prefill {r.prompt_tokens} tok {r.prefill_tps:.1f} tok/s | decode {r.generated_tokens} tok "
+                  f"{r.decode_tps:.2f} tok/s | {human_bytes(r.bytes_per_token)}/token read (theory "
+                  f"{human_bytes(r.theory_bytes_per_token)}) | hit rate {r.hit_rate:.0%} | io wait "
+                  f"{r.io_wait_share:.0%}{limit}", flush=True)
+    loaded.close()
+    if args.out:
+        out = Path(args.out)
+        tmp = out.with_name(out.name + ".partial")
+        tmp.write_text(json.dumps(result, indent=2))
+        os.replace(tmp, out)
+    return ExitCode.OK
