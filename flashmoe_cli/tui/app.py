@@ -4,10 +4,14 @@ Threads: the engine runs on its own thread; a thread worker per reply iterates t
 posts messages (token text in ~30 ms batches, prefill progress, the end). Per-layer timings and
 step figures go into slots that a 10 Hz timer draws, so a fast model never floods the UI. Widgets
 change only on the UI thread, in the message handlers below.
+
+With --tools, a reply is a turn of the AgentLoop instead (agent_turn.py): the worker runs
+run_turn, tool calls show as collapsed blocks, and calls that need a yes ask with ApproveScreen.
 """
 from __future__ import annotations
 
 import queue
+import re
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -33,16 +37,22 @@ from engine.events import (
 from ..cli import human_bytes
 from ..commands import CommandError, help_text, parse
 from ..exit_codes import ExitCode
+from .agent_turn import AgentTurn, AppApprover, answer
 from .messages import (
+    ApprovalRequest,
     EngineLoaded,
     EngineLoadFailed,
+    ReplyActivity,
     ReplyDone,
     ReplyFailed,
     ReplyPrefill,
+    ReplyRoundDone,
     ReplyText,
+    ReplyTool,
+    ReplyTurnEnd,
 )
 from .palette import ChatCommands
-from .screens import HelpScreen
+from .screens import ApproveScreen, HelpScreen
 from .widgets import (
     AssistantMessage,
     KeyHints,
@@ -50,11 +60,13 @@ from .widgets import (
     Note,
     PromptInput,
     StatusBar,
+    ToolBlock,
     Transcript,
     UserMessage,
 )
 from .widgets.status_bar import rss_bytes
 
+TOOL_CALL_MARKUP = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)", re.DOTALL)
 BATCH_S = 0.03  # token text is batched this long before the Markdown is updated
 REDRAW_S = 0.1  # the layer panel and the live figures are redrawn at most this often
 RSS_EVERY = 10  # redraw ticks between memory readings
@@ -66,10 +78,11 @@ TIMING_MODES = ("off", "step", "layer")
 class Reply:
     """The reply being generated."""
     id: int
-    handle: object  # engine Handle
-    box: AssistantMessage
-    stream: object  # textual MarkdownStream
+    handle: object  # engine Handle, or the AgentTurn (both have cancel())
+    box: AssistantMessage | None  # None between the model replies of a tool-using turn
+    stream: object  # textual MarkdownStream (None with box)
     stopping: bool = False
+    detail: str = ""  # the finished model reply's figures, for the box's bottom border
 
 
 @dataclass
@@ -95,9 +108,15 @@ class ChatApp(App[int]):
         Binding("ctrl+d", "end_of_input", "Quit", show=False, id="flashmoe.eof"),
     ]
 
-    def __init__(self, session, *, cursor_blink: bool = True, rss=rss_bytes, show_layers: bool | None = None):
+    def __init__(self, session, *, args=None, cursor_blink: bool = True, rss=rss_bytes,
+                 show_layers: bool | None = None):
+        """args: the parsed `flashmoe chat` options; with --tools, replies go through the AgentLoop."""
         super().__init__()
         self.session = session
+        self.args = args
+        self.agent = None  # the AgentLoop, built once the model is in (it needs the chat template)
+        self.agent_turn: AgentTurn | None = None
+        self._approval: tuple | None = None  # (Future, ApproveScreen) while a question is open
         self.engine = session.engine
         self.cursor_blink = cursor_blink
         self._rss = rss
@@ -149,10 +168,17 @@ class ChatApp(App[int]):
         self.status.set(rss=self._rss())
         self.transcript.anchor()
         for m in self.session.history:  # a resumed conversation (-c / --cid)
-            if m["role"] == "user":
+            if m["role"] == "tool" or (m["role"] == "user" and m["content"].startswith("<tool_response>")):
+                self.transcript.mount(ToolBlock.from_history(m))
+            elif m["role"] == "user":
                 self.transcript.mount(UserMessage(m["content"]))
             elif m["role"] == "assistant":
-                self.transcript.mount(AssistantMessage(text=m["content"]))
+                content = m["content"]
+                text = TOOL_CALL_MARKUP.sub("", content).strip()
+                if text == content.strip() and not m.get("tool_calls"):
+                    self.transcript.mount(AssistantMessage(text=content))
+                elif text:  # a reply with tool calls: its text (the calls show as their results)
+                    self.transcript.mount(AssistantMessage(text=text))
         self.set_activity("loading the model…")
         self.set_interval(REDRAW_S, self.redraw)
         self.run_worker(self._load_engine, thread=True, exit_on_error=False, group="load", name="load model")
@@ -189,10 +215,32 @@ class ChatApp(App[int]):
                   f"expert cache {human_bytes(info.cache_bytes)}, loaded in {info.load_s:.1f} s\n"
                   "Type a message and press Enter. /help lists the commands, F1 the keys.", title="model",
                   before=self._queued)
+        if self.args is not None and getattr(self.args, "tools", None) and not self._build_agent(info):
+            return
         self.set_activity("ready", "dim")
         if self._queued is not None:
             queued, self._queued = self._queued, None
             await self.start_reply(queued.text, shown=True)
+
+    def _build_agent(self, info) -> bool:
+        from ..agent_cli import make_agent
+
+        try:
+            self.agent = make_agent(self.args, self.session, info.chat_template or "", AppApprover(self),
+                                    self._on_agent_event)
+        except Exception as e:  # noqa: BLE001  (a bad tool option; run_tui checks them before loading)
+            self.load_error = f"tools: {e}"
+            self.exit_code = ExitCode.USAGE
+            self._queued = None
+            self.note(f"Could not set up the tools: {e}", "error", title="error")
+            self.set_activity("the tools are not set up: /exit or Ctrl+D quits", "bold red")
+            return False
+        names = ", ".join(self.agent.executor.registry.names())
+        policy = self.agent.executor.policy
+        yolo = " (every call runs without asking)" if policy.mode == "yolo" else ""
+        self.note(f"Tools: {names}\nmode {policy.mode}{yolo} · workspace {short_path(policy.workspace)}",
+                  title="tools", before=self._queued)
+        return True
 
     def on_engine_load_failed(self, m: EngineLoadFailed) -> None:
         self.load_error = m.message
@@ -239,6 +287,9 @@ class ChatApp(App[int]):
         transcript = self.transcript
         if not shown:
             transcript.mount(UserMessage(text))
+        if self.agent is not None:
+            await self.start_agent_turn(text)
+            return
         try:
             handle = self.session.send(text)
         except Exception as e:  # a bad template or request: shown, not fatal
@@ -304,6 +355,8 @@ class ChatApp(App[int]):
             return
         if not r.stopping:
             self.set_activity("generating… Esc stops (the text so far is kept)", "dim")
+        if r.box is None:
+            await self._open_box(r)
         await r.stream.write(m.text)
 
     def on_reply_prefill(self, m: ReplyPrefill) -> None:
@@ -356,12 +409,132 @@ class ChatApp(App[int]):
                 self.note(f"Could not save the partial reply: {e}", "error")
         else:
             await r.box.remove()
-        message = m.failed.message.strip() or m.failed.exc_type
+        self._engine_failed(m.failed)
+
+    def _engine_failed(self, failed) -> None:
+        message = failed.message.strip() or failed.exc_type
         lines = message.splitlines()
         shown = "\n".join(lines[:12] + (["…"] if len(lines) > 12 else []))
-        self.note(f"The engine failed ({m.failed.exc_type}): {shown}", "error", title="error")
+        self.note(f"The engine failed ({failed.exc_type}): {shown}", "error", title="error")
         self.notify(lines[0] if lines else message, title="Engine error", severity="error", timeout=10)
         self.set_activity("the engine failed; see the message above", "bold red")
+
+    # -- tool use (the AgentLoop) ------------------------------------------------------------
+    async def start_agent_turn(self, text: str) -> None:
+        box = AssistantMessage()
+        await self.transcript.mount(box)
+        box.mark("streaming")
+        self._reply_seq += 1
+        self._live = Live()
+        turn = self.agent_turn = AgentTurn(self, self.agent, self._reply_seq, self._live)
+        self.reply = Reply(self._reply_seq, turn, box, Markdown.get_stream(box.markdown))
+        self.transcript.anchor()
+        self.set_activity("prefill…", "dim")
+        self.run_worker(partial(turn.run, text), thread=True, exit_on_error=False, group="reply",
+                        name=f"reply {self._reply_seq}")
+
+    def _on_agent_event(self, ev) -> None:  # worker thread: the AgentLoop's on_event
+        turn = self.agent_turn
+        if turn is not None:
+            turn.on_event(ev)
+
+    async def _open_box(self, r: Reply) -> None:
+        """The next model reply of the turn (after tool results) gets its own box."""
+        box = AssistantMessage()
+        await self.transcript.mount(box)
+        box.mark("streaming")
+        r.box, r.stream = box, Markdown.get_stream(box.markdown)
+        self.transcript.anchor()
+
+    async def _close_box(self, r: Reply, state: str) -> None:
+        box, r.box = r.box, None
+        if box is None:
+            return
+        await r.stream.stop()
+        r.stream = None
+        if not box.text.strip():  # a reply that was only tool calls
+            await box.remove()
+        else:
+            box.mark(state, r.detail)
+        r.detail = ""
+
+    def on_reply_activity(self, m: ReplyActivity) -> None:
+        r = self._current(m.reply_id)
+        if r is not None and not r.stopping:
+            self.set_activity(m.text, "dim")
+
+    def on_reply_round_done(self, m: ReplyRoundDone) -> None:
+        r = self._current(m.reply_id)
+        if r is None:
+            return
+        done = m.finished
+        if done.reason != "cancelled":
+            r.detail = f"{done.generation_tokens} tok · {done.generation_tps:.1f} tok/s" + (
+                " · max tokens" if done.reason == "length" else "")
+        self.status.set(tok_s=done.generation_tps, bytes_per_token=done.bytes_per_token, hit_rate=done.hit_rate)
+
+    async def on_reply_tool(self, m: ReplyTool) -> None:
+        r = self._current(m.reply_id)
+        if r is None:
+            return
+        await self._close_box(r, "done")
+        await self.transcript.mount(ToolBlock(m.call, m.result))
+        self.transcript.anchor()
+        if not r.stopping:
+            self.set_activity(f"{m.result.name or 'the tool'}: {m.result.status}; the model goes on…", "dim")
+
+    def on_approval_request(self, m: ApprovalRequest) -> None:
+        r = self._current(m.reply_id)
+        if r is None or r.stopping or not self.is_running:
+            answer(m.future, "no")
+            return
+        screen = ApproveScreen(m.name, m.arguments, m.reason)
+
+        def answered(value: str | None) -> None:
+            answer(m.future, value or "no")
+            if self._approval is not None and self._approval[1] is screen:
+                self._approval = None
+            if self._current(m.reply_id) is not None and not r.stopping:
+                self.set_activity(f"{m.name}: {value or 'no'}", "dim")
+
+        self._approval = (m.future, screen)
+        self.push_screen(screen, answered)
+        self.set_activity(f"{m.name} needs your approval: y yes · n no · a always", "bold")
+
+    def close_approval(self) -> None:
+        """Answer an open question "no" and take the screen away (the turn is being stopped)."""
+        if self._approval is None:
+            return
+        future, screen = self._approval
+        self._approval = None
+        answer(future, "no")
+        if self.screen is screen and not screen.answered:
+            screen.answered = True
+            screen.dismiss("no")
+
+    async def on_reply_turn_end(self, m: ReplyTurnEnd) -> None:
+        r = self._current(m.reply_id)
+        if r is None:
+            return
+        end = m.end
+        state = {"cancelled": "interrupted", "failed": "failed"}.get(end.status, "done")
+        await self._close_box(r, state)
+        self.reply = None
+        self.agent_turn = None
+        self.close_approval()
+        self.redraw()
+        if end.status == "done":
+            self.set_activity("ready", "dim")
+        elif end.status == "cancelled":
+            self.set_activity("stopped; the partial reply is kept", "dim")
+        elif end.status == "failed" and m.failed is not None:
+            self._engine_failed(m.failed)
+        else:
+            what = {"chain-limit": "The tool chain limit is reached", "repairs-exhausted":
+                    "The model kept writing malformed tool calls", "failed": "The reply failed",
+                    "approval-needed": "A tool call needed approval"}.get(end.status, f"The turn ended ({end.status})")
+            self.note(f"{what}: {end.message}" if end.message else what, "error", title="error")
+            self.set_activity("ready; see the error above", "bold red")
 
     # -- the timer -----------------------------------------------------------------------
     def redraw(self) -> None:
@@ -389,6 +562,7 @@ class ChatApp(App[int]):
             return False
         r.handle.cancel()
         r.stopping = True
+        self.close_approval()
         self.set_activity("stopping…", "dim")
         return True
 
@@ -421,13 +595,14 @@ class ChatApp(App[int]):
 
     def quit_app(self) -> None:
         if self.reply is not None:
-            self.reply.handle.cancel()
+            self.reply.handle.cancel()  # a turn's pending approval is answered "no" too
         self.exit(int(self.exit_code), return_code=int(self.exit_code))
 
     async def on_unmount(self) -> None:
         if self.reply is not None:  # quitting mid-reply: end the Markdown stream's task cleanly
             self.reply.handle.cancel()
-            await self.reply.stream.stop()
+            if self.reply.stream is not None:
+                await self.reply.stream.stop()
 
     async def action_quit(self) -> None:  # Ctrl+Q, and the palette's Quit: same exit code as /exit
         self.quit_app()
@@ -440,7 +615,7 @@ class ChatApp(App[int]):
 
     # -- other actions ---------------------------------------------------------------------
     def action_help(self) -> None:
-        if not isinstance(self.screen, HelpScreen):
+        if not isinstance(self.screen, (HelpScreen, ApproveScreen)):
             self.push_screen(HelpScreen())
 
     def action_toggle_layers(self) -> None:
@@ -500,6 +675,21 @@ class ChatApp(App[int]):
             self.quit_app()
 
 
+def short_path(path: Path) -> str:
+    """A folder as the user thinks of it: relative to the current one, or under ~, or absolute."""
+    try:
+        cwd = Path.cwd().resolve()
+        if path == cwd:
+            return ". (the current folder)"
+        if path.is_relative_to(cwd):
+            return str(path.relative_to(cwd))
+        if path.is_relative_to(Path.home()):
+            return str(Path("~") / path.relative_to(Path.home()))
+    except (OSError, RuntimeError, KeyError):
+        pass
+    return str(path)
+
+
 class _KeyName(str):
     @property
     def value(self) -> str:
@@ -525,8 +715,12 @@ def run_tui(args) -> int:
     teach_alt_enter()
 
     session = open_conversation(args, None, model_name=str(args.model or "demo"))  # checks the flags first
+    if getattr(args, "tools", None):  # and the tool options (UsageError: exit 2 before any loading)
+        from ..agent_cli import DecliningApprover, make_agent
+
+        make_agent(args, session, "", DecliningApprover(), lambda ev: None)
     session.engine = make_engine(args)
-    app = ChatApp(session)
+    app = ChatApp(session, args=args)
     try:
         app.run()
     finally:

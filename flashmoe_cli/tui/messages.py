@@ -51,3 +51,54 @@ class ReplyFailed(Message):
         super().__init__()
         self.reply_id = reply_id
         self.failed = failed  # engine.events.EngineFailed
+
+
+# -- tool use (a reply driven by the AgentLoop) ------------------------------------------------
+class ReplyActivity(Message):
+    """A line for the activity bar (e.g. the model started writing after its prefill)."""
+
+    def __init__(self, reply_id: int, text: str) -> None:
+        super().__init__()
+        self.reply_id = reply_id
+        self.text = text
+
+
+class ReplyRoundDone(Message):
+    """One model reply of a tool-using turn has finished (more may follow after tool results)."""
+
+    def __init__(self, reply_id: int, finished) -> None:
+        super().__init__()
+        self.reply_id = reply_id
+        self.finished = finished  # engine.events.GenerationFinished
+
+
+class ReplyTool(Message):
+    """A tool call and its result (declined, denied and invalid calls included)."""
+
+    def __init__(self, reply_id: int, call, result) -> None:
+        super().__init__()
+        self.reply_id = reply_id
+        self.call = call  # flashmoe_cli.agent.ToolCallEvent (None if none came before the result)
+        self.result = result  # flashmoe_cli.agent.ToolResultEvent
+
+
+class ReplyTurnEnd(Message):
+    """The tool-using turn is over: done, cancelled, failed or stopped by a limit."""
+
+    def __init__(self, reply_id: int, end, failed=None) -> None:
+        super().__init__()
+        self.reply_id = reply_id
+        self.end = end  # flashmoe_cli.agent.TurnFinished
+        self.failed = failed  # engine.events.EngineFailed, when the engine failed
+
+
+class ApprovalRequest(Message):
+    """A tool call needs the user's yes; the worker thread waits on `future` for the answer."""
+
+    def __init__(self, reply_id: int, name: str, arguments, reason: str, future) -> None:
+        super().__init__()
+        self.reply_id = reply_id
+        self.name = name
+        self.arguments = arguments
+        self.reason = reason
+        self.future = future  # concurrent.futures.Future[str]: "yes" | "no" | "always"

@@ -74,3 +74,47 @@ def test_help_screen(snap_compare):
         await pilot.press("f1")
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+class _Clock:
+    """Stands in for the tool executor's clock: every call takes 12.5 ms, so titles read 0.01 s."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def monotonic(self):
+        self.t += 0.0125
+        return self.t
+
+
+def test_tool_call_and_approval(snap_compare, tmp_path, monkeypatch):
+    """A read ran (a collapsed block), and the write after it asks."""
+    import json
+
+    import tools.executor
+    from flashmoe_cli.tui.screens import ApproveScreen
+
+    from .conftest import tool_args
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "todo.txt").write_text("- eggs\n- bread\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tools.executor, "time", _Clock())
+
+    def call(name, **arguments):
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+    replies = ["I'll check the list first.\n" + call("read_file", path="todo.txt"),
+               "It has eggs and bread. Adding milk:\n"
+               + call("write_file", path="todo.txt", content="- eggs\n- bread\n- milk\n"), "Done."]
+    app, engine, session = make_app(replies, timing="off", args=tool_args(ws))
+
+    async def run_before(pilot):
+        await _loaded(pilot)
+        await send(pilot, "Add milk to my todo list.")
+        await wait_for(pilot, lambda: isinstance(pilot.app.screen, ApproveScreen), what="the question")
+        await pilot.pause(0.2)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    assert (ws / "todo.txt").read_text() == "- eggs\n- bread\n"  # quitting while it asks answers no

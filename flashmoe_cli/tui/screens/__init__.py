@@ -1,4 +1,5 @@
 """The chat app's screens."""
+from .approve import ApproveScreen
 from .help import HelpScreen
 
-__all__ = ["HelpScreen"]
+__all__ = ["ApproveScreen", "HelpScreen"]
