@@ -1,0 +1,434 @@
+"""Fast CPU kernels (numba) for MLX's affine quantized matmul, on MLX's packed layout.
+
+MLX on an x86 CPU runs `quantized_matmul` / `gather_qmm` as a scalar loop on one thread (~0.7 GB/s
+of 4-bit weights). These kernels compute the same products from the same bytes -- the packed
+uint32 weights, scales and biases exactly as MLX stores them, read in place (no repacked copy) --
+with SIMD and both cores.
+
+Layout (checked against mlx 0.32.4, see tests/test_kernels.py): a weight [out, in] quantized with
+`mx.quantize(w, group_size, bits)` is `packed` uint32 [out, in*bits/32], `scales` and `biases`
+[out, in/group_size]. Each row is one little-endian bit stream: value k of the row occupies bits
+[k*bits, (k+1)*bits) of the row's bytes, least significant bit first. For bits 2, 4, 8 a value
+never crosses a word; for 3 bits, values 10 and 21 of every 32 cross a uint32 boundary (32 values
+fill exactly 3 words). Dequantized weight = scale * q + bias, per group of `group_size` values.
+
+API (numpy in, numpy out; see `qmm_mx` / `gather_qmm_mx` for mx.array in and out):
+
+    qmm(x, w, scales, biases, bits, group_size)                 x [..., in] -> [..., out]
+        == x @ dequantize(w, scales, biases).T
+    gather_qmm(x, w, scales, biases, indices, bits, group_size)
+        w [E, out, in*bits/32], scales/biases [E, out, in/gs];
+        x [P, in] with indices [P]          -> [P, out]      row p uses expert indices[p]
+        x [T, in] with indices [T, k]       -> [T, k, out]   row t is used with each of its k experts
+        (generally: indices.size must be a multiple of x.shape[0]; each x row is used for
+        indices.size // x.shape[0] consecutive entries of the flattened indices)
+
+x is float32 (other float dtypes are converted), w uint32, scales/biases float32 (float16 is
+converted, a copy of the scales and biases on every call; convert once at load time instead, see
+`to_numpy`). Results equal the float32 reference up to float32 rounding of a different summation
+order: out = sum over groups of (scale * sum(q * x) + bias * sum(x)).
+
+How it is fast: a row is split in "chunks" of 32 values (`bits` words). The chunk's 32 values are
+decoded with constant shifts and multiplied by x in straight-line code, and LLVM vectorises across
+16 chunks at a time (one AVX-512 register holds the same value position of 16 chunks). x is
+permuted once per call so these loads are contiguous. The chunk dots are then scaled per group
+(vectorised across groups) and summed in 16 lanes. Two x rows share one decode of a weight row
+(many-row calls: prefill, and experts chosen by several tokens). fastmath stays off: no
+reassociation and no FMA contraction, so the result does not depend on the machine's vector width
+and NaN/Inf behave as in numpy; the price is that LLVM only vectorises loops written with explicit
+lanes, which is why the code has the shape it has (see `_rows_source`).
+
+The straight-line chunk code is generated from a template (`_kernel_source(bits)`) and compiled
+with `compile(..., __file__)`, so numba's on-disk cache (cache=True) works for it like for any
+function of this file. Print `_kernel_source(4)` to read what runs.
+
+Threads: prange over work items of ROWS_PER_ITEM output rows of one expert, on all of numba's
+threads (`numba.set_num_threads`) -- by default only with numba's TBB threading layer, which needs
+the `tbb` wheel (see `_preload_tbb`). With OpenMP (numba's layer without TBB) every call waits
+for the pool's second thread, and whenever something else held a core at that moment (another
+process; in the engine it would be its I/O threads) that wait was 5-16 ms on this 2-vCPU VM,
+20-100x the call itself. So without TBB only calls above SERIAL_BELOW_WITHOUT_TBB multiply-adds
+(~8 ms on one thread) use the pool and the rest run on the calling thread: ~11-12 GB/s of 4-bit
+weights instead of ~20 on an idle machine, but never a stall. With TBB a worker that is not
+running simply takes no part, so a call is never much slower than on one thread. Calls below
+SERIAL_BELOW run on one thread either way. Set SERIAL_BELOW_WITHOUT_TBB = SERIAL_BELOW to use
+OpenMP's pool anyway (fine on an otherwise idle machine). Calls from several Python threads at
+once are safe with TBB and OpenMP, not with numba's "workqueue" fallback.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata
+import os
+import sys
+
+import numba
+import numpy as np
+from numba import float32, njit, prange
+
+
+def _preload_tbb() -> str | None:
+    """Let numba use its TBB threading layer when the `tbb` wheel is installed.
+
+    numba tries TBB first, but finds libtbb.so.12 only on the loader's path, where pip does not
+    put it (it goes to <prefix>/lib). Loading it here by path, before numba starts its threads,
+    makes numba's own lookup succeed. TBB matters on a busy machine: OpenMP splits the rows
+    statically, so a call waits whenever its second thread is not scheduled (we measured calls of
+    0.15 ms taking 8-16 ms while other processes ran), while with TBB the calling thread takes the
+    work a descheduled worker has not started. Returns the path loaded, or None. Does nothing if
+    NUMBA_THREADING_LAYER is set (numba then uses that layer)."""
+    if sys.platform != "linux" or os.environ.get("NUMBA_THREADING_LAYER"):
+        return None
+    try:
+        dist = importlib.metadata.distribution("tbb")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or ():
+        if f.name == "libtbb.so.12":
+            path = str(dist.locate_file(f))
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                return None
+            return path
+    return None
+
+
+_TBB = _preload_tbb()
+
+BITS = (2, 3, 4, 8)
+GROUP_SIZES = (32, 64, 128)
+ROWS_PER_ITEM = 16  # output rows per parallel work item (weights of one item stay in L2)
+MAX_CHUNKS = 2048  # longest row: 2048 chunks of 32 values (in <= 65536)
+# Calls of fewer multiply-adds (rows * out * in) than these run on the calling thread only (see
+# "Threads" above): with TBB, below ~5 us of work; without, below ~8 ms of work.
+SERIAL_BELOW = 1 << 17
+SERIAL_BELOW_WITHOUT_TBB = 1 << 28
+PREP_PARALLEL_ABOVE = 1 << 16  # rows * in above which x is permuted by all threads
+
+# --------------------------------------------------------------------------------------------
+# Code generation for the per-bits kernels.
+
+for _v in (*range(32), 255):
+    globals()[f"_U{_v}"] = np.uint32(_v)  # uint32 constants for the generated code (_U0.._U31, _U255)
+del _v
+
+
+def _value_expr(bits: int, j: int) -> str:
+    """Expression for value j (0..31) of a 32-value chunk whose words are in w0..w{bits-1}.
+
+    Shift amounts and masks are the module constants _U0.._U31 (uint32), so that everything
+    stays in 32-bit lanes (a plain int literal would promote the uint32 words to int64). The
+    caller converts through int32: LLVM vectorises int32 -> float32 in one instruction, but
+    uint32 -> float32 with a slow sequence (the kernel ran 1.6x slower)."""
+    off = j * bits
+    wi, sh = off >> 5, off & 31
+    mask = f"_U{(1 << bits) - 1}"
+    if sh + bits <= 32:
+        e = f"(w{wi} >> _U{sh})" if sh else f"w{wi}"
+        return e if sh + bits == 32 else f"({e} & {mask})"
+    # the value crosses into the next word (3 bits only)
+    return f"(((w{wi} >> _U{sh}) | (w{wi + 1} << _U{32 - sh})) & {mask})"
+
+
+def _rows_source(bits: int, rows: int) -> str:
+    """Weight rows n0..n1-1 of one expert against x rows p..p+rows-1.
+
+    wt [out, in*bits/32], st/bt [out, groups]: the expert's weights, scales, biases;
+    xq [P, blocks*512]: x permuted so that xq[p, cb*512 + j*16 + l] is value j of chunk
+    cb*16 + l; xs [P, groups]: x summed per group; out[dst[p], n]: the result;
+    pb, gt: scratch of 2*MAX_CHUNKS floats each. Three loops per weight row:
+      1. chunk dots pb[r*MAX_CHUNKS + c] = sum_j q_j(c) x_j(c), vectorised across 16 chunks;
+      2. group terms gt[r*MAX_CHUNKS + g] = scale_g * (sum of the group's chunk dots)
+         + bias_g * xs_g, vectorised across groups;
+      3. their sum, in 16 lanes t{r}_{i} (group g goes to lane g % 16), then the lanes summed.
+    No stores alias loads of the same loop except at constant distances, so LLVM vectorises
+    loops 1 and 2 with cheap run-time checks, and loop 3 has no stores."""
+    L = ["@njit(cache=True, fastmath=False)",
+         f"def _rows{bits}_{rows}(wt, st, bt, xq, xs, p, n0, n1, cpg, pb, gt, out, dst):",
+         f"    nc = wt.shape[1] // {bits}",
+         "    ncb = (nc + 15) // 16",
+         "    ng = st.shape[1]",
+         "    ngb = ng // 16"]
+    L += ["    for n in range(n0, n1):",
+          "        for cb in range(ncb):",
+          "            nl = min(16, nc - cb * 16)",
+          "            for l in range(nl):"]
+    L += [f"                w{i} = wt[n, cb * {16 * bits} + l * {bits} + {i}]" for i in range(bits)]
+    L += [f"                a{r} = float32(0.0)" for r in range(rows)]
+    for j in range(32):
+        L.append(f"                q = float32(np.int32({_value_expr(bits, j)}))")
+        L += [f"                a{r} += q * xq[p + {r}, cb * 512 + {j * 16} + l]" for r in range(rows)]
+    L += [f"                pb[{r} * MAX_CHUNKS + cb * 16 + l] = a{r}" for r in range(rows)]
+    for cpg, kw in ((1, "if"), (2, "elif"), (4, "else")):
+        L.append(f"        {kw} cpg == {cpg}:" if cpg != 4 else "        else:")
+        L.append("            for g in range(ng):")
+        for r in range(rows):
+            dot = " + ".join(f"pb[{r} * MAX_CHUNKS + {cpg} * g + {t}]" for t in range(cpg))
+            L.append(f"                gt[{r} * MAX_CHUNKS + g] = st[n, g] * ({dot}) + bt[n, g] * xs[p + {r}, g]")
+    for r in range(rows):
+        L += [f"        t{r}_{i} = float32(0.0)" for i in range(16)]
+    L.append("        for gb in range(ngb):")
+    for r in range(rows):
+        L += [f"            t{r}_{i} += gt[{r} * MAX_CHUNKS + gb * 16 + {i}]" for i in range(16)]
+    L.append("        for g in range(ngb * 16, ng):")
+    L += [f"            t{r}_0 += gt[{r} * MAX_CHUNKS + g]" for r in range(rows)]
+    for r in range(rows):
+        tree = [f"t{r}_{i}" for i in range(16)]
+        while len(tree) > 1:
+            tree = [f"({tree[k]} + {tree[k + 1]})" for k in range(0, len(tree), 2)]
+        L.append(f"        out[dst[p + {r}], n] = {tree[0]}")
+    return "\n".join(L) + "\n"
+
+
+_ITEM_TEMPLATE = """
+@njit(cache=True, fastmath=False)
+def _item{B}(w3, s3, b3, xq, xs, e, p0, p1, n0, n1, dst, out):
+    # out[dst[p], n] for sorted pairs p in [p0, p1) (all on expert e) and rows n in [n0, n1)
+    wt = w3[e]
+    st = s3[e]
+    bt = b3[e]
+    cpg = (wt.shape[1] // {B}) // st.shape[1]
+    pb = np.empty(2 * MAX_CHUNKS, np.float32)
+    gt = np.empty(2 * MAX_CHUNKS, np.float32)
+    p = p0
+    while p + 1 < p1:
+        _rows{B}_2(wt, st, bt, xq, xs, p, n0, n1, cpg, pb, gt, out, dst)
+        p += 2
+    if p < p1:
+        _rows{B}_1(wt, st, bt, xq, xs, p, n0, n1, cpg, pb, gt, out, dst)
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def _run{B}(x, idx, k, w3, s3, b3, group_size, parallel):
+    xrow, dst, seg_e, seg_p0, seg_p1 = _plan(idx, k, w3.shape[0])
+    P = idx.shape[0]
+    N = w3.shape[1]
+    xq, xs = _prep(x, xrow, group_size, parallel)
+    nblk = (N + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+    out = np.empty((P, N), np.float32)
+    if parallel:
+        for it in prange(seg_e.shape[0] * nblk):
+            s = it // nblk
+            n0 = (it % nblk) * ROWS_PER_ITEM
+            _item{B}(w3, s3, b3, xq, xs, seg_e[s], seg_p0[s], seg_p1[s], n0, min(N, n0 + ROWS_PER_ITEM), dst, out)
+    else:
+        for it in range(seg_e.shape[0] * nblk):
+            s = it // nblk
+            n0 = (it % nblk) * ROWS_PER_ITEM
+            _item{B}(w3, s3, b3, xq, xs, seg_e[s], seg_p0[s], seg_p1[s], n0, min(N, n0 + ROWS_PER_ITEM), dst, out)
+    return out
+"""
+
+
+def _kernel_source(bits: int) -> str:
+    """The numba source of the kernels for one bit width (what `_kernel(bits)` compiles)."""
+    return _rows_source(bits, 1) + "\n" + _rows_source(bits, 2) + _ITEM_TEMPLATE.replace("{B}", str(bits))
+
+
+# --------------------------------------------------------------------------------------------
+# Shared numba helpers.
+
+
+@njit(cache=True, fastmath=False)
+def _plan(idx, k, E):
+    """Sort (x row, expert) pairs by expert (a stable counting sort). idx: expert of each pair;
+    pair i uses x row i // k. Returns xrow[p] and dst[p] (x row and output row of sorted pair
+    p) and the runs of sorted pairs that share an expert: seg_e, seg_p0, seg_p1."""
+    P = idx.shape[0]
+    start = np.zeros(E + 1, np.int64)
+    for i in range(P):
+        start[idx[i] + 1] += 1
+    nseg = 0
+    for e in range(E):
+        if start[e + 1] > 0:
+            nseg += 1
+        start[e + 1] += start[e]
+    seg_e = np.empty(nseg, np.int64)
+    seg_p0 = np.empty(nseg, np.int64)
+    seg_p1 = np.empty(nseg, np.int64)
+    s = 0
+    for e in range(E):
+        if start[e + 1] > start[e]:
+            seg_e[s] = e
+            seg_p0[s] = start[e]
+            seg_p1[s] = start[e + 1]
+            s += 1
+    dst = np.empty(P, np.int64)
+    for i in range(P):
+        dst[start[idx[i]]] = i
+        start[idx[i]] += 1
+    return dst // k, dst, seg_e, seg_p0, seg_p1
+
+
+@njit(cache=True, fastmath=False)
+def _prep_row(x, xrow, group_size, xq, xs, p):
+    """Permute x row xrow[p] into the chunk layout (xq[p, cb*512 + j*16 + l] = value j of chunk
+    cb*16 + l, zero past the last chunk) and sum it per group (xs[p, g])."""
+    K = x.shape[1]
+    nc = K // 32
+    xr = x[xrow[p]]
+    xo = xq[p]
+    for cb in range((nc + 15) // 16):
+        nl = min(16, nc - cb * 16)
+        for j in range(32):
+            for l in range(nl):
+                xo[cb * 512 + j * 16 + l] = xr[(cb * 16 + l) * 32 + j]
+            for l in range(nl, 16):
+                xo[cb * 512 + j * 16 + l] = float32(0.0)
+    for g in range(K // group_size):
+        a = float32(0.0)
+        for i in range(g * group_size, (g + 1) * group_size):
+            a += xr[i]
+        xs[p, g] = a
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def _prep(x, xrow, group_size, parallel):
+    P = xrow.shape[0]
+    K = x.shape[1]
+    xq = np.empty((P, ((K // 32 + 15) // 16) * 512), np.float32)
+    xs = np.empty((P, K // group_size), np.float32)
+    if not parallel or P * K < PREP_PARALLEL_ABOVE:
+        for p in range(P):
+            _prep_row(x, xrow, group_size, xq, xs, p)
+    else:
+        for p in prange(P):
+            _prep_row(x, xrow, group_size, xq, xs, np.int64(p))
+    return xq, xs
+
+
+_compiled: dict = {}
+
+
+def _kernel(bits: int):
+    """The entry point for `bits`, compiled (or loaded from the disk cache) on first use."""
+    fn = _compiled.get(bits)
+    if fn is None:
+        ns = dict(globals())
+        exec(compile(_kernel_source(bits), __file__, "exec"), ns)  # noqa: S102 - our own template
+        fn = _compiled[bits] = ns[f"_run{bits}"]
+    return fn
+
+
+# --------------------------------------------------------------------------------------------
+# Public API.
+
+
+def _as_f32(a: np.ndarray, what: str) -> np.ndarray:
+    if a.dtype != np.float32:
+        if a.dtype.kind != "f":
+            raise TypeError(f"{what} must be floating point, got {a.dtype}")
+        a = a.astype(np.float32)
+    return np.ascontiguousarray(a)
+
+
+def _check(x, w, scales, biases, bits, group_size, expert_dims):
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}")
+    if w.ndim != 2 + expert_dims or scales.shape != biases.shape or scales.shape[:-1] != w.shape[:-1]:
+        raise ValueError(f"shapes do not match: w {w.shape}, scales {scales.shape}, biases {biases.shape}")
+    K = x.shape[-1]
+    if K > 32 * MAX_CHUNKS:
+        raise ValueError(f"in = {K} features is more than the kernels support ({32 * MAX_CHUNKS})")
+    if K % group_size or w.shape[-1] * 32 != K * bits or scales.shape[-1] * group_size != K:
+        raise ValueError(f"x has {K} features but w {w.shape} / scales {scales.shape} are for "
+                         f"{w.shape[-1] * 32 // bits} at {bits} bits, group size {group_size}")
+    if w.dtype != np.uint32:
+        if w.dtype.itemsize != 4 or w.dtype.kind not in "iu":
+            raise TypeError(f"packed weights must be uint32, got {w.dtype}")
+        w = w.view(np.uint32)
+    return (np.ascontiguousarray(w), _as_f32(scales, "scales"), _as_f32(biases, "biases"))
+
+
+_LAYER: list = []
+
+
+def threading_layer() -> str:
+    """numba's threading layer ("tbb", "omp" or "workqueue"), starting it if needed."""
+    if not _LAYER:
+        numba.get_num_threads()  # starts the layer
+        _LAYER.append(numba.threading_layer())
+    return _LAYER[0]
+
+
+def _call(bits, x2, idx, k, w3, s3, b3, group_size):
+    serial_below = SERIAL_BELOW if threading_layer() == "tbb" else SERIAL_BELOW_WITHOUT_TBB
+    parallel = idx.shape[0] * w3.shape[1] * x2.shape[1] >= serial_below
+    return _kernel(bits)(x2, idx, k, w3, s3, b3, group_size, parallel)
+
+
+def qmm(x, w, scales, biases, bits: int = 4, group_size: int = 64) -> np.ndarray:
+    """x @ dequantize(w, scales, biases).T for MLX affine-quantized w: x [..., in] -> [..., out]."""
+    x = _as_f32(np.asarray(x), "x")
+    w, scales, biases = _check(x, np.asarray(w), np.asarray(scales), np.asarray(biases), bits, group_size, 0)
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:
+        return np.zeros((*x.shape[:-1], w.shape[0]), np.float32)
+    idx = np.zeros(x2.shape[0], np.int64)
+    out = _call(bits, x2, idx, 1, w[None], scales[None], biases[None], group_size)
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def gather_qmm(x, w, scales, biases, indices, bits: int = 4, group_size: int = 64) -> np.ndarray:
+    """Per-row expert matmul on stacked experts w [E, out, in*bits/32].
+
+    x [R, in]; indices [...] with indices.size = R * k: flattened entry i is x row i // k times
+    expert indices.flat[i]. Returns indices.shape + (out,). (x [T, in] with indices [T, k] is the
+    MoE up-projection; x [P, in] with indices [P] the down-projection.)"""
+    x = _as_f32(np.asarray(x), "x")
+    w, scales, biases = _check(x, np.asarray(w), np.asarray(scales), np.asarray(biases), bits, group_size, 1)
+    indices = np.asarray(indices)
+    x2 = x.reshape(-1, x.shape[-1])
+    R = x2.shape[0]
+    if indices.size == 0 or R == 0 or indices.size % R:
+        raise ValueError(f"indices {indices.shape} do not fit x {x.shape}: need a multiple of {R} entries")
+    idx = np.ascontiguousarray(indices.reshape(-1), dtype=np.int64)
+    E = w.shape[0]
+    if idx.min() < 0 or idx.max() >= E:
+        raise IndexError(f"expert index out of range 0..{E - 1}")
+    out = _call(bits, x2, idx, indices.size // R, w, scales, biases, group_size)
+    return out.reshape(*indices.shape, w.shape[1])
+
+
+# --------------------------------------------------------------------------------------------
+# MLX glue.
+
+
+def to_numpy(a) -> np.ndarray:
+    """numpy view of an mx.array (evaluates it). float32 / uint32 / int arrays: zero-copy.
+
+    bfloat16 and float16 (scales and biases of most MLX checkpoints) come back as a float32 copy:
+    convert them once when loading, not per call."""
+    import mlx.core as mx
+
+    if a.dtype == mx.bfloat16:
+        u = np.asarray(memoryview(a.view(mx.uint16)))
+        return (u.astype(np.uint32) << 16).view(np.float32)
+    arr = np.asarray(memoryview(a))
+    return arr.astype(np.float32) if arr.dtype == np.float16 else arr
+
+
+def qmm_mx(x, w, scales, biases, bits: int = 4, group_size: int = 64):
+    """`qmm` on mx.arrays, returning an mx.array (a drop-in for mx.quantized_matmul(transpose=True))."""
+    import mlx.core as mx
+
+    return mx.array(qmm(to_numpy(x), to_numpy(w), to_numpy(scales), to_numpy(biases), bits, group_size))
+
+
+def gather_qmm_mx(x, w, scales, biases, indices, bits: int = 4, group_size: int = 64):
+    """`gather_qmm` on mx.arrays, returning an mx.array."""
+    import mlx.core as mx
+
+    return mx.array(gather_qmm(to_numpy(x), to_numpy(w), to_numpy(scales), to_numpy(biases),
+                               to_numpy(indices), bits, group_size))
+
+
+def warmup(bits=BITS) -> None:
+    """Compile (first run) or load from the disk cache the kernels for these bit widths."""
+    for b in (bits if isinstance(bits, (tuple, list)) else (bits,)):
+        x = np.zeros((1, 32), np.float32)
+        s = np.zeros((1, 1, 1), np.float32)
+        _kernel(b)(x, np.zeros(1, np.int64), 1, np.zeros((1, 1, b), np.uint32), s, s, 32, False)
