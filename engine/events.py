@@ -27,6 +27,7 @@ class ModelLoaded(Event):
     cache_bytes: int
     load_s: float
     chat_template: str = ""  # its text: front ends pick the tool-call format from it
+    kernels: str = "mlx"  # quantized matmul kernels in use: "mlx" or "cpu"
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ class LoadedModel:
     layers: list[LayerExperts]
     timing: list = field(default_factory=lambda: ["step"])  # shared with the streaming modules
     tokenizer: object = None
+    kernels: str = "mlx"  # which matmul kernels run: "mlx" or "cpu"
 
     @property
     def top_k(self) -> int:
@@ -303,13 +304,22 @@ def _check_layer_shapes(layers, modules, where: Path) -> None:
 
 
 def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = 8,
-         direct_io: bool = False, load_tokenizer: bool = True, dtype: str | None = None) -> LoadedModel:
+         direct_io: bool = False, load_tokenizer: bool = True, dtype: str | None = None,
+         kernels: str = "mlx") -> LoadedModel:
     """Build the model for `path` with streamed experts. Resident weights are loaded here.
 
     dtype "float32" widens 16-bit float tensors (weights, quantization scales and biases, and
     experts as they are read): MLX's CPU kernels are much faster in float32, and its CPU
     gather_mm takes nothing else. None keeps what the checkpoint stores.
+
+    kernels "cpu" runs every affine quantized matmul on the numba CPU kernels (engine/cpu_path.py;
+    it implies float32), "mlx" on MLX's own, "auto" picks cpu when MLX runs on the CPU.
     """
+    from .cpu_path import resolve
+
+    kernels = resolve(kernels)
+    if kernels == "cpu":
+        dtype = "float32"
     if dtype not in (None, "float32"):
         raise ValueError(f"dtype must be None or 'float32', got {dtype!r}")
     path = Path(path)
@@ -350,7 +360,7 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
 
     store = ExpertStore(path / EXPERTS_DIR if packed else path, layers, top_k_of(config),
                         budget_bytes=expert_cache, io_threads=io_threads, direct_io=direct_io,
-                        upcast=dtype == "float32") if layers else None
+                        upcast=dtype == "float32", cpu_kernels=kernels == "cpu") if layers else None
     loaded = LoadedModel(model, config, path, "packed" if packed else "direct", store, layers)
     parents = dict(model.named_modules())
     for l in layers:
@@ -368,6 +378,11 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         raise ModelLoadError(path, f"weights do not match the config: {e}") from None
     except RuntimeError as e:
         raise ModelLoadError(path, f"cannot read the resident weights ({e})") from None
+    loaded.kernels = kernels
+    if kernels == "cpu":
+        from .cpu_path import install
+
+        install(model)
 
     if load_tokenizer:
         from .tokenizer import Tokenizer

@@ -31,11 +31,12 @@ def cmd_bench_speed(args) -> int:
 
     model = resolve_model(args.model)
     loaded = load(model, expert_cache=args.expert_cache, io_threads=args.io_threads, direct_io=args.direct_io,
-                  dtype=resolve_dtype(args.dtype))
+                  dtype=resolve_dtype(args.dtype), kernels=args.kernels)
     bits = model_bits(loaded.config)
     expert = (sum(l.expert_bytes for l in loaded.layers) / len(loaded.layers)) if loaded.layers else 0
     machine = f"{os.cpu_count()}x {_cpu()}, {platform.system()} {platform.release()}"
-    model_line = (f"{loaded.config['model_type']} ({loaded.mode}), {bits or 'float'}{'-bit' if bits else ''}, "
+    model_line = (f"{loaded.config['model_type']} ({loaded.mode}, {loaded.kernels} kernels), "
+                  f"{bits or 'float'}{'-bit' if bits else ''}, "
                   f"K={loaded.top_k}, {len(loaded.layers)} MoE layers of {loaded.num_layers}, "
                   f"expert {human_bytes(expert)}, expert cache {human_bytes(loaded.store.capacity_bytes if loaded.store else 0)}")
     print(f"model   : {model}\n          {model_line}\nmachine : {machine}", flush=True)

@@ -66,6 +66,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "keep"), default=S,
                    help="float32 widens 16-bit weights and scales (much faster on MLX's CPU backend); "
                         "auto (default): float32 on CPU, keep elsewhere")
+    p.add_argument("--kernels", choices=("auto", "mlx", "cpu"), default=S,
+                   help="quantized matmul kernels: cpu (numba, many times faster than MLX's CPU path), "
+                        "mlx, or auto (default: cpu when MLX runs on the CPU)")
     p.add_argument("-c", "--continue", dest="continue_", action="store_true",
                    help="continue the most recent conversation")
     p.add_argument("--cid", metavar="ID", help="continue the conversation with this id (see `flashmoe logs`)")
@@ -93,7 +96,7 @@ def make_engine(args):
     from engine.engine import Engine
 
     return Engine(resolve_model(args.model), expert_cache=args.expert_cache, io_threads=args.io_threads,
-                  direct_io=args.direct_io, dtype=resolve_dtype(args.dtype))
+                  direct_io=args.direct_io, dtype=resolve_dtype(args.dtype), kernels=args.kernels)
 
 
 def open_conversation(args, engine, model_name: str):
@@ -174,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--max-repairs", type=int, default=2, metavar="N")
     for name, kw in (("--expert-cache", dict(type=parse_size, default=S, metavar="SIZE")),
                      ("--io-threads", dict(type=int, default=S)), ("--dtype", dict(default=S)),
+                     ("--kernels", dict(default=S, choices=("auto", "mlx", "cpu"))),
                      ("--temp", dict(type=float, default=S)), ("--seed", dict(type=int, default=S))):
         bt.add_argument(name, **kw)
     bt.add_argument("--direct-io", action="store_true")
@@ -188,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--skip-disk", action="store_true", help="do not measure the disk")
     bs.add_argument("--out", metavar="FILE", help="write the results as JSON")
     for name, kw in (("--expert-cache", dict(type=parse_size, default=S, metavar="SIZE")),
-                     ("--io-threads", dict(type=int, default=S)), ("--dtype", dict(default=S))):
+                     ("--io-threads", dict(type=int, default=S)), ("--dtype", dict(default=S)),
+                     ("--kernels", dict(default=S, choices=("auto", "mlx", "cpu")))):
         bs.add_argument(name, **kw)
     bs.add_argument("--direct-io", action="store_true")
 

@@ -35,6 +35,7 @@ SETTINGS = {
     "expert_cache": (None, "size"),
     "io_threads": (8, int),
     "dtype": ("auto", str),
+    "kernels": ("auto", str),
 }
 
 

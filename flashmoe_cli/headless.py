@@ -36,7 +36,7 @@ def summary(done, loaded) -> str:
         f"hit rate {done.hit_rate:.0%}",
         f"io wait {done.io_wait_s / done.decode_s:.0%}" if done.decode_s > 0 else "io wait -",
         f"K={done.top_k}", bits, f"{done.cache_state} expert cache",
-        f"{loaded.model_type} ({loaded.mode})",
+        f"{loaded.model_type} ({loaded.mode}, {loaded.kernels} kernels)",
     ]
     return " | ".join(parts)
 

@@ -56,4 +56,4 @@ def test_run_without_model_uses_the_demo(home):
     r = run_cli("run", "--max-tokens", "12", "What is the capital of France?", env={"FLASHMOE_HOME": home})
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
-    assert "mixtral (packed)" in r.stderr
+    assert "mixtral (packed, cpu kernels)" in r.stderr

@@ -7,6 +7,7 @@ same shape and evicted least-recently-used, so the byte budget is a hard limit.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import mmap
 import os
 import threading
@@ -98,7 +99,7 @@ class ExpertStore:
 
     def __init__(self, root: Path, layers: list[LayerExperts], top_k: int,
                  budget_bytes: int | None = None, io_threads: int = 8, direct_io: bool = False,
-                 upcast: bool = False):
+                 upcast: bool = False, cpu_kernels: bool = False):
         self.root = root
         self.layers = {l.layer: l for l in layers}
         self.direct_io = direct_io
@@ -109,6 +110,7 @@ class ExpertStore:
         self._local = threading.local()
         self._pool_of: dict[int, SlotPool] = {}
         self.upcast = upcast
+        self.cpu_kernels = cpu_kernels  # experts computed by the numba kernels (engine/cpu_path.py)
         self.pools: list[SlotPool] = []
         self.budget_bytes = self._make_pools(layers, budget_bytes)
         self._exec = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="flashmoe-io")
@@ -149,10 +151,12 @@ class ExpertStore:
         return sum(p.capacity_bytes for p in self.pools)
 
     # -- the hot path --------------------------------------------------------------------
-    def fetch(self, layer: int, experts) -> np.ndarray:
+    def fetch(self, layer: int, experts, ready=None) -> np.ndarray:
         """Make sure `experts` (distinct ids, at most pool.slots of them) of `layer` sit in slots.
 
-        Returns a lookup table expert id -> slot id (0 for experts not asked for).
+        Returns a lookup table expert id -> slot id (0 for experts not asked for). With `ready`,
+        the caller computes while the reads are in flight: ready(lut, ids) is called first with
+        the experts already cached, then with each missing expert as soon as it has landed.
         """
         pool = self._pool_of[layer]
         info = self.layers[layer]
@@ -160,7 +164,7 @@ class ExpertStore:
         wanted = {int(e) for e in experts}
         assert len(wanted) <= pool.slots, "caller must chunk to the pool size"
         lut = np.zeros(info.num_experts, dtype=np.uint32)
-        misses = []
+        hits, misses = [], []
         for e in wanted:
             slot = pool.table.get((layer, e))
             if slot is None:
@@ -168,31 +172,45 @@ class ExpertStore:
             else:
                 pool.table.move_to_end((layer, e))
                 lut[e] = slot
-        stats.hits += len(wanted) - len(misses)
-        if misses:
-            # Slots are about to be overwritten: finish every computation that reads them.
-            if self.pending:
-                mx.eval(self.pending)
-                self.pending.clear()
-            jobs = []
-            for e in misses:
-                slot = self._take_slot(pool, layer, wanted)
-                pool.table[(layer, e)] = slot
-                lut[e] = slot
-                for ext in info.extents(self.root, e):
-                    jobs.append((ext, pool.slot_views(slot, ext.first, ext.last),
-                                 pool.conversions(ext.first, ext.last)))
+                hits.append(e)
+        stats.hits += len(hits)
+        if not misses:
+            if ready is not None:
+                ready(lut, hits)
+            return lut
+        # Slots are about to be overwritten: finish every computation that reads them.
+        if self.pending:
+            mx.eval(self.pending)
+            self.pending.clear()
+        jobs: dict[int, list] = {}
+        for e in misses:
+            slot = self._take_slot(pool, layer, wanted)
+            pool.table[(layer, e)] = slot
+            lut[e] = slot
+            jobs[e] = [(ext, pool.slot_views(slot, ext.first, ext.last), pool.conversions(ext.first, ext.last))
+                       for ext in info.extents(self.root, e)]
+        futures = {self._exec.submit(self._read_all, js): e for e, js in jobs.items()}
+        if ready is not None and hits:
+            ready(lut, hits)  # cached experts compute while the misses are read
+        wait = 0.0
+        pending = set(futures)
+        while pending:
             t0 = perf_counter()
-            if len(jobs) == 1:
-                self._read(*jobs[0])
-            else:
-                for f in [self._exec.submit(self._read, *j) for j in jobs]:
-                    f.result()
-            stats.io_wait_s += perf_counter() - t0
-            stats.misses += len(misses)
-            stats.bytes_read += len(misses) * info.expert_bytes
-            self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
+            done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+            wait += perf_counter() - t0
+            for f in done:
+                f.result()  # a read error surfaces here
+                if ready is not None:
+                    ready(lut, [futures[f]])
+        stats.io_wait_s += wait
+        stats.misses += len(misses)
+        stats.bytes_read += len(misses) * info.expert_bytes
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         return lut
+
+    def _read_all(self, jobs) -> None:
+        for job in jobs:
+            self._read(*job)
 
     def _take_slot(self, pool: SlotPool, layer: int, wanted: set[int]) -> int:
         if pool.free:

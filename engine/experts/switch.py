@@ -32,6 +32,7 @@ class StreamingSwitchGLU(nn.Module):
         self._layer = layer
         self._store = store
         self._timing = timing  # shared one-item list: the engine's current timing mode
+        self._cpu = _CpuExperts(inner, pool) if store.cpu_kernels and _CpuExperts.supports(inner, pool) else None
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         store, layer = self._store, self._layer
@@ -42,6 +43,11 @@ class StreamingSwitchGLU(nn.Module):
         stats.route_s += perf_counter() - t0
         wanted = np.unique(ids)
         slots = store.pool(layer).slots
+        if self._cpu is not None:
+            t1 = perf_counter()
+            y = self._cpu(x, ids, wanted, slots, store, layer)
+            stats.compute_s += perf_counter() - t1 - (stats.io_wait_s - self._cpu.wait_before)
+            return y
         if len(wanted) <= slots:
             lut = store.fetch(layer, wanted)
             y = inner(x, mx.array(lut[ids], dtype=indices.dtype))
@@ -74,3 +80,60 @@ class StreamingSwitchGLU(nn.Module):
             y = y.at[mx.array(pairs)].add(out)  # each pair belongs to one group: add onto zero
             mx.eval(y)  # the next group overwrites slots this one reads
         return y.reshape(*ids.shape, -1)
+
+
+class _CpuExperts:
+    """The experts of one layer on the CPU kernels (numba), reading the slot bank through
+    zero-copy numpy views. Each expert is computed as soon as its read has landed, while the
+    reads of the others are still in flight."""
+
+    PROJS = ("gate_proj", "up_proj", "down_proj")
+
+    @staticmethod
+    def supports(inner, pool) -> bool:
+        from mlx_lm.models.switch_layers import SwiGLU
+
+        projs = [getattr(inner, p, None) for p in _CpuExperts.PROJS]
+        return (isinstance(getattr(inner, "activation", None), SwiGLU)
+                and all(getattr(p, "mode", None) == "affine" and "bias" not in p and "biases" in p for p in projs)
+                and all(pool.arrays[f"{n}.scales"].dtype == mx.float32 for n in _CpuExperts.PROJS))
+
+    def __init__(self, inner, pool):
+        from ..kernels.cpu_qmm import to_numpy
+
+        self.w = {}
+        for n in self.PROJS:
+            proj = getattr(inner, n)
+            self.w[n] = (to_numpy(pool.arrays[f"{n}.weight"]), to_numpy(pool.arrays[f"{n}.scales"]),
+                         to_numpy(pool.arrays[f"{n}.biases"]), proj.bits, proj.group_size)
+        self.wait_before = 0.0
+
+    def _pairs(self, x2, idx, pairs, out):
+        """Experts for the (row, slot) pairs `pairs` of the flattened ids; results into out."""
+        from ..kernels.cpu_qmm import gather_qmm
+
+        from ..cpu_path import swiglu_np
+
+        rows = x2[pairs // idx.shape[1]]
+        slots = idx.reshape(-1)[pairs]
+        g = gather_qmm(rows, *self.w["gate_proj"][:3], slots, *self.w["gate_proj"][3:])
+        u = gather_qmm(rows, *self.w["up_proj"][:3], slots, *self.w["up_proj"][3:])
+        out[pairs] = gather_qmm(swiglu_np(g, u), *self.w["down_proj"][:3], slots, *self.w["down_proj"][3:])
+
+    def __call__(self, x, ids, wanted, slots, store, layer):
+        from ..kernels.cpu_qmm import to_numpy
+
+        mx.eval(x)
+        x2 = to_numpy(x).reshape(-1, x.shape[-1])
+        flat = ids.reshape(x2.shape[0], -1)
+        out = np.empty((flat.size, x2.shape[1]), dtype=np.float32)
+        self.wait_before = store.stats[layer].io_wait_s
+
+        def ready(lut, experts):
+            pairs = np.nonzero(np.isin(flat.reshape(-1), experts))[0]
+            if pairs.size:
+                self._pairs(x2, lut[flat].astype(np.int64), pairs, out)
+
+        for start in range(0, len(wanted), slots):  # more distinct experts than slots: in groups
+            store.fetch(layer, wanted[start:start + slots], ready=ready)
+        return mx.array(out.reshape(*ids.shape, x2.shape[1])).astype(x.dtype)

@@ -1,0 +1,106 @@
+"""The CPU kernel path: every affine-quantized matmul the model runs goes through numba kernels
+(engine/kernels/cpu_qmm.py) instead of MLX's scalar CPU loop. Metal and CUDA keep MLX's kernels.
+
+Each replaced module evaluates its input (a sync: the kernel runs outside MLX's graph), reads the
+weights through zero-copy numpy views, and hands the result back as an MLX array.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+KERNELS = ("auto", "mlx", "cpu")
+
+
+def resolve(kernels: str) -> str:
+    """'auto' -> 'cpu' when MLX runs on the CPU and numba is installed, else 'mlx'."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    if kernels != "auto":
+        return kernels
+    from .kernels import cpu_qmm_available
+
+    return "cpu" if mx.default_device() == mx.cpu and cpu_qmm_available() else "mlx"
+
+
+def _f32_view(a: mx.array) -> np.ndarray:
+    from .kernels.cpu_qmm import to_numpy
+
+    mx.eval(a)
+    return to_numpy(a) if a.dtype != mx.bfloat16 else to_numpy(a.astype(mx.float32))
+
+
+class _Ref:
+    """Holds a module outside the parameter tree (the tree is loaded already)."""
+
+    __slots__ = ("m",)
+
+    def __init__(self, m):
+        self.m = m
+
+
+class CpuQuantizedLinear(nn.Module):
+    """nn.QuantizedLinear (affine) computed by the CPU kernel."""
+
+    def __init__(self, ql: nn.QuantizedLinear):
+        super().__init__()
+        self._w = _f32_view(ql["weight"]).view(np.uint32)
+        self._s = np.ascontiguousarray(_f32_view(ql["scales"]), dtype=np.float32)
+        self._b = np.ascontiguousarray(_f32_view(ql["biases"]), dtype=np.float32)
+        self._bias = _f32_view(ql["bias"]) if "bias" in ql else None
+        self._bits, self._gs = ql.bits, ql.group_size
+        self._keep = _Ref(ql)  # its arrays back the views above
+
+    def __call__(self, x: mx.array) -> mx.array:
+        from .kernels.cpu_qmm import qmm, to_numpy
+
+        mx.eval(x)
+        out = qmm(to_numpy(x), self._w, self._s, self._b, self._bits, self._gs)
+        if self._bias is not None:
+            out += self._bias
+        return mx.array(out).astype(x.dtype) if x.dtype != mx.float32 else mx.array(out)
+
+
+class CpuQuantizedEmbedding(nn.Module):
+    """Looks rows up as MLX does; `as_linear` (a tied lm_head) runs on the CPU kernel."""
+
+    def __init__(self, qe: nn.QuantizedEmbedding):
+        super().__init__()
+        self._inner = _Ref(qe)
+        self._linear = _Ref(CpuQuantizedLinear(qe))
+
+    def __call__(self, x):
+        return self._inner.m(x)
+
+    def as_linear(self, x):
+        return self._linear.m(x)
+
+
+def swiglu_np(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """silu(gate) * up, as mlx-lm's SwiGLU computes it."""
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
+def install(model: nn.Module) -> int:
+    """Replace every affine QuantizedLinear / QuantizedEmbedding; returns how many were replaced."""
+    count = 0
+    replacements = []
+    for name, m in model.named_modules():
+        if getattr(m, "mode", "affine") != "affine":
+            continue
+        if isinstance(m, nn.QuantizedEmbedding):
+            replacements.append((name, CpuQuantizedEmbedding(m)))
+        elif isinstance(m, nn.QuantizedLinear):
+            replacements.append((name, CpuQuantizedLinear(m)))
+    for name, new in replacements:
+        *path, last = name.split(".")
+        parent = model
+        for part in path:
+            parent = parent[int(part)] if isinstance(parent, list) else parent[part]
+        if isinstance(parent, list):
+            parent[int(last)] = new
+        else:
+            parent[last] = new
+        count += 1
+    return count
