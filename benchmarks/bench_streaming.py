@@ -571,6 +571,8 @@ def main(argv=None) -> int:
     g.add_argument("--layer-tokens", type=int, default=10, help="tokens per timing='layer' run")
     g.add_argument("--io-threads", type=int, default=8)
     g.add_argument("--direct-io", action="store_true", help="load the streamed models with O_DIRECT")
+    g.add_argument("--kernels", default="mlx", choices=("mlx", "cpu", "auto"),
+                   help="quantized matmul kernels of the streamed engine (default mlx)")
     g.add_argument("--keep", type=Path, metavar="DIR",
                    help="build the model in DIR and keep it; a later run with the same model "
                         "options reuses it (default: a temporary folder, removed at the end)")
@@ -632,7 +634,8 @@ def bench(a, workdir: Path, log, t_start: float) -> int:
     resident_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
     def open_streamed(cache):
-        loaded = load(packed, expert_cache=cache, io_threads=a.io_threads, direct_io=a.direct_io)
+        loaded = load(packed, expert_cache=cache, io_threads=a.io_threads, direct_io=a.direct_io,
+                      kernels=a.kernels)
         loaded.tokenizer.eos_token_ids = frozenset()  # random weights: never stop early
         return loaded
 
@@ -716,7 +719,7 @@ def bench(a, workdir: Path, log, t_start: float) -> int:
       f"(anything above ~0 means other processes shared the {machine['nproc']} CPUs)")
     w(f"source  : flashmoe {machine['revision']}")
     w(f"model   : {shape}")
-    w(f"weights : {quant}; expert {fmt_bytes(expert_bytes)}, all experts {fmt_bytes(all_expert_bytes)}, "
+    w(f"weights : {quant}; streamed engine on {a.kernels} kernels; expert {fmt_bytes(expert_bytes)}, all experts {fmt_bytes(all_expert_bytes)}, "
       f"resident mlx-lm model {fmt_bytes(resident_bytes)}")
     w(f"run     : prompt {len(ids)} tokens; {a.gen_tokens} generated per run = {a.gen_tokens - 1} timed "
       f"forward passes; {a.rounds} rounds round-robin; io_threads {a.io_threads}, direct_io {a.direct_io}")
