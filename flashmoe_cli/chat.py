@@ -105,6 +105,14 @@ class ChatSession:
             stats = {k: v for k, v in done.to_dict().items() if k not in ("text", "tail", "event")}
         self._record("assistant", text, interrupted=interrupted, stats=stats)
 
+    def unsend(self) -> None:
+        """After a failed reply: forget the unanswered user message, in memory and on disk, so
+        the history keeps alternating (and a resumed conversation matches what was shown)."""
+        if self.history and self.history[-1].get("role") == "user":
+            self.history.pop()
+            if self.store is not None and self.cid is not None:
+                self.store.delete_last(self.cid, "user")
+
     def clear(self) -> None:
         self.history = []
         self.engine.reset_session(self.session_key)

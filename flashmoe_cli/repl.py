@@ -260,7 +260,7 @@ class LineRepl:
                     if pieces:
                         self.write("\n")
                     self.error((ev.message.strip().splitlines() or ["generation failed"])[0])
-                    self._drop_unanswered(text)
+                    self.session.unsend()
                     return
                 elif isinstance(ev, GenerationFinished):
                     done = ev
@@ -335,12 +335,6 @@ class LineRepl:
             self.write("[interrupted]\n")
         elif end.status != "done":
             self.error(end.message or end.status)
-
-    def _drop_unanswered(self, text: str) -> None:
-        """After a failed reply, forget the user's message so the next request alternates roles."""
-        h = self.session.history
-        if h and h[-1].get("role") == "user" and h[-1].get("content") == text:
-            h.pop()
 
 
 def run_repl(args, *, engine=None, input=None, output=None, stdout=None, stderr=None,

@@ -96,6 +96,14 @@ class Store:
                 self.db.execute("UPDATE conversations SET title = ? WHERE id = ? AND title IS NULL",
                                 (content.strip().splitlines()[0][:80] if content.strip() else "", cid))
 
+    def delete_last(self, cid: str, role: str) -> None:
+        """Remove the conversation's last message if it has this role."""
+        with self.db:
+            row = self.db.execute("SELECT id, role FROM messages WHERE conversation_id = ? ORDER BY id DESC LIMIT 1",
+                                  (cid,)).fetchone()
+            if row and row[1] == role:
+                self.db.execute("DELETE FROM messages WHERE id = ?", (row[0],))
+
     def set_system(self, cid: str, system: str | None) -> None:
         with self.db:
             self.db.execute("UPDATE conversations SET system = ? WHERE id = ?", (system, cid))

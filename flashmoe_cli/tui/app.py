@@ -409,6 +409,7 @@ class ChatApp(App[int]):
                 self.note(f"Could not save the partial reply: {e}", "error")
         else:
             await r.box.remove()
+            self.session.unsend()  # nothing answered it: keep the history alternating
         self._engine_failed(m.failed)
 
     def _engine_failed(self, failed) -> None:
