@@ -114,6 +114,7 @@ class RunResult:
     hit_rate: float
     io_wait_share: float
     seconds: float
+    prefetch_hit_rate: float = 0.0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -134,4 +135,5 @@ def run_generation(loaded, prompt: str, tokens: int, cold: bool) -> RunResult:
     theory = loaded.top_k * per_expert * len(loaded.layers) * miss
     return RunResult("cold" if cold else "warm", done.prompt_tokens, done.generation_tokens, done.prompt_tps,
                      done.generation_tps, done.bytes_per_token, theory, done.hit_rate,
-                     done.io_wait_s / done.decode_s if done.decode_s else 0.0, time.perf_counter() - t0)
+                     done.io_wait_s / done.decode_s if done.decode_s else 0.0, time.perf_counter() - t0,
+                     done.prefetch_hit_rate)

@@ -90,6 +90,7 @@ class GenerationFinished(Event):
     top_k: int
     bits: int | None
     cache_state: str  # "cold": the expert slots were empty when it started; else "warm"
+    prefetch_hit_rate: float = 0.0  # --prefetch: read-ahead experts that were then used
     text: str = ""  # the whole reply
     tail: str = ""  # reply text not yet sent in TokenGenerated events (held back, then released)
 

@@ -167,6 +167,7 @@ def generate(loaded, session: Session, request: GenerationRequest,
     reason = "cancelled" if logits is None else "length"
     steps = bytes_read = hits = lookups = 0
     io_wait = 0.0
+    prefetched = prefetch_used = 0
     t_first = step_start = perf_counter()
     while logits is not None:
         if cancel.is_set():
@@ -201,6 +202,8 @@ def generate(loaded, session: Session, request: GenerationRequest,
             store.pending.clear()
             s_bytes = sum(s.bytes_read for s in stats.values())
             io_wait += sum(s.io_wait_s for s in stats.values())
+            prefetched += sum(s.prefetched for s in stats.values())
+            prefetch_used += sum(s.prefetch_used for s in stats.values())
             s_hits = sum(s.hits for s in stats.values())
             s_miss = sum(s.misses for s in stats.values())
             bytes_read, hits, lookups = bytes_read + s_bytes, hits + s_hits, lookups + s_hits + s_miss
@@ -228,7 +231,7 @@ def generate(loaded, session: Session, request: GenerationRequest,
         bytes_per_token=bytes_read / fed if fed else 0.0,
         hit_rate=hits / lookups if lookups else 0.0,
         top_k=loaded.top_k, bits=model_bits(loaded.config), cache_state="cold" if cold else "warm",
-        text=text, tail=tail)
+        text=text, tail=tail, prefetch_hit_rate=prefetch_used / prefetched if prefetched else 0.0)
 
 
 def model_bits(config: dict) -> int | None:

@@ -246,6 +246,26 @@ def _fused_slices(module: str, part: str, num_experts: int, headers: dict):
     return None
 
 
+def router_weights(model: nn.Module, layers: list[LayerExperts]) -> dict[int, "np.ndarray"]:
+    """Each MoE layer's router as a float32 matrix [E, H] (the `gate` beside its switch_mlp)."""
+    import numpy as np
+
+    modules = dict(model.named_modules())
+    out = {}
+    for l in layers:
+        gate = modules.get(l.module.rpartition(".")[0] + ".gate")
+        if gate is None or "weight" not in gate:
+            continue
+        w = gate["weight"]
+        if "scales" in gate:
+            w = mx.dequantize(w, gate["scales"], gate.get("biases"), gate.group_size, gate.bits)
+        w = w.astype(mx.float32)
+        mx.eval(w)
+        if w.shape[0] == l.num_experts:
+            out[l.layer] = np.array(w)
+    return out
+
+
 def _mx_load_checked(f: Path) -> dict:
     if not f.exists():
         raise ModelLoadError(f, "missing")
@@ -305,7 +325,7 @@ def _check_layer_shapes(layers, modules, where: Path) -> None:
 
 def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = 8,
          direct_io: bool = False, load_tokenizer: bool = True, dtype: str | None = None,
-         kernels: str = "mlx") -> LoadedModel:
+         kernels: str = "mlx", prefetch: bool = False) -> LoadedModel:
     """Build the model for `path` with streamed experts. Resident weights are loaded here.
 
     dtype "float32" widens 16-bit float tensors (weights, quantization scales and biases, and
@@ -314,6 +334,9 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
 
     kernels "cpu" runs every affine quantized matmul on the numba CPU kernels (engine/cpu_path.py;
     it implies float32), "mlx" on MLX's own, "auto" picks cpu when MLX runs on the CPU.
+
+    prefetch: while a layer computes, start reading the experts the next MoE layer's router
+    would pick for the current hidden state (decode only; its hit rate is in the telemetry).
     """
     from .cpu_path import resolve
 
@@ -379,6 +402,8 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     except RuntimeError as e:
         raise ModelLoadError(path, f"cannot read the resident weights ({e})") from None
     loaded.kernels = kernels
+    if prefetch and store is not None:
+        store.routers = router_weights(model, layers)
     if kernels == "cpu":
         from .cpu_path import install
 

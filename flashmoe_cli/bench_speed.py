@@ -31,11 +31,12 @@ def cmd_bench_speed(args) -> int:
 
     model = resolve_model(args.model)
     loaded = load(model, expert_cache=args.expert_cache, io_threads=args.io_threads, direct_io=args.direct_io,
-                  dtype=resolve_dtype(args.dtype), kernels=args.kernels)
+                  dtype=resolve_dtype(args.dtype), kernels=args.kernels, prefetch=args.prefetch)
     bits = model_bits(loaded.config)
     expert = (sum(l.expert_bytes for l in loaded.layers) / len(loaded.layers)) if loaded.layers else 0
     machine = f"{os.cpu_count()}x {_cpu()}, {platform.system()} {platform.release()}"
-    model_line = (f"{loaded.config['model_type']} ({loaded.mode}, {loaded.kernels} kernels), "
+    model_line = (f"{loaded.config['model_type']} ({loaded.mode}, {loaded.kernels} kernels"
+                  f"{', prefetch' if args.prefetch else ''}), "
                   f"{bits or 'float'}{'-bit' if bits else ''}, "
                   f"K={loaded.top_k}, {len(loaded.layers)} MoE layers of {loaded.num_layers}, "
                   f"expert {human_bytes(expert)}, expert cache {human_bytes(loaded.store.capacity_bytes if loaded.store else 0)}")
@@ -69,7 +70,8 @@ def cmd_bench_speed(args) -> int:
             print(f"{name:<8}: prefill {r.prompt_tokens} tok {r.prefill_tps:.1f} tok/s | decode {r.generated_tokens} tok "
                   f"{r.decode_tps:.2f} tok/s | {human_bytes(r.bytes_per_token)}/token read (theory "
                   f"{human_bytes(r.theory_bytes_per_token)}) | hit rate {r.hit_rate:.0%} | io wait "
-                  f"{r.io_wait_share:.0%}{limit}", flush=True)
+                  f"{r.io_wait_share:.0%}{limit}"
+                  + (f" | prefetch hits {r.prefetch_hit_rate:.0%}" if args.prefetch else ""), flush=True)
     loaded.close()
     if args.out:
         out = Path(args.out)

@@ -69,6 +69,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", choices=("auto", "mlx", "cpu"), default=S,
                    help="quantized matmul kernels: cpu (numba, many times faster than MLX's CPU path), "
                         "mlx, or auto (default: cpu when MLX runs on the CPU)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="read the next layer's likely experts while this one computes (off by default: "
+                        "see benchmarks/RESULTS.md)")
     p.add_argument("-c", "--continue", dest="continue_", action="store_true",
                    help="continue the most recent conversation")
     p.add_argument("--cid", metavar="ID", help="continue the conversation with this id (see `flashmoe logs`)")
@@ -96,7 +99,8 @@ def make_engine(args):
     from engine.engine import Engine
 
     return Engine(resolve_model(args.model), expert_cache=args.expert_cache, io_threads=args.io_threads,
-                  direct_io=args.direct_io, dtype=resolve_dtype(args.dtype), kernels=args.kernels)
+                  direct_io=args.direct_io, dtype=resolve_dtype(args.dtype), kernels=args.kernels,
+                  prefetch=getattr(args, "prefetch", False))
 
 
 def open_conversation(args, engine, model_name: str):
@@ -196,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                      ("--kernels", dict(default=S, choices=("auto", "mlx", "cpu")))):
         bs.add_argument(name, **kw)
     bs.add_argument("--direct-io", action="store_true")
+    bs.add_argument("--prefetch", action="store_true")
 
     logs = sub.add_parser("logs", help="list saved conversations, or show one")
     logs.add_argument("action", nargs="?", choices=("list", "show", "path"), default="list")

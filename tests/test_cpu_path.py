@@ -64,3 +64,19 @@ def test_overlap_reads_land_while_computing(model_factory):
     assert all(s.misses + s.hits == lm.top_k for s in stats.values())
     assert sum(s.bytes_read for s in stats.values()) == sum(
         s.misses * l.expert_bytes for s, l in zip(stats.values(), lm.layers))
+
+
+@pytest.mark.parametrize("kernels", ["mlx", "cpu"])
+def test_prefetch_changes_no_token_and_keeps_the_budget(model_factory, kernels):
+    from engine.generate import GenerationRequest, Session, generate
+
+    path = model_factory("qwen3_moe", 4, converted=True)
+    ref = load(path, load_tokenizer=False)
+    want = greedy(ref.model, PROMPT, 24)
+    budget = 6 * ref.layers[0].expert_bytes
+    lm = load(path, kernels=kernels, expert_cache=budget, prefetch=True)
+    assert len(lm.store.routers) == len(lm.layers)
+    assert greedy(lm.model, PROMPT, 24) == want
+    assert lm.store.peak_used_bytes <= lm.store.capacity_bytes <= budget
+    done = list(generate(lm, Session(lm), GenerationRequest(prompt="hello there", max_tokens=16)))[-1]
+    assert 0 < done.prefetch_hit_rate <= 1  # reported, and some guesses were right

@@ -44,6 +44,8 @@ class LayerStats:
     io_wait_s: float = 0.0
     route_s: float = 0.0
     compute_s: float = 0.0
+    prefetched: int = 0  # experts read ahead for this layer (--prefetch)
+    prefetch_used: int = 0  # of those, ones this layer then asked for
 
 
 def default_budget(total_expert_bytes: int) -> int:
@@ -110,6 +112,9 @@ class ExpertStore:
         self._local = threading.local()
         self._pool_of: dict[int, SlotPool] = {}
         self.upcast = upcast
+        self._inflight: dict[tuple[int, int], concurrent.futures.Future] = {}
+        self.routers: dict[int, np.ndarray] = {}  # layer -> router weight [E, H], for --prefetch
+        self.next_layer = {a.layer: b.layer for a, b in zip(layers, layers[1:])}
         self.cpu_kernels = cpu_kernels  # experts computed by the numba kernels (engine/cpu_path.py)
         self.pools: list[SlotPool] = []
         self.budget_bytes = self._make_pools(layers, budget_bytes)
@@ -174,6 +179,7 @@ class ExpertStore:
                 lut[e] = slot
                 hits.append(e)
         stats.hits += len(hits)
+        self._settle_prefetches(layer, wanted, stats)
         if not misses:
             if ready is not None:
                 ready(lut, hits)
@@ -185,6 +191,9 @@ class ExpertStore:
         jobs: dict[int, list] = {}
         for e in misses:
             slot = self._take_slot(pool, layer, wanted)
+            if slot is None:  # read-ahead holds the rest: let it land, then evict as usual
+                self._drain_inflight()
+                slot = self._take_slot(pool, layer, wanted)
             pool.table[(layer, e)] = slot
             lut[e] = slot
             jobs[e] = [(ext, pool.slot_views(slot, ext.first, ext.last), pool.conversions(ext.first, ext.last))
@@ -212,13 +221,50 @@ class ExpertStore:
         for job in jobs:
             self._read(*job)
 
-    def _take_slot(self, pool: SlotPool, layer: int, wanted: set[int]) -> int:
+    def _take_slot(self, pool: SlotPool, layer: int, wanted: set[int]) -> int | None:
         if pool.free:
             return pool.free.pop()
-        for key in pool.table:  # oldest first
-            if key[0] != layer or key[1] not in wanted:
+        for key in pool.table:  # oldest first; never a slot still being read into
+            if (key[0] != layer or key[1] not in wanted) and key not in self._inflight:
                 return pool.table.pop(key)
-        raise RuntimeError("no evictable slot")  # unreachable while callers chunk
+        return None  # only when prefetches hold every other slot: callers chunk to the pool size
+
+    # -- read-ahead (--prefetch) -----------------------------------------------------------
+    def prefetch(self, layer: int, experts, protect: tuple[int, set[int]]) -> None:
+        """Start reading experts of `layer` in the background, into free or least-recently-used
+        slots, never those of `protect` = (layer, experts) that a computation is using now."""
+        pool, info = self._pool_of[layer], self.layers[layer]
+        for e in experts:
+            key = (layer, int(e))
+            if key in pool.table:
+                continue
+            slot = self._take_slot(pool, protect[0], protect[1])
+            if slot is None:
+                return
+            pool.table[key] = slot
+            jobs = [(ext, pool.slot_views(slot, ext.first, ext.last), pool.conversions(ext.first, ext.last))
+                    for ext in info.extents(self.root, key[1])]
+            self._inflight[key] = self._exec.submit(self._read_all, jobs)
+            stats = self.stats[layer]
+            stats.prefetched += 1
+            stats.bytes_read += info.expert_bytes
+
+    def _drain_inflight(self) -> None:
+        for fut in self._inflight.values():
+            fut.result()
+        self._inflight.clear()
+
+    def _settle_prefetches(self, layer: int, wanted: set[int], stats: LayerStats) -> None:
+        """Wait for read-ahead of experts this layer wants; forget finished ones it does not."""
+        for key in [k for k in self._inflight if k[0] == layer]:
+            fut = self._inflight.pop(key)
+            if key[1] in wanted:
+                t0 = perf_counter()
+                fut.result()
+                stats.io_wait_s += perf_counter() - t0
+                stats.prefetch_used += 1
+            else:
+                fut.result()  # a prediction that missed: its slot stays, cached, for later
 
     def note_output(self, y: mx.array) -> None:
         """Remember a lazy result that reads the slots, so a later eviction evaluates it first."""
@@ -292,6 +338,7 @@ class ExpertStore:
 
     def evict_all(self) -> None:
         """Forget every cached expert (a cold start for benchmarks)."""
+        self._drain_inflight()
         for p in self.pools:
             p.table.clear()
             p.free = list(range(p.slots - 1, -1, -1))

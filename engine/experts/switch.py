@@ -43,6 +43,8 @@ class StreamingSwitchGLU(nn.Module):
         stats.route_s += perf_counter() - t0
         wanted = np.unique(ids)
         slots = store.pool(layer).slots
+        if store.routers and ids.size == ids.shape[-1]:  # decoding one token: read the next layer ahead
+            self._read_ahead(x, set(int(e) for e in wanted))
         if self._cpu is not None:
             t1 = perf_counter()
             y = self._cpu(x, ids, wanted, slots, store, layer)
@@ -60,6 +62,19 @@ class StreamingSwitchGLU(nn.Module):
         else:
             store.note_output(y)
         return y
+
+    def _read_ahead(self, x, wanted: set[int]) -> None:
+        """Guess the next MoE layer's experts from its router applied to this layer's input (the
+        hidden state it will see differs by one layer's update) and start reading them."""
+        store = self._store
+        nxt = store.next_layer.get(self._layer)
+        w = store.routers.get(nxt)
+        if w is None:
+            return
+        mx.eval(x)
+        h = np.array(x, copy=False).reshape(-1)
+        guess = np.argpartition(-(w @ h), len(wanted) - 1)[: len(wanted)]
+        store.prefetch(nxt, guess, protect=(self._layer, wanted))
 
     def _in_groups(self, x, ids, wanted, slots, dtype):
         """More distinct experts than slots (a long prefill under a small budget): load them a
