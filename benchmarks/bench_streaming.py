@@ -48,6 +48,8 @@ if str(ROOT) not in sys.path:
 
 import mlx.core as mx  # noqa: E402
 
+from engine.benchmark import cpu_model, evict  # noqa: E402
+
 MARKER = "bench_model.json"
 FILLER = ("The quick brown fox jumps over the lazy dog. Mixture-of-experts models route each "
           "token to a few experts, and the experts that are not needed stay on the disk until "
@@ -56,16 +58,6 @@ FILLER = ("The quick brown fox jumps over the lazy dog. Mixture-of-experts model
 
 
 # -- machine and conditions ------------------------------------------------------------------
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
 
 def mem_total_gib() -> float:
     try:
@@ -178,13 +170,7 @@ def resident_fraction(files: list[Path]) -> float | None:
         return None
 
 
-def drop_from_page_cache(files: list[Path]) -> None:
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+drop_from_page_cache = evict  # the engine's own: posix_fadvise DONTNEED on each file
 
 
 def read_into_page_cache(files: list[Path]) -> None:

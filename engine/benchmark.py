@@ -20,6 +20,19 @@ FILLER = ("Mixture-of-experts models route each token to a few experts; the rest
           "what to eat for dinner. Numbers like 12, 345 and 6789 appear too. ")
 
 
+def cpu_model() -> str:
+    """The processor's name, for the conditions line of every benchmark."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def expert_files(loaded) -> list[Path]:
     files = set()
     for l in loaded.layers:

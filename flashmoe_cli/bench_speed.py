@@ -5,25 +5,14 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 from .exit_codes import ExitCode
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cmd_bench_speed(args) -> int:
-    from engine.benchmark import expert_files, measure_disk, prompt_of, run_generation
+    from engine.benchmark import cpu_model, expert_files, measure_disk, prompt_of, run_generation
     from engine.generate import model_bits
     from engine.loader import load
 
@@ -34,7 +23,7 @@ def cmd_bench_speed(args) -> int:
                   dtype=resolve_dtype(args.dtype), kernels=args.kernels, prefetch=args.prefetch)
     bits = model_bits(loaded.config)
     expert = (sum(l.expert_bytes for l in loaded.layers) / len(loaded.layers)) if loaded.layers else 0
-    machine = f"{os.cpu_count()}x {_cpu()}, {platform.system()} {platform.release()}"
+    machine = f"{os.cpu_count()}x {cpu_model()}, {platform.system()} {platform.release()}"
     model_line = (f"{loaded.config['model_type']} ({loaded.mode}, {loaded.kernels} kernels"
                   f"{', prefetch' if args.prefetch else ''}), "
                   f"{bits or 'float'}{'-bit' if bits else ''}, "
