@@ -246,7 +246,7 @@ def _fused_slices(module: str, part: str, num_experts: int, headers: dict):
     return None
 
 
-def router_weights(model: nn.Module, layers: list[LayerExperts]) -> dict[int, "np.ndarray"]:
+def router_weights(model: nn.Module, layers: list[LayerExperts]) -> dict:
     """Each MoE layer's router as a float32 matrix [E, H] (the `gate` beside its switch_mlp)."""
     import numpy as np
 
