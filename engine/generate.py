@@ -120,11 +120,10 @@ def generate(loaded, session: Session, request: GenerationRequest,
     """Yield PrefillProgress, TokenGenerated, StepFinished, LayerTimings and GenerationFinished."""
     model, tok, store = loaded.model, loaded.tokenizer, loaded.store
     cancel = cancel or threading.Event()
-    clock = getattr(loaded, "clock", None)
-    if request.timing == "layer":
-        if clock is None:
-            clock = loaded.clock = LayerClock(loaded)
-        clock.install()
+    if request.timing == "layer" and loaded.clock is None:
+        loaded.clock = LayerClock(loaded)
+        loaded.clock.install()
+    clock = loaded.clock
     loaded.timing[0] = request.timing
     # "cold": the expert slots start empty (first turn after load, or after evict_all).
     cold = store is not None and store.used_bytes == 0

@@ -39,6 +39,7 @@ class LoadedModel:
     timing: list = field(default_factory=lambda: ["step"])  # shared with the streaming modules
     tokenizer: object = None
     kernels: str = "mlx"  # which matmul kernels run: "mlx" or "cpu"
+    clock: object = None  # timing.LayerClock, installed on the first --timing layer request
 
     @property
     def top_k(self) -> int:
