@@ -48,7 +48,8 @@ if str(ROOT) not in sys.path:
 
 import mlx.core as mx  # noqa: E402
 
-from engine.benchmark import cpu_model, evict  # noqa: E402
+from bench_common import (cpu_model, disk_read_bytes, evict, mem_total_gib,  # noqa: E402
+                          read_into_page_cache, source_revision)
 
 MARKER = "bench_model.json"
 FILLER = ("The quick brown fox jumps over the lazy dog. Mixture-of-experts models route each "
@@ -58,16 +59,6 @@ FILLER = ("The quick brown fox jumps over the lazy dog. Mixture-of-experts model
 
 
 # -- machine and conditions ------------------------------------------------------------------
-
-def mem_total_gib() -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    return float("nan")
-
 
 def filesystem_of(path: Path) -> str:
     """'<fstype> on <device>' of the mount that holds path (longest mount-point prefix)."""
@@ -81,22 +72,6 @@ def filesystem_of(path: Path) -> str:
     except OSError:
         pass
     return desc
-
-
-def source_revision() -> str:
-    """The checkout's commit, and whether engine/ differs from it (the engine is what we time)."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "engine"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    if not head:
-        return "unknown"
-    return head + (" (engine/ has uncommitted changes)" if dirty else " (engine/ clean)")
 
 
 def machine_info(model_dir: Path) -> dict:
@@ -171,14 +146,6 @@ def resident_fraction(files: list[Path]) -> float | None:
 
 
 drop_from_page_cache = evict  # the engine's own: posix_fadvise DONTNEED on each file
-
-
-def read_into_page_cache(files: list[Path]) -> None:
-    buf = bytearray(8 << 20)
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while fh.readinto(buf):
-                pass
 
 
 # -- the synthetic model ---------------------------------------------------------------------
@@ -304,17 +271,6 @@ def make_prompt(tokenizer, n: int) -> str:
 # the first run prefills the whole prompt; later runs trim the cache back to prompt[:-1] and
 # feed only the last prompt token. Decode then starts from the same state on both sides, and a
 # measured run costs its decode plus one token, not a whole (for cache=0, slow) prefill.
-
-def disk_read_bytes() -> int | None:
-    """Bytes this process has made the kernel fetch from storage (/proc/self/io read_bytes)."""
-    try:
-        for line in Path("/proc/self/io").read_text().splitlines():
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
 
 def summarize_steps(steps: list[float], tokens: list[int], prefill_s: float, prefilled: int) -> dict:
     total = sum(steps)

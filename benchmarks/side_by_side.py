@@ -78,28 +78,13 @@ RAW_PROMPT = ("The history of the city of Paris begins with a small settlement o
               "river Seine. Over the centuries it grew into the capital of France, and today")
 RESULT_TAG = "SIDE_BY_SIDE_RESULT "
 
+from bench_common import (cpu_model, disk_read_bytes, evict, mem_total_gib,  # noqa: E402
+                          read_into_page_cache, source_revision)
+
+drop_from_page_cache = evict
+
 
 # -- machine -------------------------------------------------------------------------------------
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def mem_total_gib() -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return float("nan")
-
 
 def versions() -> dict:
     out = {"python": platform.python_version(), "kernel": platform.release()}
@@ -116,45 +101,7 @@ def versions() -> dict:
     return out
 
 
-def source_revision() -> str:
-    try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "engine"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head or "unknown") + (" (engine/ has uncommitted changes)" if dirty else " (engine/ clean)")
-
-
 # -- page cache and disk counters ----------------------------------------------------------------
-
-def drop_from_page_cache(files) -> None:
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def read_into_page_cache(files) -> None:
-    buf = bytearray(8 << 20)
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while fh.readinto(buf):
-                pass
-
-
-def disk_read_bytes() -> int | None:
-    try:
-        for line in Path("/proc/self/io").read_text().splitlines():
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
 
 def fmt_bytes(n) -> str:
     if n is None:
