@@ -10,6 +10,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .experts.switch import _Hidden  # holds a module outside the parameter tree
+
 KERNELS = ("auto", "mlx", "cpu")
 
 
@@ -31,15 +33,6 @@ def _f32_view(a: mx.array) -> np.ndarray:
     return to_numpy(a) if a.dtype != mx.bfloat16 else to_numpy(a.astype(mx.float32))
 
 
-class _Ref:
-    """Holds a module outside the parameter tree (the tree is loaded already)."""
-
-    __slots__ = ("m",)
-
-    def __init__(self, m):
-        self.m = m
-
-
 class CpuQuantizedLinear(nn.Module):
     """nn.QuantizedLinear (affine) computed by the CPU kernel."""
 
@@ -50,7 +43,7 @@ class CpuQuantizedLinear(nn.Module):
         self._b = np.ascontiguousarray(_f32_view(ql["biases"]), dtype=np.float32)
         self._bias = _f32_view(ql["bias"]) if "bias" in ql else None
         self._bits, self._gs = ql.bits, ql.group_size
-        self._keep = _Ref(ql)  # its arrays back the views above
+        self._keep = _Hidden(ql)  # its arrays back the views above
 
     def __call__(self, x: mx.array) -> mx.array:
         from .kernels.cpu_qmm import qmm, to_numpy
@@ -67,14 +60,14 @@ class CpuQuantizedEmbedding(nn.Module):
 
     def __init__(self, qe: nn.QuantizedEmbedding):
         super().__init__()
-        self._inner = _Ref(qe)
-        self._linear = _Ref(CpuQuantizedLinear(qe))
+        self._inner = _Hidden(qe)
+        self._linear = _Hidden(CpuQuantizedLinear(qe))
 
     def __call__(self, x):
-        return self._inner.m(x)
+        return self._inner.module(x)
 
     def as_linear(self, x):
-        return self._linear.m(x)
+        return self._linear.module(x)
 
 
 def swiglu_np(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
