@@ -267,8 +267,12 @@ class ExpertStore:
                 fut.result()  # a prediction that missed: its slot stays, cached, for later
 
     def note_output(self, y: mx.array) -> None:
-        """Remember a lazy result that reads the slots, so a later eviction evaluates it first."""
-        self.pending.append(y)
+        """Remember a lazy result that reads the slots, so a later eviction evaluates it first.
+
+        Only the latest is kept: the next layer's expert ids can only be known after every earlier
+        layer's output has been evaluated, so older results are never pending (and holding them
+        would keep every layer's activations alive in a loop that calls the model directly)."""
+        self.pending[:] = [y]
 
     # -- reading -------------------------------------------------------------------------
     def _fd(self, path: str) -> int:
