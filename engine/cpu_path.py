@@ -45,6 +45,13 @@ class CpuQuantizedLinear(nn.Module):
         self._bits, self._gs = ql.bits, ql.group_size
         self._keep = _Hidden(ql)  # its arrays back the views above
 
+    def rebind(self, w: np.ndarray, s: np.ndarray, b: np.ndarray) -> None:
+        """Use these (equal) arrays instead, e.g. rows of a fused matrix; frees the originals."""
+        self._w, self._s, self._b = w, s, b
+        if self._bias is not None:
+            self._bias = self._bias.copy()
+        self._keep = None
+
     def __call__(self, x: mx.array) -> mx.array:
         from .kernels.cpu_qmm import qmm, to_numpy
 
@@ -87,13 +94,18 @@ def install(model: nn.Module) -> int:
         elif isinstance(m, nn.QuantizedLinear):
             replacements.append((name, CpuQuantizedLinear(m)))
     for name, new in replacements:
-        *path, last = name.split(".")
-        parent = model
-        for part in path:
-            parent = parent[int(part)] if isinstance(parent, list) else parent[part]
-        if isinstance(parent, list):
-            parent[int(last)] = new
-        else:
-            parent[last] = new
+        set_module(model, name, new)
         count += 1
     return count
+
+
+def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put `new` where the module named `name` (as named_modules() names it) is."""
+    *path, last = name.split(".")
+    parent = model
+    for part in path:
+        parent = parent[int(part)] if isinstance(parent, list) else parent[part]
+    if isinstance(parent, list):
+        parent[int(last)] = new
+    else:
+        parent[last] = new

@@ -40,6 +40,7 @@ class LoadedModel:
     tokenizer: object = None
     kernels: str = "mlx"  # which matmul kernels run: "mlx" or "cpu"
     clock: object = None  # timing.LayerClock, installed on the first --timing layer request
+    fused: dict = field(default_factory=dict)  # cpu kernels: attention / MLP blocks fused (cpu_fused)
 
     @property
     def top_k(self) -> int:
@@ -406,9 +407,10 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     if prefetch and store is not None:
         store.routers = router_weights(model, layers)
     if kernels == "cpu":
-        from .cpu_path import install
+        from . import cpu_fused, cpu_path
 
-        install(model)
+        cpu_path.install(model)
+        loaded.fused = cpu_fused.install(model)
 
     if load_tokenizer:
         from .tokenizer import Tokenizer

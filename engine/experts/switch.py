@@ -41,15 +41,16 @@ class StreamingSwitchGLU(nn.Module):
         t0 = perf_counter()
         ids = np.array(indices)  # the one sync we cannot avoid: we must know what to read
         stats.route_s += perf_counter() - t0
+        if self._cpu is not None:
+            from ..kernels.cpu_qmm import to_numpy
+
+            mx.eval(x)
+            y = self.experts_np(to_numpy(x).reshape(-1, x.shape[-1]), ids)
+            return mx.array(y).astype(x.dtype)
         wanted = np.unique(ids)
         slots = store.pool(layer).slots
         if store.routers and ids.size == ids.shape[-1]:  # decoding one token: read the next layer ahead
             self._read_ahead(x, set(int(e) for e in wanted))
-        if self._cpu is not None:
-            t1 = perf_counter()
-            y = self._cpu(x, ids, wanted, slots, store, layer)
-            stats.compute_s += perf_counter() - t1 - (stats.io_wait_s - self._cpu.wait_before)
-            return y
         if len(wanted) <= slots:
             lut = store.fetch(layer, wanted)
             y = inner(x, mx.array(lut[ids], dtype=indices.dtype))
@@ -63,6 +64,19 @@ class StreamingSwitchGLU(nn.Module):
             store.note_output(y)
         return y
 
+    def experts_np(self, x2: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """The CPU kernel path on numpy: x2 [R, D] float32, ids [..., k] with ids.size = R * k
+        -> expert outputs ids.shape + (D_out,) (not yet weighted by the router's scores)."""
+        store, layer = self._store, self._layer
+        stats = store.stats[layer]
+        wanted = np.unique(ids)
+        if store.routers and ids.size == ids.shape[-1]:  # decoding one token: read the next layer ahead
+            self._read_ahead(x2, set(int(e) for e in wanted))
+        t1 = perf_counter()
+        y = self._cpu(x2, ids, wanted, store.pool(layer).slots, store, layer)
+        stats.compute_s += perf_counter() - t1 - (stats.io_wait_s - self._cpu.wait_before)
+        return y
+
     def _read_ahead(self, x, wanted: set[int]) -> None:
         """Guess the next MoE layer's experts from its router applied to this layer's input (the
         hidden state it will see differs by one layer's update) and start reading them."""
@@ -71,7 +85,8 @@ class StreamingSwitchGLU(nn.Module):
         w = store.routers.get(nxt)
         if w is None:
             return
-        mx.eval(x)
+        if isinstance(x, mx.array):
+            mx.eval(x)
         h = np.array(x, copy=False).reshape(-1)
         guess = np.argpartition(-(w @ h), len(wanted) - 1)[: len(wanted)]
         store.prefetch(nxt, guess, protect=(self._layer, wanted))
@@ -135,11 +150,7 @@ class _CpuExperts:
         u = gather_qmm(rows, *self.w["up_proj"][:3], slots, *self.w["up_proj"][3:])
         out[pairs] = gather_qmm(swiglu_np(g, u), *self.w["down_proj"][:3], slots, *self.w["down_proj"][3:])
 
-    def __call__(self, x, ids, wanted, slots, store, layer):
-        from ..kernels.cpu_qmm import to_numpy
-
-        mx.eval(x)
-        x2 = to_numpy(x).reshape(-1, x.shape[-1])
+    def __call__(self, x2, ids, wanted, slots, store, layer):
         flat = ids.reshape(x2.shape[0], -1)
         out = np.empty((flat.size, x2.shape[1]), dtype=np.float32)
         self.wait_before = store.stats[layer].io_wait_s
@@ -151,4 +162,4 @@ class _CpuExperts:
 
         for start in range(0, len(wanted), slots):  # more distinct experts than slots: in groups
             store.fetch(layer, wanted[start:start + slots], ready=ready)
-        return mx.array(out.reshape(*ids.shape, x2.shape[1])).astype(x.dtype)
+        return out.reshape(*ids.shape, -1)

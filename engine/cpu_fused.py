@@ -1,0 +1,436 @@
+"""Fused CPU modules for the decode step: whole attention and MLP blocks on the numba kernels.
+
+With the matmuls on numba (engine/cpu_path.py) a token still paid for MLX's small ops and syncs:
+each of q/k/v/o and gate/up/down evaluated its input (a sync), and the rope, norms, cache update
+and attention between them cost 5-15 us of dispatch apiece, ~0.5 ms per layer in all, more than
+the matmuls of a small model. Here:
+
+- CpuAttention: one sync on its input, then q/k/v in one kernel call on their concatenated
+  weights, q/k norms, rotary embedding from a table, the cache write and attention over it, and
+  o_proj, all on numpy views (the cache's own MLX buffers, written in place). Only one-token
+  decode steps on a plain KVCache take this path; prefill and anything else run the original
+  mlx-lm module (whose matmuls are already on the kernels).
+- CpuMLP: silu(gate(x)) * up(x) -> down in one sync and two kernel calls.
+
+Nothing here knows a model file. A module is replaced only when it has the expected parts AND
+the replacement reproduces the original on a probe input at load time (the original is kept for
+everything else); otherwise it is left alone. The rotary table is read off the model's own rope
+module (it is applied to the identity), so any rope variant that rotates pairs of dimensions works.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .cpu_path import CpuQuantizedLinear, set_module
+from .experts.switch import _Hidden
+
+PROBE_TOL = 1e-4  # relative to the output's largest magnitude
+
+
+class Fused:
+    """Several CpuQuantizedLinear sharing an input, as one matrix: each keeps a view of its rows
+    (so the originals' arrays are freed, not kept twice)."""
+
+    def __init__(self, linears: list[CpuQuantizedLinear]):
+        self.bits, self.gs = linears[0]._bits, linears[0]._gs
+        self.w = np.concatenate([l._w for l in linears])
+        self.s = np.concatenate([l._s for l in linears])
+        self.b = np.concatenate([l._b for l in linears])
+        self.sizes = [l._w.shape[0] for l in linears]
+        self.bias = None
+        if any(l._bias is not None for l in linears):
+            self.bias = np.concatenate([l._bias if l._bias is not None else np.zeros(n, np.float32)
+                                        for l, n in zip(linears, self.sizes)])
+        start = 0
+        for l, n in zip(linears, self.sizes):
+            l.rebind(self.w[start:start + n], self.s[start:start + n], self.b[start:start + n])
+            start += n
+
+    @staticmethod
+    def compatible(linears) -> bool:
+        return (all(isinstance(l, CpuQuantizedLinear) for l in linears)
+                and len({(l._bits, l._gs, l._w.shape[1]) for l in linears}) == 1)
+
+    def __call__(self, x2: np.ndarray) -> list[np.ndarray]:
+        from .kernels.cpu_qmm import qmm
+
+        out = qmm(x2, self.w, self.s, self.b, self.bits, self.gs)
+        if self.bias is not None:
+            out += self.bias
+        parts, start = [], 0
+        for n in self.sizes:
+            parts.append(out[:, start:start + n])
+            start += n
+        return parts
+
+
+def _linear_np(lin: CpuQuantizedLinear, x2: np.ndarray) -> np.ndarray:
+    from .kernels.cpu_qmm import qmm
+
+    out = qmm(x2, lin._w, lin._s, lin._b, lin._bits, lin._gs)
+    if lin._bias is not None:
+        out += lin._bias
+    return out
+
+
+def _np(a: mx.array) -> np.ndarray:
+    from .kernels.cpu_qmm import to_numpy
+
+    mx.eval(a)
+    return to_numpy(a)
+
+
+class RopeTable:
+    """Rotary embedding at each position as x[d] <- a[d] * x[d] + b[d] * x[partner[d]], read off
+    the model's rope module by applying it to the identity (one MLX call per new position, shared
+    by every layer whose rope agrees). Computed one position at a time, as decoding calls it, so
+    ropes whose frequencies depend on the call's length (dynamic NTK, longrope) come out as the
+    original module gives them for that one-token step."""
+
+    def __init__(self, rope, dim: int):
+        self.rope, self.dim = rope, dim
+        self.a = np.zeros((0, dim), np.float32)
+        self.b = np.zeros((0, dim), np.float32)
+        self.known = np.zeros(0, bool)
+        self.partner = None
+        self.row(1)  # fixes the pairing (position 0 rotates nothing) or raises ValueError
+
+    def row(self, pos: int):
+        if pos >= self.known.shape[0]:
+            n = max(64, 2 * pos + 1)
+            self.a = np.resize(self.a, (n, self.dim))
+            self.b = np.resize(self.b, (n, self.dim))
+            self.known = np.concatenate([self.known, np.zeros(n - self.known.shape[0], bool)])
+        if not self.known[pos]:
+            self._compute(pos)
+        return self.a[pos], self.b[pos]
+
+    def _compute(self, pos: int) -> None:
+        D = self.dim
+        eye = mx.eye(D, dtype=mx.float32).reshape(1, D, 1, D)  # D "heads", one basis vector each
+        R = np.array(self.rope(eye, offset=pos)[0, :, 0, :], dtype=np.float32).T  # R[j, i]
+        idx = np.arange(D)
+        a = np.diagonal(R).copy()
+        off = R.copy()
+        off[idx, idx] = 0.0
+        if self.partner is None:
+            self.partner = np.where(np.abs(off).max(axis=1) > 0, np.abs(off).argmax(axis=1), idx).astype(np.int64)
+        b = off[idx, self.partner]
+        if not np.array_equal(np.abs(off).sum(axis=1), np.abs(b)):
+            raise ValueError("the rope module does not rotate pairs of dimensions")
+        self.a[pos], self.b[pos], self.known[pos] = a, b, True
+
+
+def _rope_key(rope, dim: int):
+    """Rope modules that agree on a probe share one table (usually every layer's)."""
+    x = mx.array(np.random.default_rng(7).standard_normal((1, 1, 2, dim)).astype(np.float32))
+    return dim, np.array(rope(x, offset=4099)).tobytes()
+
+
+def _rms_parts(norm, H: int, hd: int):
+    """(weight, eps, per_head) of an nn.RMSNorm applied per head [hd] or on all heads [H*hd]."""
+    if norm is None:
+        return None
+    if type(norm) is not nn.RMSNorm:
+        raise ValueError("not an RMSNorm")
+    w = np.ascontiguousarray(_np(norm.weight), dtype=np.float32)
+    if w.shape[0] not in (hd, H * hd):
+        raise ValueError("norm size fits neither a head nor all heads")
+    return w, np.float32(norm.eps), w.shape[0] == hd
+
+
+HEADS = ("n_heads", "num_heads", "num_attention_heads")
+KV_HEADS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
+
+
+def _heads(attn, names) -> int:
+    for n in names:
+        if isinstance(getattr(attn, n, None), int):
+            return getattr(attn, n)
+    raise ValueError(f"no {names[0]}")
+
+
+class _Wraps(nn.Module):
+    """Reads attributes it does not have from the module it replaces (its q_proj, n_heads, ...)."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "_orig" not in self.__dict__:
+                raise
+            return getattr(self.__dict__["_orig"].module, name)
+
+
+class CpuAttention(_Wraps):
+    """One-token decode of a standard multi-head / grouped-query attention on the CPU kernels."""
+
+    def __init__(self, attn: nn.Module, tables: dict):
+        super().__init__()
+        projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if not all(isinstance(p, CpuQuantizedLinear) for p in projs) or not Fused.compatible(projs[:3]):
+            raise ValueError("projections are not all on the CPU kernels")
+        self.H, self.Hk = _heads(attn, HEADS), _heads(attn, KV_HEADS)
+        self.hd = projs[0]._w.shape[0] // self.H
+        if self.H % self.Hk or projs[1]._w.shape[0] != self.Hk * self.hd or projs[2]._w.shape[0] != self.Hk * self.hd:
+            raise ValueError("head counts do not fit the projections")
+        self.scale = np.float32(attn.scale)
+        self.q_norm = _rms_parts(getattr(attn, "q_norm", None), self.H, self.hd)
+        self.k_norm = _rms_parts(getattr(attn, "k_norm", None), self.Hk, self.hd)
+        key = _rope_key(attn.rope, self.hd)
+        if key not in tables:
+            tables[key] = RopeTable(attn.rope, self.hd)
+        self._rope = tables[key]
+        self._orig = _Hidden(attn)
+        self._qkv = Fused(projs[:3])
+        self._o = projs[3]
+
+    def __call__(self, x, mask=None, cache=None, **kwargs):
+        from mlx_lm.models.cache import KVCache
+
+        if (kwargs or type(cache) is not KVCache or cache.keys is None or x.shape[0] != 1 or x.shape[1] != 1
+                or cache.offset >= cache.keys.shape[2] or cache.keys.dtype != mx.float32
+                or not (mask is None or isinstance(mask, str))):
+            return self._orig.module(x, mask, cache, **kwargs)
+        return self.decode(x, cache)
+
+    def decode(self, x, cache):
+        from .kernels.cpu_attn import ATTEND_PARALLEL_ABOVE, attend, rms_norm_rows, rope_rows
+        from .kernels.cpu_qmm import to_numpy
+
+        q, k, v = self._qkv(_np(x).reshape(1, -1))
+        H, Hk, hd = self.H, self.Hk, self.hd
+        q = np.ascontiguousarray(q).reshape(H, hd)
+        k = np.ascontiguousarray(k).reshape(Hk, hd)
+        for t, norm, n in ((q, self.q_norm, H), (k, self.k_norm, Hk)):
+            if norm is not None:
+                w, eps, per_head = norm
+                rms_norm_rows(t if per_head else t.reshape(1, n * hd), w, eps)
+        pos = cache.offset
+        a, b = self._rope.row(pos)
+        rope_rows(q, a, b, self._rope.partner)
+        rope_rows(k, a, b, self._rope.partner)
+        K, V = to_numpy(cache.keys)[0], to_numpy(cache.values)[0]  # [Hk, capacity, hd], written in place
+        K[:, pos] = k
+        V[:, pos] = v.reshape(Hk, hd)
+        cache.offset = pos + 1
+        o = attend(q, K, V, pos + 1, self.scale, H * (pos + 1) * hd >= ATTEND_PARALLEL_ABOVE)
+        return mx.array(_linear_np(self._o, o.reshape(1, -1))).reshape(1, 1, -1)
+
+
+class CpuMLP(_Wraps):
+    """down(silu(gate(x)) * up(x)) with gate and up as one kernel call."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        projs = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if not all(isinstance(p, CpuQuantizedLinear) for p in projs) or not Fused.compatible(projs[:2]):
+            raise ValueError("projections are not all on the CPU kernels")
+        if any(p._bias is not None for p in projs):
+            raise ValueError("projections with a bias")
+        self._orig = _Hidden(mlp)
+        self._gate_up = Fused(projs[:2])
+        self._down = projs[2]
+
+    def __call__(self, x):
+        from .kernels.cpu_attn import silu_mul
+
+        g, u = self._gate_up(_np(x).reshape(-1, x.shape[-1]))
+        y = _linear_np(self._down, silu_mul(g, u))
+        return mx.array(y).reshape(*x.shape[:-1], -1)
+
+
+ROUTINGS = ("topk_softmax", "softmax_topk_norm", "softmax_topk")
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    e = np.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def route(logits: np.ndarray, k: int, routing: str):
+    """(expert ids [R, k], weights [R, k]) as mlx-lm's MoE blocks compute them: Mixtral takes
+    the top k logits and softmaxes those; Qwen3-MoE and OLMoE softmax all, take the top k and
+    (norm_topk_prob) renormalise them."""
+    if routing == "topk_softmax":
+        ids = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
+        return ids, _softmax(np.take_along_axis(logits, ids, axis=-1))
+    probs = _softmax(logits)
+    ids = np.argpartition(-probs, k - 1, axis=-1)[:, :k]
+    scores = np.take_along_axis(probs, ids, axis=-1)
+    if routing == "softmax_topk_norm":
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    return ids, scores
+
+
+class CpuMoE(_Wraps):
+    """A sparse MoE block (router, top-k, streamed experts, weighted sum) in one sync: the router
+    runs on the kernel or numpy's BLAS instead of MLX's small ops. Blocks with shared experts or
+    other routings keep the original (which already streams its experts on the kernels)."""
+
+    def __init__(self, block: nn.Module, routing: str):
+        super().__init__()
+        from .experts.switch import StreamingSwitchGLU
+
+        switch, gate = getattr(block, "switch_mlp", None), getattr(block, "gate", None)
+        if not isinstance(switch, StreamingSwitchGLU) or switch._cpu is None:
+            raise ValueError("experts are not streamed on the CPU kernels")
+        if any(hasattr(block, n) for n in ("shared_expert", "shared_experts", "shared_mlp")):
+            raise ValueError("shared experts")
+        self.k = next((getattr(block, n) for n in ("top_k", "num_experts_per_tok")
+                       if isinstance(getattr(block, n, None), int)), None)
+        if self.k is None:
+            raise ValueError("no top_k")
+        if isinstance(gate, CpuQuantizedLinear):
+            self._router = lambda x2: _linear_np(gate, x2)
+        elif type(gate) is nn.Linear and gate.weight.dtype == mx.float32:
+            w = _np(gate.weight)
+            bias = _np(gate.bias) if "bias" in gate else None
+            self._router = lambda x2: x2 @ w.T + bias if bias is not None else x2 @ w.T
+        else:
+            raise ValueError("unsupported router")
+        self.routing = routing
+        self._orig = _Hidden(block)
+        self._switch = switch
+
+    def __call__(self, x):
+        return self.forward(x, self._switch.experts_np)
+
+    def forward(self, x, experts):
+        from time import perf_counter
+
+        t0 = perf_counter()
+        x2 = _np(x).reshape(-1, x.shape[-1])
+        ids, scores = route(self._router(x2), self.k, self.routing)
+        self._switch._store.stats[self._switch._layer].route_s += perf_counter() - t0
+        y = experts(x2, ids)  # [R, k, D]
+        out = (y * scores[..., None].astype(np.float32)).sum(axis=-2)
+        return mx.array(out).reshape(*x.shape[:-1], -1)
+
+
+class _FakeExperts(nn.Module):
+    """Stands in for the streamed experts while a MoE block is probed: a fixed output per (row,
+    expert), no reads."""
+
+    def __init__(self, table: np.ndarray):
+        super().__init__()
+        self._table = table  # [R, E, D]
+        self.seen = None
+
+    def np_call(self, x2, ids):
+        return np.take_along_axis(self._table, ids.reshape(ids.shape[0], -1)[..., None], axis=1)
+
+    def __call__(self, x, indices):
+        self.seen = np.array(indices).reshape(self._table.shape[0], -1)
+        return mx.array(self.np_call(None, self.seen))
+
+
+def _probe_moe(block: nn.Module) -> str | None:
+    """The routing (of ROUTINGS) that reproduces the block's experts and output on a probe, with
+    the experts replaced by fixed outputs (a probe must not read experts from disk)."""
+    switch = block["switch_mlp"]
+    try:
+        new = CpuMoE(block, ROUTINGS[0])
+    except ValueError:
+        return None
+    w, _, _, bits, _ = switch._cpu.w["gate_proj"]
+    dim = w.shape[-1] * 32 // bits
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((1, 3, dim)).astype(np.float32))
+    for routing in ROUTINGS:
+        new.routing = routing
+        num_experts = switch._store.layers[switch._layer].num_experts
+        fake = _FakeExperts(rng.standard_normal((3, num_experts, dim)).astype(np.float32))
+        block["switch_mlp"] = fake
+        try:
+            want = block(x)
+            seen = fake.seen
+        finally:
+            block["switch_mlp"] = switch
+        got = new.forward(x, fake.np_call)
+        ids, _ = route(new._router(np.array(x).reshape(3, dim)), new.k, routing)
+        if _close(got, want) and np.array_equal(np.sort(ids, axis=-1), np.sort(seen, axis=-1)):
+            return routing
+    return None
+
+
+def _close(got: mx.array, want: mx.array) -> bool:
+    got, want = np.array(got), np.array(want)
+    return got.shape == want.shape and bool(
+        np.abs(got - want).max() <= PROBE_TOL * max(1.0, float(np.abs(want).max())))
+
+
+def _probe_attention(new: CpuAttention, attn: nn.Module, dim: int) -> bool:
+    """A 3-token prefill through the original, then one decode step each way on copies of the
+    cache: same output and same cache row."""
+    from mlx_lm.models.cache import KVCache
+
+    rng = np.random.default_rng(0)
+    x = mx.array(rng.standard_normal((1, 4, dim)).astype(np.float32))
+    a = KVCache()
+    mx.eval(attn(x[:, :3], None, a))
+    b = KVCache()
+    b.keys, b.values, b.offset = mx.array(np.array(a.keys)), mx.array(np.array(a.values)), a.offset
+    want = attn(x[:, 3:], None, a)
+    got = new(x[:, 3:], None, b)
+    return (b.offset == a.offset and _close(got, want)
+            and _close(b.keys[..., :b.offset, :], a.keys[..., :a.offset, :])
+            and _close(b.values[..., :b.offset, :], a.values[..., :a.offset, :]))
+
+
+def _probe_mlp(new: CpuMLP, mlp: nn.Module, dim: int) -> bool:
+    x = mx.array(np.random.default_rng(0).standard_normal((1, 3, dim)).astype(np.float32))
+    return _close(new(x), mlp(x))
+
+
+def _input_dim(module: nn.Module, first: str) -> int:
+    lin = getattr(module, first)
+    return lin._w.shape[1] * 32 // lin._bits
+
+
+def install(model: nn.Module) -> dict:
+    """Replace attention and MLP blocks that pass their probe; returns counts by kind (tried and
+    replaced). Run after cpu_path.install (the projections must already be CpuQuantizedLinear)."""
+    from .kernels.cpu_attn import warmup
+
+    warmup()
+    tables: dict = {}
+    counts = {"attention": 0, "mlp": 0, "moe": 0, "attention_tried": 0, "mlp_tried": 0, "moe_tried": 0}
+    replacements = []
+    for name, m in model.named_modules():
+        if isinstance(m, (CpuAttention, CpuMLP, CpuMoE)):
+            continue
+        if "switch_mlp" in m and "gate" in m:
+            counts["moe_tried"] += 1
+            routing = _probe_moe(m)
+            if routing is not None:
+                replacements.append((name, CpuMoE(m, routing)))
+                counts["moe"] += 1
+            continue
+        kind = ("attention" if all(isinstance(getattr(m, n, None), CpuQuantizedLinear)
+                                   for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+                and hasattr(m, "rope") and hasattr(m, "scale")
+                else "mlp" if all(isinstance(getattr(m, n, None), CpuQuantizedLinear)
+                                  for n in ("gate_proj", "up_proj", "down_proj"))
+                else None)
+        if kind is None:
+            continue
+        counts[f"{kind}_tried"] += 1
+        try:
+            if kind == "attention":
+                new = CpuAttention(m, tables)
+                ok = _probe_attention(new, m, _input_dim(m, "q_proj"))
+            else:
+                new = CpuMLP(m)
+                ok = _probe_mlp(new, m, _input_dim(m, "gate_proj"))
+        except (ValueError, TypeError, AttributeError):
+            ok = False
+        if ok:
+            replacements.append((name, new))
+            counts[kind] += 1
+    for name, new in replacements:
+        set_module(model, name, new)
+    return counts
+

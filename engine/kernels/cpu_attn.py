@@ -1,0 +1,136 @@
+"""numba kernels for the small float32 steps of one decode token: RMS norm, rotary embedding from
+a table, attention of one query position over a KV cache, and SiLU-gated products.
+
+MLX on the CPU spends 5-15 us of dispatch on each of these tiny ops and a sync on every eval, more
+than the arithmetic; here they run on numpy views of the same buffers with no sync at all. Same
+float32 arithmetic as MLX's ops (no fastmath: no reassociation, no FMA contraction), so results
+agree to float32 rounding. Reductions keep 16 explicit partial sums so LLVM can vectorise them.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import float32, njit, prange
+
+ATTEND_PARALLEL_ABOVE = 1 << 16  # heads * positions * head_dim above which heads run in parallel
+
+
+@njit(cache=True, fastmath=False)
+def _dot(a, b, n):
+    """sum(a[:n] * b[:n]) in float32 with 16 partial sums."""
+    t0 = t1 = t2 = t3 = t4 = t5 = t6 = t7 = float32(0.0)
+    t8 = t9 = t10 = t11 = t12 = t13 = t14 = t15 = float32(0.0)
+    m = n - n % 16
+    for i in range(0, m, 16):
+        t0 += a[i] * b[i]
+        t1 += a[i + 1] * b[i + 1]
+        t2 += a[i + 2] * b[i + 2]
+        t3 += a[i + 3] * b[i + 3]
+        t4 += a[i + 4] * b[i + 4]
+        t5 += a[i + 5] * b[i + 5]
+        t6 += a[i + 6] * b[i + 6]
+        t7 += a[i + 7] * b[i + 7]
+        t8 += a[i + 8] * b[i + 8]
+        t9 += a[i + 9] * b[i + 9]
+        t10 += a[i + 10] * b[i + 10]
+        t11 += a[i + 11] * b[i + 11]
+        t12 += a[i + 12] * b[i + 12]
+        t13 += a[i + 13] * b[i + 13]
+        t14 += a[i + 14] * b[i + 14]
+        t15 += a[i + 15] * b[i + 15]
+    for i in range(m, n):
+        t0 += a[i] * b[i]
+    return (((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))) + \
+        (((t8 + t9) + (t10 + t11)) + ((t12 + t13) + (t14 + t15)))
+
+
+@njit(cache=True, fastmath=False)
+def rms_norm_rows(x, w, eps):
+    """Each row of x [R, D] scaled to unit RMS, times w [D], in place (as mx.fast.rms_norm)."""
+    R, D = x.shape
+    for r in range(R):
+        ss = _dot(x[r], x[r], D)
+        n = float32(1.0) / np.sqrt(ss / float32(D) + eps)
+        for d in range(D):
+            x[r, d] = w[d] * (x[r, d] * n)
+
+
+@njit(cache=True, fastmath=False)
+def rope_rows(x, a, b, partner):
+    """Rotary embedding of each row of x [R, D] at one position, in place:
+    x[d] <- a[d] * x[d] + b[d] * x[partner[d]] (a, b: that position's table row)."""
+    R, D = x.shape
+    tmp = np.empty(D, np.float32)
+    for r in range(R):
+        for d in range(D):
+            tmp[d] = a[d] * x[r, d] + b[d] * x[r, partner[d]]
+        for d in range(D):
+            x[r, d] = tmp[d]
+
+
+@njit(cache=True, fastmath=False)
+def _attend_head(q, K, V, T, scale, out, h, kh):
+    D = q.shape[1]
+    s = np.empty(T, np.float32)
+    qs = np.empty(D, np.float32)
+    for d in range(D):
+        qs[d] = q[h, d] * scale
+    m = float32(-np.inf)
+    for t in range(T):
+        v = _dot(qs, K[kh, t], D)
+        s[t] = v
+        if v > m:
+            m = v
+    tot = float32(0.0)
+    for t in range(T):
+        e = np.exp(s[t] - m)
+        s[t] = e
+        tot += e
+    for d in range(D):
+        out[h, d] = float32(0.0)
+    for t in range(T):
+        w = s[t]
+        for d in range(D):
+            out[h, d] += w * V[kh, t, d]
+    inv = float32(1.0) / tot
+    for d in range(D):
+        out[h, d] *= inv
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def attend(q, K, V, T, scale, parallel):
+    """Softmax attention of one position: q [H, D] over the first T positions of K, V
+    [Hk, capacity, D] (grouped heads: head h reads kv head h // (H // Hk)). Returns [H, D]."""
+    H, D = q.shape
+    rep = H // K.shape[0]
+    out = np.empty((H, D), np.float32)
+    if parallel:
+        for h in prange(H):
+            _attend_head(q, K, V, T, scale, out, h, h // rep)
+    else:
+        for h in range(H):
+            _attend_head(q, K, V, T, scale, out, h, h // rep)
+    return out
+
+
+@njit(cache=True, fastmath=False)
+def silu_mul(g, u):
+    """silu(g) * u for g, u [R, N] (mlx-lm's SwiGLU; either may be a strided view), as a new
+    contiguous array."""
+    R, N = g.shape
+    out = np.empty((R, N), np.float32)
+    for r in range(R):
+        for n in range(N):
+            v = g[r, n]
+            out[r, n] = v * (float32(1.0) / (float32(1.0) + np.exp(-v))) * u[r, n]
+    return out
+
+
+def warmup() -> None:
+    """Compile (first run) or load from numba's disk cache."""
+    x = np.ones((1, 16), np.float32)
+    rms_norm_rows(x, np.ones(16, np.float32), np.float32(1e-6))
+    rope_rows(x, np.ones(16, np.float32), np.zeros(16, np.float32), np.arange(16))
+    kv = np.ones((1, 2, 16), np.float32)
+    attend(x, kv, kv, 1, np.float32(0.25), False)
+    attend(x, kv, kv, 1, np.float32(0.25), True)
+    silu_mul(x, x.copy())

@@ -1,0 +1,175 @@
+"""The fused CPU decode blocks (engine/cpu_fused.py) and their small kernels (cpu_attn.py): equal
+to MLX's ops within float32 rounding, installed only where the probe passes, and exact over a
+long decode that grows the KV cache and after the cache is trimmed."""
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from engine.cpu_fused import CpuAttention, CpuMLP, RopeTable  # noqa: E402
+from engine.kernels import cpu_attn  # noqa: E402
+from engine.loader import load  # noqa: E402
+from tests.test_streaming_exact import PROMPT, greedy  # noqa: E402
+
+RNG = np.random.default_rng(3)
+
+
+def rand(*shape) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def close(got, want, tol=1e-5) -> bool:
+    got, want = np.asarray(got), np.asarray(want)
+    return got.shape == want.shape and np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max())
+
+
+@pytest.mark.parametrize("H,Hk,T,parallel", [(4, 4, 1, False), (8, 2, 37, False), (6, 3, 300, True), (32, 4, 5, True)])
+def test_attend_matches_mlx_sdpa(H, Hk, T, parallel):
+    D = 64
+    q, K, V = rand(H, D), rand(Hk, T + 7, D), rand(Hk, T + 7, D)  # capacity beyond T is ignored
+    got = cpu_attn.attend(q, K, V, T, np.float32(D ** -0.5), parallel)
+    want = mx.fast.scaled_dot_product_attention(
+        mx.array(q)[None, :, None], mx.array(K[:, :T])[None], mx.array(V[:, :T])[None], scale=D ** -0.5)
+    assert close(got, np.array(want)[0, :, 0])
+
+
+def test_rms_norm_and_silu_match_mlx():
+    x, w, u = rand(3, 48), rand(48), rand(3, 48)
+    got = x.copy()
+    cpu_attn.rms_norm_rows(got, w, np.float32(1e-6))
+    assert close(got, np.array(mx.fast.rms_norm(mx.array(x), mx.array(w), 1e-6)))
+    g = rand(3, 48)
+    assert close(cpu_attn.silu_mul(g[:, ::1], u), np.array(nn.silu(mx.array(g)) * mx.array(u)))
+    gu = rand(2, 96)  # strided halves of one matrix, as the fused gate/up call returns them
+    assert close(cpu_attn.silu_mul(gu[:, :48], gu[:, 48:]),
+                 np.array(nn.silu(mx.array(gu[:, :48])) * mx.array(gu[:, 48:])))
+
+
+def _ropes():
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    yield "default", nn.RoPE(32, traditional=False, base=10000.0)
+    yield "traditional", nn.RoPE(32, traditional=True, base=10000.0)
+    yield "partial", nn.RoPE(16, traditional=False, base=1e6)  # glm4: rotary on part of the head
+    yield "linear", initialize_rope(32, 10000.0, False, {"type": "linear", "factor": 2.0}, 64)
+    yield "llama3", initialize_rope(32, 500000.0, False, {"rope_type": "llama3", "factor": 8.0,
+                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                          "original_max_position_embeddings": 16}, 64)
+    yield "dynamic", initialize_rope(32, 10000.0, False, {"type": "dynamic", "factor": 2.0}, 16)
+    yield "yarn", initialize_rope(32, 10000.0, False, {"type": "yarn", "factor": 4.0,
+                                                       "original_max_position_embeddings": 16}, 64)
+
+
+@pytest.mark.parametrize("name,rope", list(_ropes()), ids=[n for n, _ in _ropes()])
+def test_rope_table_matches_the_module_at_every_position(name, rope):
+    table = RopeTable(rope, 32)
+    x = rand(3, 32)
+    for pos in list(range(0, 70)) + [500, 4097, 3]:  # grows the table, then reads back an old row
+        a, b = table.row(pos)
+        got = x.copy()
+        cpu_attn.rope_rows(got, a, b, table.partner)
+        want = np.array(rope(mx.array(x)[None, :, None, :], offset=pos))[0, :, 0, :]
+        assert close(got, want, 1e-6), (name, pos)
+
+
+def test_rope_table_refuses_what_is_not_a_pairwise_rotation():
+    class Mixing(nn.Module):
+        def __call__(self, x, offset=0):
+            return x + (offset + 1) * x.sum(axis=-1, keepdims=True)
+
+    with pytest.raises(ValueError, match="pairs"):
+        RopeTable(Mixing(), 8)
+
+
+def _counts(lm) -> tuple[int, int, int]:
+    kinds = [type(m).__name__ for _, m in lm.model.named_modules()]
+    return kinds.count("CpuAttention"), kinds.count("CpuMLP"), kinds.count("CpuMoE")
+
+
+@pytest.mark.parametrize("arch,attention,mlp,moe", [
+    ("qwen3_moe", True, False, True), ("mixtral", True, False, True), ("olmoe", True, False, True),
+    ("glm4_moe", True, True, False), ("deepseek_v3", False, True, False), ("qwen3_next", False, True, False)])
+def test_blocks_are_replaced_only_where_the_probe_passes(model_factory, arch, attention, mlp, moe):
+    """deepseek_v3 (latent attention) has no q/k/v projections; qwen3_next's gated attention has
+    them but computes something else: the probe refuses it and the original module stays. MoE
+    blocks with shared experts or grouped / sigmoid routing (glm4_moe, deepseek_v3, qwen3_next)
+    keep mlx-lm's block."""
+    lm = load(model_factory(arch, 4, converted=True), kernels="cpu", load_tokenizer=False)
+    n_attn, n_mlp, n_moe = _counts(lm)
+    assert (n_attn > 0) == attention and n_attn == lm.fused["attention"]
+    assert (n_mlp > 0) == mlp and n_mlp == lm.fused["mlp"]
+    assert (n_moe > 0) == moe and n_moe == lm.fused["moe"] and lm.fused["moe_tried"] > 0
+    if arch == "qwen3_next":
+        assert lm.fused["attention_tried"] > 0
+    if attention:
+        attn = next(m for _, m in lm.model.named_modules() if isinstance(m, CpuAttention))
+        assert attn.q_proj is attn._orig.module.q_proj  # the original's parts stay reachable
+
+
+def test_long_decode_grows_the_cache_and_matches_mlx(model_factory):
+    """300 tokens: the KV cache (256-token steps) grows on the MLX path in the middle of the
+    fused decode, and the tokens stay those of MLX's kernels."""
+    path = model_factory("qwen3_moe", 8, converted=True)
+    want = greedy(load(path, kernels="mlx", load_tokenizer=False).model, PROMPT, 300)
+    cpu = load(path, kernels="cpu", load_tokenizer=False)
+    assert cpu.fused["attention"] > 0
+    assert greedy(cpu.model, PROMPT, 300) == want
+
+
+def test_trimmed_cache_continues_exactly(model_factory):
+    """A conversation's next turn trims the cache back to the shared prefix: the fused decode
+    writes into the same buffers, so the trimmed cache must give what a fresh prefill gives."""
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    lm = load(model_factory("mixtral", 4, converted=True), kernels="cpu", load_tokenizer=False)
+    model = lm.model
+    cache = make_prompt_cache(model)
+    model(mx.array([PROMPT]), cache=cache)
+    for tok in (5, 6, 7, 8):
+        model(mx.array([[tok]]), cache=cache)
+    trim_prompt_cache(cache, 3)
+    got = model(mx.array([[9]]), cache=cache)[0, -1]
+    fresh = make_prompt_cache(model)
+    model(mx.array([PROMPT + [5]]), cache=fresh)
+    want = model(mx.array([[9]]), cache=fresh)[0, -1]
+    assert close(np.array(got), np.array(want), 1e-4)
+
+
+def test_fused_mlp_keeps_prefill_rows_apart(model_factory):
+    lm = load(model_factory("glm4_moe", 4, converted=True), kernels="cpu", load_tokenizer=False)
+    mlp = next(m for _, m in lm.model.named_modules() if isinstance(m, CpuMLP))
+    x = mx.array(rand(2, 5, mlp._orig.module.gate_proj._w.shape[1] * 32 // mlp._orig.module.gate_proj._bits))
+    assert close(np.array(mlp(x)), np.array(mlp._orig.module(x)), 1e-5)
+
+
+@pytest.mark.parametrize("routing", ["topk_softmax", "softmax_topk_norm", "softmax_topk"])
+def test_probe_tells_the_routings_apart(model_factory, routing):
+    """A block whose routing is one of the three is recognised by what it computes (the probe's
+    fixed expert outputs make wrong weights or a wrong expert order visible). Renormalised top-k
+    probabilities are the softmax of the top-k logits, so that block may match either name."""
+    from engine.cpu_fused import _probe_moe, route
+
+    lm = load(model_factory("qwen3_moe", 4, converted=True), kernels="cpu", load_tokenizer=False)
+    block = lm.model.model.layers[0].mlp._orig.module
+    gate, k = block.gate, block.top_k
+
+    class Block(nn.Module):  # the same parts, routed the way under test
+        def __init__(self):
+            super().__init__()
+            self.gate, self.switch_mlp, self.top_k = gate, block.switch_mlp, k
+
+        def __call__(self, x):
+            from engine.cpu_fused import _linear_np
+
+            x2 = np.array(x).reshape(-1, x.shape[-1])
+            ids, scores = route(_linear_np(gate, x2), k, routing)
+            y = self.switch_mlp(x, mx.array(ids.reshape(*x.shape[:-1], k)))
+            return (y * mx.array(scores.astype(np.float32)).reshape(*x.shape[:-1], k)[..., None]).sum(axis=-2)
+
+    same = {"topk_softmax": {"topk_softmax"}, "softmax_topk_norm": {"topk_softmax", "softmax_topk_norm"},
+            "softmax_topk": {"softmax_topk"}}
+    assert _probe_moe(Block()) in same[routing]
