@@ -2,7 +2,8 @@
 (engine/kernels/cpu_qmm.py) instead of MLX's scalar CPU loop. Metal and CUDA keep MLX's kernels.
 
 Each replaced module evaluates its input (a sync: the kernel runs outside MLX's graph), reads the
-weights through zero-copy numpy views, and hands the result back as an MLX array.
+weights through zero-copy numpy views, and hands the result back as an MLX array. Whole attention,
+MLP and MoE blocks are then fused on top of these (engine/cpu_fused.py), one sync per block.
 """
 from __future__ import annotations
 

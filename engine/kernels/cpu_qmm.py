@@ -98,7 +98,7 @@ _TBB = _preload_tbb()
 
 BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)
-ROWS_PER_ITEM = 16  # output rows per parallel work item (weights of one item stay in L2)
+ROWS_PER_ITEM = 64  # output rows per parallel work item (weights of one item stay in L2)
 MAX_CHUNKS = 2048  # longest row: 2048 chunks of 32 values (in <= 65536)
 # Calls of fewer multiply-adds (rows * out * in) than these run on the calling thread only (see
 # "Threads" above): with TBB, below ~5 us of work; without, below ~8 ms of work.
@@ -143,16 +143,22 @@ def _rows_source(bits: int, rows: int) -> str:
          + bias_g * xs_g, vectorised across groups;
       3. their sum, in 16 lanes t{r}_{i} (group g goes to lane g % 16), then the lanes summed.
     No stores alias loads of the same loop except at constant distances, so LLVM vectorises
-    loops 1 and 2 with cheap run-time checks, and loop 3 has no stores."""
+    loops 1 and 2 with cheap run-time checks, and loop 3 has no stores.
+    A row whose chunk count is not a multiple of 16 ends in a partial block, which the vector
+    loop would leave to its scalar remainder (rows of 768 values ran at half speed). Instead that
+    block runs all 16 lanes, reading on into the next row of the (contiguous) weights: the extra
+    lanes decode finite integers, multiply the zeros xq holds past the row, and land in pb slots
+    past the row's chunks, which loops 2-3 never read. Only the very last row of the array
+    (n >= nsafe) would read past its end, and it takes the short loop."""
     L = ["@njit(cache=True, fastmath=False)",
-         f"def _rows{bits}_{rows}(wt, st, bt, xq, xs, p, n0, n1, cpg, pb, gt, out, dst):",
+         f"def _rows{bits}_{rows}(wt, st, bt, xq, xs, p, n0, n1, nsafe, cpg, pb, gt, out, dst):",
          f"    nc = wt.shape[1] // {bits}",
          "    ncb = (nc + 15) // 16",
          "    ng = st.shape[1]",
          "    ngb = ng // 16"]
     L += ["    for n in range(n0, n1):",
           "        for cb in range(ncb):",
-          "            nl = min(16, nc - cb * 16)",
+          "            nl = 16 if cb < ncb - 1 or n < nsafe else nc - cb * 16",
           "            for l in range(nl):"]
     L += [f"                w{i} = wt[n, cb * {16 * bits} + l * {bits} + {i}]" for i in range(bits)]
     L += [f"                a{r} = float32(0.0)" for r in range(rows)]
@@ -189,14 +195,16 @@ def _item{B}(w3, s3, b3, xq, xs, e, p0, p1, n0, n1, dst, out):
     st = s3[e]
     bt = b3[e]
     cpg = (wt.shape[1] // {B}) // st.shape[1]
+    # rows whose last, partial block of chunks may read on into the next row (see _rows_source)
+    nsafe = wt.shape[0] if e < w3.shape[0] - 1 else wt.shape[0] - 1
     pb = np.empty(2 * MAX_CHUNKS, np.float32)
     gt = np.empty(2 * MAX_CHUNKS, np.float32)
     p = p0
     while p + 1 < p1:
-        _rows{B}_2(wt, st, bt, xq, xs, p, n0, n1, cpg, pb, gt, out, dst)
+        _rows{B}_2(wt, st, bt, xq, xs, p, n0, n1, nsafe, cpg, pb, gt, out, dst)
         p += 2
     if p < p1:
-        _rows{B}_1(wt, st, bt, xq, xs, p, n0, n1, cpg, pb, gt, out, dst)
+        _rows{B}_1(wt, st, bt, xq, xs, p, n0, n1, nsafe, cpg, pb, gt, out, dst)
 
 
 @njit(cache=True, fastmath=False, parallel=True)
