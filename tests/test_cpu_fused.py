@@ -173,3 +173,45 @@ def test_probe_tells_the_routings_apart(model_factory, routing):
     same = {"topk_softmax": {"topk_softmax"}, "softmax_topk_norm": {"topk_softmax", "softmax_topk_norm"},
             "softmax_topk": {"softmax_topk"}}
     assert _probe_moe(Block()) in same[routing]
+
+
+@pytest.mark.parametrize("arch,layers", [("qwen3_moe", "all"), ("mixtral", "all"), ("glm4_moe", "dense only"),
+                                         ("deepseek_v3", "none"), ("qwen3_next", "none")])
+def test_decoder_layers_fuse_where_both_blocks_did(model_factory, arch, layers):
+    from engine.cpu_fused import CpuDecoderLayer
+
+    lm = load(model_factory(arch, 4, converted=True), kernels="cpu", load_tokenizer=False)
+    fused = [isinstance(l, CpuDecoderLayer) for l in lm.model.layers]
+    if layers == "dense only":  # glm4_moe: the first layer is dense, the MoE blocks stay mlx-lm's
+        want = [not hasattr(l.mlp, "switch_mlp") for l in lm.model.layers]
+        assert want[0] and not all(want)
+    else:
+        want = [layers == "all"] * len(fused)
+    assert fused == want and lm.fused.get("layer", 0) == sum(fused)
+
+
+def test_layer_timing_still_splits_fused_layers(model_factory):
+    """--timing layer wraps the attention inside a fused layer: it is then called through MLX
+    and timed, and the tokens do not change."""
+    from engine import GenerationFinished, LayerTimings, TokenGenerated
+    from engine.engine import Engine
+    from engine.generate import GenerationRequest
+
+    eng = Engine(model_factory("qwen3_moe", 4, converted=True))
+    eng.wait_loaded()
+    assert eng.loaded.kernels == "cpu" and eng.loaded.fused["layer"] == eng.loaded.num_layers
+    chat = [{"role": "user", "content": "Bonjour"}]
+    runs = {}
+    for mode in ("off", "layer", "off"):
+        toks, rows = [], []
+        for ev in eng.submit(GenerationRequest(messages=chat, max_tokens=6, timing=mode)):
+            if isinstance(ev, TokenGenerated):
+                toks.append(ev.id)
+            elif isinstance(ev, LayerTimings):
+                rows.append(ev.rows)
+            elif isinstance(ev, GenerationFinished):
+                runs.setdefault(mode, []).append(toks)
+        if mode == "layer":
+            assert rows and all(r.attn_ms > 0 and r.route_ms > 0 for r in rows[-1])
+    assert runs["layer"][0] == runs["off"][0] == runs["off"][1]
+    eng.close()
