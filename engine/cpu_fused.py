@@ -209,7 +209,7 @@ class CpuAttention(_Wraps):
 
     def decode_np(self, x2: np.ndarray, cache) -> np.ndarray:
         """x2 [1, D] -> [1, D_out]; writes this position's keys and values into the cache."""
-        from .kernels.cpu_attn import ATTEND_PARALLEL_ABOVE, attend, rms_norm_rows, rope_rows
+        from .kernels.cpu_attn import attend, rms_norm_rows, rope_rows
         from .kernels.cpu_qmm import to_numpy
 
         q, k, v = self._qkv(x2)
@@ -228,7 +228,7 @@ class CpuAttention(_Wraps):
         K[:, pos] = k
         V[:, pos] = v.reshape(Hk, hd)
         cache.offset = pos + 1
-        o = attend(q, K, V, pos + 1, self.scale, H * (pos + 1) * hd >= ATTEND_PARALLEL_ABOVE)
+        o = attend(q, K, V, pos + 1, self.scale)
         return _linear_np(self._o, o.reshape(1, -1))
 
 

@@ -84,7 +84,14 @@ def swiglu_np(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 
 
 def install(model: nn.Module) -> int:
-    """Replace every affine QuantizedLinear / QuantizedEmbedding; returns how many were replaced."""
+    """Replace every affine QuantizedLinear / QuantizedEmbedding; returns how many were replaced.
+
+    Also holds numpy's BLAS (OpenBLAS) to one thread for the process: the fused blocks use it for
+    small products (router, attention), and its pool's threads, spinning after each call,
+    took the cores from numba's kernel threads (the demo decoded 10-20% slower)."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(1, user_api="blas")
     count = 0
     replacements = []
     for name, m in model.named_modules():

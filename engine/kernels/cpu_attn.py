@@ -1,5 +1,5 @@
-"""numba kernels for the small float32 steps of one decode token: RMS norm, rotary embedding from
-a table, attention of one query position over a KV cache, and SiLU-gated products.
+"""Kernels for the small float32 steps of one decode token: RMS norm, rotary embedding from a
+table and SiLU-gated products (numba), and attention of one query position over a KV cache.
 
 MLX on the CPU spends 5-15 us of dispatch on each of these tiny ops and a sync on every eval, more
 than the arithmetic; here they run on numpy views of the same buffers with no sync at all. Same
@@ -9,10 +9,7 @@ agree to float32 rounding. Reductions keep 16 explicit partial sums so LLVM can 
 from __future__ import annotations
 
 import numpy as np
-from numba import float32, njit, prange
-
-ATTEND_PARALLEL_ABOVE = 1 << 16  # heads * positions * head_dim above which heads run in parallel
-
+from numba import float32, njit
 
 @njit(cache=True, fastmath=False)
 def _dot(a, b, n):
@@ -67,49 +64,20 @@ def rope_rows(x, a, b, partner):
             x[r, d] = tmp[d]
 
 
-@njit(cache=True, fastmath=False)
-def _attend_head(q, K, V, T, scale, out, h, kh):
-    D = q.shape[1]
-    s = np.empty(T, np.float32)
-    qs = np.empty(D, np.float32)
-    for d in range(D):
-        qs[d] = q[h, d] * scale
-    m = float32(-np.inf)
-    for t in range(T):
-        v = _dot(qs, K[kh, t], D)
-        s[t] = v
-        if v > m:
-            m = v
-    tot = float32(0.0)
-    for t in range(T):
-        e = np.exp(s[t] - m)
-        s[t] = e
-        tot += e
-    for d in range(D):
-        out[h, d] = float32(0.0)
-    for t in range(T):
-        w = s[t]
-        for d in range(D):
-            out[h, d] += w * V[kh, t, d]
-    inv = float32(1.0) / tot
-    for d in range(D):
-        out[h, d] *= inv
-
-
-@njit(cache=True, fastmath=False, parallel=True)
-def attend(q, K, V, T, scale, parallel):
+def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, T: int, scale) -> np.ndarray:
     """Softmax attention of one position: q [H, D] over the first T positions of K, V
-    [Hk, capacity, D] (grouped heads: head h reads kv head h // (H // Hk)). Returns [H, D]."""
+    [Hk, capacity, D] (grouped heads: head h reads kv head h // (H // Hk)). Returns [H, D].
+
+    Two batched matmuls (numpy's BLAS), one per kv head group: each K / V row is read once for
+    all the query heads that share it. 2-3x faster than a numba loop per head at 70-1000
+    positions (29 vs 56 us for 32 heads of 128 at 70 positions; 0.2 vs 0.7 ms at 1000)."""
+    Hk = K.shape[0]
     H, D = q.shape
-    rep = H // K.shape[0]
-    out = np.empty((H, D), np.float32)
-    if parallel:
-        for h in prange(H):
-            _attend_head(q, K, V, T, scale, out, h, h // rep)
-    else:
-        for h in range(H):
-            _attend_head(q, K, V, T, scale, out, h, h // rep)
-    return out
+    s = np.matmul((q * np.float32(scale)).reshape(Hk, H // Hk, D), K[:, :T].transpose(0, 2, 1))
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return np.matmul(s, V[:, :T]).reshape(H, D)
 
 
 @njit(cache=True, fastmath=False)
@@ -130,7 +98,4 @@ def warmup() -> None:
     x = np.ones((1, 16), np.float32)
     rms_norm_rows(x, np.ones(16, np.float32), np.float32(1e-6))
     rope_rows(x, np.ones(16, np.float32), np.zeros(16, np.float32), np.arange(16))
-    kv = np.ones((1, 2, 16), np.float32)
-    attend(x, kv, kv, 1, np.float32(0.25), False)
-    attend(x, kv, kv, 1, np.float32(0.25), True)
     silu_mul(x, x.copy())
