@@ -1,4 +1,5 @@
-"""Fused CPU modules for the decode step: whole attention and MLP blocks on the numba kernels.
+"""Fused CPU modules for the decode step: whole attention, MLP, MoE blocks and decoder layers on
+the numba kernels.
 
 With the matmuls on numba (engine/cpu_path.py) a token still paid for MLX's small ops and syncs:
 each of q/k/v/o and gate/up/down evaluated its input (a sync), and the rope, norms, cache update
@@ -11,6 +12,10 @@ the matmuls of a small model. Here:
   decode steps on a plain KVCache take this path; prefill and anything else run the original
   mlx-lm module (whose matmuls are already on the kernels).
 - CpuMLP: silu(gate(x)) * up(x) -> down in one sync and two kernel calls.
+- CpuMoE: a plain top-k MoE block (router, routing, streamed experts, weighted sum) in one sync.
+- SharedAhead: a MoE block's shared expert runs while the routed experts are being read.
+- CpuDecoderLayer: a pre-norm decoder layer whose attention and feed-forward block are both
+  fused runs as numpy from input to output: no MLX op in the layer at all.
 
 Nothing here knows a model file. A module is replaced only when it has the expected parts AND
 the replacement reproduces the original on a probe input at load time (the original is kept for
@@ -319,6 +324,43 @@ def _probe_layer(new: CpuDecoderLayer, layer: nn.Module, dim: int) -> bool:
         layer[new._ffn] = new[new._ffn] = ffn
 
 
+SHARED_NAMES = ("shared_expert", "shared_experts")
+
+
+class SharedAhead(_Wraps):
+    """A MoE block's shared expert, computed while the routed experts are being read: the
+    streamed experts call run_ahead(x, x2) once their reads are in flight, and the block's own
+    call with that same x then returns the result. Any other call computes as usual."""
+
+    def __init__(self, mlp: CpuMLP):
+        super().__init__()
+        self._orig = _Hidden(mlp)
+        self._ahead = None  # (the x it was computed for, result)
+        self.used = 0  # results handed over (tests)
+
+    def run_ahead(self, x: mx.array, x2: np.ndarray) -> None:
+        self._ahead = (x, self._orig.module.np(x2))
+
+    def __call__(self, x):
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] is x:
+            self.used += 1
+            return _mx(ahead[1].reshape(*x.shape[:-1], -1))
+        return self._orig.module(x)
+
+
+def _install_shared(block: nn.Module) -> bool:
+    from .experts.switch import StreamingSwitchGLU
+
+    switch = block.get("switch_mlp")
+    name = next((n for n in SHARED_NAMES if isinstance(block.get(n), CpuMLP)), None)
+    if not isinstance(switch, StreamingSwitchGLU) or switch._cpu is None or name is None:
+        return False
+    block[name] = SharedAhead(block[name])
+    switch._side = _Hidden(block[name])
+    return True
+
+
 ROUTINGS = ("topk_softmax", "softmax_topk_norm", "softmax_topk")
 
 
@@ -508,6 +550,7 @@ def install(model: nn.Module) -> dict:
             counts[kind] += 1
     for name, new in replacements:
         set_module(model, name, new)
+    counts["shared_ahead"] = sum(_install_shared(m) for _, m in model.named_modules() if "switch_mlp" in m)
     _install_layers(model, counts)
     return counts
 

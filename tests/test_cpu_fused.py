@@ -87,7 +87,8 @@ def test_rope_table_refuses_what_is_not_a_pairwise_rotation():
 
 def _counts(lm) -> tuple[int, int, int]:
     kinds = [type(m).__name__ for _, m in lm.model.named_modules()]
-    return kinds.count("CpuAttention"), kinds.count("CpuMLP"), kinds.count("CpuMoE")
+    # a shared expert's CpuMLP sits inside its SharedAhead
+    return kinds.count("CpuAttention"), kinds.count("CpuMLP") + kinds.count("SharedAhead"), kinds.count("CpuMoE")
 
 
 @pytest.mark.parametrize("arch,attention,mlp,moe", [
@@ -215,3 +216,19 @@ def test_layer_timing_still_splits_fused_layers(model_factory):
             assert rows and all(r.attn_ms > 0 and r.route_ms > 0 for r in rows[-1])
     assert runs["layer"][0] == runs["off"][0] == runs["off"][1]
     eng.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "deepseek_v3", "glm4_moe"])
+def test_shared_expert_runs_while_the_experts_load(model_factory, arch):
+    """With cache 0 every routed expert is read on every step; the shared expert is computed
+    while those reads are in flight and handed to the block, once per MoE block and forward pass,
+    and the tokens stay those of MLX's kernels."""
+    from engine.cpu_fused import SharedAhead
+
+    path = model_factory(arch, 4, converted=True)
+    want = greedy(load(path, kernels="mlx", load_tokenizer=False).model, PROMPT, 8)
+    lm = load(path, kernels="cpu", expert_cache=0, load_tokenizer=False)
+    shared = [m for _, m in lm.model.named_modules() if isinstance(m, SharedAhead)]
+    assert shared and len(shared) == lm.fused["shared_ahead"] == len(lm.layers)
+    assert greedy(lm.model, PROMPT, 8) == want
+    assert [m.used for m in shared] == [1 + 8] * len(shared)  # the prefill and every decode step

@@ -156,12 +156,14 @@ class ExpertStore:
         return sum(p.capacity_bytes for p in self.pools)
 
     # -- the hot path --------------------------------------------------------------------
-    def fetch(self, layer: int, experts, ready=None) -> np.ndarray:
+    def fetch(self, layer: int, experts, ready=None, during=None) -> np.ndarray:
         """Make sure `experts` (distinct ids, at most pool.slots of them) of `layer` sit in slots.
 
         Returns a lookup table expert id -> slot id (0 for experts not asked for). With `ready`,
         the caller computes while the reads are in flight: ready(lut, ids) is called first with
         the experts already cached, then with each missing expert as soon as it has landed.
+        `during()` is called once, after that first ready call: while the misses are being read
+        when there are any.
         """
         pool = self._pool_of[layer]
         info = self.layers[layer]
@@ -183,6 +185,8 @@ class ExpertStore:
         if not misses:
             if ready is not None:
                 ready(lut, hits)
+            if during is not None:
+                during()
             return lut
         # Slots are about to be overwritten: finish every computation that reads them.
         if self.pending:
@@ -201,6 +205,8 @@ class ExpertStore:
         futures = {self._exec.submit(self._read_all, js): e for e, js in jobs.items()}
         if ready is not None and hits:
             ready(lut, hits)  # cached experts compute while the misses are read
+        if during is not None:
+            during()  # and so does the caller's other work (a shared expert)
         wait = 0.0
         pending = set(futures)
         while pending:

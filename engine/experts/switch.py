@@ -33,6 +33,7 @@ class StreamingSwitchGLU(nn.Module):
         self._store = store
         self._timing = timing  # shared one-item list: the engine's current timing mode
         self._cpu = _CpuExperts(inner, pool) if store.cpu_kernels and _CpuExperts.supports(inner, pool) else None
+        self._side = None  # _Hidden(shared expert with run_ahead(x, x2)): computed while experts load
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         store, layer = self._store, self._layer
@@ -45,8 +46,11 @@ class StreamingSwitchGLU(nn.Module):
             from ..kernels.cpu_qmm import to_numpy
 
             mx.eval(x)
-            y = self.experts_np(to_numpy(x).reshape(-1, x.shape[-1]), ids)
-            return mx.array(y).astype(x.dtype)
+            x2 = to_numpy(x).reshape(-1, x.shape[-1])
+            side = self._side.module if self._side is not None else None
+            during = (lambda: side.run_ahead(x, x2)) if side is not None else None
+            y = mx.array(self.experts_np(x2, ids, during=during))
+            return y if x.dtype == mx.float32 else y.astype(x.dtype)
         wanted = np.unique(ids)
         slots = store.pool(layer).slots
         if store.routers and ids.size == ids.shape[-1]:  # decoding one token: read the next layer ahead
@@ -64,16 +68,17 @@ class StreamingSwitchGLU(nn.Module):
             store.note_output(y)
         return y
 
-    def experts_np(self, x2: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    def experts_np(self, x2: np.ndarray, ids: np.ndarray, during=None) -> np.ndarray:
         """The CPU kernel path on numpy: x2 [R, D] float32, ids [..., k] with ids.size = R * k
-        -> expert outputs ids.shape + (D_out,) (not yet weighted by the router's scores)."""
+        -> expert outputs ids.shape + (D_out,) (not yet weighted by the router's scores).
+        `during()` runs once while the misses are read (see ExpertStore.fetch)."""
         store, layer = self._store, self._layer
         stats = store.stats[layer]
         wanted = np.unique(ids)
         if store.routers and ids.size == ids.shape[-1]:  # decoding one token: read the next layer ahead
             self._read_ahead(x2, set(int(e) for e in wanted))
         t1 = perf_counter()
-        y = self._cpu(x2, ids, wanted, store.pool(layer).slots, store, layer)
+        y = self._cpu(x2, ids, wanted, store.pool(layer).slots, store, layer, during)
         stats.compute_s += perf_counter() - t1 - (stats.io_wait_s - self._cpu.wait_before)
         return y
 
@@ -150,7 +155,7 @@ class _CpuExperts:
         u = gather_qmm(rows, *self.w["up_proj"][:3], slots, *self.w["up_proj"][3:])
         out[pairs] = gather_qmm(swiglu_np(g, u), *self.w["down_proj"][:3], slots, *self.w["down_proj"][3:])
 
-    def __call__(self, x2, ids, wanted, slots, store, layer):
+    def __call__(self, x2, ids, wanted, slots, store, layer, during=None):
         flat = ids.reshape(x2.shape[0], -1)
         out = np.empty((flat.size, x2.shape[1]), dtype=np.float32)
         self.wait_before = store.stats[layer].io_wait_s
@@ -161,5 +166,5 @@ class _CpuExperts:
                 self._pairs(x2, lut[flat].astype(np.int64), pairs, out)
 
         for start in range(0, len(wanted), slots):  # more distinct experts than slots: in groups
-            store.fetch(layer, wanted[start:start + slots], ready=ready)
+            store.fetch(layer, wanted[start:start + slots], ready=ready, during=during if start == 0 else None)
         return out.reshape(*ids.shape, -1)

@@ -149,7 +149,8 @@ def _rows_source(bits: int, rows: int) -> str:
     block runs all 16 lanes, reading on into the next row of the (contiguous) weights: the extra
     lanes decode finite integers, multiply the zeros xq holds past the row, and land in pb slots
     past the row's chunks, which loops 2-3 never read. Only the very last row of the array
-    (n >= nsafe) would read past its end, and it takes the short loop."""
+    (n >= nsafe) would read past its end, and it takes the short loop. One x row only: with the
+    same bound the two-row variant stopped vectorising (prefill ran 6x slower)."""
     L = ["@njit(cache=True, fastmath=False)",
          f"def _rows{bits}_{rows}(wt, st, bt, xq, xs, p, n0, n1, nsafe, cpg, pb, gt, out, dst):",
          f"    nc = wt.shape[1] // {bits}",
@@ -158,7 +159,8 @@ def _rows_source(bits: int, rows: int) -> str:
          "    ngb = ng // 16"]
     L += ["    for n in range(n0, n1):",
           "        for cb in range(ncb):",
-          "            nl = 16 if cb < ncb - 1 or n < nsafe else nc - cb * 16",
+          "            nl = 16 if cb < ncb - 1 or n < nsafe else nc - cb * 16" if rows == 1 else
+          "            nl = min(16, nc - cb * 16)",
           "            for l in range(nl):"]
     L += [f"                w{i} = wt[n, cb * {16 * bits} + l * {bits} + {i}]" for i in range(bits)]
     L += [f"                a{r} = float32(0.0)" for r in range(rows)]
