@@ -105,6 +105,7 @@ MAX_CHUNKS = 2048  # longest row: 2048 chunks of 32 values (in <= 65536)
 SERIAL_BELOW = 1 << 17
 SERIAL_BELOW_WITHOUT_TBB = 1 << 28
 PREP_PARALLEL_ABOVE = 1 << 16  # rows * in above which x is permuted by all threads
+VIRTUAL_ROWS_MAX_X = 64  # calls with more (x row, expert) pairs than this do not use virtual rows
 
 # --------------------------------------------------------------------------------------------
 # Code generation for the per-bits kernels.
@@ -189,9 +190,53 @@ def _rows_source(bits: int, rows: int) -> str:
     return "\n".join(L) + "\n"
 
 
+def _vrows_source(bits: int) -> str:
+    """Weight rows n0..n1-1 (a multiple of rv) against one x row p, rv rows at a time as one
+    "virtual row" of rv*nc chunks, rv*nc a multiple of 16: rows of 576 values (18 chunks) go 8 at
+    a time, rows of 768 (24 chunks) 2 at a time, so that every block of 16 chunks is full and
+    runs the vector loop (a row's own partial block wastes up to 15 of its 16 lanes). The rv rows
+    are contiguous in wt, so indexing past row v reads rows v+1..v+rv-1; xt holds x tiled rv
+    times in the chunk layout (see _prep_tiled), and pb the rv rows' chunk dots one after the
+    other. Loops 2-3 are those of _rows_source, once per real row."""
+    L = ["@njit(cache=True, fastmath=False)",
+         f"def _vrows{bits}(wt, st, bt, xt, xs, p, n0, n1, rv, cpg, pb, gt, out, dst):",
+         f"    nc = wt.shape[1] // {bits}",
+         "    ncb = rv * nc // 16",
+         "    ng = st.shape[1]",
+         "    ngb = ng // 16",
+         "    lanes = min(16, ncb * 16)  # 16, left to run time as in _rows_source",
+         "    for v in range(n0, n1, rv):",
+         "        for cb in range(ncb):",
+         "            for l in range(lanes):"]
+    L += [f"                w{i} = wt[v, cb * {16 * bits} + l * {bits} + {i}]" for i in range(bits)]
+    L += ["                a0 = float32(0.0)"]
+    for j in range(32):
+        L.append(f"                q = float32(np.int32({_value_expr(bits, j)}))")
+        L.append(f"                a0 += q * xt[p, cb * 512 + {j * 16} + l]")
+    L += ["                pb[cb * 16 + l] = a0",
+          "        for k in range(rv):",
+          "            n = v + k",
+          "            base = k * nc"]
+    for cpg, kw in ((1, "if"), (2, "elif"), (4, "else")):
+        L.append(f"            {kw} cpg == {cpg}:" if cpg != 4 else "            else:")
+        L.append("                for g in range(ng):")
+        dot = " + ".join(f"pb[base + {cpg} * g + {t}]" for t in range(cpg))
+        L.append(f"                    gt[g] = st[n, g] * ({dot}) + bt[n, g] * xs[p, g]")
+    L += [f"            t{i} = float32(0.0)" for i in range(16)]
+    L.append("            for gb in range(ngb):")
+    L += [f"                t{i} += gt[gb * 16 + {i}]" for i in range(16)]
+    L.append("            for g in range(ngb * 16, ng):")
+    L.append("                t0 += gt[g]")
+    tree = [f"t{i}" for i in range(16)]
+    while len(tree) > 1:
+        tree = [f"({tree[k]} + {tree[k + 1]})" for k in range(0, len(tree), 2)]
+    L.append(f"            out[dst[p], n] = {tree[0]}")
+    return "\n".join(L) + "\n"
+
+
 _ITEM_TEMPLATE = """
 @njit(cache=True, fastmath=False)
-def _item{B}(w3, s3, b3, xq, xs, e, p0, p1, n0, n1, dst, out):
+def _item{B}(w3, s3, b3, xq, xs, xt, rv, e, p0, p1, n0, n1, dst, out):
     # out[dst[p], n] for sorted pairs p in [p0, p1) (all on expert e) and rows n in [n0, n1)
     wt = w3[e]
     st = s3[e]
@@ -206,6 +251,10 @@ def _item{B}(w3, s3, b3, xq, xs, e, p0, p1, n0, n1, dst, out):
         _rows{B}_2(wt, st, bt, xq, xs, p, n0, n1, nsafe, cpg, pb, gt, out, dst)
         p += 2
     if p < p1:
+        if rv > 1:  # whole groups of rv rows as virtual rows, the rest as single rows
+            nv = n0 + (n1 - n0) // rv * rv
+            _vrows{B}(wt, st, bt, xt, xs, p, n0, nv, rv, cpg, pb, gt, out, dst)
+            n0 = nv
         _rows{B}_1(wt, st, bt, xq, xs, p, n0, n1, nsafe, cpg, pb, gt, out, dst)
 
 
@@ -215,25 +264,28 @@ def _run{B}(x, idx, k, w3, s3, b3, group_size, parallel):
     P = idx.shape[0]
     N = w3.shape[1]
     xq, xs = _prep(x, xrow, group_size, parallel)
+    rv = _virtual_rows(x.shape[1] // 32, P)
+    xt = _prep_tiled(x, xrow, rv) if rv > 1 else np.empty((0, 0), np.float32)
     nblk = (N + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
     out = np.empty((P, N), np.float32)
     if parallel:
         for it in prange(seg_e.shape[0] * nblk):
             s = it // nblk
             n0 = (it % nblk) * ROWS_PER_ITEM
-            _item{B}(w3, s3, b3, xq, xs, seg_e[s], seg_p0[s], seg_p1[s], n0, min(N, n0 + ROWS_PER_ITEM), dst, out)
+            _item{B}(w3, s3, b3, xq, xs, xt, rv, seg_e[s], seg_p0[s], seg_p1[s], n0, min(N, n0 + ROWS_PER_ITEM), dst, out)
     else:
         for it in range(seg_e.shape[0] * nblk):
             s = it // nblk
             n0 = (it % nblk) * ROWS_PER_ITEM
-            _item{B}(w3, s3, b3, xq, xs, seg_e[s], seg_p0[s], seg_p1[s], n0, min(N, n0 + ROWS_PER_ITEM), dst, out)
+            _item{B}(w3, s3, b3, xq, xs, xt, rv, seg_e[s], seg_p0[s], seg_p1[s], n0, min(N, n0 + ROWS_PER_ITEM), dst, out)
     return out
 """
 
 
 def _kernel_source(bits: int) -> str:
     """The numba source of the kernels for one bit width (what `_kernel(bits)` compiles)."""
-    return _rows_source(bits, 1) + "\n" + _rows_source(bits, 2) + _ITEM_TEMPLATE.replace("{B}", str(bits))
+    return (_rows_source(bits, 1) + "\n" + _rows_source(bits, 2) + "\n" + _vrows_source(bits)
+            + _ITEM_TEMPLATE.replace("{B}", str(bits)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,6 +343,34 @@ def _prep_row(x, xrow, group_size, xq, xs, p):
         for i in range(g * group_size, (g + 1) * group_size):
             a += xr[i]
         xs[p, g] = a
+
+
+@njit(cache=True, fastmath=False)
+def _virtual_rows(nc, P):
+    """How many weight rows make one virtual row (see _vrows_source): the fewest whose chunks
+    fill whole blocks of 16; 1 (off) for rows that already do, for virtual rows longer than the
+    scratch, and for calls of many x rows (prefill pairs rows of x instead)."""
+    rv = 1
+    while (rv * nc) % 16:
+        rv *= 2
+    return rv if rv * nc <= MAX_CHUNKS and P <= VIRTUAL_ROWS_MAX_X else 1
+
+
+@njit(cache=True, fastmath=False)
+def _prep_tiled(x, xrow, rv):
+    """x rows xrow[p] tiled rv times, in the chunk layout of _prep_row: virtual chunk c holds
+    chunk c % nc of the row."""
+    P = xrow.shape[0]
+    nc = x.shape[1] // 32
+    xt = np.empty((P, rv * nc * 32), np.float32)
+    for p in range(P):
+        xr = x[xrow[p]]
+        for c in range(rv * nc):
+            src = (c % nc) * 32
+            dst = (c // 16) * 512 + c % 16
+            for j in range(32):
+                xt[p, dst + j * 16] = xr[src + j]
+    return xt
 
 
 @njit(cache=True, fastmath=False, parallel=True)
