@@ -1,0 +1,65 @@
+#!/usr/bin/env python3
+"""Time to first token: load a model in the Engine (as `flashmoe chat` does), then send the same
+short chat prompt a few times and print how long each first token took.
+
+The first request pays for what loading leaves lazy (numba kernels read from their disk cache,
+first MLX graphs); the later ones show the steady state. Every request runs in a new session, so
+each prefills the whole prompt (a conversation's next turn would reuse its prefix and be faster).
+
+    python benchmarks/ttft.py                 # the demo model (built on first use)
+    python benchmarks/ttft.py -m MODEL --requests 5 --kernels mlx
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_common import cpu_model, source_revision  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("-m", "--model", help="model folder (default: the demo model)")
+    p.add_argument("--prompt", default="What is the capital of France?")
+    p.add_argument("--requests", type=int, default=3)
+    p.add_argument("--kernels", default="auto", choices=("auto", "mlx", "cpu"))
+    args = p.parse_args()
+
+    from engine import ModelLoaded, TokenGenerated
+    from engine.demo import ensure_demo
+    from engine.engine import Engine
+    from engine.generate import GenerationRequest
+
+    model = Path(args.model) if args.model else ensure_demo()
+    t0 = time.perf_counter()
+    eng = Engine(model, kernels=args.kernels)
+    info = eng.wait_loaded()
+    load_s = time.perf_counter() - t0
+    assert isinstance(info, ModelLoaded)
+    messages = [{"role": "user", "content": args.prompt}]
+    print(f"model   : {model} ({info.model_type}, {info.bits}-bit, K={info.top_k}, kernels {info.kernels})")
+    print(f"machine : {cpu_model()}; flashmoe {source_revision()}")
+    print(f"load    : {load_s:.2f} s")
+    for i in range(args.requests):
+        t = time.perf_counter()
+        first = None
+        prompt_tokens = None
+        request = GenerationRequest(messages=messages, max_tokens=1, timing="off")
+        for ev in eng.submit(request, session=f"ttft-{i}"):
+            if isinstance(ev, TokenGenerated) and first is None:
+                first = time.perf_counter() - t
+            prompt_tokens = getattr(ev, "prompt_tokens", prompt_tokens)
+        print(f"request {i + 1}: first token after {first:.3f} s ({prompt_tokens} prompt tokens, "
+              f"{'first request after load' if i == 0 else 'full prefill again'})")
+    eng.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
