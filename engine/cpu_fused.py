@@ -455,21 +455,24 @@ def _probe_moe(block: nn.Module) -> str | None:
         return None
     w, _, _, bits, _ = switch._cpu.w["gate_proj"]
     dim = w.shape[-1] * 32 // bits
+    num_experts = switch._store.layers[switch._layer].num_experts
     rng = np.random.default_rng(0)
     x = mx.array(rng.standard_normal((1, 3, dim)).astype(np.float32))
+    x2 = np.array(x).reshape(3, dim)
     for routing in ROUTINGS:
         new.routing = routing
-        num_experts = switch._store.layers[switch._layer].num_experts
         fake = _FakeExperts(rng.standard_normal((3, num_experts, dim)).astype(np.float32))
         block["switch_mlp"] = fake
         try:
             want = block(x)
             seen = fake.seen
+        except (ValueError, TypeError, AttributeError, IndexError):  # not a block this fits
+            return None
         finally:
             block["switch_mlp"] = switch
-        got = mx.array(new.np(np.array(x).reshape(3, dim), fake.np_call)).reshape(x.shape)
-        ids, _ = route(new._router(np.array(x).reshape(3, dim)), new.k, routing)
-        if _close(got, want) and np.array_equal(np.sort(ids, axis=-1), np.sort(seen, axis=-1)):
+        got = mx.array(new.np(x2, fake.np_call)).reshape(x.shape)
+        ids, _ = route(new._router(x2), new.k, routing)
+        if seen is not None and _close(got, want) and np.array_equal(np.sort(ids, axis=-1), np.sort(seen, axis=-1)):
             return routing
     return None
 
@@ -509,8 +512,10 @@ def _input_dim(module: nn.Module, first: str) -> int:
 
 
 def install(model: nn.Module) -> dict:
-    """Replace attention and MLP blocks that pass their probe; returns counts by kind (tried and
-    replaced). Run after cpu_path.install (the projections must already be CpuQuantizedLinear)."""
+    """Replace the attention, MLP and MoE blocks that pass their probe, put shared experts ahead
+    of the routed experts' reads, then fuse the decoder layers whose blocks were all replaced.
+    Returns counts by kind (tried and replaced). Run after cpu_path.install (the projections must
+    already be CpuQuantizedLinear)."""
     from .kernels.cpu_attn import warmup
 
     warmup()

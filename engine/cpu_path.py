@@ -78,11 +78,6 @@ class CpuQuantizedEmbedding(nn.Module):
         return self._linear.module(x)
 
 
-def swiglu_np(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """silu(gate) * up, as mlx-lm's SwiGLU computes it."""
-    return gate / (1.0 + np.exp(-gate)) * up
-
-
 def install(model: nn.Module) -> int:
     """Replace every affine QuantizedLinear / QuantizedEmbedding; returns how many were replaced.
 

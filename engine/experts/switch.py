@@ -143,17 +143,16 @@ class _CpuExperts:
                          to_numpy(pool.arrays[f"{n}.biases"]), proj.bits, proj.group_size)
         self.wait_before = 0.0
 
-    def _pairs(self, x2, idx, pairs, out):
-        """Experts for the (row, slot) pairs `pairs` of the flattened ids; results into out."""
+    def _swiglu(self, rows, slots):
+        """down(silu(gate(x)) * up(x)) of each x row with its slot: rows [R, D] with slots [R]
+        (or [R, k]: each row with each of its k slots)."""
+        from ..kernels.cpu_attn import silu_mul
         from ..kernels.cpu_qmm import gather_qmm
 
-        from ..cpu_path import swiglu_np
-
-        rows = x2[pairs // idx.shape[1]]
-        slots = idx.reshape(-1)[pairs]
         g = gather_qmm(rows, *self.w["gate_proj"][:3], slots, *self.w["gate_proj"][3:])
         u = gather_qmm(rows, *self.w["up_proj"][:3], slots, *self.w["up_proj"][3:])
-        out[pairs] = gather_qmm(swiglu_np(g, u), *self.w["down_proj"][:3], slots, *self.w["down_proj"][3:])
+        h = silu_mul(g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]))
+        return gather_qmm(h, *self.w["down_proj"][:3], slots.reshape(-1), *self.w["down_proj"][3:])
 
     def __call__(self, x2, ids, wanted, slots, store, layer, during=None):
         flat = ids.reshape(x2.shape[0], -1)
@@ -161,9 +160,12 @@ class _CpuExperts:
         self.wait_before = store.stats[layer].io_wait_s
 
         def ready(lut, experts):
+            if len(experts) == len(wanted):  # all at once (all cached): x rows are prepared once
+                out[:] = self._swiglu(x2, lut[flat].astype(np.int64))
+                return
             pairs = np.nonzero(np.isin(flat.reshape(-1), experts))[0]
             if pairs.size:
-                self._pairs(x2, lut[flat].astype(np.int64), pairs, out)
+                out[pairs] = self._swiglu(x2[pairs // flat.shape[1]], lut[flat].reshape(-1)[pairs].astype(np.int64))
 
         for start in range(0, len(wanted), slots):  # more distinct experts than slots: in groups
             store.fetch(layer, wanted[start:start + slots], ready=ready, during=during if start == 0 else None)
