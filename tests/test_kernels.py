@@ -179,3 +179,22 @@ def test_errors():
         K.gather_qmm(x, wq[None], s[None], b[None], np.array([1]), 4, 32)
     with pytest.raises(ValueError, match="indices"):
         K.gather_qmm(np.zeros((2, 64), np.float32), wq[None], s[None], b[None], np.array([0, 0, 0]), 4, 32)
+
+
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
+@pytest.mark.parametrize("bits,gs,k,rows", [(4, 64, 768, 1), (8, 64, 576, 1), (3, 32, 320, 5), (2, 128, 1024, 12)])
+def test_gather_qmm_pair_equals_two_calls(monkeypatch, threads, bits, gs, k, rows):
+    """The gate/up pair in one call gives exactly what two gather_qmm calls give (one row: the
+    virtual-row path for 576 and 768 values; several rows: pairs of x rows)."""
+    for name in ("SERIAL_BELOW", "SERIAL_BELOW_WITHOUT_TBB"):
+        monkeypatch.setattr(K, name, 1 << 62 if threads == "serial" else 0)
+    E, out = 6, 40
+    a = quantize(RNG.standard_normal((E, out, k)).astype(np.float32), bits, gs)[:3]
+    b = quantize(RNG.standard_normal((E, out, k)).astype(np.float32), bits, gs)[:3]
+    x = RNG.standard_normal((rows, k)).astype(np.float32)
+    idx = np.stack([RNG.permutation(E)[:3] for _ in range(rows)])
+    ga, gb = K.gather_qmm_pair(x, a, b, idx, bits, gs)
+    assert np.array_equal(ga, K.gather_qmm(x, *a, idx, bits, gs))
+    assert np.array_equal(gb, K.gather_qmm(x, *b, idx, bits, gs))
+    with pytest.raises(ValueError, match="differ in shape"):
+        K.gather_qmm_pair(x, a, tuple(t[:, :8] for t in b), idx, bits, gs)

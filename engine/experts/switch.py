@@ -147,10 +147,14 @@ class _CpuExperts:
         """down(silu(gate(x)) * up(x)) of each x row with its slot: rows [R, D] with slots [R]
         (or [R, k]: each row with each of its k slots)."""
         from ..kernels.cpu_attn import silu_mul
-        from ..kernels.cpu_qmm import gather_qmm
+        from ..kernels.cpu_qmm import gather_qmm, gather_qmm_pair
 
-        g = gather_qmm(rows, *self.w["gate_proj"][:3], slots, *self.w["gate_proj"][3:])
-        u = gather_qmm(rows, *self.w["up_proj"][:3], slots, *self.w["up_proj"][3:])
+        gate, up = self.w["gate_proj"], self.w["up_proj"]
+        if gate[3:] == up[3:] and gate[0].shape == up[0].shape:  # one kernel call for both
+            g, u = gather_qmm_pair(rows, gate[:3], up[:3], slots, *gate[3:])
+        else:
+            g = gather_qmm(rows, *gate[:3], slots, *gate[3:])
+            u = gather_qmm(rows, *up[:3], slots, *up[3:])
         h = silu_mul(g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]))
         return gather_qmm(h, *self.w["down_proj"][:3], slots.reshape(-1), *self.w["down_proj"][3:])
 

@@ -279,6 +279,39 @@ def _run{B}(x, idx, k, w3, s3, b3, group_size, parallel):
             n0 = (it % nblk) * ROWS_PER_ITEM
             _item{B}(w3, s3, b3, xq, xs, xt, rv, seg_e[s], seg_p0[s], seg_p1[s], n0, min(N, n0 + ROWS_PER_ITEM), dst, out)
     return out
+
+
+@njit(cache=True, fastmath=False, parallel=True)
+def _run2{B}(x, idx, k, w3a, s3a, b3a, w3b, s3b, b3b, group_size, parallel):
+    # _run{B} for two weight sets of the same shape and the same x and ids (a SwiGLU's gate and
+    # up): one plan, one preparation of x, one parallel region
+    xrow, dst, seg_e, seg_p0, seg_p1 = _plan(idx, k, w3a.shape[0])
+    P = idx.shape[0]
+    N = w3a.shape[1]
+    xq, xs = _prep(x, xrow, group_size, parallel)
+    rv = _virtual_rows(x.shape[1] // 32, P)
+    xt = _prep_tiled(x, xrow, rv) if rv > 1 else np.empty((0, 0), np.float32)
+    nblk = (N + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
+    nit = seg_e.shape[0] * nblk
+    outa = np.empty((P, N), np.float32)
+    outb = np.empty((P, N), np.float32)
+    if parallel:
+        for it in prange(2 * nit):
+            s = (it % nit) // nblk
+            n0 = (it % nblk) * ROWS_PER_ITEM
+            if it < nit:
+                _item{B}(w3a, s3a, b3a, xq, xs, xt, rv, seg_e[s], seg_p0[s], seg_p1[s], n0, min(N, n0 + ROWS_PER_ITEM), dst, outa)
+            else:
+                _item{B}(w3b, s3b, b3b, xq, xs, xt, rv, seg_e[s], seg_p0[s], seg_p1[s], n0, min(N, n0 + ROWS_PER_ITEM), dst, outb)
+    else:
+        for it in range(2 * nit):
+            s = (it % nit) // nblk
+            n0 = (it % nblk) * ROWS_PER_ITEM
+            if it < nit:
+                _item{B}(w3a, s3a, b3a, xq, xs, xt, rv, seg_e[s], seg_p0[s], seg_p1[s], n0, min(N, n0 + ROWS_PER_ITEM), dst, outa)
+            else:
+                _item{B}(w3b, s3b, b3b, xq, xs, xt, rv, seg_e[s], seg_p0[s], seg_p1[s], n0, min(N, n0 + ROWS_PER_ITEM), dst, outb)
+    return outa, outb
 """
 
 
@@ -398,7 +431,14 @@ def _kernel(bits: int):
         ns = dict(globals())
         exec(compile(_kernel_source(bits), __file__, "exec"), ns)  # noqa: S102 - our own template
         fn = _compiled[bits] = ns[f"_run{bits}"]
+        _compiled[("pair", bits)] = ns[f"_run2{bits}"]
     return fn
+
+
+def _kernel_pair(bits: int):
+    """The two-weight-set entry point for `bits` (see gather_qmm_pair)."""
+    _kernel(bits)
+    return _compiled[("pair", bits)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -481,6 +521,30 @@ def gather_qmm(x, w, scales, biases, indices, bits: int = 4, group_size: int = 6
         raise IndexError(f"expert index out of range 0..{E - 1}")
     out = _call(bits, x2, idx, indices.size // R, w, scales, biases, group_size)
     return out.reshape(*indices.shape, w.shape[1])
+
+
+def gather_qmm_pair(x, a, b, indices, bits: int = 4, group_size: int = 64):
+    """gather_qmm of the same x and indices against two stacked weight sets of one shape,
+    a = (w, scales, biases) and b likewise, in one call (a SwiGLU's gate and up projections):
+    returns (out_a, out_b), each equal to what gather_qmm gives for its set."""
+    x = _as_f32(np.asarray(x), "x")
+    wa, sa, ba = _check(x, *(np.asarray(t) for t in a), bits, group_size, 1)
+    wb, sb, bb = _check(x, *(np.asarray(t) for t in b), bits, group_size, 1)
+    if wa.shape != wb.shape:
+        raise ValueError(f"the two weight sets differ in shape: {wa.shape} and {wb.shape}")
+    indices = np.asarray(indices)
+    x2 = x.reshape(-1, x.shape[-1])
+    R = x2.shape[0]
+    if indices.size == 0 or R == 0 or indices.size % R:
+        raise ValueError(f"indices {indices.shape} do not fit x {x.shape}: need a multiple of {R} entries")
+    idx = np.ascontiguousarray(indices.reshape(-1), dtype=np.int64)
+    if idx.min() < 0 or idx.max() >= wa.shape[0]:
+        raise IndexError(f"expert index out of range 0..{wa.shape[0] - 1}")
+    serial_below = SERIAL_BELOW if threading_layer() == "tbb" else SERIAL_BELOW_WITHOUT_TBB
+    parallel = 2 * idx.shape[0] * wa.shape[1] * x2.shape[1] >= serial_below
+    oa, ob = _kernel_pair(bits)(x2, idx, indices.size // R, wa, sa, ba, wb, sb, bb, group_size, parallel)
+    shape = (*indices.shape, wa.shape[1])
+    return oa.reshape(shape), ob.reshape(shape)
 
 
 # --------------------------------------------------------------------------------------------
