@@ -22,6 +22,9 @@ API (numpy in, numpy out; see `qmm_mx` / `gather_qmm_mx` for mx.array in and out
         x [T, in] with indices [T, k]       -> [T, k, out]   row t is used with each of its k experts
         (generally: indices.size must be a multiple of x.shape[0]; each x row is used for
         indices.size // x.shape[0] consecutive entries of the flattened indices)
+    gather_qmm_pair(x, (w, s, b), (w2, s2, b2), indices, bits, group_size)
+        two weight sets of one shape against the same x and indices in one call (a SwiGLU's
+        gate and up) -> (gather_qmm of the first, gather_qmm of the second)
 
 x is float32 (other float dtypes are converted), w uint32, scales/biases float32 (float16 is
 converted, a copy of the scales and biases on every call; convert once at load time instead, see
