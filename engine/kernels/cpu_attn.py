@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import float32, njit
 
+
 @njit(cache=True, fastmath=False)
 def _dot(a, b, n):
     """sum(a[:n] * b[:n]) in float32 with 16 partial sums."""
