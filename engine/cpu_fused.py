@@ -557,7 +557,23 @@ def install(model: nn.Module) -> dict:
         set_module(model, name, new)
     counts["shared_ahead"] = sum(_install_shared(m) for _, m in model.named_modules() if "switch_mlp" in m)
     _install_layers(model, counts)
+    _release_freed_memory()
     return counts
+
+
+def _release_freed_memory() -> None:
+    """The fused q/k/v and gate/up copies replaced the original arrays: hand their memory back
+    to the system (MLX keeps freed buffers in its cache, glibc keeps freed heap), or the process
+    would hold the replaced weights twice in its RSS (~150 MB on the 24-layer synthetic model)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    mx.clear_cache()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _install_layers(model: nn.Module, counts: dict) -> None:

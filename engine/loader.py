@@ -392,6 +392,7 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         parent_path, _, attr = l.module.rpartition(".")
         setattr(parents[parent_path] if parent_path else model, attr,
                 StreamingSwitchGLU(modules[l.module], l.layer, store, loaded.timing))
+    del parents, modules  # they name every original module; the CPU path below replaces some
 
     model.eval()
     if dtype == "float32":
@@ -403,6 +404,7 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         raise ModelLoadError(path, f"weights do not match the config: {e}") from None
     except RuntimeError as e:
         raise ModelLoadError(path, f"cannot read the resident weights ({e})") from None
+    del weights  # the model holds what it needs; the CPU path below replaces some of it
     loaded.kernels = kernels
     if prefetch and store is not None:
         store.routers = router_weights(model, layers)
