@@ -32,14 +32,17 @@ converted, a copy of the scales and biases on every call; convert once at load t
 order: out = sum over groups of (scale * sum(q * x) + bias * sum(x)).
 
 How it is fast: a row is split in "chunks" of 32 values (`bits` words). The chunk's 32 values are
-decoded with constant shifts and multiplied by x in straight-line code, and LLVM vectorises across
-16 chunks at a time (one AVX-512 register holds the same value position of 16 chunks). x is
-permuted once per call so these loads are contiguous. The chunk dots are then scaled per group
-(vectorised across groups) and summed in 16 lanes. Two x rows share one decode of a weight row
-(many-row calls: prefill, and experts chosen by several tokens). fastmath stays off: no
-reassociation and no FMA contraction, so the result does not depend on the machine's vector width
-and NaN/Inf behave as in numpy; the price is that LLVM only vectorises loops written with explicit
-lanes, which is why the code has the shape it has (see `_rows_source`).
+decoded with constant masks (most are left in place, scaled by a power of two that x carries:
+see `_in_place_shift`) and multiplied by x in straight-line code, into four independent running
+sums, and LLVM vectorises across 16 chunks at a time (one AVX-512 register holds the same value
+position of 16 chunks). x is permuted once per call so these loads are contiguous. The chunk
+dots are then scaled per group (vectorised across groups) and summed in 16 lanes. Two x rows
+share one decode of a weight row (many-row calls: prefill, and experts chosen by several tokens).
+Of fastmath only FMA contraction is on: no reassociation, so the summation order is the one
+written here whatever the machine's vector width, and NaN/Inf behave as in numpy; the price is
+that LLVM only vectorises loops written with explicit lanes, which is why the code has the shape
+it has (see `_rows_source`). With FMA a product and its sum are rounded once instead of twice,
+so the last bits can differ from a machine without FMA -- within float32 rounding either way.
 
 The straight-line chunk code is generated from a template (`_kernel_source(bits)`) and compiled
 with `compile(..., __file__)`, so numba's on-disk cache (cache=True) works for it like for any
@@ -109,6 +112,12 @@ SERIAL_BELOW = 1 << 17
 SERIAL_BELOW_WITHOUT_TBB = 1 << 28
 PREP_PARALLEL_ABOVE = 1 << 16  # rows * in above which x is permuted by all threads
 VIRTUAL_ROWS_MAX_X = 64  # calls with more (x row, expert) pairs than this do not use virtual rows
+# Independent sums per chunk dot: one running sum of 32 products is a chain of 32 dependent adds,
+# and its latency, not the arithmetic, bounded the kernel; four chains ran it 15-25% faster.
+ACCUMULATORS = 4
+# The generated kernels let LLVM fuse a multiply and its add (FMA): fewer instructions, one
+# rounding instead of two. Nothing else of fastmath (no reassociation, NaN/Inf as in numpy).
+KERNEL_FASTMATH = {"contract"}
 
 # --------------------------------------------------------------------------------------------
 # Code generation for the per-bits kernels.
@@ -118,16 +127,48 @@ for _v in (*range(32), 255):
 del _v
 
 
-def _value_expr(bits: int, j: int) -> str:
-    """Expression for value j (0..31) of a 32-value chunk whose words are in w0..w{bits-1}.
+def _in_place_shift(bits: int, j: int) -> int:
+    """The bit position at which value j of a chunk is left in its word (0: shifted down).
 
-    Shift amounts and masks are the module constants _U0.._U31 (uint32), so that everything
-    stays in 32-bit lanes (a plain int literal would promote the uint32 words to int64). The
-    caller converts through int32: LLVM vectorises int32 -> float32 in one instruction, but
-    uint32 -> float32 with a slow sequence (the kernel ran 1.6x slower)."""
+    A value that neither crosses a word nor is the word's top value is masked where it lies
+    (q * 2**sh, exact in float32 and below 2**31, so positive as an int32) instead of shifted
+    down and masked: one instruction less per value. x is multiplied by 2**-sh once per call
+    to make up for it (`_x_scales`); both scalings are by powers of two, so every product is the
+    same float as q * x."""
+    sh = (j * bits) & 31
+    return sh if sh + bits < 32 else 0
+
+
+def _x_scales(bits: int) -> np.ndarray:
+    """Per value position j of a chunk, the factor x is multiplied by (see _in_place_shift)."""
+    return np.array([2.0 ** -_in_place_shift(bits, j) for j in range(32)], np.float32)
+
+
+for _b in BITS:
+    globals()[f"_XSCALE{_b}"] = _x_scales(_b)  # read by the generated _run{bits}
+del _b
+
+
+def _sum_tree(terms: list[str]) -> str:
+    """Source of the pairwise sum of `terms` ((a + b) + (c + d) ...)."""
+    while len(terms) > 1:
+        terms = [f"({terms[k]} + {terms[k + 1]})" for k in range(0, len(terms), 2)]
+    return terms[0]
+
+
+def _value_expr(bits: int, j: int) -> str:
+    """Expression for value j (0..31) of a 32-value chunk whose words are in w0..w{bits-1}:
+    the value times 2**_in_place_shift(bits, j).
+
+    Shift amounts and masks are uint32 constants (_U0.._U31 are module constants), so that
+    everything stays in 32-bit lanes (a plain int literal would promote the uint32 words to
+    int64). The caller converts through int32: LLVM vectorises int32 -> float32 in one
+    instruction, but uint32 -> float32 with a slow sequence (the kernel ran 1.6x slower)."""
     off = j * bits
     wi, sh = off >> 5, off & 31
     mask = f"_U{(1 << bits) - 1}"
+    if _in_place_shift(bits, j):
+        return f"(w{wi} & np.uint32({((1 << bits) - 1) << sh}))"
     if sh + bits <= 32:
         e = f"(w{wi} >> _U{sh})" if sh else f"w{wi}"
         return e if sh + bits == 32 else f"({e} & {mask})"
@@ -155,7 +196,7 @@ def _rows_source(bits: int, rows: int) -> str:
     past the row's chunks, which loops 2-3 never read. Only the very last row of the array
     (n >= nsafe) would read past its end, and it takes the short loop. One x row only: with the
     same bound the two-row variant stopped vectorising (prefill ran 6x slower)."""
-    L = ["@njit(cache=True, fastmath=False)",
+    L = ["@njit(cache=True, fastmath=KERNEL_FASTMATH)",
          f"def _rows{bits}_{rows}(wt, st, bt, xq, xs, p, n0, n1, nsafe, cpg, pb, gt, out, dst):",
          f"    nc = wt.shape[1] // {bits}",
          "    ncb = (nc + 15) // 16",
@@ -167,11 +208,13 @@ def _rows_source(bits: int, rows: int) -> str:
           "            nl = min(16, nc - cb * 16)",
           "            for l in range(nl):"]
     L += [f"                w{i} = wt[n, cb * {16 * bits} + l * {bits} + {i}]" for i in range(bits)]
-    L += [f"                a{r} = float32(0.0)" for r in range(rows)]
+    A = ACCUMULATORS
+    L += [f"                a{r}_{i} = float32(0.0)" for r in range(rows) for i in range(A)]
     for j in range(32):
         L.append(f"                q = float32(np.int32({_value_expr(bits, j)}))")
-        L += [f"                a{r} += q * xq[p + {r}, cb * 512 + {j * 16} + l]" for r in range(rows)]
-    L += [f"                pb[{r} * MAX_CHUNKS + cb * 16 + l] = a{r}" for r in range(rows)]
+        L += [f"                a{r}_{j % A} += q * xq[p + {r}, cb * 512 + {j * 16} + l]" for r in range(rows)]
+    L += [f"                pb[{r} * MAX_CHUNKS + cb * 16 + l] = {_sum_tree([f'a{r}_{i}' for i in range(A)])}"
+          for r in range(rows)]
     for cpg, kw in ((1, "if"), (2, "elif"), (4, "else")):
         L.append(f"        {kw} cpg == {cpg}:" if cpg != 4 else "        else:")
         L.append("            for g in range(ng):")
@@ -186,10 +229,7 @@ def _rows_source(bits: int, rows: int) -> str:
     L.append("        for g in range(ngb * 16, ng):")
     L += [f"            t{r}_0 += gt[{r} * MAX_CHUNKS + g]" for r in range(rows)]
     for r in range(rows):
-        tree = [f"t{r}_{i}" for i in range(16)]
-        while len(tree) > 1:
-            tree = [f"({tree[k]} + {tree[k + 1]})" for k in range(0, len(tree), 2)]
-        L.append(f"        out[dst[p + {r}], n] = {tree[0]}")
+        L.append(f"        out[dst[p + {r}], n] = {_sum_tree([f't{r}_{i}' for i in range(16)])}")
     return "\n".join(L) + "\n"
 
 
@@ -201,7 +241,7 @@ def _vrows_source(bits: int) -> str:
     are contiguous in wt, so indexing past row v reads rows v+1..v+rv-1; xt holds x tiled rv
     times in the chunk layout (see _prep_tiled), and pb the rv rows' chunk dots one after the
     other. Loops 2-3 are those of _rows_source, once per real row."""
-    L = ["@njit(cache=True, fastmath=False)",
+    L = ["@njit(cache=True, fastmath=KERNEL_FASTMATH)",
          f"def _vrows{bits}(wt, st, bt, xt, xs, p, n0, n1, rv, cpg, pb, gt, out, dst):",
          f"    nc = wt.shape[1] // {bits}",
          "    ncb = rv * nc // 16",
@@ -212,11 +252,12 @@ def _vrows_source(bits: int) -> str:
          "        for cb in range(ncb):",
          "            for l in range(lanes):"]
     L += [f"                w{i} = wt[v, cb * {16 * bits} + l * {bits} + {i}]" for i in range(bits)]
-    L += ["                a0 = float32(0.0)"]
+    A = ACCUMULATORS
+    L += [f"                a0_{i} = float32(0.0)" for i in range(A)]
     for j in range(32):
         L.append(f"                q = float32(np.int32({_value_expr(bits, j)}))")
-        L.append(f"                a0 += q * xt[p, cb * 512 + {j * 16} + l]")
-    L += ["                pb[cb * 16 + l] = a0",
+        L.append(f"                a0_{j % A} += q * xt[p, cb * 512 + {j * 16} + l]")
+    L += [f"                pb[cb * 16 + l] = {_sum_tree([f'a0_{i}' for i in range(A)])}",
           "        for k in range(rv):",
           "            n = v + k",
           "            base = k * nc"]
@@ -230,10 +271,7 @@ def _vrows_source(bits: int) -> str:
     L += [f"                t{i} += gt[gb * 16 + {i}]" for i in range(16)]
     L.append("            for g in range(ngb * 16, ng):")
     L.append("                t0 += gt[g]")
-    tree = [f"t{i}" for i in range(16)]
-    while len(tree) > 1:
-        tree = [f"({tree[k]} + {tree[k + 1]})" for k in range(0, len(tree), 2)]
-    L.append(f"            out[dst[p], n] = {tree[0]}")
+    L.append(f"            out[dst[p], n] = {_sum_tree([f't{i}' for i in range(16)])}")
     return "\n".join(L) + "\n"
 
 
@@ -266,9 +304,9 @@ def _run{B}(x, idx, k, w3, s3, b3, group_size, parallel):
     xrow, dst, seg_e, seg_p0, seg_p1 = _plan(idx, k, w3.shape[0])
     P = idx.shape[0]
     N = w3.shape[1]
-    xq, xs = _prep(x, xrow, group_size, parallel)
+    xq, xs = _prep(x, xrow, group_size, parallel, _XSCALE{B})
     rv = _virtual_rows(x.shape[1] // 32, P)
-    xt = _prep_tiled(x, xrow, rv) if rv > 1 else np.empty((0, 0), np.float32)
+    xt = _prep_tiled(x, xrow, rv, _XSCALE{B}) if rv > 1 else np.empty((0, 0), np.float32)
     nblk = (N + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
     out = np.empty((P, N), np.float32)
     if parallel:
@@ -291,9 +329,9 @@ def _run2{B}(x, idx, k, w3a, s3a, b3a, w3b, s3b, b3b, group_size, parallel):
     xrow, dst, seg_e, seg_p0, seg_p1 = _plan(idx, k, w3a.shape[0])
     P = idx.shape[0]
     N = w3a.shape[1]
-    xq, xs = _prep(x, xrow, group_size, parallel)
+    xq, xs = _prep(x, xrow, group_size, parallel, _XSCALE{B})
     rv = _virtual_rows(x.shape[1] // 32, P)
-    xt = _prep_tiled(x, xrow, rv) if rv > 1 else np.empty((0, 0), np.float32)
+    xt = _prep_tiled(x, xrow, rv, _XSCALE{B}) if rv > 1 else np.empty((0, 0), np.float32)
     nblk = (N + ROWS_PER_ITEM - 1) // ROWS_PER_ITEM
     nit = seg_e.shape[0] * nblk
     outa = np.empty((P, N), np.float32)
@@ -360,9 +398,10 @@ def _plan(idx, k, E):
 
 
 @njit(cache=True, fastmath=False)
-def _prep_row(x, xrow, group_size, xq, xs, p):
+def _prep_row(x, xrow, group_size, xq, xs, p, js):
     """Permute x row xrow[p] into the chunk layout (xq[p, cb*512 + j*16 + l] = value j of chunk
-    cb*16 + l, zero past the last chunk) and sum it per group (xs[p, g])."""
+    cb*16 + l, times js[j]: see _in_place_shift; zero past the last chunk) and sum it per group
+    (xs[p, g], unscaled)."""
     K = x.shape[1]
     nc = K // 32
     xr = x[xrow[p]]
@@ -371,7 +410,7 @@ def _prep_row(x, xrow, group_size, xq, xs, p):
         nl = min(16, nc - cb * 16)
         for j in range(32):
             for l in range(nl):
-                xo[cb * 512 + j * 16 + l] = xr[(cb * 16 + l) * 32 + j]
+                xo[cb * 512 + j * 16 + l] = xr[(cb * 16 + l) * 32 + j] * js[j]
             for l in range(nl, 16):
                 xo[cb * 512 + j * 16 + l] = float32(0.0)
     for g in range(K // group_size):
@@ -393,7 +432,7 @@ def _virtual_rows(nc, P):
 
 
 @njit(cache=True, fastmath=False)
-def _prep_tiled(x, xrow, rv):
+def _prep_tiled(x, xrow, rv, js):
     """x rows xrow[p] tiled rv times, in the chunk layout of _prep_row: virtual chunk c holds
     chunk c % nc of the row."""
     P = xrow.shape[0]
@@ -405,22 +444,22 @@ def _prep_tiled(x, xrow, rv):
             src = (c % nc) * 32
             dst = (c // 16) * 512 + c % 16
             for j in range(32):
-                xt[p, dst + j * 16] = xr[src + j]
+                xt[p, dst + j * 16] = xr[src + j] * js[j]
     return xt
 
 
 @njit(cache=True, fastmath=False, parallel=True)
-def _prep(x, xrow, group_size, parallel):
+def _prep(x, xrow, group_size, parallel, js):
     P = xrow.shape[0]
     K = x.shape[1]
     xq = np.empty((P, ((K // 32 + 15) // 16) * 512), np.float32)
     xs = np.empty((P, K // group_size), np.float32)
     if not parallel or P * K < PREP_PARALLEL_ABOVE:
         for p in range(P):
-            _prep_row(x, xrow, group_size, xq, xs, p)
+            _prep_row(x, xrow, group_size, xq, xs, p, js)
     else:
         for p in prange(P):
-            _prep_row(x, xrow, group_size, xq, xs, np.int64(p))
+            _prep_row(x, xrow, group_size, xq, xs, np.int64(p), js)
     return xq, xs
 
 
