@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from engine.benchmark import cpu_model, evict  # noqa: F401  (re-exported for the scripts)
+from engine.benchmark import cpu_model, disk_read_bytes, evict  # noqa: F401  (re-exported for the scripts)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,13 +39,3 @@ def read_into_page_cache(files) -> None:
             while fh.readinto(buf):
                 pass
 
-
-def disk_read_bytes() -> int | None:
-    """Bytes this process has made the kernel fetch from storage (/proc/self/io read_bytes)."""
-    try:
-        for line in Path("/proc/self/io").read_text().splitlines():
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None

@@ -1,7 +1,9 @@
 """Measurements behind `flashmoe bench`: the disk itself, and generation warm and cold.
 
 Cold means: the expert slots are emptied and the expert files are dropped from the page cache
-(posix_fadvise DONTNEED) right before the run, so every expert read goes to the device.
+(posix_fadvise DONTNEED) right before the run, so the first read of every expert goes to the
+device. A later read of an expert the slots have evicted in between may find it in the page cache
+again: how much came from the device is measured (/proc/self/io), not assumed.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .events import TokenGenerated
 from .generate import GenerationRequest, Session, generate
 
 FILLER = ("Mixture-of-experts models route each token to a few experts; the rest stay on the disk "
@@ -39,6 +42,18 @@ def expert_files(loaded) -> list[Path]:
         for ext in l.extents(loaded.store.root, 0):
             files.add(Path(ext.path))
     return sorted(files)
+
+
+def disk_read_bytes() -> int | None:
+    """Bytes this process has made the kernel fetch from storage (/proc/self/io read_bytes);
+    None where the counter does not exist."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
 def evict(files: list[Path]) -> None:
@@ -128,6 +143,7 @@ class RunResult:
     io_wait_share: float
     seconds: float
     prefetch_hit_rate: float = 0.0
+    device_bytes_per_token: float | None = None  # from the storage device during decode (Linux)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -141,12 +157,18 @@ def run_generation(loaded, prompt: str, tokens: int, cold: bool) -> RunResult:
     t0 = time.perf_counter()
     request = GenerationRequest(prompt=prompt, max_tokens=tokens, timing="step")
     done = None
+    device0 = None
     for ev in generate(loaded, Session(loaded), request):
+        if isinstance(ev, TokenGenerated) and device0 is None:
+            device0 = disk_read_bytes()  # decode starts after the first token
         done = ev
+    device1 = disk_read_bytes()
+    decoded = max(0, done.generation_tokens - 1)
+    device = (device1 - device0) / decoded if device0 is not None and device1 is not None and decoded else None
     miss = 1.0 - done.hit_rate
     per_expert = (sum(l.expert_bytes for l in loaded.layers) / len(loaded.layers)) if loaded.layers else 0
     theory = loaded.top_k * per_expert * len(loaded.layers) * miss
     return RunResult("cold" if cold else "warm", done.prompt_tokens, done.generation_tokens, done.prompt_tps,
                      done.generation_tps, done.bytes_per_token, theory, done.hit_rate,
                      done.io_wait_s / done.decode_s if done.decode_s else 0.0, time.perf_counter() - t0,
-                     done.prefetch_hit_rate)
+                     done.prefetch_hit_rate, device)

@@ -49,7 +49,7 @@ class Handle:
 class Engine:
     def __init__(self, model_path, *, expert_cache: int | None = None, io_threads: int = 8,
                  direct_io: bool = False, dtype: str | None = None, kernels: str = "auto",
-                 prefetch: bool = False):
+                 prefetch: bool | str = False):
         self.model_path = model_path
         self._load_args = dict(expert_cache=expert_cache, io_threads=io_threads, direct_io=direct_io, dtype=dtype,
                                kernels=kernels, prefetch=prefetch)

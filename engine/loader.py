@@ -325,9 +325,12 @@ def _check_layer_shapes(layers, modules, where: Path) -> None:
                                  f"the model config, which wants {want}")
 
 
+PREFETCH_MODES = ("off", "hint", "slots")
+
+
 def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = 8,
          direct_io: bool = False, load_tokenizer: bool = True, dtype: str | None = None,
-         kernels: str = "mlx", prefetch: bool = False) -> LoadedModel:
+         kernels: str = "mlx", prefetch: bool | str = False) -> LoadedModel:
     """Build the model for `path` with streamed experts. Resident weights are loaded here.
 
     dtype "float32" widens 16-bit float tensors (weights, quantization scales and biases, and
@@ -338,7 +341,9 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     it implies float32), "mlx" on MLX's own, "auto" picks cpu when MLX runs on the CPU.
 
     prefetch: while a layer computes, start reading the experts the next MoE layer's router
-    would pick for the current hidden state (decode only; its hit rate is in the telemetry).
+    would pick for the current hidden state (decode only; its hit rate is in the telemetry):
+    "slots" (or True) reads them into expert slots, "hint" only asks the kernel to bring them
+    into the page cache (see ExpertStore.hint), "off" (or False) does neither.
     """
     from .cpu_path import resolve
 
@@ -406,8 +411,12 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         raise ModelLoadError(path, f"cannot read the resident weights ({e})") from None
     del weights  # the model holds what it needs; the CPU path below replaces some of it
     loaded.kernels = kernels
-    if prefetch and store is not None:
+    prefetch = {True: "slots", False: "off", None: "off"}.get(prefetch, prefetch)
+    if prefetch not in PREFETCH_MODES:
+        raise ValueError(f"prefetch must be one of {PREFETCH_MODES}, got {prefetch!r}")
+    if prefetch != "off" and store is not None:
         store.routers = router_weights(model, layers)
+        store.prefetch_mode = prefetch
     if kernels == "cpu":
         from . import cpu_fused, cpu_path
 

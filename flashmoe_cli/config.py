@@ -36,6 +36,7 @@ SETTINGS = {
     "io_threads": (8, int),
     "dtype": ("auto", str),
     "kernels": ("auto", str),
+    "prefetch": ("off", ("off", "hint", "slots")),
 }
 
 
@@ -46,6 +47,10 @@ class ConfigError(Exception):
 def _parse(name: str, value, where: str):
     kind = SETTINGS[name][1]
     try:
+        if isinstance(kind, tuple):  # one of these words
+            if value not in kind:
+                raise ValueError(f"choose one of {', '.join(kind)}")
+            return value
         if kind == "size":
             from .cli import parse_size
 

@@ -66,17 +66,51 @@ def test_overlap_reads_land_while_computing(model_factory):
         s.misses * l.expert_bytes for s, l in zip(stats.values(), lm.layers))
 
 
-@pytest.mark.parametrize("kernels", ["mlx", "cpu"])
-def test_prefetch_changes_no_token_and_keeps_the_budget(model_factory, kernels):
+@pytest.mark.parametrize("kernels,mode", [("mlx", True), ("cpu", "slots"), ("cpu", "hint")])
+def test_prefetch_changes_no_token_and_keeps_the_budget(model_factory, kernels, mode):
     from engine.generate import GenerationRequest, Session, generate
 
     path = model_factory("qwen3_moe", 4, converted=True)
     ref = load(path, load_tokenizer=False)
     want = greedy(ref.model, PROMPT, 24)
     budget = 6 * ref.layers[0].expert_bytes
-    lm = load(path, kernels=kernels, expert_cache=budget, prefetch=True)
+    lm = load(path, kernels=kernels, expert_cache=budget, prefetch=mode)
+    assert lm.store.prefetch_mode == ("slots" if mode is True else mode)
     assert len(lm.store.routers) == len(lm.layers)
     assert greedy(lm.model, PROMPT, 24) == want
     assert lm.store.peak_used_bytes <= lm.store.capacity_bytes <= budget
     done = list(generate(lm, Session(lm), GenerationRequest(prompt="hello there", max_tokens=16)))[-1]
     assert 0 < done.prefetch_hit_rate <= 1  # reported, and some guesses were right
+
+
+def test_prefetch_hint_asks_the_kernel_and_takes_no_slot(model_factory, monkeypatch):
+    """--prefetch hint: the next layer's guesses not already in slots are handed to
+    posix_fadvise(WILLNEED) over exactly their bytes, from a reader thread; the slot table is
+    not touched, and with O_DIRECT (no page cache) nothing is hinted."""
+    import os
+
+    from engine.experts import store as store_mod
+
+    calls = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(store_mod.os, "posix_fadvise",
+                        lambda fd, off, n, advice: calls.append((off, n, advice)) or real(fd, off, n, advice))
+    path = model_factory("qwen3_moe", 4, converted=True)
+    lm = load(path, kernels="cpu", expert_cache=6 * 10**6, prefetch="hint", load_tokenizer=False)
+    store, layer = lm.store, lm.layers[1].layer
+    store.fetch(layer, [0, 2])
+    cached = {e for (l, e) in store.pool(layer).table if l == layer}
+    assert cached == {0, 2}
+    calls.clear()
+    table = dict(store.pool(layer).table)
+    store.hint(layer, range(lm.layers[1].num_experts)).result()  # the reader thread's advice
+    want = {(ext.offset, ext.nbytes) for e in range(lm.layers[1].num_experts) if e not in cached
+            for ext in lm.layers[1].extents(store.root, e)}
+    assert {(o, n) for o, n, a in calls if a == os.POSIX_FADV_WILLNEED} == want
+    assert dict(store.pool(layer).table) == table
+    assert store.stats[layer].prefetched == len(want)
+
+    calls.clear()
+    direct = load(path, kernels="cpu", direct_io=True, prefetch="hint", load_tokenizer=False)
+    assert direct.store.hint(direct.layers[0].layer, [0, 1]) is None
+    assert not [c for c in calls if c[2] == os.POSIX_FADV_WILLNEED]

@@ -44,7 +44,7 @@ class LayerStats:
     io_wait_s: float = 0.0
     route_s: float = 0.0
     compute_s: float = 0.0
-    prefetched: int = 0  # experts read ahead for this layer (--prefetch)
+    prefetched: int = 0  # experts read ahead for this layer (--prefetch slots or hint)
     prefetch_used: int = 0  # of those, ones this layer then asked for
 
 
@@ -114,6 +114,8 @@ class ExpertStore:
         self.upcast = upcast
         self._inflight: dict[tuple[int, int], concurrent.futures.Future] = {}
         self.routers: dict[int, np.ndarray] = {}  # layer -> router weight [E, H], for --prefetch
+        self.prefetch_mode = "off"  # "slots": read guesses into slots; "hint": into the page cache
+        self._hinted: dict[int, set[int]] = {}  # layer -> experts hinted for its next fetch
         self.next_layer = {a.layer: b.layer for a, b in zip(layers, layers[1:])}
         self.cpu_kernels = cpu_kernels  # experts computed by the numba kernels (engine/cpu_path.py)
         self.pools: list[SlotPool] = []
@@ -182,6 +184,9 @@ class ExpertStore:
                 hits.append(e)
         stats.hits += len(hits)
         self._settle_prefetches(layer, wanted, stats)
+        hinted = self._hinted.pop(layer, None)
+        if hinted:
+            stats.prefetch_used += len(hinted.intersection(misses))
         if not misses:
             if ready is not None:
                 ready(lut, hits)
@@ -254,6 +259,27 @@ class ExpertStore:
             stats = self.stats[layer]
             stats.prefetched += 1
             stats.bytes_read += info.expert_bytes
+
+    def hint(self, layer: int, experts) -> concurrent.futures.Future | None:
+        """Ask the kernel to start reading these experts of `layer` into the page cache
+        (posix_fadvise WILLNEED, issued from a reader thread) and return at once. No slot is
+        taken and nothing waits: a wrong guess costs disk bandwidth only (and leaves the expert
+        in the page cache for later), a right one turns the later demand read into a copy from
+        memory. Experts already in slots are skipped. Nothing to do with O_DIRECT reads.
+        Returns the reader thread's job (None when there was nothing to hint)."""
+        if self.direct_io or not hasattr(os, "posix_fadvise"):
+            return None
+        pool, info = self._pool_of[layer], self.layers[layer]
+        todo = [int(e) for e in experts if (layer, int(e)) not in pool.table]
+        if not todo:
+            return None
+        self._hinted[layer] = set(todo)
+        self.stats[layer].prefetched += len(todo)
+        return self._exec.submit(self._advise, [ext for e in todo for ext in info.extents(self.root, e)])
+
+    def _advise(self, extents) -> None:
+        for ext in extents:
+            os.posix_fadvise(self._fd(ext.path), ext.offset, ext.nbytes, os.POSIX_FADV_WILLNEED)
 
     def _drain_inflight(self) -> None:
         for fut in self._inflight.values():

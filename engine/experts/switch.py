@@ -94,7 +94,10 @@ class StreamingSwitchGLU(nn.Module):
             mx.eval(x)
         h = np.array(x, copy=False).reshape(-1)
         guess = np.argpartition(-(w @ h), len(wanted) - 1)[: len(wanted)]
-        store.prefetch(nxt, guess, protect=(self._layer, wanted))
+        if store.prefetch_mode == "hint":
+            store.hint(nxt, guess)
+        else:
+            store.prefetch(nxt, guess, protect=(self._layer, wanted))
 
     def _in_groups(self, x, ids, wanted, slots, dtype):
         """More distinct experts than slots (a long prefill under a small budget): load them a
