@@ -134,7 +134,8 @@ def _in_place_shift(bits: int, j: int) -> int:
     (q * 2**sh, exact in float32 and below 2**31, so positive as an int32) instead of shifted
     down and masked: one instruction less per value. x is multiplied by 2**-sh once per call
     to make up for it (`_x_scales`); both scalings are by powers of two, so every product is the
-    same float as q * x."""
+    same float as q * x (short of |x| < 2**-98, where the scaled copy turns subnormal and the
+    product, below 1e-29, can lose low bits)."""
     sh = (j * bits) & 31
     return sh if sh + bits < 32 else 0
 
