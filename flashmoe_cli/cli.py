@@ -70,10 +70,10 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", choices=("auto", "mlx", "cpu"), default=S,
                    help="quantized matmul kernels: cpu (numba, many times faster than MLX's CPU path), "
                         "mlx, or auto (default: cpu when MLX runs on the CPU)")
-    p.add_argument("--prefetch", nargs="?", const="slots", choices=PREFETCH_CHOICES, default=S,
+    p.add_argument("--prefetch", choices=PREFETCH_CHOICES, default=S, metavar="{off,hint,slots}",
                    help="while a layer computes, guess the next layer's experts from its router: slots "
-                        "(--prefetch alone) reads them into the expert cache, hint asks the kernel to bring "
-                        "them into the page cache, off (default: both measured slower, benchmarks/RESULTS.md)")
+                        "reads them into the expert cache, hint asks the kernel to bring them into the page "
+                        "cache, off (default: both measured slower, benchmarks/RESULTS.md)")
     p.add_argument("-c", "--continue", dest="continue_", action="store_true",
                    help="continue the most recent conversation")
     p.add_argument("--cid", metavar="ID", help="continue the conversation with this id (see `flashmoe logs`)")
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                      ("--kernels", dict(default=S, choices=("auto", "mlx", "cpu")))):
         bs.add_argument(name, **kw)
     bs.add_argument("--direct-io", action="store_true")
-    bs.add_argument("--prefetch", nargs="?", const="slots", choices=PREFETCH_CHOICES, default=S)
+    bs.add_argument("--prefetch", choices=PREFETCH_CHOICES, default=S, metavar="{off,hint,slots}")
 
     logs = sub.add_parser("logs", help="list saved conversations, or show one")
     logs.add_argument("action", nargs="?", choices=("list", "show", "path"), default="list")

@@ -74,6 +74,8 @@ def test_bad_config_is_a_usage_error(env, tmp_path, text, message):
 def test_bad_environment_is_a_usage_error(env):
     r = fake("hi", env=dict(env, FLASHMOE_TEMP="hot"))
     assert r.returncode == 2 and "FLASHMOE_TEMP" in r.stderr
+    r = fake("--prefetch", "hi", env=env)  # a mode is required: the prompt is not taken for one silently
+    assert r.returncode == 2 and "--prefetch" in r.stderr and "Traceback" not in r.stderr
     r = fake("hi", env=dict(env, FLASHMOE_PREFETCH="always"))
     assert r.returncode == 2 and "FLASHMOE_PREFETCH" in r.stderr and "off, hint, slots" in r.stderr
     assert "Traceback" not in r.stderr
