@@ -198,3 +198,32 @@ def test_gather_qmm_pair_equals_two_calls(monkeypatch, threads, bits, gs, k, row
     assert np.array_equal(gb, K.gather_qmm(x, *b, idx, bits, gs))
     with pytest.raises(ValueError, match="differ in shape"):
         K.gather_qmm_pair(x, a, tuple(t[:, :8] for t in b), idx, bits, gs)
+
+
+@pytest.mark.parametrize("threads", ["serial", "parallel"])
+def test_kernel_calls_release_the_gil(monkeypatch, threads):
+    """While one thread is inside a long kernel call, another thread keeps running Python (the
+    expert store's readers must not wait for a matmul to end). numba releases the GIL around a
+    parallel loop by itself, but a call on one thread (small calls; every call below ~8 ms of
+    work without TBB) held it for the whole call before the entry points were marked nogil."""
+    import threading
+    import time
+
+    for name in ("SERIAL_BELOW", "SERIAL_BELOW_WITHOUT_TBB"):
+        monkeypatch.setattr(K, name, 1 << 62 if threads == "serial" else 0)
+    wq, s, b, _ = quantize(RNG.standard_normal((2048, 4096)).astype(np.float32), 4, 64)
+    x = RNG.standard_normal((512, 4096)).astype(np.float32)  # a call of ~0.1 s
+    K.qmm(x[:1], wq, s, b, 4, 64)  # compiled or loaded before timing
+    t = time.perf_counter()
+    K.qmm(x, wq, s, b, 4, 64)
+    call = time.perf_counter() - t
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (K.qmm(x, wq, s, b, 4, 64), done.set()))
+    gaps, last = [], time.perf_counter()
+    worker.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    worker.join()
+    assert max(gaps) < 0.25 * call, (max(gaps), call)

@@ -12,7 +12,7 @@ import numpy as np
 from numba import float32, njit
 
 
-@njit(cache=True, fastmath=False)
+@njit(cache=True, fastmath=False, nogil=True)
 def _dot(a, b, n):
     """sum(a[:n] * b[:n]) in float32 with 16 partial sums."""
     t0 = t1 = t2 = t3 = t4 = t5 = t6 = t7 = float32(0.0)
@@ -41,7 +41,7 @@ def _dot(a, b, n):
         (((t8 + t9) + (t10 + t11)) + ((t12 + t13) + (t14 + t15)))
 
 
-@njit(cache=True, fastmath=False)
+@njit(cache=True, fastmath=False, nogil=True)
 def rms_norm_rows(x, w, eps):
     """Each row of x [R, D] scaled to unit RMS, times w [D], in place (as mx.fast.rms_norm)."""
     R, D = x.shape
@@ -52,7 +52,7 @@ def rms_norm_rows(x, w, eps):
             x[r, d] = w[d] * (x[r, d] * n)
 
 
-@njit(cache=True, fastmath=False)
+@njit(cache=True, fastmath=False, nogil=True)
 def rope_rows(x, a, b, partner):
     """Rotary embedding of each row of x [R, D] at one position, in place:
     x[d] <- a[d] * x[d] + b[d] * x[partner[d]] (a, b: that position's table row)."""
@@ -81,7 +81,7 @@ def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, T: int, scale) -> np.nda
     return np.matmul(s, V[:, :T]).reshape(H, D)
 
 
-@njit(cache=True, fastmath=False)
+@njit(cache=True, fastmath=False, nogil=True)
 def silu_mul(g, u):
     """silu(g) * u for g, u [R, N] (mlx-lm's SwiGLU; either may be a strided view), as a new
     contiguous array."""

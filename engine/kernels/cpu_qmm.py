@@ -48,6 +48,10 @@ The straight-line chunk code is generated from a template (`_kernel_source(bits)
 with `compile(..., __file__)`, so numba's on-disk cache (cache=True) works for it like for any
 function of this file. Print `_kernel_source(4)` to read what runs.
 
+The entry points release the GIL (nogil). numba lets it go around a parallel loop by itself, but
+a call on one thread (small calls; without TBB, every call below ~8 ms of work) held it throughout,
+and the expert store's reader threads, which run Python between their reads, waited for it.
+
 Threads: prange over work items of ROWS_PER_ITEM output rows of one expert, on all of numba's
 threads (`numba.set_num_threads`) -- by default only with numba's TBB threading layer, which needs
 the `tbb` wheel (see `_preload_tbb`). With OpenMP (numba's layer without TBB) every call waits
@@ -300,7 +304,7 @@ def _item{B}(w3, s3, b3, xq, xs, xt, rv, e, p0, p1, n0, n1, dst, out):
         _rows{B}_1(wt, st, bt, xq, xs, p, n0, n1, nsafe, cpg, pb, gt, out, dst)
 
 
-@njit(cache=True, fastmath=False, parallel=True)
+@njit(cache=True, fastmath=False, parallel=True, nogil=True)
 def _run{B}(x, idx, k, w3, s3, b3, group_size, parallel):
     xrow, dst, seg_e, seg_p0, seg_p1 = _plan(idx, k, w3.shape[0])
     P = idx.shape[0]
@@ -323,7 +327,7 @@ def _run{B}(x, idx, k, w3, s3, b3, group_size, parallel):
     return out
 
 
-@njit(cache=True, fastmath=False, parallel=True)
+@njit(cache=True, fastmath=False, parallel=True, nogil=True)
 def _run2{B}(x, idx, k, w3a, s3a, b3a, w3b, s3b, b3b, group_size, parallel):
     # _run{B} for two weight sets of the same shape and the same x and ids (a SwiGLU's gate and
     # up): one plan, one preparation of x, one parallel region
