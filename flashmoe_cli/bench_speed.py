@@ -42,10 +42,14 @@ def cmd_bench_speed(args) -> int:
 
     prompt = prompt_of(loaded.tokenizer, args.prompt_tokens)
     run_generation(loaded, prompt, 2, cold=False)  # compile and touch everything once
-    order = [("warm", False), ("cold", True)] if not args.cold_only else [("cold", True)]
+    order = ([] if args.cold_only else [("warm", False, False)]) + [("cold", True, False)]
+    if args.no_page_cache:
+        order.append(("uncached", True, True))
+        print("uncached: cold, and the expert files dropped from the page cache before every token too: every "
+              "expert read comes from the device, as for a model larger than RAM (drop time left out)", flush=True)
     for _ in range(args.rounds):
-        for name, cold in order:
-            r = run_generation(loaded, prompt, args.tokens, cold)
+        for name, cold, drop in order:
+            r = run_generation(loaded, prompt, args.tokens, cold, drop_every_token=drop)
             if not cold:  # measure warm on a second, identical run: everything cached
                 r = run_generation(loaded, prompt, args.tokens, cold=False)
             limit, r_dict = "", r.as_dict()

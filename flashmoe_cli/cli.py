@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--tokens", type=int, default=32, metavar="N", help="generated per run (default 32)")
     bs.add_argument("--rounds", type=int, default=1, metavar="N")
     bs.add_argument("--cold-only", action="store_true")
+    bs.add_argument("--no-page-cache", action="store_true",
+                    help="also run cold with the page cache dropped before every token (a model larger than RAM)")
     bs.add_argument("--skip-disk", action="store_true", help="do not measure the disk")
     bs.add_argument("--out", metavar="FILE", help="write the results as JSON")
     for name, kw in (("--expert-cache", dict(type=parse_size, default=S, metavar="SIZE")),

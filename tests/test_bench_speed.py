@@ -11,7 +11,7 @@ def report(model_factory, tmp_path_factory):
     model = model_factory("qwen3_moe", 4, converted=True)
     out = tmp_path_factory.mktemp("bench") / "speed.json"
     r = run_cli("bench", "speed", "-m", model, "--tokens", 6, "--prompt-tokens", 8, "--expert-cache", "1",
-                "--kernels", "cpu", "--out", out, timeout=300,
+                "--kernels", "cpu", "--no-page-cache", "--out", out, timeout=300,
                 env={"FLASHMOE_HOME": str(tmp_path_factory.mktemp("home"))})
     assert r.returncode == 0, r.stderr
     return r.stdout, json.loads(out.read_text()), out
@@ -22,25 +22,30 @@ def test_prints_the_conditions_of_every_figure(report):
     assert "4-bit" in result["model_line"] and "K=" in result["model_line"] and "expert cache" in result["model_line"]
     assert "prefetch off" in result["model_line"]
     assert result["machine"] and result["disk"]["random_gbps"] > 0 and result["disk"]["sequential_gbps"] > 0
-    lines = [line for line in stdout.splitlines() if line.startswith(("warm", "cold"))]
-    assert [line.split()[0] for line in lines] == ["warm", "cold"]
+    lines = [line for line in stdout.splitlines() if " | decode " in line]
+    assert [line.split(":")[0].strip() for line in lines] == ["warm", "cold", "uncached"]
     for line in lines:
         for what in ("prefill 8 tok", "decode 6 tok", "tok/s", "/token read (theory", "hit rate", "io wait",
                      "from the device"):
             assert what in line, (what, line)
-    assert "disk limit" in lines[1]
+    assert "disk limit" in lines[1] and "disk limit" in lines[2]
+    assert "as for a model larger than RAM" in stdout
 
 
 def test_bytes_read_match_the_theory_and_cold_starts_empty(report):
     _, result, _ = report
-    warm, cold = result["runs"]
-    assert (warm["cache_state"], cold["cache_state"]) == ("warm", "cold")
-    for run in (warm, cold):
+    warm, cold, uncached = result["runs"]
+    assert [r["cache_state"] for r in result["runs"]] == ["warm", "cold", "cold"]
+    assert [r["page_cache_dropped_every_token"] for r in result["runs"]] == [False, False, True]
+    for run in (warm, cold, uncached):
         assert run["prompt_tokens"] == 8 and run["generated_tokens"] == 6
         assert 0 <= run["hit_rate"] < 1  # the cache holds K experts: some reads every token
         assert run["bytes_per_token"] > 0
         assert run["bytes_per_token"] == pytest.approx(run["theory_bytes_per_token"], rel=0.02)
         assert run["device_bytes_per_token"] is not None and run["device_bytes_per_token"] >= 0
+    assert uncached["decode_tps"] > 0
+    if cold["device_bytes_per_token"]:  # files on a block device (not tmpfs): every read of "uncached" hits it
+        assert uncached["device_bytes_per_token"] >= 0.9 * uncached["bytes_per_token"]
     # the disk limit is the measured random-read rate over the bytes read per token
     assert cold["disk_limit_tps"] == pytest.approx(result["disk"]["random_gbps"] * 1e9 / cold["bytes_per_token"])
 
@@ -48,3 +53,25 @@ def test_bytes_read_match_the_theory_and_cold_starts_empty(report):
 def test_json_is_written_whole(report):
     _, _, out = report
     assert not list(out.parent.glob("*.partial"))
+
+
+def test_page_cache_drop_time_is_left_out_of_decode_speed(model_factory, monkeypatch):
+    """--no-page-cache drops the page cache between tokens; that time is the benchmark's, not the
+    engine's, so decode speed must not include it (here each drop is made to take 50 ms)."""
+    import time
+
+    from engine import benchmark
+    from engine.loader import load
+
+    lm = load(model_factory("qwen3_moe", 4, converted=True), kernels="cpu", expert_cache=1)
+    prompt = benchmark.prompt_of(lm.tokenizer, 8)
+    benchmark.run_generation(lm, prompt, 2, cold=False)
+    plain = benchmark.run_generation(lm, prompt, 8, cold=True)
+    drops = []
+    monkeypatch.setattr(benchmark, "evict", lambda files: (time.sleep(0.05), drops.append(1)))
+    dropped = benchmark.run_generation(lm, prompt, 8, cold=True, drop_every_token=True)
+    assert len(drops) >= 8  # before the run and after every token
+    assert dropped.page_cache_dropped_every_token and not plain.page_cache_dropped_every_token
+    # 7 forward passes with 50 ms each added would be > 0.35 s; the tiny model decodes in ms
+    assert dropped.decode_tps > 0.3 * plain.decode_tps, (dropped.decode_tps, plain.decode_tps)
+    assert 0 <= dropped.io_wait_share <= 1

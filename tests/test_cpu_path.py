@@ -114,3 +114,67 @@ def test_prefetch_hint_asks_the_kernel_and_takes_no_slot(model_factory, monkeypa
     direct = load(path, kernels="cpu", direct_io=True, prefetch="hint", load_tokenizer=False)
     assert direct.store.hint(direct.layers[0].layer, [0, 1]) is None
     assert not [c for c in calls if c[2] == os.POSIX_FADV_WILLNEED]
+
+
+def test_pieces_cover_the_read_exactly():
+    from engine.experts.layout import Extent
+    from engine.experts.store import pieces
+
+    bufs = [bytearray(n) for n in (700, 300, 1500)]
+    views = [memoryview(b) for b in bufs]
+    job = (Extent("f", 4096, 2500, 0, 3), views, [None] * 3)
+    split = pieces(job, 1000)
+    assert [(p[0].offset, p[0].nbytes) for p in split] == [(4096, 1000), (5096, 1000), (6096, 500)]
+    assert all(sum(len(v) for v in p[1]) == p[0].nbytes and len(p[2]) == len(p[1]) for p in split)
+    for i, p in enumerate(split):  # writing through the pieces fills the original views in order
+        for v in p[1]:
+            v[:] = bytes([i + 1]) * len(v)
+    assert b"".join(bufs) == b"\x01" * 1000 + b"\x02" * 1000 + b"\x03" * 500
+    assert pieces(job, 2500) == [job]
+    widened = (job[0], views, ["BF16", None, None])  # converted parts are read whole
+    assert pieces(widened, 1000) == [widened]
+
+
+@pytest.mark.parametrize("kernels", ["mlx", "cpu"])
+def test_misses_read_in_pieces_change_no_token(model_factory, monkeypatch, kernels):
+    """Pieces far smaller than an expert, of an odd size: each expert is computed once all of
+    its pieces have landed, and the tokens are the resident model's."""
+    from engine.experts import store as store_mod
+
+    path = model_factory("qwen3_moe", 4, converted=True)
+    ref = load(path, load_tokenizer=False)
+    want = greedy(ref.model, PROMPT, 12)
+    monkeypatch.setattr(store_mod, "READ_PIECE", 777)
+    assert ref.layers[0].expert_bytes > 4 * 777
+    lm = load(path, kernels=kernels, expert_cache=0, load_tokenizer=False)
+    assert greedy(lm.model, PROMPT, 12) == want
+    lm.model(mx.array([[5]]))
+    stats = lm.store.take_stats()
+    assert sum(s.misses for s in stats.values()) > 0
+    assert sum(s.bytes_read for s in stats.values()) == sum(
+        s.misses * l.expert_bytes for s, l in zip(stats.values(), lm.layers))
+
+
+def test_an_expert_is_ready_once_all_its_pieces_landed(model_factory, monkeypatch):
+    from engine.experts import store as store_mod
+
+    monkeypatch.setattr(store_mod, "READ_PIECE", 777)
+    path = model_factory("qwen3_moe", 4, converted=True)
+    lm = load(path, kernels="cpu", expert_cache=0, load_tokenizer=False)
+    store, info = lm.store, lm.layers[0]
+    pool = store.pool(info.layer)
+    seen = []
+
+    def ready(lut, experts):
+        for e in experts:
+            slot = int(lut[e])
+            got = b"".join(bytes(v) for v in pool.slot_views(slot, 0, len(pool.held)))
+            ext, = info.extents(store.root, e)
+            with open(ext.path, "rb") as f:
+                f.seek(ext.offset)
+                assert got == f.read(ext.nbytes), f"expert {e} computed before all its bytes landed"
+            seen.append(e)
+
+    want = list(range(1, 1 + pool.slots))
+    store.fetch(info.layer, want, ready=ready)
+    assert sorted(seen) == want
