@@ -38,7 +38,7 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def random_reads(files, block: int, reads: int, threads: int, direct: bool, seed: int):
+def random_reads(files, block: int, reads: int, threads: int, direct: bool):
     """GB/s and process CPU seconds per GB of `reads` random block reads, cold."""
     evict(files)
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
@@ -47,7 +47,7 @@ def random_reads(files, block: int, reads: int, threads: int, direct: bool, seed
         for fd in fds:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # as the expert store opens them
     size = min(f.stat().st_size for f in files)
-    rng = random.Random(seed)
+    rng = random.Random()  # fresh offsets: a virtual disk's host may cache what the last run read
     jobs = [(rng.choice(fds), rng.randrange(0, size // block) * block) for _ in range(reads)]
     local = threading.local()
 
@@ -65,14 +65,14 @@ def random_reads(files, block: int, reads: int, threads: int, direct: bool, seed
     return total / wall / 1e9, cpu / (total / 1e9)
 
 
-def split_latency(files, block: int, pieces: int, samples: int, seed: int) -> float:
+def split_latency(files, block: int, pieces: int, samples: int) -> float:
     """Median ms to read one cold block as `pieces` parallel reads."""
     evict(files)
     fds = [os.open(f, os.O_RDONLY) for f in files]
     for fd in fds:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     size = min(f.stat().st_size for f in files)
-    rng = random.Random(seed)
+    rng = random.Random()
     buf = memoryview(mmap.mmap(-1, block))
     step = -(-block // pieces // PAGE) * PAGE
     times = []
@@ -114,11 +114,11 @@ def main() -> int:
     print(f"random reads, cold, {args.reads} x {block / 1e6:.2f} MB, {args.threads} in flight:")
     for r in range(args.rounds):
         for direct in (False, True):
-            gbps, cpu = random_reads(files, block, args.reads, args.threads, direct, seed=2 * r + direct)
+            gbps, cpu = random_reads(files, block, args.reads, args.threads, direct)
             print(f"  {'O_DIRECT' if direct else 'buffered'}: {gbps:.2f} GB/s, {cpu:.3f} CPU s per GB")
     print("one cold expert read split in parallel pieces (median of 30):")
     for pieces in (1, 2, 4, 8):
-        print(f"  {pieces} piece(s): {split_latency(files, block, pieces, 30, seed=pieces):.2f} ms")
+        print(f"  {pieces} piece(s): {split_latency(files, block, pieces, 30):.2f} ms")
     return 0
 
 

@@ -76,12 +76,17 @@ class DiskResult:
 
 
 def measure_disk(files: list[Path], block: int, threads: int = 8, seconds: float = 2.0) -> DiskResult:
-    """Cold sequential (8 MiB reads) and random (expert-sized reads, `threads` in flight) GB/s."""
+    """Cold sequential (8 MiB reads) and random (expert-sized reads, `threads` in flight) GB/s.
+
+    Where to read is drawn afresh on every call: a virtual disk's host may still cache what the
+    last measurement read, and the same offsets again would measure that cache."""
+    rng = random.Random()
     evict(files)
     total = 0
     buf = mmap.mmap(-1, 8 << 20)
+    start = rng.randrange(len(files)) if files else 0
     t0 = time.perf_counter()
-    for f in files:
+    for f in files[start:] + files[:start]:
         fd = os.open(f, os.O_RDONLY)
         try:
             off = 0
@@ -99,7 +104,6 @@ def measure_disk(files: list[Path], block: int, threads: int = 8, seconds: float
 
     evict(files)
     sizes = [(f, f.stat().st_size) for f in files if f.stat().st_size >= block]
-    rng = random.Random(0)
     fds = {f: os.open(f, os.O_RDONLY) for f, _ in sizes}
     for fd in fds.values():
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
