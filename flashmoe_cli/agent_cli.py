@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from .argtypes import at_least
 from .exit_codes import ExitCode
 
 
@@ -26,8 +27,8 @@ def add_tool_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--constrain", choices=("off", "tools", "required"), default="off",
                    help="constrained decoding of tool calls: from the call marker on (tools), or the whole "
                         "first reply of each turn must be a call (required)")
-    p.add_argument("--max-repairs", type=int, default=2, metavar="N", help="repair rounds for bad calls (default 2)")
-    p.add_argument("--chain-limit", type=int, default=5, metavar="N",
+    p.add_argument("--max-repairs", type=at_least(0), default=2, metavar="N", help="repair rounds for bad calls (default 2)")
+    p.add_argument("--chain-limit", type=at_least(1), default=5, metavar="N",
                    help="rounds of tool calls per user message (default 5)")
 
 

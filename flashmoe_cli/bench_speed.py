@@ -66,10 +66,11 @@ def cmd_bench_speed(args) -> int:
                     limit += f" (on the device bytes: {measured:.2f} tok/s, {r.decode_tps / measured:.0%})"
                     r_dict["device_limit_tps"] = measured
             result["runs"].append(r_dict)
+            streamed = (f"{human_bytes(r.bytes_per_token)}/token read (theory {human_bytes(r.theory_bytes_per_token)})"
+                        f" | hit rate {r.hit_rate:.0%} | io wait {r.io_wait_share:.0%}{limit}"
+                        if loaded.layers else "no routed experts: nothing streamed")
             print(f"{name:<8}: prefill {r.prompt_tokens} tok {r.prefill_tps:.1f} tok/s | decode {r.generated_tokens} tok "
-                  f"{r.decode_tps:.2f} tok/s | {human_bytes(r.bytes_per_token)}/token read (theory "
-                  f"{human_bytes(r.theory_bytes_per_token)}) | hit rate {r.hit_rate:.0%} | io wait "
-                  f"{r.io_wait_share:.0%}{limit}"
+                  f"{r.decode_tps:.2f} tok/s | {streamed}"
                   + (f" | prefetch hits {r.prefetch_hit_rate:.0%}" if args.prefetch != "off" else ""), flush=True)
     loaded.close()
     if args.out:

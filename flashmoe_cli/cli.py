@@ -7,12 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 from . import __version__
 from .agent_cli import add_tool_options
-from .config import ConfigError
+from .argtypes import at_least, output_file, parse_size
+from .config import DTYPE_CHOICES, KERNEL_CHOICES, PREFETCH_CHOICES, TIMING_CHOICES, ConfigError
 from .exit_codes import ExitCode
 
 EPILOG = """exit codes: 0 ok, 1 generation failure, 2 usage, 3 model load or I/O, 4 timeout,
@@ -21,15 +21,6 @@ EPILOG = """exit codes: 0 ok, 1 generation failure, 2 usage, 3 model load or I/O
 
 class UsageError(Exception):
     """Bad arguments: exit code 2."""
-
-
-def parse_size(text: str) -> int:
-    """'2GB', '512MB', '1.5G', '0' -> bytes (powers of 1024, like the rest of the tools)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GB, 512MB or 0)")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
-    return int(float(m.group(1)) * scale)
 
 
 def human_bytes(n: float) -> str:
@@ -41,39 +32,43 @@ def human_bytes(n: float) -> str:
 
 
 S = argparse.SUPPRESS  # settings flags default to "not given", so config and env can fill them
-PREFETCH_CHOICES = ("off", "hint", "slots")
 
 
-def _add_model_options(p: argparse.ArgumentParser) -> None:
-    """Options shared by run and chat; their defaults come from config.py."""
-    p.add_argument("-m", "--model", metavar="MODEL", default=S,
-                   help="model folder (flashmoe or mlx-lm); default: the built-in demo model, built on first use")
-    p.add_argument("-s", "--system", default=S, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=S, metavar="N", help="default 512")
-    p.add_argument("--temp", type=float, default=S, metavar="T", help="temperature; 0 is greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=S, metavar="P", help="default 1.0")
-    p.add_argument("--top-k", type=int, default=S, metavar="K", help="default 0 (off)")
-    p.add_argument("--min-p", type=float, default=S, metavar="P", help="default 0 (off)")
-    p.add_argument("--repetition-penalty", type=float, default=S, metavar="R", help="default 1.0 (off)")
-    p.add_argument("--seed", type=int, default=S)
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    p.add_argument("--timing", choices=("off", "step", "layer"), default=S,
-                   help="step (default): host-side figures only; layer: per-layer breakdown (adds syncs)")
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    """How the engine loads and streams: shared by run, chat, agent and the benchmarks."""
     p.add_argument("--expert-cache", type=parse_size, default=S, metavar="SIZE",
                    help="byte budget of the expert cache, e.g. 2GB, 512MB; 0 keeps only what the "
                         "current token needs (default: every expert, at most a quarter of the RAM)")
     p.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT (bypass the page cache)")
-    p.add_argument("--io-threads", type=int, default=S, metavar="N", help="parallel expert reads (default 8)")
-    p.add_argument("--dtype", choices=("auto", "float32", "keep"), default=S,
+    p.add_argument("--io-threads", type=at_least(1), default=S, metavar="N", help="parallel expert reads (default 8)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=S,
                    help="float32 widens 16-bit weights and scales (much faster on MLX's CPU backend); "
                         "auto (default): float32 on CPU, keep elsewhere")
-    p.add_argument("--kernels", choices=("auto", "mlx", "cpu"), default=S,
+    p.add_argument("--kernels", choices=KERNEL_CHOICES, default=S,
                    help="quantized matmul kernels: cpu (numba, many times faster than MLX's CPU path), "
                         "mlx, or auto (default: cpu when MLX runs on the CPU)")
     p.add_argument("--prefetch", choices=PREFETCH_CHOICES, default=S, metavar="{off,hint,slots}",
                    help="while a layer computes, guess the next layer's experts from its router: slots "
                         "reads them into the expert cache, hint asks the kernel to bring them into the page "
                         "cache, off (default: both measured slower, benchmarks/RESULTS.md)")
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by run, chat and agent; their defaults come from config.py."""
+    p.add_argument("-m", "--model", metavar="MODEL", default=S,
+                   help="model folder (flashmoe or mlx-lm); default: the built-in demo model, built on first use")
+    p.add_argument("-s", "--system", default=S, help="system prompt")
+    p.add_argument("--max-tokens", type=at_least(1), default=S, metavar="N", help="default 512")
+    p.add_argument("--temp", type=float, default=S, metavar="T", help="temperature; 0 is greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=S, metavar="P", help="default 1.0")
+    p.add_argument("--top-k", type=int, default=S, metavar="K", help="default 0 (off)")
+    p.add_argument("--min-p", type=float, default=S, metavar="P", help="default 0 (off)")
+    p.add_argument("--repetition-penalty", type=float, default=S, metavar="R", help="default 1.0 (off)")
+    p.add_argument("--seed", type=int, default=S, help="sampling seed (default: a fresh one each run)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--timing", choices=TIMING_CHOICES, default=S,
+                   help="step (default): host-side figures only; layer: per-layer breakdown (adds syncs)")
+    _add_engine_options(p)
     p.add_argument("-c", "--continue", dest="continue_", action="store_true",
                    help="continue the most recent conversation")
     p.add_argument("--cid", metavar="ID", help="continue the conversation with this id (see `flashmoe logs`)")
@@ -164,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     agent.add_argument("--script", required=True, metavar="FILE",
                        help='session.jsonl: {"role": "user", "content": "..."} per line ("-": stdin)')
-    agent.add_argument("--transcript", metavar="FILE", help="every event as JSON lines")
+    agent.add_argument("--transcript", type=output_file, metavar="FILE", help="every event as JSON lines")
     agent.add_argument("--approve", choices=("ask", "auto", "never"), default="ask",
                        help="ask (on the terminal; fails closed without one), auto (reads and writes; "
                             "never commands), never (declined, the model is told)")
@@ -178,46 +173,44 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model folder (repeat for several bit widths; default: the demo model)")
     bt.add_argument("--constrain-modes", default="off,required", metavar="MODES",
                     help="comma-separated: off, tools, required (default off,required)")
-    bt.add_argument("--out", metavar="FILE", help="write the results as JSON")
-    bt.add_argument("--max-tokens", type=int, default=96, metavar="N", help="per reply (default 96)")
-    bt.add_argument("--max-repairs", type=int, default=2, metavar="N")
-    for name, kw in (("--expert-cache", dict(type=parse_size, default=S, metavar="SIZE")),
-                     ("--io-threads", dict(type=int, default=S)), ("--dtype", dict(default=S)),
-                     ("--kernels", dict(default=S, choices=("auto", "mlx", "cpu"))),
-                     ("--temp", dict(type=float, default=S)), ("--seed", dict(type=int, default=S))):
-        bt.add_argument(name, **kw)
-    bt.add_argument("--direct-io", action="store_true")
+    bt.add_argument("--out", type=output_file, metavar="FILE", help="write the results as JSON")
+    bt.add_argument("--max-tokens", type=at_least(1), default=96, metavar="N", help="per reply (default 96)")
+    bt.add_argument("--max-repairs", type=at_least(0), default=2, metavar="N",
+                    help="repair rounds for bad calls (default 2)")
+    bt.add_argument("--temp", type=float, default=S, metavar="T", help="temperature; 0 is greedy (default 0)")
+    bt.add_argument("--seed", type=int, default=S, help="sampling seed")
+    _add_engine_options(bt)
     bt.add_argument("--engine", choices=("real", "fake"), default="real", help=argparse.SUPPRESS)
 
     bs = bench_sub.add_parser("speed", help="prefill and decode speed, warm and cold, against the disk's limit")
-    bs.add_argument("-m", "--model", metavar="MODEL", default=S, help="default: the demo model")
-    bs.add_argument("--prompt-tokens", type=int, default=64, metavar="N")
-    bs.add_argument("--tokens", type=int, default=32, metavar="N", help="generated per run (default 32)")
-    bs.add_argument("--rounds", type=int, default=1, metavar="N")
-    bs.add_argument("--cold-only", action="store_true")
+    bs.add_argument("-m", "--model", metavar="MODEL", default=S, help="model folder (default: the demo model)")
+    bs.add_argument("--prompt-tokens", type=at_least(1), default=64, metavar="N",
+                    help="prompt length in tokens (default 64)")
+    bs.add_argument("--tokens", type=at_least(1), default=32, metavar="N", help="generated per run (default 32)")
+    bs.add_argument("--rounds", type=at_least(1), default=1, metavar="N",
+                    help="repeat warm and cold this many times, alternating (default 1)")
+    bs.add_argument("--cold-only", action="store_true", help="skip the warm runs")
     bs.add_argument("--no-page-cache", action="store_true",
                     help="also run cold with the page cache dropped before every token (a model larger than RAM)")
     bs.add_argument("--skip-disk", action="store_true", help="do not measure the disk")
-    bs.add_argument("--out", metavar="FILE", help="write the results as JSON")
-    for name, kw in (("--expert-cache", dict(type=parse_size, default=S, metavar="SIZE")),
-                     ("--io-threads", dict(type=int, default=S)), ("--dtype", dict(default=S)),
-                     ("--kernels", dict(default=S, choices=("auto", "mlx", "cpu")))):
-        bs.add_argument(name, **kw)
-    bs.add_argument("--direct-io", action="store_true")
-    bs.add_argument("--prefetch", choices=PREFETCH_CHOICES, default=S, metavar="{off,hint,slots}")
+    bs.add_argument("--out", type=output_file, metavar="FILE", help="write the results as JSON")
+    _add_engine_options(bs)
 
     logs = sub.add_parser("logs", help="list saved conversations, or show one")
-    logs.add_argument("action", nargs="?", choices=("list", "show", "path"), default="list")
+    logs.add_argument("action", nargs="?", choices=("list", "show", "path"), default="list",
+                      help="list (default), show one conversation, or print the folder they are saved in")
     logs.add_argument("cid", nargs="?", metavar="ID", help="conversation id for `show` (default: the latest)")
-    logs.add_argument("-n", "--count", type=int, default=20, help="how many to list (default 20)")
-    logs.add_argument("--json", action="store_true")
+    logs.add_argument("-n", "--count", type=at_least(1), default=20, help="how many to list (default 20)")
+    logs.add_argument("--json", action="store_true", help="print as JSON")
 
     conv = sub.add_parser("convert", help="convert a model (mlx-lm or Hugging Face folder, or .gguf) into a flashmoe folder")
     conv.add_argument("src", metavar="SRC", help="mlx-lm / Hugging Face model folder, or a .gguf file")
-    conv.add_argument("out", metavar="OUT")
+    conv.add_argument("out", metavar="OUT", help="the flashmoe folder to write (a new path; one already "
+                                                 "converted is left as it is)")
     conv.add_argument("--bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None,
                       help="quantize to this many bits (default: keep the source's precision)")
-    conv.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64)
+    conv.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64,
+                      help="weights sharing one scale and bias (default 64)")
     conv.add_argument("--expert-bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None,
                       help="bits of the routed experts (default: --bits)")
     conv.add_argument("--layer-bits", action="append", default=[], metavar="LAYERS=BITS",
@@ -227,11 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "fastest on CPU (default: keep the source's)")
 
     info = sub.add_parser("info", help="describe a model folder")
-    info.add_argument("model", metavar="MODEL")
-    info.add_argument("--json", action="store_true")
+    info.add_argument("model", metavar="MODEL", help="model folder (flashmoe or mlx-lm)")
+    info.add_argument("--json", action="store_true", help="print the description as JSON")
 
     ver = sub.add_parser("verify", help="check every expert block against the manifest's checksums")
-    ver.add_argument("model", metavar="MODEL")
+    ver.add_argument("model", metavar="MODEL", help="flashmoe model folder")
 
     demo = sub.add_parser("demo", help="build the demo model (SmolLM2-135M as an 8-expert MoE) and print its path")
     demo.add_argument("--rebuild", action="store_true", help="build it again from the GGUF")

@@ -20,23 +20,28 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-# name -> (default, parser from text)
+TIMING_CHOICES = ("off", "step", "layer")
+DTYPE_CHOICES = ("auto", "float32", "keep")
+KERNEL_CHOICES = ("auto", "mlx", "cpu")
+PREFETCH_CHOICES = ("off", "hint", "slots")
+
+# name -> (default, parser from text: a type, "size", "count" (an integer >= 1) or a tuple of words)
 SETTINGS = {
     "model": (None, str),
     "system": (None, str),
-    "max_tokens": (512, int),
+    "max_tokens": (512, "count"),
     "temp": (0.0, float),
     "top_p": (1.0, float),
     "top_k": (0, int),
     "min_p": (0.0, float),
     "repetition_penalty": (1.0, float),
     "seed": (None, int),
-    "timing": ("step", str),
+    "timing": ("step", TIMING_CHOICES),
     "expert_cache": (None, "size"),
-    "io_threads": (8, int),
-    "dtype": ("auto", str),
-    "kernels": ("auto", str),
-    "prefetch": ("off", ("off", "hint", "slots")),
+    "io_threads": (8, "count"),
+    "dtype": ("auto", DTYPE_CHOICES),
+    "kernels": ("auto", KERNEL_CHOICES),
+    "prefetch": ("off", PREFETCH_CHOICES),
 }
 
 
@@ -52,9 +57,14 @@ def _parse(name: str, value, where: str):
                 raise ValueError(f"choose one of {', '.join(kind)}")
             return value
         if kind == "size":
-            from .cli import parse_size
+            from .argtypes import parse_size
 
             return value if isinstance(value, int) else parse_size(str(value))
+        if kind == "count":
+            text = str(value).strip()
+            if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
+                raise ValueError("a whole number, at least 1")
+            return int(text)
         return kind(value)
     except (ValueError, TypeError, Exception) as e:
         raise ConfigError(f"{where}: {name} = {value!r} is not valid ({e})") from None

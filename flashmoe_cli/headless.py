@@ -9,7 +9,7 @@ import time
 from .exit_codes import ExitCode
 
 
-def read_prompt(arg: str | None, stdin=None) -> str:
+def read_prompt(arg: str | None, stdin=None, command: str = "run") -> str:
     """Piped stdin, a blank line, then the argument (either alone is fine)."""
     from .cli import UsageError
 
@@ -20,6 +20,9 @@ def read_prompt(arg: str | None, stdin=None) -> str:
     # `echo hi |` ends with a newline the user did not mean as part of the prompt.
     parts = [p for p in (piped.rstrip("\n") if piped else None, arg) if p]
     if not parts:
+        if command == "chat":  # chat has no PROMPT argument
+            raise UsageError("no prompt: stdin is not a terminal and is empty (pipe the message in, or run "
+                             "`flashmoe chat` in a terminal)")
         raise UsageError("no prompt: give PROMPT or pipe text into stdin")
     return "\n\n".join(parts)
 
@@ -54,7 +57,7 @@ def layer_table(rows_sum: dict, steps: int) -> str:
 def run(args) -> int:
     from .cli import make_engine, open_conversation
 
-    text = read_prompt(args.prompt)
+    text = read_prompt(args.prompt, command=getattr(args, "command", "run"))
     session = open_conversation(args, None, model_name=str(args.model or "demo"))  # checks the flags first
     timeout = getattr(args, "timeout", None)
     deadline = None if timeout is None else time.monotonic() + timeout

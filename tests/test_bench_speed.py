@@ -75,3 +75,14 @@ def test_page_cache_drop_time_is_left_out_of_decode_speed(model_factory, monkeyp
     # 7 forward passes with 50 ms each added would be > 0.35 s; the tiny model decodes in ms
     assert dropped.decode_tps > 0.3 * plain.decode_tps, (dropped.decode_tps, plain.decode_tps)
     assert 0 <= dropped.io_wait_share <= 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--tokens", "0"), "--tokens: must be at least 1"), (("--rounds", "-1"), "--rounds: must be at least 1"),
+    (("--prompt-tokens", "many"), "not a whole number"), (("--io-threads", "0"), "--io-threads"),
+    (("--dtype", "fp8"), "--dtype: invalid choice"), (("--out", "/nonexistent-dir/r.json"), "does not exist")])
+def test_bad_arguments_fail_before_any_work(args, message, tmp_path):
+    # The model folder does not exist either: had the benchmark started, that would be the error.
+    r = run_cli("bench", "speed", "-m", tmp_path / "absent", *args, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not r.stdout

@@ -57,6 +57,8 @@ def test_stdin_then_argument():
     assert read_prompt("summarise", FakeStdin("notes\n")) == "notes\n\nsummarise"
     assert read_prompt(None, FakeStdin("only stdin")) == "only stdin"
     assert read_prompt("only arg", FakeStdin("")) == "only arg"
+    r = run_cli("chat", "--engine", "fake", input="")  # not a terminal, nothing piped: chat has no PROMPT
+    assert r.returncode == 2 and "no prompt" in r.stderr and "PROMPT" not in r.stderr
 
 
 def test_same_greedy_answer_with_and_without_raw_argument_order(model):

@@ -81,6 +81,15 @@ def test_bad_environment_is_a_usage_error(env):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("name,value,message", [
+    ("DTYPE", "fp8", "auto, float32, keep"), ("KERNELS", "gpu", "auto, mlx, cpu"),
+    ("TIMING", "lots", "off, step, layer"), ("IO_THREADS", "0", "at least 1"), ("MAX_TOKENS", "1.5", "at least 1")])
+def test_every_setting_is_checked_before_loading(env, name, value, message):
+    r = fake("hi", env=dict(env, **{"FLASHMOE_" + name: value}))
+    assert r.returncode == 2 and "FLASHMOE_" + name in r.stderr and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not r.stdout
+
+
 def test_generation_failure_exits_1(env):
     r = fake("hi", env=dict(env, FLASHMOE_FAKE_FAIL="the model fell over"))
     assert r.returncode == 1 and "the model fell over" in r.stderr and "Traceback" not in r.stderr

@@ -354,7 +354,9 @@ def test_load_error_through_make_engine_exits_3(monkeypatch):
 
 def test_bad_flags_are_a_usage_error_before_loading():
     with pytest.raises(cli.UsageError):
-        run_repl(chat_args("--max-tokens", "0"), engine=FakeEngine())
+        run_repl(chat_args("--top-p", "1.5"), engine=FakeEngine())
+    with pytest.raises(SystemExit):  # argparse refuses this one itself (exit 2)
+        chat_args("--max-tokens", "0")
 
 
 # -- picking the REPL ---------------------------------------------------------------------------------
