@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     logs = sub.add_parser("logs", help="list saved conversations, or show one")
     logs.add_argument("action", nargs="?", choices=("list", "show", "path"), default="list",
-                      help="list (default), show one conversation, or print the folder they are saved in")
+                      help="list (default), show one conversation, or print the file they are saved in")
     logs.add_argument("cid", nargs="?", metavar="ID", help="conversation id for `show` (default: the latest)")
     logs.add_argument("-n", "--count", type=at_least(1), default=20, help="how many to list (default 20)")
     logs.add_argument("--json", action="store_true", help="print as JSON")
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--json", action="store_true", help="print the description as JSON")
 
     ver = sub.add_parser("verify", help="check every expert block against the manifest's checksums")
-    ver.add_argument("model", metavar="MODEL", help="flashmoe model folder")
+    ver.add_argument("model", metavar="MODEL", help="model folder (flashmoe or mlx-lm)")
 
     demo = sub.add_parser("demo", help="build the demo model (SmolLM2-135M as an 8-expert MoE) and print its path")
     demo.add_argument("--rebuild", action="store_true", help="build it again from the GGUF")
