@@ -49,10 +49,10 @@ class Handle:
 class Engine:
     def __init__(self, model_path, *, expert_cache: int | None = None, io_threads: int = 8,
                  direct_io: bool = False, dtype: str | None = None, kernels: str = "auto",
-                 prefetch: bool | str = False):
+                 prefetch: bool | str = False, cache_policy: str = "lfu"):
         self.model_path = model_path
         self._load_args = dict(expert_cache=expert_cache, io_threads=io_threads, direct_io=direct_io, dtype=dtype,
-                               kernels=kernels, prefetch=prefetch)
+                               kernels=kernels, prefetch=prefetch, cache_policy=cache_policy)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loaded_event = threading.Event()
         self._stopped = threading.Event()
@@ -104,7 +104,7 @@ class Engine:
                 experts=lm.layers[0].num_experts if lm.layers else 0, top_k=lm.top_k,
                 bits=model_bits(lm.config), cache_bytes=lm.store.capacity_bytes if lm.store else 0,
                 load_s=perf_counter() - t0, chat_template=lm.tokenizer.template_source if lm.tokenizer else "",
-                kernels=lm.kernels)
+                kernels=lm.kernels, cache_policy=lm.store.policy if lm.store else "")
         except BaseException as e:  # reported to the caller by wait_loaded
             self.load_error = e
         self._loaded_event.set()

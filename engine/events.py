@@ -28,6 +28,7 @@ class ModelLoaded(Event):
     load_s: float
     chat_template: str = ""  # its text: front ends pick the tool-call format from it
     kernels: str = "mlx"  # quantized matmul kernels in use: "mlx" or "cpu"
+    cache_policy: str = ""  # which cached expert a miss evicts: "lfu" or "lru" ("" without experts)
 
 
 @dataclass(frozen=True, slots=True)

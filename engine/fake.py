@@ -26,7 +26,7 @@ class FakeEngine:
         self.requests: list = []  # what was submitted, for tests
         self.loaded_info = ModelLoaded(model="fake", model_type="fake_moe", mode="packed", layers=layers,
                                        moe_layers=layers, experts=64, top_k=4, bits=4,
-                                       cache_bytes=64 << 20, load_s=0.0)
+                                       cache_bytes=64 << 20, load_s=0.0, cache_policy="lfu")
 
     def wait_loaded(self, timeout: float | None = None) -> ModelLoaded:
         return self.loaded_info

@@ -330,7 +330,7 @@ PREFETCH_MODES = ("off", "hint", "slots")
 
 def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = 8,
          direct_io: bool = False, load_tokenizer: bool = True, dtype: str | None = None,
-         kernels: str = "mlx", prefetch: bool | str = False) -> LoadedModel:
+         kernels: str = "mlx", prefetch: bool | str = False, cache_policy: str = "lfu") -> LoadedModel:
     """Build the model for `path` with streamed experts. Resident weights are loaded here.
 
     dtype "float32" widens 16-bit float tensors (weights, quantization scales and biases, and
@@ -344,6 +344,8 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     would pick for the current hidden state (decode only; its hit rate is in the telemetry):
     "slots" (or True) reads them into expert slots, "hint" only asks the kernel to bring them
     into the page cache (see ExpertStore.hint), "off" (or False) does neither.
+
+    cache_policy: which cached expert a miss evicts, "lfu" or "lru" (store.CACHE_POLICIES).
     """
     from .cpu_path import resolve
 
@@ -390,7 +392,7 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
 
     store = ExpertStore(path / EXPERTS_DIR if packed else path, layers, top_k_of(config),
                         budget_bytes=expert_cache, io_threads=io_threads, direct_io=direct_io,
-                        upcast=dtype == "float32", cpu_kernels=kernels == "cpu") if layers else None
+                        upcast=dtype == "float32", cpu_kernels=kernels == "cpu", policy=cache_policy) if layers else None
     loaded = LoadedModel(model, config, path, "packed" if packed else "direct", store, layers)
     parents = dict(model.named_modules())
     for l in layers:

@@ -12,7 +12,8 @@ import sys
 from . import __version__
 from .agent_cli import add_tool_options
 from .argtypes import at_least, output_file, parse_size
-from .config import DTYPE_CHOICES, KERNEL_CHOICES, PREFETCH_CHOICES, TIMING_CHOICES, ConfigError
+from .config import (CACHE_POLICY_CHOICES, DTYPE_CHOICES, KERNEL_CHOICES, PREFETCH_CHOICES, TIMING_CHOICES,
+                     ConfigError)
 from .exit_codes import ExitCode
 
 EPILOG = """exit codes: 0 ok, 1 generation failure, 2 usage, 3 model load or I/O, 4 timeout,
@@ -39,6 +40,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-cache", type=parse_size, default=S, metavar="SIZE",
                    help="byte budget of the expert cache, e.g. 2GB, 512MB; 0 keeps only what the "
                         "current token needs (default: every expert, at most a quarter of the RAM)")
+    p.add_argument("--cache-policy", choices=CACHE_POLICY_CHOICES, default=S,
+                   help="which cached expert a miss evicts: lfu (default), the least often used, or lru, "
+                        "the least recently used")
     p.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT (bypass the page cache)")
     p.add_argument("--io-threads", type=at_least(1), default=S, metavar="N", help="parallel expert reads (default 8)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=S,
@@ -97,7 +101,7 @@ def make_engine(args):
 
     return Engine(resolve_model(args.model), expert_cache=args.expert_cache, io_threads=args.io_threads,
                   direct_io=args.direct_io, dtype=resolve_dtype(args.dtype), kernels=args.kernels,
-                  prefetch=args.prefetch)
+                  prefetch=args.prefetch, cache_policy=args.cache_policy)
 
 
 def open_conversation(args, engine, model_name: str):

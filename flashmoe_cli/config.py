@@ -24,6 +24,7 @@ TIMING_CHOICES = ("off", "step", "layer")
 DTYPE_CHOICES = ("auto", "float32", "keep")
 KERNEL_CHOICES = ("auto", "mlx", "cpu")
 PREFETCH_CHOICES = ("off", "hint", "slots")
+CACHE_POLICY_CHOICES = ("lfu", "lru")  # engine.experts.store.CACHE_POLICIES, without importing MLX
 
 # name -> (default, parser from text: a type, "size", "count" (an integer >= 1) or a tuple of words)
 SETTINGS = {
@@ -42,6 +43,7 @@ SETTINGS = {
     "dtype": ("auto", DTYPE_CHOICES),
     "kernels": ("auto", KERNEL_CHOICES),
     "prefetch": ("off", PREFETCH_CHOICES),
+    "cache_policy": ("lfu", CACHE_POLICY_CHOICES),
 }
 
 

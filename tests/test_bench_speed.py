@@ -20,7 +20,7 @@ def report(model_factory, tmp_path_factory):
 def test_prints_the_conditions_of_every_figure(report):
     stdout, result, _ = report
     assert "4-bit" in result["model_line"] and "K=" in result["model_line"] and "expert cache" in result["model_line"]
-    assert "prefetch off" in result["model_line"]
+    assert "prefetch off" in result["model_line"] and "(lfu)" in result["model_line"]
     assert result["machine"] and result["disk"]["random_gbps"] > 0 and result["disk"]["sequential_gbps"] > 0
     lines = [line for line in stdout.splitlines() if " | decode " in line]
     assert [line.split(":")[0].strip() for line in lines] == ["warm", "cold", "uncached"]

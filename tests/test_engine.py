@@ -72,11 +72,12 @@ def test_second_turn_reuses_the_cache_and_gives_the_same_tokens(model_factory):
     assert [t.id for t in toks2] == [t.id for t in fresh]
 
 
-def test_cache_never_exceeds_budget_over_a_long_generation(model_factory):
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_cache_never_exceeds_budget_over_a_long_generation(model_factory, policy):
     packed = model_factory("olmoe", 4, converted=True)
     probe = load(packed, load_tokenizer=False)
     budget = 5 * probe.layers[0].expert_bytes
-    lm = load(packed, expert_cache=budget)
+    lm = load(packed, expert_cache=budget, cache_policy=policy)
     session = Session(lm)
     req = GenerationRequest(messages=CHAT, max_tokens=200, sampling=__import__("engine").SamplingParams(
         temperature=1.0, seed=1))
@@ -122,3 +123,32 @@ def test_bad_requests_are_rejected():
         GenerationRequest(prompt="x", timing="often")
     with pytest.raises(ValueError, match="exactly one"):
         GenerationRequest()
+
+
+def hits_with_one_hot_expert_per_layer(packed, policy: str, tokens: int = 40) -> tuple[int, int, int]:
+    """Each token asks every layer for its own hot expert and one of the others in turn. The
+    cache holds one slot more than there are layers: LRU evicts each hot expert before it comes
+    back (every other layer's two experts come in between), LFU keeps the often-asked ones."""
+    probe = load(packed, load_tokenizer=False)
+    layers = [l.layer for l in probe.layers]
+    n = probe.layers[0].num_experts
+    lm = load(packed, expert_cache=(len(layers) + 1) * probe.layers[0].expert_bytes, load_tokenizer=False,
+              cache_policy=policy)
+    assert lm.store.pools[0].slots == len(layers) + 1
+    for t in range(tokens):
+        for layer in layers:
+            lut = lm.store.fetch(layer, [0, 1 + t % (n - 1)])
+            assert lut[0] != lut[1 + t % (n - 1)]  # two slots, both holding what was asked for
+        assert lm.store.used_bytes <= lm.store.budget_bytes
+    stats = lm.store.take_stats().values()
+    lm.close()
+    return sum(s.hits for s in stats), sum(s.misses for s in stats), len(layers)
+
+
+def test_lfu_keeps_the_experts_asked_for_most_where_lru_keeps_none(model_factory):
+    packed = model_factory("qwen3_moe", 4, converted=True)
+    hits, misses, layers = hits_with_one_hot_expert_per_layer(packed, "lru")
+    assert layers >= 2 and hits == 0 and misses == 2 * 40 * layers
+    hits, misses, _ = hits_with_one_hot_expert_per_layer(packed, "lfu")
+    assert hits >= layers * 38  # every hot expert hits once the counts tell them apart
+    assert hits + misses == 2 * 40 * layers

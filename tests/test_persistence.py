@@ -83,7 +83,8 @@ def test_bad_environment_is_a_usage_error(env):
 
 @pytest.mark.parametrize("name,value,message", [
     ("DTYPE", "fp8", "auto, float32, keep"), ("KERNELS", "gpu", "auto, mlx, cpu"),
-    ("TIMING", "lots", "off, step, layer"), ("IO_THREADS", "0", "at least 1"), ("MAX_TOKENS", "1.5", "at least 1")])
+    ("TIMING", "lots", "off, step, layer"), ("IO_THREADS", "0", "at least 1"), ("MAX_TOKENS", "1.5", "at least 1"),
+    ("CACHE_POLICY", "mru", "lfu, lru")])
 def test_every_setting_is_checked_before_loading(env, name, value, message):
     r = fake("hi", env=dict(env, **{"FLASHMOE_" + name: value}))
     assert r.returncode == 2 and "FLASHMOE_" + name in r.stderr and message in r.stderr, r.stderr

@@ -1,7 +1,8 @@
 """The streamed engine gives the resident mlx-lm model's logits and greedy tokens, exactly.
 
 Per architecture and precision; with every expert cached, with a cache of only what one token
-needs (`--expert-cache 0`), with a budget smaller than one layer's experts, and in direct mode.
+needs (`--expert-cache 0`), with a budget smaller than one layer's experts (either eviction
+policy), and in direct mode.
 """
 from __future__ import annotations
 
@@ -47,14 +48,15 @@ def test_streamed_equals_resident(model_factory, arch, bits):
 
     probe = load(packed, load_tokenizer=False)
     variants = {
-        "packed, all cached": (packed, None),
-        "packed, cache 0": (packed, 0),
-        "packed, budget < one layer": (packed, small_budget(probe)),
-        "direct": (src, None),
-        "direct, cache 0": (src, 0),
+        "packed, all cached": (packed, None, "lfu"),
+        "packed, cache 0": (packed, 0, "lfu"),
+        "packed, budget < one layer": (packed, small_budget(probe), "lfu"),
+        "packed, budget < one layer, lru": (packed, small_budget(probe), "lru"),
+        "direct": (src, None, "lfu"),
+        "direct, cache 0": (src, 0, "lfu"),
     }
-    for name, (path, budget) in variants.items():
-        lm = load(path, expert_cache=budget, load_tokenizer=False)
+    for name, (path, budget, policy) in variants.items():
+        lm = load(path, expert_cache=budget, load_tokenizer=False, cache_policy=policy)
         assert lm.mode == ("packed" if path == packed else "direct")
         diff = mx.abs(lm.model(tokens) - ref_logits).max().item()
         assert diff <= 1e-5, f"{name}: max |logit difference| {diff}"

@@ -29,6 +29,12 @@ PAGE = 4096
 # decode ran 11% faster with 1 MiB pieces than with one read per expert, 5% with the page cache
 # dropped only at the start (512 KiB: no better; benchmarks/RESULTS.md).
 READ_PIECE = 1 << 20
+# Which cached expert a miss evicts. "lfu": the least often asked for (counts halve every
+# LFU_HALF_LIFE tokens); "lru": the least recently used, which a cache smaller than one pass
+# over the layers turns into no hits at all (each layer's experts are evicted just before the
+# next token asks for them again). Measured in benchmarks/RESULTS.md.
+CACHE_POLICIES = ("lfu", "lru")
+LFU_HALF_LIFE = 128
 _HALF = ("BF16", "F16")
 
 
@@ -106,6 +112,19 @@ class SlotPool:
         self._views = [memoryview(self.arrays[p.name]).cast("B") for p in self.held]
         self.table: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, LRU first
         self.free = list(range(slots - 1, -1, -1))
+        # The same, per slot, as arrays: LFU picks its victim with one vectorised pass.
+        self.layer_of = np.full(slots, -1, dtype=np.int64)
+        self.expert_of = np.zeros(slots, dtype=np.int64)
+        self.used_at = np.zeros(slots, dtype=np.float64)
+
+    def put(self, key: tuple[int, int], slot: int, tick: int) -> None:
+        self.table[key] = slot
+        self.layer_of[slot], self.expert_of[slot], self.used_at[slot] = key[0], key[1], tick
+
+    def clear(self) -> None:
+        self.table.clear()
+        self.free = list(range(self.slots - 1, -1, -1))
+        self.layer_of[:] = -1
 
     def slot_views(self, slot: int, first: int, last: int) -> list[memoryview]:
         return [self._views[i][slot * p.nbytes:(slot + 1) * p.nbytes]
@@ -129,7 +148,10 @@ class ExpertStore:
 
     def __init__(self, root: Path, layers: list[LayerExperts], top_k: int,
                  budget_bytes: int | None = None, io_threads: int = 8, direct_io: bool = False,
-                 upcast: bool = False, cpu_kernels: bool = False):
+                 upcast: bool = False, cpu_kernels: bool = False, policy: str = "lfu"):
+        if policy not in CACHE_POLICIES:
+            raise ValueError(f"cache policy must be one of {CACHE_POLICIES}, got {policy!r}")
+        self.policy = policy
         self.root = root
         self.layers = {l.layer: l for l in layers}
         self.direct_io = direct_io
@@ -148,6 +170,11 @@ class ExpertStore:
         self.cpu_kernels = cpu_kernels  # experts computed by the numba kernels (engine/cpu_path.py)
         self.pools: list[SlotPool] = []
         self.budget_bytes = self._make_pools(layers, budget_bytes)
+        # How often each (layer, expert) was asked for, halved every LFU_HALF_LIFE fetches of
+        # its layer so that a change of topic is followed; and a clock for recency.
+        self.freq = np.zeros((max(l.layer for l in layers) + 1, max(l.num_experts for l in layers)))
+        self._fetches = 0
+        self._tick = 0
         self._exec = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="flashmoe-io")
         self.peak_used_bytes = 0
 
@@ -200,6 +227,7 @@ class ExpertStore:
         stats = self.stats[layer]
         wanted = {int(e) for e in experts}
         assert len(wanted) <= pool.slots, "caller must chunk to the pool size"
+        self._count(layer, wanted)
         lut = np.zeros(info.num_experts, dtype=np.uint32)
         hits, misses = [], []
         for e in wanted:
@@ -208,6 +236,7 @@ class ExpertStore:
                 misses.append(e)
             else:
                 pool.table.move_to_end((layer, e))
+                pool.used_at[slot] = self._tick
                 lut[e] = slot
                 hits.append(e)
         stats.hits += len(hits)
@@ -226,12 +255,12 @@ class ExpertStore:
             mx.eval(self.pending)
             self.pending.clear()
         jobs: dict[int, list] = {}
-        for e in misses:
-            slot = self._take_slot(pool, layer, wanted)
-            if slot is None:  # read-ahead holds the rest: let it land, then evict as usual
-                self._drain_inflight()
-                slot = self._take_slot(pool, layer, wanted)
-            pool.table[(layer, e)] = slot
+        slots = self._take_slots(pool, layer, wanted, len(misses))
+        if len(slots) < len(misses):  # read-ahead holds the rest: let it land, then evict as usual
+            self._drain_inflight()
+            slots += self._take_slots(pool, layer, wanted, len(misses) - len(slots))
+        for e, slot in zip(misses, slots):
+            pool.put((layer, e), slot, self._tick)
             lut[e] = slot
             jobs[e] = [(ext, pool.slot_views(slot, ext.first, ext.last), pool.conversions(ext.first, ext.last))
                        for ext in info.extents(self.root, e)]
@@ -267,27 +296,58 @@ class ExpertStore:
         for job in jobs:
             self._read(*job)
 
-    def _take_slot(self, pool: SlotPool, layer: int, wanted: set[int]) -> int | None:
-        if pool.free:
-            return pool.free.pop()
-        for key in pool.table:  # oldest first; never a slot still being read into
-            if (key[0] != layer or key[1] not in wanted) and key not in self._inflight:
-                return pool.table.pop(key)
-        return None  # only when prefetches hold every other slot: callers chunk to the pool size
+    def _count(self, layer: int, wanted: set[int]) -> None:
+        self._tick += 1
+        self._fetches += 1
+        if self._fetches >= LFU_HALF_LIFE * len(self.layers):
+            self.freq *= 0.5
+            self._fetches = 0
+        row = self.freq[layer]
+        for e in wanted:  # a handful: cheaper than a fancy-indexed add
+            row[e] += 1
+
+    def _take_slots(self, pool: SlotPool, layer: int, wanted: set[int], n: int) -> list[int]:
+        """Up to n slots for new experts: free ones, then the victims the policy picks. Never a
+        slot of an expert `layer` wants now, nor one still being read into by read-ahead (fewer
+        than n only when read-ahead holds every other slot; callers chunk to the pool size)."""
+        taken = [pool.free.pop() for _ in range(min(n, len(pool.free)))]
+        n -= len(taken)
+        if n <= 0:
+            return taken
+        if self.policy == "lru":
+            victims = []
+            for key in pool.table:  # least recently used first
+                if (key[0] != layer or key[1] not in wanted) and key not in self._inflight:
+                    victims.append(key)
+                    if len(victims) == n:
+                        break
+            return taken + [pool.table.pop(key) for key in victims]
+        # lfu: the least often asked-for experts, the least recently used among equals. The
+        # clock counts fetches, far below 2**32, so one float64 key orders both.
+        score = self.freq[pool.layer_of, pool.expert_of] * 2.0 ** 32 + pool.used_at
+        keep = taken + [pool.table[k] for k in [*((layer, e) for e in wanted), *self._inflight] if k in pool.table]
+        score[keep] = np.inf
+        order = np.argpartition(score, n - 1)[:n] if n < len(score) else np.arange(len(score))
+        victims = [int(i) for i in order[np.argsort(score[order])] if score[i] != np.inf]
+        for slot in victims:
+            del pool.table[(int(pool.layer_of[slot]), int(pool.expert_of[slot]))]
+        return taken + victims
 
     # -- read-ahead (--prefetch) -----------------------------------------------------------
     def prefetch(self, layer: int, experts, protect: tuple[int, set[int]]) -> None:
-        """Start reading experts of `layer` in the background, into free or least-recently-used
-        slots, never those of `protect` = (layer, experts) that a computation is using now."""
+        """Start reading experts of `layer` in the background, into free slots or those the cache
+        policy gives up, never those of `protect` = (layer, experts) that a computation is using
+        now. A guess nobody asks for has no count, so LFU gives its slot up first."""
         pool, info = self._pool_of[layer], self.layers[layer]
         for e in experts:
             key = (layer, int(e))
             if key in pool.table:
                 continue
-            slot = self._take_slot(pool, protect[0], protect[1])
-            if slot is None:
+            slots = self._take_slots(pool, protect[0], protect[1], 1)
+            if not slots:
                 return
-            pool.table[key] = slot
+            slot = slots[0]
+            pool.put(key, slot, self._tick)
             jobs = [(ext, pool.slot_views(slot, ext.first, ext.last), pool.conversions(ext.first, ext.last))
                     for ext in info.extents(self.root, key[1])]
             self._inflight[key] = self._exec.submit(self._read_all, jobs)
@@ -411,8 +471,8 @@ class ExpertStore:
         """Forget every cached expert (a cold start for benchmarks)."""
         self._drain_inflight()
         for p in self.pools:
-            p.table.clear()
-            p.free = list(range(p.slots - 1, -1, -1))
+            p.clear()
+        self.freq[:] = 0
 
     def close(self) -> None:
         self._exec.shutdown(wait=True)

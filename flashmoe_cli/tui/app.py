@@ -212,7 +212,8 @@ class ChatApp(App[int]):
         bits = f"{info.bits}-bit" if info.bits else "unquantized"
         self.note(f"{name}: {info.model_type}, {info.mode} experts, {info.layers} layers "
                   f"({info.moe_layers} with experts), {info.experts} experts, top-{info.top_k}, {bits}, "
-                  f"expert cache {human_bytes(info.cache_bytes)}, loaded in {info.load_s:.1f} s\n"
+                  f"expert cache {human_bytes(info.cache_bytes)}"
+                  + (f" ({info.cache_policy})" if info.cache_policy else "") + f", loaded in {info.load_s:.1f} s\n"
                   "Type a message and press Enter. /help lists the commands, F1 the keys.", title="model",
                   before=self._queued)
         if self.args is not None and getattr(self.args, "tools", None) and not self._build_agent(info):
