@@ -3,7 +3,8 @@
 The graph never sees a new tensor: each MoE layer computes over a slot bank of fixed shape
 ([S, out, in] per part) and we only change which slot holds which expert, reading straight into
 the slot's memory (MLX CPU arrays expose a writable buffer). Slots are shared by all layers of the
-same shape and evicted least-recently-used, so the byte budget is a hard limit.
+same shape, and a miss reuses the slot its policy gives up (CACHE_POLICIES), so the byte budget
+is a hard limit.
 """
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ class SlotPool:
         mx.eval(list(self.arrays.values()))
         # Writable byte views of each slot of each part: reads land here directly.
         self._views = [memoryview(self.arrays[p.name]).cast("B") for p in self.held]
-        self.table: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, LRU first
+        self.table: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, least recent first
         self.free = list(range(slots - 1, -1, -1))
         # The same, per slot, as arrays: LFU picks its victim with one vectorised pass.
         self.layer_of = np.full(slots, -1, dtype=np.int64)
