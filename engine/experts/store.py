@@ -171,8 +171,8 @@ class ExpertStore:
         self.cpu_kernels = cpu_kernels  # experts computed by the numba kernels (engine/cpu_path.py)
         self.pools: list[SlotPool] = []
         self.budget_bytes = self._make_pools(layers, budget_bytes)
-        # How often each (layer, expert) was asked for, halved every LFU_HALF_LIFE fetches of
-        # its layer so that a change of topic is followed; and a clock for recency.
+        # How often each (layer, expert) was asked for, all halved every LFU_HALF_LIFE tokens'
+        # worth of fetches so that a change of topic is followed; and a clock (fetches) for recency.
         self.freq = np.zeros((max(l.layer for l in layers) + 1, max(l.num_experts for l in layers)))
         self._fetches = 0
         self._tick = 0
