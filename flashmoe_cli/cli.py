@@ -51,7 +51,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kernels", choices=KERNEL_CHOICES, default=S,
                    help="quantized matmul kernels: cpu (numba, many times faster than MLX's CPU path), "
                         "mlx, or auto (default: cpu when MLX runs on the CPU)")
-    p.add_argument("--prefetch", choices=PREFETCH_CHOICES, default=S, metavar="{off,hint,slots}",
+    p.add_argument("--prefetch", choices=PREFETCH_CHOICES, default=S,
                    help="while a layer computes, guess the next layer's experts from its router: slots "
                         "reads them into the expert cache, hint asks the kernel to bring them into the page "
                         "cache, off (default: both measured slower, benchmarks/RESULTS.md)")

@@ -125,3 +125,14 @@ def test_headless_start_up_does_not_import_textual(model_factory, tmp_path):
                        env={**__import__("os").environ, "FLASHMOE_HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert "UI: []" in r.stdout
+
+
+def test_the_front_end_offers_what_the_engine_takes():
+    """config.py keeps its own copies of the engine's choices so that --help and usage errors
+    never import MLX: they must not drift apart."""
+    from engine.experts.store import CACHE_POLICIES
+    from engine.loader import PREFETCH_MODES
+    from flashmoe_cli.config import CACHE_POLICY_CHOICES, PREFETCH_CHOICES
+
+    assert set(CACHE_POLICY_CHOICES) == set(CACHE_POLICIES)
+    assert set(PREFETCH_CHOICES) == set(PREFETCH_MODES)
