@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .argtypes import at_least
 from .exit_codes import ExitCode
+from .term_safe import for_stream, safe
 
 
 def add_tool_options(p: argparse.ArgumentParser) -> None:
@@ -109,14 +110,14 @@ def run_with_tools(args, session, loaded, text: str) -> int:
 
     def show(ev):
         if isinstance(ev, TextChunk) and ev.kind == "text":
-            sys.stdout.write(ev.text)
+            sys.stdout.write(for_stream(ev.text, sys.stdout))
             sys.stdout.flush()
-        elif isinstance(ev, ToolCallEvent):
+        elif isinstance(ev, ToolCallEvent):  # names and arguments are the model's text
             state = "" if ev.valid else f" [invalid: {ev.error}]"
-            print(f"flashmoe: tool call {ev.name}({json.dumps(ev.arguments, ensure_ascii=False)}){state}",
+            print(safe(f"flashmoe: tool call {ev.name}({json.dumps(ev.arguments, ensure_ascii=False)}){state}"),
                   file=sys.stderr)
         elif isinstance(ev, ToolResultEvent):
-            print(f"flashmoe: {ev.name} -> {ev.status}", file=sys.stderr)
+            print(safe(f"flashmoe: {ev.name} -> {ev.status}"), file=sys.stderr)
 
     loop = make_agent(args, session, loaded.chat_template, NonInteractiveApprover(), show)
     try:
@@ -129,7 +130,7 @@ def run_with_tools(args, session, loaded, text: str) -> int:
         return ExitCode.OK
     if end.status == "cancelled":
         return ExitCode.INTERRUPTED
-    print(f"flashmoe: error: {end.message or end.status}", file=sys.stderr)
+    print(safe(f"flashmoe: error: {end.message or end.status}"), file=sys.stderr)
     return ExitCode.APPROVAL if end.status == "approval-needed" else ExitCode.FAILURE
 
 
@@ -202,7 +203,7 @@ def cmd_agent(args) -> int:
         def record(ev):
             if isinstance(ev, TextChunk):
                 if ev.kind == "text":
-                    sys.stdout.write(ev.text)
+                    sys.stdout.write(for_stream(ev.text, sys.stdout))
                     sys.stdout.flush()
                 return
             if hasattr(ev, "to_dict"):
@@ -212,7 +213,7 @@ def cmd_agent(args) -> int:
                         TurnFinished: "turn_end"}[type(ev)]
                 transcript.write({"event": kind, **dataclasses.asdict(ev)})
                 if isinstance(ev, ToolCallEvent):
-                    print(f"flashmoe: tool call {ev.name} {'ok' if ev.valid else 'invalid: ' + str(ev.error)}",
+                    print(safe(f"flashmoe: tool call {ev.name} {'ok' if ev.valid else 'invalid: ' + str(ev.error)}"),
                           file=sys.stderr)
 
         approver = {"never": DecliningApprover(), "ask": None}.get(args.approve)
@@ -229,7 +230,7 @@ def cmd_agent(args) -> int:
             end = loop.run_turn(turn["content"])
             sys.stdout.write("\n")
             if end.status not in ("done",):
-                print(f"flashmoe: error: turn {n + 1}: {end.message or end.status}", file=sys.stderr)
+                print(safe(f"flashmoe: error: turn {n + 1}: {end.message or end.status}"), file=sys.stderr)
                 return {"approval-needed": ExitCode.APPROVAL, "cancelled": ExitCode.INTERRUPTED}.get(
                     end.status, ExitCode.FAILURE)
         return ExitCode.OK

@@ -316,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def error(message: str) -> None:
-    print(f"flashmoe: error: {message}", file=sys.stderr)
+    from .term_safe import safe
+
+    print(f"flashmoe: error: {safe(message)}", file=sys.stderr)  # it may quote the model or a file name
 
 
 def quiet_broken_pipe() -> None:
@@ -425,38 +427,6 @@ def cmd_chat(args) -> int:
 
 
 def cmd_logs(args) -> int:
-    import time
+    from .logs_cli import cmd_logs
 
-    from .paths import logs_db
-    from .store import open_store
-
-    if args.action == "path":
-        print(logs_db())
-        return ExitCode.OK
-    store = open_store()
-    if args.action == "list":
-        convs = store.list(args.count)
-        if args.json:
-            print(json.dumps([c.__dict__ for c in convs], indent=2))
-            return ExitCode.OK
-        if not convs:
-            print("no saved conversations", file=sys.stderr)
-        for c in convs:
-            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.created))
-            print(f"{c.id}  {when}  {c.messages:>3} msgs  {c.title or ''}")
-        return ExitCode.OK
-    cid = args.cid or store.latest()
-    conv = store.get(cid) if cid else None
-    if conv is None:
-        raise UsageError(f"no conversation {cid!r}" if cid else "no saved conversations")
-    msgs = store.messages(cid)
-    if args.json:
-        print(json.dumps({"conversation": conv.__dict__, "messages": [m.__dict__ for m in msgs]}, indent=2))
-        return ExitCode.OK
-    print(f"# {conv.id}  model: {conv.model or '?'}")
-    if conv.system:
-        print(f"\n[system]\n{conv.system}")
-    for m in msgs:
-        mark = " (interrupted)" if m.interrupted else ""
-        print(f"\n[{m.role}{mark}]\n{m.content}")
-    return ExitCode.OK
+    return cmd_logs(args)

@@ -7,6 +7,7 @@ import sys
 import time
 
 from .exit_codes import ExitCode
+from .term_safe import is_tty, json_line, safe
 
 
 def read_prompt(arg: str | None, stdin=None, command: str = "run") -> str:
@@ -87,6 +88,7 @@ def _stream(args, loaded, session, handle, deadline: float | None = None) -> int
     from .cli import error
 
     out = sys.stdout
+    shown = safe if is_tty(out) else str  # a terminal never gets the model's control sequences
     if args.json:
         _emit_json(out, loaded.to_dict() | {"chat_template": None})
     rows_sum: dict[int, list] = {}
@@ -109,7 +111,7 @@ def _stream(args, loaded, session, handle, deadline: float | None = None) -> int
             if args.json:
                 _emit_json(out, ev.to_dict())
             elif ev.text:
-                out.write(ev.text)
+                out.write(shown(ev.text))
                 out.flush()
         elif isinstance(ev, LayerTimings):
             steps += 1
@@ -132,7 +134,7 @@ def _stream(args, loaded, session, handle, deadline: float | None = None) -> int
     if args.json:
         _emit_json(out, done.to_dict())
     else:
-        out.write(done.tail + "\n")
+        out.write(shown(done.tail) + "\n")
         out.flush()
     if args.timing != "off":
         print(summary(done, loaded), file=sys.stderr)
@@ -145,5 +147,6 @@ def _stream(args, loaded, session, handle, deadline: float | None = None) -> int
 
 
 def _emit_json(out, d: dict) -> None:
-    out.write(json.dumps(d, ensure_ascii=False) + "\n")
+    line = json.dumps(d, ensure_ascii=False)
+    out.write((json_line(line) if is_tty(out) else line) + "\n")
     out.flush()

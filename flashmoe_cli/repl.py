@@ -31,6 +31,7 @@ from engine.events import EngineFailed, GenerationFinished, LayerTimings, TokenG
 
 from .commands import ALIASES, COMMANDS, CommandError, help_text, parse
 from .exit_codes import ExitCode
+from .term_safe import safe
 
 KEYS = """Keys:
   Enter              send                    Alt+Enter (Esc Enter)  new line
@@ -110,14 +111,15 @@ class LineRepl:
         return kb
 
     # -- output ----------------------------------------------------------------------------
+    # The REPL runs on a terminal: model and tool text is escaped on the way to it.
     def write(self, text: str) -> None:
-        self.out.write(text)
+        self.out.write(safe(text))
         self.out.flush()
 
     def say(self, text: str) -> None:
         """A line for the user that is not the model's answer: stderr, after whatever stdout holds."""
         self.out.flush()
-        print(text, file=self.err, flush=True)
+        print(safe(text), file=self.err, flush=True)
 
     def error(self, message: str) -> None:
         self.say(f"flashmoe: error: {message}")
@@ -305,7 +307,7 @@ class LineRepl:
         args = json.dumps(call.arguments, ensure_ascii=False)
         question = PromptSession(input=self._input, output=self._output)
         try:
-            answer = question.prompt(f"{call.name}({args})\n  {reason}. Run it? [y/N/a(lways)] ")
+            answer = question.prompt(safe(f"{call.name}({args})") + f"\n  {safe(reason)}. Run it? [y/N/a(lways)] ")
         except (EOFError, KeyboardInterrupt):
             return "no"
         return {"y": "yes", "yes": "yes", "a": "always", "always": "always"}.get(answer.strip().lower(), "no")

@@ -1,0 +1,162 @@
+"""Hardening of the front ends (issue 12): control sequences never reach a terminal, a crash loses
+nothing shown, `agent --approve ask` asks on a real terminal, and user mistakes are one line with
+their exit code. Terminals are real ptys; crashes are real signals sent to real processes."""
+from __future__ import annotations
+
+import json
+import os
+import pty
+import select
+import signal
+import sqlite3
+import subprocess
+import sys
+import termios
+import time
+import tty
+
+import pytest
+
+from flashmoe_cli.store import Store
+from flashmoe_cli.term_safe import safe
+from tests.conftest import ROOT, run_cli
+
+# What a hostile model writes: a clipboard write (OSC 52), a title change (OSC 0), a screen clear,
+# 8-bit CSI and OSC, a right-to-left override, a bell, a carriage return that hides the line.
+ATTACK = ("look \x1b]52;c;cm0gLXJmIH4=\x07 here \x1b]0;pwned\x07 \x1b[2J\x1b[H \x9b2J \x9d0;x\x9c "
+          "\u202eevil\u202c \x07\rgone \x7f")
+FORBIDDEN = ["\x1b", "\x07", "\x9b", "\x9d", "\x9c", "\u202e", "\u202c", "\r", "\x7f"]
+
+
+def fake_env(tmp_path, replies, **extra):
+    env = {"FLASHMOE_HOME": str(tmp_path / "home"), "FLASHMOE_FAKE_REPLIES": json.dumps(replies)}
+    env.update(extra)
+    return env
+
+
+def spawn_on_pty(args, env, *, stdin=subprocess.DEVNULL):
+    """The CLI with its stdout on a pty (raw, so the bytes are the program's), stderr piped."""
+    master, slave = pty.openpty()
+    tty.setraw(slave)
+    e = dict(os.environ, **env)
+    e.pop("FORCE_COLOR", None)
+    p = subprocess.Popen([sys.executable, "-m", "flashmoe_cli", *map(str, args)], stdin=stdin, stdout=slave,
+                         stderr=subprocess.PIPE, env=e, cwd=ROOT)
+    os.close(slave)
+    return p, master
+
+
+def run_bytes(args, env) -> subprocess.CompletedProcess:
+    """The CLI with stdout piped, read as bytes (run_cli's text mode would turn \\r into \\n)."""
+    e = dict(os.environ, **env)
+    e.pop("FORCE_COLOR", None)
+    return subprocess.run([sys.executable, "-m", "flashmoe_cli", *map(str, args)], capture_output=True,
+                          stdin=subprocess.DEVNULL, env=e, cwd=ROOT, timeout=60)
+
+
+def read_all(master, p, timeout=60) -> bytes:
+    out = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([master], [], [], 0.1)
+        if r:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the other side is closed
+                break
+            if not chunk:
+                break
+            out += chunk
+        elif p.poll() is not None:
+            break
+    os.close(master)
+    return out
+
+
+# -- item 3: control sequences -------------------------------------------------------------------
+def test_safe_escapes_every_control_but_newline_and_tab():
+    assert safe("a\tb\nc") == "a\tb\nc"
+    assert safe("\x1b]52;c;eA==\x07") == "\\x1b]52;c;eA==\\x07"
+    assert safe("\x9b2J\x9d\x7f\x00\r") == "\\x9b2J\\x9d\\x7f\\x00\\x0d"
+    assert safe("\u202eabc\u2066\u2069") == "\\u202eabc\\u2066\\u2069"
+    assert safe("ünïcødé ok ✓ 日本") == "ünïcødé ok ✓ 日本"
+    # a sequence split over two tokens is caught in each half
+    assert safe("\x1b") + safe("]0;t\x07") == safe("\x1b]0;t\x07")
+    assert not any(c in safe(ATTACK) for c in FORBIDDEN)
+
+
+def test_headless_on_a_terminal_escapes_and_a_pipe_gets_the_bytes(tmp_path):
+    env = fake_env(tmp_path, [ATTACK])
+    p, master = spawn_on_pty(["run", "--engine", "fake", "-n", "hi"], env)
+    shown = read_all(master, p).decode()
+    err = p.stderr.read().decode()
+    assert p.wait(10) == 0, err
+    assert not any(c in shown for c in FORBIDDEN), repr(shown)
+    assert "\\x1b]52;c;cm0gLXJmIH4=\\x07" in shown and "\\u202eevil" in shown
+    piped = run_bytes(["run", "--engine", "fake", "-n", "hi"], env)
+    assert piped.returncode == 0 and piped.stdout == (ATTACK + "\n").encode()
+
+
+def test_tool_activity_on_stderr_is_escaped(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    call = '<tool_call>\n' + json.dumps({"name": "read_file", "arguments": {"path": "\x9d0;pwned\x9c.txt"}}) + \
+        '\n</tool_call>'
+    r = run_cli("run", "--engine", "fake", "-n", "--tools", "builtin", "--workspace", ws, "x",
+                env=fake_env(tmp_path, [call, "done"]))
+    assert "read_file" in r.stderr and "\\x9d0;pwned" in r.stderr, r.stderr
+    assert not any(c in r.stderr for c in FORBIDDEN), repr(r.stderr)
+
+
+def test_logs_show_escapes_on_a_terminal_only(tmp_path):
+    env = fake_env(tmp_path, [ATTACK])
+    assert run_cli("run", "--engine", "fake", "hi \x1b[2J", env=env).returncode == 0
+    p, master = spawn_on_pty(["logs", "show"], env)
+    shown = read_all(master, p).decode()
+    assert p.wait(10) == 0
+    assert not any(c in shown for c in FORBIDDEN), repr(shown)
+    assert "hi \\x1b[2J" in shown and "\\x1b]52;c;" in shown
+    p, master = spawn_on_pty(["logs"], env)
+    listed = read_all(master, p).decode()
+    assert p.wait(10) == 0 and "hi \\x1b[2J" in listed and "\x1b" not in listed
+    piped = run_bytes(["logs", "show"], env)
+    assert ATTACK.encode() in piped.stdout
+
+
+def test_repl_escapes_replies_and_tool_questions(tmp_path, monkeypatch):
+    from tests.test_repl import CTRL_D, ENTER, drive
+
+    monkeypatch.setenv("FLASHMOE_HOME", str(tmp_path / "home"))
+    from engine.fake import FakeEngine
+
+    t = drive("hi" + ENTER + CTRL_D, FakeEngine([ATTACK]))
+    assert t.code == 0, t
+    assert not any(c in t.out for c in FORBIDDEN), repr(t.out)
+    assert "\\x1b]52;c;" in t.out
+
+
+def test_repl_approval_question_is_escaped(tmp_path, monkeypatch):
+
+    from flashmoe_cli.repl import LineRepl
+
+    captured = {}
+
+    class Prompt:
+        def __init__(self, **kw):
+            pass
+
+        def prompt(self, message):
+            captured["message"] = message
+            return "n"
+
+    monkeypatch.setattr("flashmoe_cli.repl.PromptSession", Prompt)
+    repl = LineRepl.__new__(LineRepl)
+    repl.out, repl._input, repl._output = sys.stdout, None, None
+
+    class Call:
+        name = "run_shell\x1b[2J"
+        arguments = {"command": "echo \x9d52;c;eA==\x9c"}  # 8-bit OSC: json.dumps leaves it as it is
+
+    assert repl.ask(Call(), "runs a \u202ecommand") == "no"
+    assert not any(c in captured["message"] for c in FORBIDDEN), repr(captured["message"])
+    assert "\\x9d52;c;eA==" in captured["message"] and "\\u202e" in captured["message"]
