@@ -160,3 +160,66 @@ def test_repl_approval_question_is_escaped(tmp_path, monkeypatch):
     assert repl.ask(Call(), "runs a \u202ecommand") == "no"
     assert not any(c in captured["message"] for c in FORBIDDEN), repr(captured["message"])
     assert "\\x9d52;c;eA==" in captured["message"] and "\\u202e" in captured["message"]
+
+
+# The TUI: what the compositor would write to the terminal. Textual writes its own CSI sequences
+# (colours, cursor placement), so the check is for what only the model could have put there.
+MODEL_ONLY = ["\x1b]52", "\x1b]0;", "\x1b[2J", "\x9b", "\x9d", "\x9c", "\u202e", "\u202c", "\x07", "\x7f"]
+
+
+def rendered(app) -> str:
+    import io
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), force_terminal=True, color_system="truecolor", width=app.size.width)
+    update = app.screen._compositor.render_update(full=True)
+    return "".join(update.render_segments(console))
+
+
+def tui_call(name: str, **arguments) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
+
+
+@pytest.mark.asyncio
+async def test_tui_transcript_shows_control_sequences_escaped():
+    from tests.tui.conftest import make_app, send, wait_idle
+
+    app, engine, session = make_app([ATTACK])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause(0.1)
+        await send(pilot, "hi \x1b]0;mine\x07")
+        await wait_idle(pilot)
+        out = rendered(app)
+        assert not any(s in out for s in MODEL_ONLY), [s for s in MODEL_ONLY if s in out]
+        assert "\\x1b]52;c;cm0gLXJmIH4=" in out and "hi \\x1b]0;mine\\x07" in out
+    assert session.history[-1]["content"] == ATTACK  # what is kept is the model's text itself
+
+
+@pytest.mark.asyncio
+async def test_tui_tool_blocks_and_approval_show_control_sequences_escaped(tmp_path):
+    from flashmoe_cli.tui.screens import ApproveScreen
+    from flashmoe_cli.tui.widgets import ToolBlock
+    from tests.tui.conftest import make_app, send, tool_args, wait_for, wait_idle
+
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "notes.txt").write_text(ATTACK)
+    replies = [tui_call("read_file", path="notes.txt"), tui_call("write_file", path="t.txt", content=ATTACK), "ok"]
+    app, engine, session = make_app(replies, args=tool_args(ws))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await send(pilot, "go")
+        await wait_for(pilot, lambda: isinstance(app.screen, ApproveScreen), what="the approval screen")
+        out = rendered(app)
+        assert not any(s in out for s in MODEL_ONLY), [s for s in MODEL_ONLY if s in out]
+        assert "x9b2J" in out
+        app.screen._armed_at = 0.0
+        await pilot.press("n")
+        await wait_idle(pilot)
+        for block in app.transcript.query(ToolBlock):
+            block.collapsed = False
+        await pilot.pause(0.2)
+        out = rendered(app)
+        assert not any(s in out for s in MODEL_ONLY), [s for s in MODEL_ONLY if s in out]
+        assert "x9b2J" in out

@@ -37,6 +37,7 @@ from engine.events import (
 from ..cli import human_bytes
 from ..commands import CommandError, help_text, parse
 from ..exit_codes import ExitCode
+from ..term_safe import safe
 from .agent_turn import AgentTurn, AppApprover, answer
 from .messages import (
     ApprovalRequest,
@@ -83,6 +84,7 @@ class Reply:
     stream: object  # textual MarkdownStream (None with box)
     stopping: bool = False
     detail: str = ""  # the finished model reply's figures, for the box's bottom border
+    text: str = ""  # the model's text so far, as it wrote it
 
 
 @dataclass
@@ -186,7 +188,7 @@ class ChatApp(App[int]):
 
     def set_activity(self, text: str | Text, style: str = "") -> None:
         """The line above the message box: loading, prefill progress, generating, ready."""
-        line = Text(" ") + (Text(text, style=style) if isinstance(text, str) else text)
+        line = Text(" ") + (Text(safe(text), style=style) if isinstance(text, str) else text)
         self.activity = line.plain.strip()
         self.query_one("#activity", Static).update(line)
 
@@ -249,7 +251,7 @@ class ChatApp(App[int]):
         self._queued = None
         self.status.set(model="not loaded")
         self.note(f"Could not load the model: {m.message}", "error", title="error")
-        self.notify(m.message, title="Model failed to load", severity="error", timeout=10)
+        self.notify(safe(m.message), title="Model failed to load", severity="error", timeout=10, markup=False)
         self.set_activity("the model is not loaded: /exit or Ctrl+D quits", "bold red")
 
     # -- sending -------------------------------------------------------------------------
@@ -358,7 +360,8 @@ class ChatApp(App[int]):
             self.set_activity("generating… Esc stops (the text so far is kept)", "dim")
         if r.box is None:
             await self._open_box(r)
-        await r.stream.write(m.text)
+        r.text += m.text
+        await r.stream.write(safe(m.text))
 
     def on_reply_prefill(self, m: ReplyPrefill) -> None:
         r = self._current(m.reply_id)
@@ -378,7 +381,7 @@ class ChatApp(App[int]):
             return
         done = m.finished
         if done.tail:
-            await r.stream.write(done.tail)
+            await r.stream.write(safe(done.tail))
         await r.stream.stop()
         self.reply = None
         interrupted = done.reason == "cancelled"
@@ -401,7 +404,7 @@ class ChatApp(App[int]):
             return
         await r.stream.stop()
         self.reply = None
-        partial_text = r.box.text
+        partial_text = r.text  # the model's text (the box shows it escaped)
         if partial_text:
             r.box.mark("failed")
             try:
@@ -418,7 +421,8 @@ class ChatApp(App[int]):
         lines = message.splitlines()
         shown = "\n".join(lines[:12] + (["…"] if len(lines) > 12 else []))
         self.note(f"The engine failed ({failed.exc_type}): {shown}", "error", title="error")
-        self.notify(lines[0] if lines else message, title="Engine error", severity="error", timeout=10)
+        self.notify(safe(lines[0] if lines else message), title="Engine error", severity="error", timeout=10,
+                    markup=False)
         self.set_activity("the engine failed; see the message above", "bold red")
 
     # -- tool use (the AgentLoop) ------------------------------------------------------------

@@ -15,6 +15,8 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Static
 
+from ...term_safe import safe
+
 ARM_S = 0.3
 
 
@@ -39,18 +41,19 @@ class ApproveScreen(ModalScreen[str]):
         return time.monotonic() >= self._armed_at
 
     def compose(self) -> ComposeResult:
-        args = json.dumps(self.arguments, indent=2, ensure_ascii=False) if self.arguments is not None else "{}"
+        # the call is the model's text: shown with its control characters escaped
+        args = safe(json.dumps(self.arguments, indent=2, ensure_ascii=False)) if self.arguments is not None else "{}"
         with Vertical(id="approve-box") as box:
-            box.border_title = f"Run {self.tool_name}?"
+            box.border_title = safe(f"Run {self.tool_name}?")
             box.border_subtitle = "y yes · n/Esc no · a always"
-            yield Static(Text(self.reason.rstrip(".") + "."), id="approve-reason")
+            yield Static(Text(safe(self.reason.rstrip(".")) + "."), id="approve-reason")
             with VerticalScroll(id="approve-args"):
                 yield Static(Text(args))
             with Horizontal(id="approve-buttons"):
                 yield Button("Yes (y)", variant="success", id="approve-yes")
                 yield Button("No (n)", variant="error", id="approve-no")
                 yield Button("Always (a)", variant="warning", id="approve-always")
-            yield Static(Text(f"Always: {self.tool_name} runs without asking for the rest of this session "
+            yield Static(Text(f"Always: {safe(self.tool_name)} runs without asking for the rest of this session "
                               "(a command: only this exact command).", style="dim"), id="approve-note")
 
     def on_mount(self) -> None:

@@ -9,6 +9,8 @@ from rich.text import Text
 from textual.content import Content
 from textual.widgets import Collapsible, Static
 
+from ...term_safe import safe
+
 MAX_LINES = 400  # result lines shown (the model got them all, up to the executor's cap)
 MAX_CHARS = 40_000
 STATE = {"ok": "ok", "result": "ok", "declined": "declined", "denied": "denied", "invalid": "invalid",
@@ -29,8 +31,8 @@ def arguments_text(call) -> str:
     if call is None:
         return "(no call text)"
     if call.arguments is not None:
-        return json.dumps(call.arguments, indent=2, ensure_ascii=False)
-    return call.raw.strip() or "(empty call)"
+        return safe(json.dumps(call.arguments, indent=2, ensure_ascii=False))
+    return safe(call.raw.strip()) or "(empty call)"
 
 
 def title_text(call, result) -> str:
@@ -54,13 +56,13 @@ def title_text(call, result) -> str:
         parts.append(f"exit {result.exit_code}")
     if result.truncated:
         parts.append("truncated")
-    return " · ".join([f"⚙ {name}", *parts])
+    return safe(" · ".join([f"⚙ {name}", *parts]))
 
 
 def result_text(content: str) -> Text:
     lines = content.splitlines()
     shown = "\n".join(lines[:MAX_LINES])[:MAX_CHARS]
-    text = Text(shown or "(no output)")
+    text = Text(safe(shown) or "(no output)")  # a file or a command's output may hold control sequences
     hidden = len(lines) - len(shown.splitlines())
     if hidden > 0:
         text.append(f"\n… {hidden} more lines", style="dim italic")

@@ -5,6 +5,8 @@ from rich.text import Text
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Markdown, Static
 
+from ...term_safe import safe
+
 
 class Transcript(VerticalScroll):
     """Scrolls; anchored to the bottom while a reply streams, until the user scrolls up."""
@@ -13,21 +15,24 @@ class Transcript(VerticalScroll):
 
 
 class UserMessage(Static):
-    """What the user typed, shown verbatim (no Markdown, no markup)."""
+    """What the user typed, shown verbatim (no Markdown, no markup; control characters escaped)."""
 
     def __init__(self, text: str) -> None:
-        super().__init__(Text(text), classes="msg -user")
+        super().__init__(Text(safe(text)), classes="msg -user")
         self.text = text
         self.border_title = "you"
 
 
 class AssistantMessage(Vertical):
-    """A reply: a Markdown widget fed by a MarkdownStream while tokens arrive."""
+    """A reply: a Markdown widget fed by a MarkdownStream while tokens arrive.
+
+    Whoever feeds it passes the text through term_safe.safe: Textual writes a Markdown's text to
+    the terminal as it is, control sequences included."""
 
     def __init__(self, title: str = "assistant", text: str = "") -> None:
         super().__init__(classes="msg -assistant")
         self.border_title = title
-        self.markdown = Markdown(text or None)
+        self.markdown = Markdown(safe(text) or None)
 
     def compose(self):
         yield self.markdown
@@ -54,7 +59,7 @@ class Note(Static):
     """Help output, confirmations and errors: text, not part of the conversation."""
 
     def __init__(self, text: str, kind: str = "info", title: str = "") -> None:
-        super().__init__(Text(text), classes=f"note -{kind}")
+        super().__init__(Text(safe(text)), classes=f"note -{kind}")  # notes quote engine and tool errors
         self.text = text
         self.kind = kind
         if title:
