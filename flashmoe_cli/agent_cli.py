@@ -91,14 +91,30 @@ class TerminalApprover:
 
     interactive = True
 
-    def __init__(self, tty):
-        self.tty = tty
+    def __init__(self, reader, writer):
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    def open(cls, path: str = "/dev/tty") -> TerminalApprover | None:
+        """On the controlling terminal, or None (said once on stderr): calls that need a yes are refused.
+
+        The terminal is opened twice, to read and to write: "r+" wants a seekable file, which a
+        terminal is not (io.UnsupportedOperation)."""
+        try:
+            reader = open(path, encoding="utf-8", errors="replace")
+            writer = open(path, "w", encoding="utf-8", errors="replace")
+        except OSError as e:
+            print(f"flashmoe: warning: --approve ask: no terminal to ask on ({path}: {e.strerror or e}); "
+                  "tool calls that need approval are refused", file=sys.stderr)
+            return None
+        return cls(reader, writer)
 
     def ask(self, call, reason):
         args = json.dumps(call.arguments, ensure_ascii=False)
-        self.tty.write(f"\nflashmoe: {call.name}({args})\n  {reason}. Run it? [y/N/a(lways)] ")
-        self.tty.flush()
-        answer = self.tty.readline().strip().lower()
+        # the name and arguments are the model's text: escaped for the terminal
+        self.writer.write(safe(f"\nflashmoe: {call.name}({args})\n  {reason}.") + " Run it? [y/N/a(lways)] ")
+        self.writer.flush()
+        answer = self.reader.readline().strip().lower()  # "" when the terminal is gone: no
         return {"y": "yes", "yes": "yes", "a": "always", "always": "always"}.get(answer, "no")
 
 
@@ -221,10 +237,7 @@ def cmd_agent(args) -> int:
         if args.approve == "auto":
             loop.executor.approver = AutoApprover(loop.executor.registry)
         elif args.approve == "ask":
-            try:
-                loop.executor.approver = TerminalApprover(open("/dev/tty", "r+"))
-            except OSError:
-                pass  # no terminal: fail closed
+            loop.executor.approver = TerminalApprover.open() or loop.executor.approver  # none: fail closed
         for n, turn in enumerate(turns):
             transcript.write({"event": "user", "content": turn["content"], "turn": n})
             end = loop.run_turn(turn["content"])

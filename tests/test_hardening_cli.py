@@ -223,3 +223,79 @@ async def test_tui_tool_blocks_and_approval_show_control_sequences_escaped(tmp_p
         out = rendered(app)
         assert not any(s in out for s in MODEL_ONLY), [s for s in MODEL_ONLY if s in out]
         assert "x9b2J" in out
+
+
+# -- item 10: `agent --approve ask` asks on the terminal -----------------------------------------
+def spawn_with_terminal(args, env):
+    """The CLI as a session leader whose controlling terminal is a pty: /dev/tty is that pty."""
+    e = dict(os.environ, **env)
+    e.pop("FORCE_COLOR", None)
+    pid, master = pty.fork()
+    if pid == 0:  # the child: stdin, stdout and stderr are the pty
+        os.chdir(ROOT)
+        os.execve(sys.executable, [sys.executable, "-m", "flashmoe_cli", *map(str, args)], e)
+    return pid, master
+
+
+def read_until(master, needle: bytes, timeout=30) -> bytes:
+    out = b""
+    deadline = time.monotonic() + timeout
+    while needle not in out and time.monotonic() < deadline:
+        r, _, _ = select.select([master], [], [], 0.1)
+        if r:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            out += chunk
+    return out
+
+
+def wait_exit(pid, master, timeout=30) -> tuple[int, bytes]:
+    rest = read_until(master, b"\0never\0", timeout=timeout)  # drain until the child closes the pty
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            os.close(master)
+            return os.waitstatus_to_exitcode(status), rest
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError("the CLI did not exit")
+
+
+@pytest.mark.parametrize("answer,written", [(b"y\n", True), (b"n\n", False)])
+def test_agent_approve_ask_asks_on_the_terminal(tmp_path, answer, written):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (tmp_path / "s.jsonl").write_text(json.dumps({"role": "user", "content": "make a todo"}) + "\n")
+    write = tui_call("write_file", path="todo.txt", content="buy milk \x1b]52;c;eA==\x07\u202e")
+    env = fake_env(tmp_path, [write, "Done."])
+    pid, master = spawn_with_terminal(["agent", "--engine", "fake", "--tools", "builtin", "--workspace", ws,
+                                       "--script", tmp_path / "s.jsonl", "--approve", "ask"], env)
+    asked = read_until(master, b"Run it?")
+    assert b"write_file" in asked and b"Run it? [y/N/a(lways)]" in asked, asked
+    assert b"\x1b]52" not in asked and "\u202e".encode() not in asked, asked  # the question is escaped
+    os.write(master, answer)
+    code, rest = wait_exit(pid, master)
+    assert code == 0, asked + rest
+    assert (ws / "todo.txt").exists() == written
+    assert b"Traceback" not in asked + rest
+
+
+def test_agent_approve_ask_without_a_terminal_says_so(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (tmp_path / "s.jsonl").write_text(json.dumps({"role": "user", "content": "make a todo"}) + "\n")
+    env = fake_env(tmp_path, [tui_call("write_file", path="todo.txt", content="x"), "Done."])
+    e = dict(os.environ, **env)
+    r = subprocess.run([sys.executable, "-m", "flashmoe_cli", "agent", "--engine", "fake", "--tools", "builtin",
+                        "--workspace", str(ws), "--script", str(tmp_path / "s.jsonl"), "--approve", "ask"],
+                       capture_output=True, text=True, env=e, cwd=ROOT, timeout=60, start_new_session=True,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 5 and not (ws / "todo.txt").exists(), r.stderr
+    lines = [l for l in r.stderr.splitlines() if "no terminal" in l]
+    assert lines == ["flashmoe: warning: --approve ask: no terminal to ask on (/dev/tty: No such device or address); "
+                     "tool calls that need approval are refused"], r.stderr
