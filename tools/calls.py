@@ -2,8 +2,16 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+# What a tool call's arguments may hold. A model (or a client of the server) can write anything;
+# past these limits the call is refused with a message and a repair round, never a traceback in a
+# tool, a log writer or the terminal.
+MAX_DEPTH = 64
+MAX_ARGUMENT_CHARS = 1_000_000
+MAX_INT = 2**63
 
 
 @dataclass(frozen=True)
@@ -84,3 +92,41 @@ class ToolsInfo:
             return None
         prop = (params.get("properties") or {}).get(arg)
         return prop if isinstance(prop, dict) else None
+
+
+def argument_problem(value: Any) -> str | None:
+    """Why decoded arguments cannot be used, or None: nesting deeper than MAX_DEPTH, more than
+    MAX_ARGUMENT_CHARS of text, integers beyond 64 bits, non-finite numbers, or strings holding an
+    unpaired UTF-16 surrogate (JSON allows `\\ud800`; no file, log or terminal can take it)."""
+    total = 0
+    stack: list[tuple[Any, str, int]] = [(value, "$", 0)]
+    while stack:
+        v, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return f"the arguments nest deeper than {MAX_DEPTH} levels (at {path[:80]})"
+        if isinstance(v, str):
+            total += len(v)
+            if total > MAX_ARGUMENT_CHARS:
+                return f"the arguments hold more than {MAX_ARGUMENT_CHARS:,} characters of text"
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return (f"{path} holds an unpaired UTF-16 surrogate ({v[e.start]!r} at character {e.start}); "
+                        "write the character itself or leave it out")
+        elif isinstance(v, bool) or v is None:
+            continue
+        elif isinstance(v, int):
+            if abs(v) >= MAX_INT:
+                return f"{path} is an integer too large for a tool argument (more than 64 bits)"
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                return f"{path} is not a finite number"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                if not isinstance(k, str):
+                    return f"{path} has a key that is not a string"
+                stack.append((k, f"{path} (a key)", depth + 1))
+                stack.append((item, f"{path}.{k}", depth + 1))
+        elif isinstance(v, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(v))
+    return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from tools.policy import Approver, Decision, NonInteractiveApprover, Policy
 from tools.registry import Tool, ToolRegistry
 from tools.runner import DEFAULT_MAX_OUTPUT, ToolResult, cap_text
 from tools.validate import RejectedCall, RepairLoop, check_call
+
+DEFAULT_TOOL_TIME_LIMIT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -44,11 +47,16 @@ class ToolExecutor:
     ask "continue?" when `chain_exhausted` and call extend_chain(). `max_repairs` bounds the
     rounds of rejected calls (see RepairLoop). Calls whose only fault is the backslash-quote
     failure run with the repaired arguments when `accept_repaired` (the result carries a note).
+    Tools that do not enforce a time limit of their own (all but commands) run on a worker thread
+    and the model hears "timed out" after `time_limit` seconds (the thread cannot be killed; it is
+    left to finish in the background, and what it returns then is dropped).
     """
 
     def __init__(self, registry: ToolRegistry, policy: Policy, approver: Approver | None = None, *,
                  max_repairs: int = 2, chain_limit: int | None = 5, max_output: int = DEFAULT_MAX_OUTPUT,
-                 accept_repaired: bool = True, on_record: Callable[[CallRecord], None] | None = None) -> None:
+                 accept_repaired: bool = True, on_record: Callable[[CallRecord], None] | None = None,
+                 time_limit: float = DEFAULT_TOOL_TIME_LIMIT_S) -> None:
+        self.time_limit = time_limit
         self.registry = registry
         self.policy = policy
         self.approver: Approver = approver if approver is not None else NonInteractiveApprover()
@@ -182,10 +190,37 @@ class ToolExecutor:
                "another way.")
         return ToolResult(False, msg, error="declined", status="declined", name=tool.name), "ask:no"
 
+    def _call(self, tool: Tool, arguments: dict[str, Any]) -> Any:
+        """tool.fn(**arguments), under the wall-clock limit unless the tool keeps its own."""
+        if tool.resolved_paths:
+            arguments = dict(arguments)
+            for arg in tool.path_args:
+                if isinstance(arguments.get(arg), str):
+                    arguments[arg] = str(self.policy.sandbox.resolve(arguments[arg], write=tool.risk == "write"))
+        if tool.self_limited:
+            return tool.fn(**arguments)
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["value"] = tool.fn(**arguments)
+            except BaseException as e:  # handed to the caller's thread below
+                box["error"] = e
+
+        worker = threading.Thread(target=work, name=f"tool-{tool.name}", daemon=True)
+        worker.start()
+        worker.join(self.time_limit)
+        if worker.is_alive():
+            return ToolResult(False, f"[{tool.name} timed out after {self.time_limit:g} s and was abandoned]",
+                              error=f"timed out after {self.time_limit:g} s", status="timeout")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
     def _run(self, tool: Tool, arguments: dict[str, Any]) -> ToolResult:
         start = time.monotonic()
         try:
-            value = tool.fn(**arguments)
+            value = self._call(tool, arguments)
         except ToolError as e:
             msg = str(e)
             return ToolResult(False, msg, error=msg, status="error", duration_s=time.monotonic() - start,

@@ -19,22 +19,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from tools import shellwords
 from tools.calls import ToolCall
 from tools.errors import PathRefused, PolicyError
+from tools.gitguard import git_metadata_write
 from tools.registry import Tool
+from tools.side_effects import side_effect_option
 
 Mode = Literal["read-only", "ask", "workspace-write", "yolo"]
 MODES: tuple[str, ...] = ("read-only", "ask", "workspace-write", "yolo")
 Action = Literal["allow", "ask", "deny"]
 Answer = Literal["yes", "no", "always"]
 
-# Never readable or writable through tools, whatever the mode or rules say.
-DEFAULT_DENY_PATHS: tuple[str, ...] = (".git/**", "**/.git/**", "**/.env*", "~/.ssh/**")
+# Never readable or writable through tools, whatever the mode or rules say: repository metadata,
+# environment files, and the credential stores of common tools (they are under $HOME, so they
+# matter most when the workspace is $HOME itself).
+CREDENTIAL_PATHS: tuple[str, ...] = (
+    "~/.ssh/**", "~/.aws/**", "~/.azure/**", "~/.config/gcloud/**", "~/.netrc", "~/.git-credentials",
+    "~/.config/git/credentials", "~/.config/gh/**", "~/.docker/config.json", "~/.kube/**", "~/.gnupg/**",
+    "~/.pypirc", "~/.npmrc", "~/.config/hub", "~/.password-store/**", "~/.local/share/keyrings/**",
+)
+DEFAULT_DENY_PATHS: tuple[str, ...] = (".git/**", "**/.git/**", "**/.env*", *CREDENTIAL_PATHS)
 
 # An allow rule for a command never covers text that chains, substitutes or redirects:
 # `run_shell(git status*)` must not allow `git status; rm -rf ~`.
-_SHELL_META = re.compile(r"[;&|`<>\n\r]|\$\(")
-_SHELL_SPLIT = re.compile(r"\|\||&&|[;&|\n\r`]|\$\(|[()]")
+_SHELL_META = re.compile(r"[;&|`<>\n\r()]|\$\(")
 
 EXIT_APPROVAL_NEEDED = 5  # headless runs exit with this when a call needed approval nobody could give
 
@@ -146,7 +155,32 @@ class Sandbox:
         if pattern is not None:
             raise PathRefused(f"path '{text}' is on the deny list ({pattern}); tools may never "
                               f"{'write' if write else 'read'} it")
+        if write:
+            gitdir = git_metadata_write(self.root_of(resolved), resolved)
+            if gitdir is not None:
+                raise PathRefused(f"path '{text}' would make {self.relative(gitdir)} look like a git repository "
+                                  "(HEAD with objects/ or refs/); tools never write repository metadata, "
+                                  "since git would run what its config says")
         return resolved
+
+    def root_of(self, path: Path) -> Path:
+        """The workspace root (or extra root) a resolved path lies in."""
+        return max((r for r in self.roots if path == r or path.is_relative_to(r)), key=lambda r: len(r.parts),
+                   default=self.root)
+
+    def argument_escapes(self, arg: str) -> bool:
+        """Whether a command argument, read as a path from the workspace root, leaves the workspace
+        or reaches the deny list (`cat ../x`, `--output=/tmp/x`, `cat .env`)."""
+        value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg
+        if not value or (value.startswith("-") and value is arg):
+            return False
+        candidate = self.root / value
+        lexical = Path(os.path.normpath(candidate))
+        try:
+            resolved = candidate.resolve(strict=False)
+        except (OSError, RuntimeError):
+            return True
+        return not (self._inside(lexical) and self._inside(resolved)) or self.denied_by(lexical, resolved) is not None
 
     def check(self, path: str | os.PathLike[str], *, write: bool = False) -> str | None:
         """None if allowed, else the refusal message."""
@@ -183,12 +217,21 @@ class Rule:
     def matches_tool(self, name: str) -> bool:
         return bool(glob_regex(self.tool).match(name))
 
-    def matches_value(self, forms: Sequence[str]) -> bool:
+    def matches_value(self, forms: Sequence[str], *, command: bool = False) -> bool:
         if self.pattern is None:
             return True
-        pat = os.path.expanduser(self.pattern.strip())
-        rx = glob_regex(pat)
+        rx = command_regex(self.pattern) if command else glob_regex(os.path.expanduser(self.pattern.strip()))
         return any(rx.match(f) for f in forms)
+
+
+def command_regex(pattern: str) -> re.Pattern[str]:
+    """A rule pattern for a command line: a glob whose trailing `*` (or ` *`) means "and any further
+    arguments", at a word boundary, so `git status*` covers `git status -s` but not `git statusx`."""
+    pat = " ".join(pattern.split())
+    head = pat.rstrip("*").rstrip()
+    if pat.endswith("*") and head:
+        return re.compile(glob_regex(head).pattern[:-2] + r"(?:[ \t].*)?\Z", re.DOTALL)
+    return glob_regex(pat)
 
 
 @dataclass(frozen=True)
@@ -254,12 +297,40 @@ class Policy:
                 return [value], []
             allow_forms = self.sandbox.forms(resolved)
             return [value, *self.sandbox.forms(lexical), *allow_forms], allow_forms
-        if tool.risk == "exec":
-            parts = [p.strip() for p in _SHELL_SPLIT.split(value)]
-            deny_forms = [value.strip()] + [p for p in parts if p]
-            allow_forms = [] if _SHELL_META.search(value) else [value.strip()]
-            return deny_forms, allow_forms
         return [value], [value]
+
+    def _command_allow_form(self, line: str) -> str | None:
+        """The one form of a command line an allow rule may cover, or None when no allow rule may:
+        a single simple command, no shell syntax or expansion, the program found on PATH (not a
+        file the model wrote), no wrapper in front, no option that writes files or runs programs,
+        and no argument that leaves the workspace or reaches the deny list."""
+        if _SHELL_META.search(line) or shellwords.has_expansion(line):
+            return None
+        cmds = shellwords.commands(line)
+        if not cmds or len(cmds) != 1:
+            return None
+        cmd = cmds[0]
+        if cmd.wrapped or cmd.program != cmd.argv[0] or side_effect_option(cmd.argv) is not None:
+            return None
+        if any(self.sandbox.argument_escapes(a) for a in cmd.argv[1:]):
+            return None
+        return cmd.normalized
+
+    def _command_rule_hits(self, rule: Rule, line: str) -> tuple[bool, str]:
+        """Whether a deny or ask rule covers a command line, matched on every simple command it
+        runs (program by basename, wrappers dropped). A line whose program is only known at run
+        time counts as covered: the rule is never skipped because the line was hard to read."""
+        if rule.pattern is None:
+            return True, ""
+        cmds = shellwords.commands(line)
+        if cmds is None:
+            return True, " (the command line cannot be parsed: an unclosed quote)"
+        forms = [line.strip(), *(c.normalized for c in cmds), *(" ".join(c.argv) for c in cmds)]
+        if rule.matches_value(forms, command=True):
+            return True, ""
+        if any(not c.program for c in cmds):
+            return True, " (what it runs is only known at run time, so it cannot be checked against the rule)"
+        return False, ""
 
     def decide(self, tool: Tool, arguments: dict[str, Any]) -> Decision:
         for arg in tool.path_args:
@@ -269,22 +340,38 @@ class Policy:
             refusal = self.sandbox.check(str(value), write=tool.risk == "write")
             if refusal:
                 return Decision("deny", refusal)
+        if tool.check is not None:
+            refusal = tool.check(arguments)
+            if refusal:
+                return Decision("deny", refusal)
         value = arguments.get(tool.primary_arg) if tool.primary_arg else None
-        deny_forms, allow_forms = self._forms(tool, value)
         summary = f"{tool.name}({_clip(str(value))})" if value is not None else tool.name
         rules = [r for r in self.rules if r.matches_tool(tool.name)]
+        command = tool.risk == "exec" and isinstance(value, str)
+
+        def hits(r: Rule) -> tuple[bool, str]:
+            if command:
+                return self._command_rule_hits(r, value)
+            return r.matches_value(deny_forms or [""]), ""
+
+        deny_forms, allow_forms = ([], []) if command else self._forms(tool, value)
         for r in rules:
-            if r.action == "deny" and r.matches_value(deny_forms or [""]):
-                return Decision("deny", f"{summary} is refused by the rule deny {r.text}", r.text)
+            hit, why = hits(r) if r.action == "deny" else (False, "")
+            if hit:
+                return Decision("deny", f"{summary} is refused by the rule deny {r.text}{why}", r.text)
         if self.mode == "read-only" and tool.risk != "read":
             return Decision("deny", f"{summary} is refused: read-only mode allows only tools that read "
                                     f"({tool.name} has risk '{tool.risk}')")
         explicit = tool.risk == "exec"
         for r in rules:
-            if r.action == "ask" and r.matches_value(deny_forms or [""]):
-                return Decision("ask", f"{summary} needs approval (rule ask {r.text})", r.text, explicit)
+            hit, why = hits(r) if r.action == "ask" else (False, "")
+            if hit:
+                return Decision("ask", f"{summary} needs approval (rule ask {r.text}){why}", r.text, explicit)
+        if command:
+            form = self._command_allow_form(value)
+            allow_forms = [form] if form is not None else []
         for r in rules:
-            if r.action == "allow" and (r.pattern is None or r.matches_value(allow_forms)):
+            if r.action == "allow" and (r.pattern is None or r.matches_value(allow_forms, command=command)):
                 return Decision("allow", f"allowed by the rule allow {r.text}", r.text)
         if self.mode == "yolo":
             return Decision("allow", "yolo mode")

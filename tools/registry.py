@@ -33,6 +33,12 @@ class Tool:
     `primary` names the argument that policy rules match on (`run_shell(git status*)` matches
     `command`); by default the first required parameter. `path_args` lists the arguments that are
     workspace paths: the policy sandbox checks them before the tool runs.
+
+    `check` (optional) looks at validated arguments before the policy rules and returns a refusal
+    message, or None (command tools refuse values their program would read as options).
+    `self_limited` says the tool enforces its own time limit (commands: the runner kills them);
+    every other tool runs under the executor's wall-clock limit. `resolved_paths` hands `fn` the
+    path arguments as the sandbox resolved them, so what runs is exactly what was checked.
     """
 
     name: str
@@ -43,6 +49,9 @@ class Tool:
     primary: str | None = None
     path_args: tuple[str, ...] = ()
     source: str = field(default="", compare=False)  # where it came from, for messages ("builtin", a file)
+    check: Callable[[dict[str, Any]], str | None] | None = field(default=None, compare=False)
+    self_limited: bool = False
+    resolved_paths: bool = False
 
     def __post_init__(self) -> None:
         where = f" ({self.source})" if self.source else ""

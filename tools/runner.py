@@ -1,17 +1,26 @@
-"""Running commands for tools: own process group, timeout, capped output, scrubbed environment.
+"""Running commands for tools: own session, timeout, capped output, scrubbed environment.
 
-Commands get stdin from /dev/null, stdout and stderr merged, and are killed with their whole process
-group when they time out or when the main process exits (no background processes survive a call).
+Commands get stdin from /dev/null, stdout and stderr merged. On Linux each runs under a small
+reaper process (tools/reaper.py, a child subreaper) that kills every process the command started
+when it ends, times out, or when flashmoe dies, including children that left the process group
+with setsid(); elsewhere the process group is killed. No background process survives a call.
+
+The environment is the user's without secrets (see scrub_env), with PATH limited to absolute
+directories outside the workspace (a program the model wrote is never found by name), and with
+git's configuration from the workspace neutralised (see GIT_GUARD).
 """
 from __future__ import annotations
 
 import codecs
+import ctypes
 import os
+import re
 import signal
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -42,26 +51,119 @@ class ToolResult:
     name: str | None = None
 
 
-# Variables whose names end like this are dropped from a command's environment.
-SECRET_SUFFIXES: tuple[str, ...] = ("_TOKEN", "_KEY", "_SECRET", "_PASSWORD", "_PASSWD", "_CREDENTIALS",
-                                    "_ACCESS_KEY_ID")
+# Variables dropped from a command's environment, by the upper-cased name: any that contains one of
+# SECRET_PARTS (`*TOKEN*`, ...), has one of SECRET_WORDS as a `_`-separated word (`*_KEY`, `KEY_*`,
+# `*_PAT`; a word, so KEYBOARD stays), starts with a cloud's prefix, or is a known credential.
+SECRET_PARTS: tuple[str, ...] = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "APIKEY", "PRIVATEKEY")
+SECRET_WORDS: frozenset[str] = frozenset({"KEY", "KEYS", "PAT", "PWD", "PASS", "AUTH", "COOKIE", "COOKIES",
+                                          "SESSION", "DSN", "OTP", "SALT"})
+SECRET_PREFIXES: tuple[str, ...] = ("AWS_", "AZURE_", "ARM_CLIENT_", "GOOGLE_", "GCLOUD_", "CLOUDSDK_", "GCP_",
+                                    "DIGITALOCEAN_", "HCLOUD_", "OS_PASSWORD", "VAULT_")
 SECRET_NAMES: frozenset[str] = frozenset({
-    "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN", "GITHUB_TOKEN", "GH_TOKEN",
-    "GITLAB_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "OPENAI_API_KEY", "ANTHROPIC_API_KEY",
-    "PGPASSWORD", "MYSQL_PWD", "SSH_AUTH_SOCK", "GOOGLE_APPLICATION_CREDENTIALS", "DOCKER_AUTH_CONFIG",
-    "NPM_TOKEN", "VAULT_TOKEN",
+    "DATABASE_URL", "REDIS_URL", "MONGODB_URI", "MONGO_URL", "AMQP_URL", "SENTRY_DSN", "KUBECONFIG",
+    "DOCKER_CONFIG", "DOCKER_AUTH_CONFIG", "NETRC", "PGPASSFILE", "SSH_AUTH_SOCK", "GPG_AGENT_INFO",
+    "MYSQL_PWD", "TWINE_USERNAME", "XAUTHORITY", "DBUS_SESSION_BUS_ADDRESS",
 })
+# Needed by ordinary commands and never secret, whatever the patterns say.
+ENV_ALLOW: frozenset[str] = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TERM",
+                                       "TZ", "TMPDIR", "PWD", "COLUMNS", "LINES", "TOKENIZERS_PARALLELISM",
+                                       "XDG_SESSION_TYPE", "PYTHONHASHSEED"})
 
 
 def is_secret_name(name: str) -> bool:
     upper = name.upper()
-    return upper in SECRET_NAMES or upper.endswith(SECRET_SUFFIXES)
+    if upper in ENV_ALLOW or upper.startswith("LC_"):
+        return False
+    words = set(re.split(r"[_\d]+", upper))
+    return (upper in SECRET_NAMES or upper.startswith(SECRET_PREFIXES) or bool(words & SECRET_WORDS)
+            or any(part in upper for part in SECRET_PARTS))
 
 
-def scrub_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """A copy of `env` (default os.environ) without variables that look like secrets."""
+def _safe_path(value: str, workspace: str | os.PathLike[str] | None) -> str:
+    """PATH without relative or empty entries and without directories inside the workspace."""
+    ws = os.path.realpath(workspace) if workspace is not None else None
+    keep = []
+    for d in value.split(os.pathsep):
+        if not os.path.isabs(d):
+            continue
+        real = os.path.realpath(d)
+        if ws is not None and (real == ws or real.startswith(ws + os.sep)):
+            continue
+        if d not in keep:
+            keep.append(d)
+    return os.pathsep.join(keep)
+
+
+def scrub_env(env: Mapping[str, str] | None = None, *, allow: Iterable[str] = (),
+              workspace: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """A copy of `env` (default os.environ) without variables that look like secrets, except the
+    names in `allow` (the user's `pass_env`), and with PATH made safe (see _safe_path)."""
     source = os.environ if env is None else env
-    return {k: v for k, v in source.items() if not is_secret_name(k)}
+    passed = {a.upper() for a in allow}
+    out = {k: v for k, v in source.items() if k.upper() in passed or not is_secret_name(k)}
+    if "PATH" in out:
+        out["PATH"] = _safe_path(out["PATH"], workspace)
+    return out
+
+
+# Configuration git takes from the command line (GIT_CONFIG_COUNT) outranks every config file, so a
+# repository config that names a program (fsmonitor, hooks, pager, editor) cannot make an allowed
+# `git status` run it, and a planted bare repository (HEAD, config, objects/, refs/ written into the
+# workspace) is refused outright: git runs only a repository it was pointed at or a real `.git`.
+GIT_GUARD: tuple[tuple[str, str], ...] = (
+    ("safe.bareRepository", "explicit"), ("core.fsmonitor", "false"), ("core.hooksPath", "/dev/null"),
+    ("core.pager", "cat"), ("core.editor", "false"), ("sequence.editor", "false"),
+)
+# Inherited variables that would point git at another repository, config or program.
+_GIT_VARIABLES = ("GIT_DIR", "GIT_WORK_TREE", "GIT_COMMON_DIR", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY",
+                  "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_NAMESPACE", "GIT_EXEC_PATH", "GIT_PAGER", "GIT_EDITOR",
+                  "GIT_SEQUENCE_EDITOR", "GIT_EXTERNAL_DIFF", "GIT_CEILING_DIRECTORIES", "GIT_DISCOVERY_ACROSS_FILESYSTEM")
+
+
+def guarded_env(env: dict[str, str]) -> dict[str, str]:
+    """env plus the git guard."""
+    out = {k: v for k, v in env.items() if k not in _GIT_VARIABLES and not k.startswith("GIT_CONFIG")}
+    out.update({"GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_COUNT": str(len(GIT_GUARD))})
+    for i, (key, value) in enumerate(GIT_GUARD):
+        out[f"GIT_CONFIG_KEY_{i}"] = key
+        out[f"GIT_CONFIG_VALUE_{i}"] = value
+    return out
+
+
+_SEALED = False
+
+
+def seal_environment() -> list[str]:
+    """Drop secrets from this process's own environment, where a tool command could read them
+    through /proc/<flashmoe's pid>/environ. That file shows the environment block the process was
+    started with, which unsetenv() does not change, so the secret entries are also overwritten
+    there with NUL bytes. Returns the names removed. flashmoe itself needs none of them."""
+    global _SEALED
+    names = [k for k in os.environ if is_secret_name(k)]
+    for k in names:
+        del os.environ[k]
+    if sys.platform.startswith("linux") and not _SEALED:
+        _wipe_initial_environ()
+    _SEALED = True
+    return names
+
+
+def _wipe_initial_environ() -> None:
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[47]), int(fields[48])  # env_start, env_end (proc(5) fields 50, 51)
+        if not 0 < start < end or end - start > 1 << 24:
+            return
+        block = ctypes.string_at(start, end - start)
+    except (OSError, ValueError, IndexError):
+        return
+    pos = 0
+    for entry in block.split(b"\0"):
+        name = entry.split(b"=", 1)[0].decode("utf-8", "replace")
+        if entry and "=" in entry.decode("utf-8", "replace") and is_secret_name(name):
+            ctypes.memset(start + pos, 0, len(entry))
+        pos += len(entry) + 1
 
 
 def clip_note(omitted: int) -> str:
@@ -124,6 +226,20 @@ class _Collector:
         return head + clip_note(self.total - self.limit) + self.tail, True
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the command (the reaper passes it on, then kills what is left); SIGKILL to the
+    group if it does not end in time."""
+    target = proc.pid if _USE_REAPER else -proc.pid
+    try:
+        os.kill(target, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=3.0 if _USE_REAPER else 0.5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def _kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
     try:
         os.killpg(pgid, sig)
@@ -131,18 +247,25 @@ def _kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
         pass
 
 
+REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+_USE_REAPER = sys.platform.startswith("linux")
+
+
 def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str] | None = None,
                 timeout: float | None = DEFAULT_TIMEOUT_S, max_output: int = DEFAULT_MAX_OUTPUT,
-                env: Mapping[str, str] | None = None, scrub: bool = True) -> ToolResult:
+                env: Mapping[str, str] | None = None, scrub: bool = True,
+                pass_env: Iterable[str] = ()) -> ToolResult:
     """Run argv (no shell unless argv asks for one) and return its merged, capped output.
 
-    On timeout the whole process group gets SIGTERM, then SIGKILL half a second later.
+    On timeout the command gets SIGTERM, and everything it started SIGKILL half a second later.
     """
     argv = [str(a) for a in argv]
-    full_env = scrub_env(env) if scrub else dict(os.environ if env is None else env)
+    base = scrub_env(env, allow=pass_env, workspace=cwd) if scrub else dict(os.environ if env is None else env)
+    full_env = guarded_env(base)
     start = time.monotonic()
+    launch = [sys.executable, "-I", "-S", REAPER, str(os.getpid()), *argv] if _USE_REAPER else argv
     try:
-        proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(launch, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     except OSError as e:
         msg = f"cannot run {argv[0]!r}: {e.strerror or e}"
@@ -154,12 +277,9 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str] | None = Non
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_group(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            pass
+        _stop(proc)
     except BaseException:  # KeyboardInterrupt: take the children down with us
+        _stop(proc)
         _kill_group(proc.pid)
         proc.wait()
         raise
@@ -195,10 +315,11 @@ class CommandRunner:
     timeout: float | None = DEFAULT_TIMEOUT_S
     max_output: int = DEFAULT_MAX_OUTPUT
     env: Mapping[str, str] | None = None
+    pass_env: tuple[str, ...] = ()  # secret-looking variables the user lets commands see
 
     def run(self, argv: Sequence[str], *, timeout: float | None = None) -> ToolResult:
         return run_command(argv, cwd=Path(self.cwd), timeout=self.timeout if timeout is None else timeout,
-                           max_output=self.max_output, env=self.env)
+                           max_output=self.max_output, env=self.env, pass_env=self.pass_env)
 
     def shell(self, command: str, *, timeout: float | None = None) -> ToolResult:
         return self.run(["/bin/sh", "-c", command], timeout=timeout)

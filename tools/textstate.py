@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
+from tools.parsers import parse_calls
+
 SegmentKind = Literal["text", "reasoning", "tool_call_begin", "tool_call"]
 
 THINK_START = "<think>"
@@ -230,7 +232,7 @@ class TextState:
         if self._held:
             held, self._held = self._held, ""
             self._watch = False
-            calls = self.parser.parse_tool_call(held, self.tools) if self.parser is not None else []
+            calls = parse_calls(self.parser, held, self.tools) if self.parser is not None else []
             if calls:
                 self.tool_calls.append(held)
                 out.append(Segment("tool_call", held))

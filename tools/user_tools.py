@@ -110,6 +110,29 @@ def fill_command(template: list[list[str | tuple[str]]], arguments: dict[str, An
     return argv
 
 
+def option_injection(template: list[list[str | tuple[str]]], arguments: dict[str, Any],
+                     defaults: dict[str, Any]) -> str | None:
+    """A refusal when an argv item that starts with a placeholder would start with '-': the
+    program would read the value as an option (`sort {file}` given `-o/elsewhere` writes there).
+    Items after a literal `--` in the definition are operands, so they may start with '-'."""
+    for parts in template[1:]:
+        if parts == ["--"]:
+            return None
+        if not parts or not isinstance(parts[0], tuple):
+            continue
+        name = parts[0][0]
+        value = arguments.get(name, defaults.get(name))
+        if isinstance(value, str) and value.startswith("-"):
+            shown = value if len(value) <= 60 else value[:59] + "…"
+            return (f"the value {shown!r} of '{name}' would be read as an option by {_literal(template[0])}; "
+                    "give a value that does not start with '-' (for a file, write ./ in front of its name)")
+    return None
+
+
+def _literal(parts: list[str | tuple[str]]) -> str:
+    return "".join(p for p in parts if isinstance(p, str))
+
+
 def _command_tool(path: str, obj: Any, index: int, runner: CommandRunner) -> Tool:
     where = f"tool #{index + 1}"
     if not isinstance(obj, dict):
@@ -149,8 +172,12 @@ def _command_tool(path: str, obj: Any, index: int, runner: CommandRunner) -> Too
     def run(**arguments: Any) -> ToolResult:
         return runner.run(fill_command(template, arguments, defaults), timeout=timeout)
 
+    def check(arguments: dict[str, Any]) -> str | None:
+        return option_injection(template, arguments, defaults)
+
     try:
-        return Tool(name, str(fn.get("description", "")), params, run, "exec", path_args=tuple(paths), source=path)
+        return Tool(name, str(fn.get("description", "")), params, run, "exec", path_args=tuple(paths), source=path,
+                    check=check, self_limited=True, resolved_paths=True)
     except ToolDefinitionError as e:
         raise ToolFileError(path, str(e).replace(f" ({path})", "")) from None
 

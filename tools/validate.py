@@ -13,7 +13,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
-from tools.calls import ToolCall
+from tools.calls import MAX_ARGUMENT_CHARS, ToolCall, argument_problem
 from tools.registry import Tool, ToolRegistry
 
 BACKSLASH_QUOTES = ("the arguments use backslashes where JSON needs double quotes "
@@ -72,12 +72,18 @@ def _decode(text: str) -> tuple[Any, str | None, bool]:
     """(value, error, backslash) for an arguments text."""
     if not text.strip():
         return {}, None, False
+    if len(text) > 4 * MAX_ARGUMENT_CHARS:
+        return None, f"longer than {4 * MAX_ARGUMENT_CHARS:,} characters", False
     try:
         return json.loads(text), None, False
     except json.JSONDecodeError as e:
         if looks_backslash_quoted(text):
             return None, BACKSLASH_QUOTES, True
         return None, str(e), False
+    except RecursionError:
+        return None, "the arguments nest too deeply to decode", False
+    except (ValueError, OverflowError) as e:  # Python's limit on integer digits
+        return None, str(e)[:120], False
 
 
 def _kind_of(value: Any) -> str:
@@ -113,6 +119,9 @@ def check_call(call: ToolCall, registry: ToolRegistry) -> Verdict:
     if not isinstance(value, dict):
         return Verdict(False, None, f"the arguments for '{tool.name}' must be a JSON object, not {_kind_of(value)}",
                        kind="not-object")
+    junk = argument_problem(value)
+    if junk is not None:
+        return Verdict(False, None, f"unusable arguments for '{tool.name}': {junk}", kind="junk")
     problem = schema_error(tool, value)
     if problem is not None:
         return Verdict(False, None, f"invalid arguments for '{tool.name}': {problem}", kind="schema")

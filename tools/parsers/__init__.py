@@ -13,6 +13,11 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import dataclasses
+import re
+from typing import Any
+
+from tools.calls import MAX_ARGUMENT_CHARS, ToolCall, argument_problem
 from tools.errors import ToolError
 from tools.parsers import deepseek_v3, json_tools, mistral, plain_json, qwen3_coder
 
@@ -53,3 +58,35 @@ def parser_for_template(chat_template: str | None, fallback: ModuleType = plain_
     """The parser module for the format a chat template uses, or `fallback` (plain JSON replies)."""
     found = sniff_template(chat_template)
     return PARSERS[found] if found else fallback
+
+
+_NAME = re.compile(r"""["'\\]*name["'\\]*\s*[:=]\s*["'\\]*([A-Za-z0-9_.\-]{1,64})|<function=([A-Za-z0-9_.\-]{1,64})""")
+
+
+def parse_calls(parser: ModuleType, text: str, tools: Any = None) -> list[ToolCall]:
+    """parser.parse_tool_call, made safe for whatever a model writes: a call the decoder cannot
+    take (nesting that exhausts the recursion limit, a 5,000-digit number, too much text) or
+    whose arguments are junk (see argument_problem) comes back as a call with an error, which
+    validation turns into a message and a repair round."""
+    problem: str | None = None
+    if len(text) > 4 * MAX_ARGUMENT_CHARS:
+        problem = f"the tool call is longer than {4 * MAX_ARGUMENT_CHARS:,} characters"
+    else:
+        try:
+            calls = parser.parse_tool_call(text, tools)
+        except RecursionError:
+            problem = "the arguments nest too deeply to decode"
+        except (ValueError, MemoryError, OverflowError) as e:  # int digits limit, huge floats
+            problem = f"the arguments cannot be decoded: {str(e)[:120]}"
+        else:
+            return [_checked(c) for c in calls]
+    m = _NAME.search(text[:4096])
+    name = (m.group(1) or m.group(2)) if m else None
+    return [ToolCall(name, None, text, error=problem)]
+
+
+def _checked(call: ToolCall) -> ToolCall:
+    if call.arguments is None:
+        return call
+    problem = argument_problem(call.arguments)
+    return call if problem is None else dataclasses.replace(call, arguments=None, arguments_text=None, error=problem)
