@@ -17,6 +17,7 @@ from typing import Callable
 from engine.events import EngineFailed, GenerationFinished, TokenGenerated
 from tools.calls import ToolCall
 from tools.executor import ToolExecutor
+from tools.parsers import parse_calls
 from tools.textstate import TextState
 from tools.validate import check_call
 
@@ -171,17 +172,19 @@ class AgentLoop:
                 continue
             self.on_event(ev)
             if isinstance(ev, TokenGenerated):
+                self.session.stream(ev.text)  # saved as it streams (chat.py)
                 self._emit(state.feed(ev.text))
             elif isinstance(ev, GenerationFinished):
                 self._emit(state.feed(ev.tail) + state.finish())
                 done = ev
             elif isinstance(ev, EngineFailed):
+                self.session.abandon_reply(unsend_if_empty=False)
                 return "", [], ev
         if done.reason == "cancelled":
             return done.text, [], done  # an interrupted call is not run
         calls: list[ToolCall] = []
         for raw in state.tool_calls:
-            calls += self.parser.parse_tool_call(raw, self.tools)
+            calls += parse_calls(self.parser, raw, self.tools)
         return done.text, calls, done
 
     def _emit(self, segments) -> None:

@@ -3,16 +3,49 @@
 It turns the history into requests, records every message as it happens (the store commits
 each one), and keeps the engine's cache of this conversation under the conversation's id, so a
 turn only runs its new tokens.
+
+A reply is saved while it streams: its row is written, marked incomplete, when the request goes
+out; `stream()` updates its text at most every SAVE_EVERY_S (the first text at once); `finish()`
+marks it complete. So a process killed mid-reply (even by SIGKILL) leaves what it had shown, up to
+the last SAVE_EVERY_S, marked incomplete. When the store fails (a locked or unwritable database)
+the conversation goes on unsaved and that is said once.
 """
 from __future__ import annotations
 
 import os
+import sqlite3
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.events import GenerationFinished
 from engine.generate import GenerationRequest
 from engine.sampling import SamplingParams
+
+
+SAVE_EVERY_S = 0.25
+NO_REPLY = "[no reply: flashmoe stopped before it answered]"
+
+
+def resumed_history(messages) -> list[dict]:
+    """Saved messages as a history the model can continue: a reply that never came (the process
+    died before its first token, or before its row was written) becomes a note, so user turns
+    never follow each other (tool results sent back as user turns may)."""
+    out: list[dict] = []
+    for m in messages:
+        d = m.for_template()
+        if m.role == "assistant" and not m.complete and not m.content.strip():
+            d["content"] = NO_REPLY
+        if (d["role"] == "user" and out and out[-1]["role"] == "user"
+                and not d["content"].startswith("<tool_response>")):
+            out.append({"role": "assistant", "content": NO_REPLY})
+        out.append(d)
+    return out
+
+
+def say_store_failed(path, e: BaseException) -> None:
+    print(f"flashmoe: warning: the conversation is not saved ({path}: {e})", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -34,12 +67,16 @@ class ChatSession:
         self.system = self.options.system
         self.history: list[dict] = []
         self.cid = cid
+        self.on_store_error = say_store_failed  # (path, exception): once, then nothing is saved
+        self._draft: int | None = None  # the row of the reply being written
+        self._draft_text = self._draft_saved = ""
+        self._draft_at = 0.0
         if cid is not None and store is not None:
             conv = store.get(cid)
             if conv is None:
                 raise KeyError(cid)
             self.system = conv.system if conv.system is not None else self.system
-            self.history = [m.for_template() for m in store.messages(cid)]
+            self.history = resumed_history(store.messages(cid))
         self._key = cid or f"chat-{id(self)}"
 
     @property
@@ -51,12 +88,66 @@ class ChatSession:
     def session_key(self, key: str) -> None:
         self._key = key
 
-    def _record(self, role: str, content: str, **kw) -> None:
+    def _save(self, method: str, *args, **kw):
+        """A store call; when it fails the conversation goes on unsaved (said once)."""
         if self.store is None:
+            return None
+        try:
+            return getattr(self.store, method)(*args, **kw)
+        except (sqlite3.Error, OSError) as e:
+            path, self.store = self.store.path, None
+            self._draft = None
+            self.on_store_error(path, e)
+            return None
+
+    def _record(self, role: str, content: str, **kw) -> int | None:
+        if self.store is not None and self.cid is None:  # created with its first message: none empty
+            self.cid = self._save("new_conversation", self.model_name, self.system)
+        if self.store is None:
+            return None
+        return self._save("add_message", self.cid, role, content, **kw)
+
+    # -- the reply being written -------------------------------------------------------------
+    def _begin_reply(self) -> None:
+        self._draft = self._record("assistant", "", interrupted=True, complete=False)
+        self._draft_text = self._draft_saved = ""
+        self._draft_at = 0.0
+
+    def stream(self, text: str) -> None:
+        """More of the reply, as shown; saved at most every SAVE_EVERY_S (the first piece at once)."""
+        self._draft_text += text
+        self.save_draft()
+
+    def save_draft(self, force: bool = False) -> None:
+        """Write the reply so far if it changed and SAVE_EVERY_S has passed (or `force`)."""
+        if self._draft is None or self._draft_text == self._draft_saved:
             return
-        if self.cid is None:  # created with its first message, so no empty conversations
-            self.cid = self.store.new_conversation(self.model_name, self.system)
-        self.store.add_message(self.cid, role, content, **kw)
+        now = time.monotonic()
+        if not force and self._draft_saved and now - self._draft_at < SAVE_EVERY_S:
+            return
+        self._save("update_message", self._draft, self._draft_text)
+        self._draft_saved, self._draft_at = self._draft_text, now
+
+    def _close_reply(self, content: str, interrupted: bool, stats: dict | None) -> None:
+        draft, self._draft = self._draft, None
+        if draft is None:
+            self._record("assistant", content, interrupted=interrupted, stats=stats)
+        else:
+            self._save("update_message", draft, content, interrupted=interrupted, stats=stats,
+                       complete=True)
+
+    def abandon_reply(self, unsend_if_empty: bool = True) -> None:
+        """The engine failed: keep what was written (marked interrupted); with nothing written,
+        drop the reply's row and (unsend_if_empty) the user message it answered."""
+        if self._draft is None:
+            return
+        if self._draft_text:
+            self.finish(self._draft_text, None, interrupted=True)
+        elif unsend_if_empty:
+            self.unsend()
+        else:
+            draft, self._draft = self._draft, None
+            self._save("delete_message", draft)
 
     def messages(self, extra_system: str | None = None) -> list[dict]:
         system = "\n\n".join(p for p in (self.system, extra_system) if p)
@@ -71,13 +162,17 @@ class ChatSession:
             stats = {k: v for k, v in done.to_dict().items() if k not in ("text", "tail", "event")} if done else {}
             if extra:
                 stats["message"] = extra  # tool_calls, name: needed to render the history again
-        self._record(message["role"], message["content"], interrupted=interrupted, stats=stats)
+        if message["role"] == "assistant":
+            self._close_reply(message["content"], interrupted, stats)
+        else:
+            self._record(message["role"], message["content"], interrupted=interrupted, stats=stats)
 
     def generate(self, tools: list[dict] | None = None, constraint=None, extra_system: str | None = None):
         """A reply to the history as it stands; returns the engine's Handle."""
         request = GenerationRequest(messages=self.messages(extra_system), tools=tools, constraint=constraint,
                                     max_tokens=self.options.max_tokens, sampling=self.options.sampling,
                                     stop=self.options.stop, timing=self.options.timing)
+        self._begin_reply()
         return self.engine.submit(request, session=self.session_key)
 
     def send(self, text: str):
@@ -87,7 +182,7 @@ class ChatSession:
         request = GenerationRequest(messages=self.messages(), max_tokens=self.options.max_tokens,
                                     sampling=self.options.sampling, stop=self.options.stop,
                                     timing=self.options.timing)
-        return self.engine.submit(request, session=self.session_key)
+        return self._submit(request)
 
     def send_raw(self, text: str):
         """A prompt without the chat template (`run --raw`); recorded like a turn."""
@@ -95,7 +190,15 @@ class ChatSession:
         request = GenerationRequest(prompt=text, max_tokens=self.options.max_tokens,
                                     sampling=self.options.sampling, stop=self.options.stop,
                                     timing=self.options.timing)
-        return self.engine.submit(request, session=self.session_key)
+        return self._submit(request)
+
+    def _submit(self, request):
+        self._begin_reply()
+        try:
+            return self.engine.submit(request, session=self.session_key)
+        except Exception:  # a bad template or request: the turn did not happen
+            self.unsend()
+            raise
 
     def finish(self, text: str, done: GenerationFinished | None = None, interrupted: bool = False) -> None:
         """Record the reply (the partial one too, marked, when it was interrupted)."""
@@ -103,18 +206,22 @@ class ChatSession:
         stats = None
         if done is not None:
             stats = {k: v for k, v in done.to_dict().items() if k not in ("text", "tail", "event")}
-        self._record("assistant", text, interrupted=interrupted, stats=stats)
+        self._close_reply(text, interrupted, stats)
 
     def unsend(self) -> None:
         """After a failed reply: forget the unanswered user message, in memory and on disk, so
         the history keeps alternating (and a resumed conversation matches what was shown)."""
+        if self._draft is not None:
+            draft, self._draft = self._draft, None
+            self._save("delete_message", draft)
         if self.history and self.history[-1].get("role") == "user":
             self.history.pop()
             if self.store is not None and self.cid is not None:
-                self.store.delete_last(self.cid, "user")
+                self._save("delete_last", self.cid, "user")
 
     def clear(self) -> None:
         self.history = []
+        self._draft = None
         self.engine.reset_session(self.session_key)
         self.cid = None
         self._key = f"chat-{id(self)}-{len(self._key)}"
@@ -122,7 +229,7 @@ class ChatSession:
     def set_system(self, text: str | None) -> None:
         self.system = text or None
         if self.store is not None and self.cid is not None:
-            self.store.set_system(self.cid, self.system)
+            self._save("set_system", self.cid, self.system)
 
     def save(self, path: str | Path) -> Path:
         """The conversation as Markdown, written to a temporary name and renamed."""

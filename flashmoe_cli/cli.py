@@ -13,7 +13,7 @@ from . import __version__
 from .agent_cli import add_tool_options
 from .argtypes import at_least, output_file, parse_size
 from .config import (CACHE_POLICY_CHOICES, DTYPE_CHOICES, KERNEL_CHOICES, PREFETCH_CHOICES, TIMING_CHOICES,
-                     ConfigError)
+                     TRUNCATE_CHOICES, ConfigError)
 from .exit_codes import ExitCode
 
 EPILOG = """exit codes: 0 ok, 1 generation failure, 2 usage, 3 model load or I/O, 4 timeout,
@@ -55,6 +55,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="while a layer computes, guess the next layer's experts from its router: slots "
                         "reads them into the expert cache, hint asks the kernel to bring them into the page "
                         "cache, off (default: both measured slower, benchmarks/RESULTS.md)")
+    p.add_argument("--no-verify-reads", dest="verify_reads", action="store_const", const="off", default=S,
+                   help="do not check each expert against the manifest's CRC-32 the first time it is read "
+                        "(setting verify_reads = on|off; default on; cost: `flashmoe bench speed`)")
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -73,6 +76,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timing", choices=TIMING_CHOICES, default=S,
                    help="step (default): host-side figures only; layer: per-layer breakdown (adds syncs)")
     _add_engine_options(p)
+    p.add_argument("--truncate-prompt", choices=TRUNCATE_CHOICES, default=S,
+                   help="a prompt longer than the model's context: off (default) refuses it (exit 2), left "
+                        "drops its oldest tokens to leave room for the reply, and says so on stderr")
     p.add_argument("-c", "--continue", dest="continue_", action="store_true",
                    help="continue the most recent conversation")
     p.add_argument("--cid", metavar="ID", help="continue the conversation with this id (see `flashmoe logs`)")
@@ -101,7 +107,9 @@ def make_engine(args):
 
     return Engine(resolve_model(args.model), expert_cache=args.expert_cache, io_threads=args.io_threads,
                   direct_io=args.direct_io, dtype=resolve_dtype(args.dtype), kernels=args.kernels,
-                  prefetch=args.prefetch, cache_policy=args.cache_policy)
+                  prefetch=args.prefetch, cache_policy=args.cache_policy,
+                  verify_reads=getattr(args, "verify_reads", "on") != "off",
+                  truncate_prompt=getattr(args, "truncate_prompt", "off"))
 
 
 def open_conversation(args, engine, model_name: str):
@@ -253,6 +261,18 @@ def resolve_model(model: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import signals
+
+    try:
+        code = _main(argv)
+    except OSError:
+        if signals.received is None:
+            raise
+        code = ExitCode.INTERRUPTED  # the terminal closed under a write: the exit code says why
+    return signals.exit_code(code)  # 128 + the signal after SIGTERM / SIGHUP
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -260,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.USAGE
     try:
         if args.command in ("run", "chat", "agent"):
+            from .signals import install
+
+            install()  # SIGTERM / SIGHUP stop a reply as Ctrl-C does, and it is saved
             apply_settings(args)
         if args.command == "agent":
             from .agent_cli import cmd_agent
@@ -310,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             return ExitCode.MODEL
         if isinstance(e, FlashMoEError):
             error(str(e))
-            return ExitCode.FAILURE
+            return e.exit_code  # 1, or 2 for a prompt longer than the context
         raise
     return ExitCode.USAGE
 

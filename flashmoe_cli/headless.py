@@ -6,6 +6,7 @@ import queue
 import sys
 import time
 
+from .chat import SAVE_EVERY_S
 from .exit_codes import ExitCode
 from .term_safe import is_tty, json_line, safe
 
@@ -89,18 +90,39 @@ def _stream(args, loaded, session, handle, deadline: float | None = None) -> int
 
     out = sys.stdout
     shown = safe if is_tty(out) else str  # a terminal never gets the model's control sequences
+    lost: list[OSError] = []
+
+    def write(text: str) -> None:
+        """stdout, until its reader or terminal goes away: then the reply stops and is saved first."""
+        if lost:
+            return
+        try:
+            out.write(text)
+            out.flush()
+        except OSError as e:  # a closed pipe, or EIO from a terminal that hung up
+            lost.append(e)
+            handle.cancel()
+
+    def emit_json(d: dict) -> None:
+        line = json.dumps(d, ensure_ascii=False)
+        write((json_line(line) if is_tty(out) else line) + "\n")
+
     if args.json:
-        _emit_json(out, loaded.to_dict() | {"chat_template": None})
+        emit_json(loaded.to_dict() | {"chat_template": None})
     rows_sum: dict[int, list] = {}
     steps = 0
     interrupted = timed_out = False
     while True:
         try:
-            wait = None if deadline is None or timed_out else max(0.0, deadline - time.monotonic())
+            wait = SAVE_EVERY_S
+            if deadline is not None and not timed_out:
+                wait = min(wait, max(0.0, deadline - time.monotonic()))
             ev = handle.get(timeout=wait)
-        except queue.Empty:  # past the deadline: stop, keep what we have, exit 4
-            handle.cancel()
-            timed_out = True
+        except queue.Empty:
+            session.save_draft()  # what was shown is saved even while the model stalls
+            if deadline is not None and not timed_out and time.monotonic() >= deadline:
+                handle.cancel()  # past the deadline: stop, keep what we have, exit 4
+                timed_out = True
             continue
         except KeyboardInterrupt:
             # Ctrl-C: stop generating, keep what we have, report it, exit 130.
@@ -108,11 +130,11 @@ def _stream(args, loaded, session, handle, deadline: float | None = None) -> int
             interrupted = True
             continue
         if isinstance(ev, TokenGenerated):
+            session.stream(ev.text)
             if args.json:
-                _emit_json(out, ev.to_dict())
+                emit_json(ev.to_dict())
             elif ev.text:
-                out.write(shown(ev.text))
-                out.flush()
+                write(shown(ev.text))
         elif isinstance(ev, LayerTimings):
             steps += 1
             for r in ev.rows:
@@ -121,21 +143,23 @@ def _stream(args, loaded, session, handle, deadline: float | None = None) -> int
                                        r.hits, r.misses, r.bytes_read)):
                     acc[j] += v
             if args.json:
-                _emit_json(out, ev.to_dict())
+                emit_json(ev.to_dict())
         elif isinstance(ev, EngineFailed):
+            session.abandon_reply()  # a partial reply is kept, marked; none: the turn is undone
             error(ev.message.splitlines()[0])
             return ev.exit_code
         elif isinstance(ev, GenerationFinished):
             break
         elif args.json:
-            _emit_json(out, ev.to_dict())
+            emit_json(ev.to_dict())
     done = ev
     session.finish(done.text, done, interrupted=done.reason == "cancelled")
     if args.json:
-        _emit_json(out, done.to_dict())
+        emit_json(done.to_dict())
     else:
-        out.write(shown(done.tail) + "\n")
-        out.flush()
+        write(shown(done.tail) + "\n")
+    if lost:
+        raise lost[0]  # saved; cli.main turns it into the exit code (a closed pipe: 0, a hangup: 129)
     if args.timing != "off":
         print(summary(done, loaded), file=sys.stderr)
         if args.timing == "layer" and steps:
@@ -144,9 +168,3 @@ def _stream(args, loaded, session, handle, deadline: float | None = None) -> int
         error(f"timed out after {args.timeout:g} s; the reply above is partial")
         return ExitCode.TIMEOUT
     return ExitCode.INTERRUPTED if interrupted else ExitCode.OK
-
-
-def _emit_json(out, d: dict) -> None:
-    line = json.dumps(d, ensure_ascii=False)
-    out.write((json_line(line) if is_tty(out) else line) + "\n")
-    out.flush()

@@ -46,6 +46,7 @@ def cmd_logs(args) -> int:
     if conv.system:
         print(shown(f"\n[system]\n{conv.system}"))
     for m in msgs:
-        mark = " (interrupted)" if m.interrupted else ""
+        # incomplete: the process died while writing it (what it had shown is saved)
+        mark = " (incomplete)" if not m.complete else " (interrupted)" if m.interrupted else ""
         print(shown(f"\n[{m.role}{mark}]\n{m.content}"))
     return ExitCode.OK

@@ -239,6 +239,7 @@ class LineRepl:
             try:
                 ev = handle.get(timeout=POLL_S)
             except queue.Empty:
+                self.session.save_draft()  # what was shown is saved even while the model stalls
                 continue
             except KeyboardInterrupt:
                 if interrupted:  # a second Ctrl-C: stop waiting for the engine to wind down
@@ -249,6 +250,7 @@ class LineRepl:
             try:
                 if isinstance(ev, TokenGenerated):
                     if ev.text:
+                        self.session.stream(ev.text)
                         pieces.append(ev.text)
                         self.write(ev.text)
                 elif isinstance(ev, LayerTimings):
@@ -262,7 +264,7 @@ class LineRepl:
                     if pieces:
                         self.write("\n")
                     self.error((ev.message.strip().splitlines() or ["generation failed"])[0])
-                    self.session.unsend()
+                    self.session.abandon_reply()  # keeps a partial reply, marked; none: unsent
                     return
                 elif isinstance(ev, GenerationFinished):
                     done = ev

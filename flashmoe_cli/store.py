@@ -1,7 +1,9 @@
 """Conversations on disk: one SQLite database, a row per message written as it happens.
 
-Each message is committed on its own, so a crash loses nothing that was shown. Migrations are an
-append-only list: the database records how many have run.
+Each message is committed on its own, so a crash loses nothing that was shown: a reply's row is
+written as it starts (`complete` 0), its text updated as it streams (ChatSession throttles that),
+and marked complete at its end. A row still incomplete is a reply whose process died mid-way.
+Migrations are an append-only list: the database records how many have run.
 """
 from __future__ import annotations
 
@@ -33,7 +35,9 @@ MIGRATIONS = [
     );
     CREATE INDEX messages_by_conversation ON messages(conversation_id, id);
     """,
+    "ALTER TABLE messages ADD COLUMN complete INTEGER NOT NULL DEFAULT 1;",
 ]
+BUSY_TIMEOUT_S = 5.0  # how long a write waits for another process's lock before it gives up
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Message:
     created: float
     interrupted: bool = False
     stats: dict | None = None
+    complete: bool = True  # False: the process ended while this reply was being written
 
     def for_template(self) -> dict:
         extra = (self.stats or {}).get("message", {})  # tool_calls of an assistant turn, a tool's name
@@ -63,8 +68,11 @@ class Store:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(self.path), check_same_thread=False)
+        self.db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=BUSY_TIMEOUT_S)
+        # WAL: a commit appends to the log, readers never block the writer. NORMAL: no fsync per
+        # commit; a process crash loses nothing committed (only a power cut can).
         self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
         self._migrate()
 
     def _migrate(self) -> None:
@@ -86,15 +94,36 @@ class Store:
         return cid
 
     def add_message(self, cid: str, role: str, content: str, *, interrupted: bool = False,
-                    stats: dict | None = None) -> None:
+                    stats: dict | None = None, complete: bool = True) -> int:
+        """Insert a message; returns its row id (update_message changes a reply as it grows)."""
         with self.db:
-            self.db.execute(
-                "INSERT INTO messages (conversation_id, created, role, content, interrupted, stats) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
-                (cid, time.time(), role, content, int(interrupted), json.dumps(stats) if stats else None))
+            row = self.db.execute(
+                "INSERT INTO messages (conversation_id, created, role, content, interrupted, stats, complete) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (cid, time.time(), role, content, int(interrupted), json.dumps(stats) if stats else None,
+                 int(complete)))
             if role == "user":
                 self.db.execute("UPDATE conversations SET title = ? WHERE id = ? AND title IS NULL",
                                 (content.strip().splitlines()[0][:80] if content.strip() else "", cid))
+        return row.lastrowid
+
+    def update_message(self, mid: int, content: str, *, interrupted: bool | None = None,
+                       stats: dict | None = None, complete: bool | None = None) -> None:
+        """A streaming reply's text so far; at its end, its final state."""
+        sets, values = ["content = ?"], [content]
+        for col, v in (("interrupted", interrupted), ("complete", complete)):
+            if v is not None:
+                sets.append(f"{col} = ?")
+                values.append(int(v))
+        if stats:
+            sets.append("stats = ?")
+            values.append(json.dumps(stats))
+        with self.db:
+            self.db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*values, mid))
+
+    def delete_message(self, mid: int) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM messages WHERE id = ?", (mid,))
 
     def delete_last(self, cid: str, role: str) -> None:
         """Remove the conversation's last message if it has this role."""
@@ -128,9 +157,9 @@ class Store:
 
     def messages(self, cid: str) -> list[Message]:
         rows = self.db.execute(
-            "SELECT role, content, created, interrupted, stats FROM messages WHERE conversation_id = ? ORDER BY id",
-            (cid,)).fetchall()
-        return [Message(r[0], r[1], r[2], bool(r[3]), json.loads(r[4]) if r[4] else None) for r in rows]
+            "SELECT role, content, created, interrupted, stats, complete FROM messages WHERE conversation_id = ? "
+            "ORDER BY id", (cid,)).fetchall()
+        return [Message(r[0], r[1], r[2], bool(r[3]), json.loads(r[4]) if r[4] else None, bool(r[5])) for r in rows]
 
 
 def open_store() -> Store:

@@ -299,3 +299,165 @@ def test_agent_approve_ask_without_a_terminal_says_so(tmp_path):
     lines = [l for l in r.stderr.splitlines() if "no terminal" in l]
     assert lines == ["flashmoe: warning: --approve ask: no terminal to ask on (/dev/tty: No such device or address); "
                      "tool calls that need approval are refused"], r.stderr
+
+
+# -- item 8: a crash loses nothing shown ---------------------------------------------------------
+LONG = " ".join(f"w{i}" for i in range(400))
+
+
+def stream_env(tmp_path):
+    return fake_env(tmp_path, [LONG], FLASHMOE_FAKE_DELAY="0.03")
+
+
+def read_words(stream_fd, n: int, timeout=30) -> bytes:
+    """Read the child's stdout until n words have been printed."""
+    out = b""
+    deadline = time.monotonic() + timeout
+    while len(out.split()) < n and time.monotonic() < deadline:
+        r, _, _ = select.select([stream_fd], [], [], 0.1)
+        if r:
+            chunk = os.read(stream_fd, 4096)
+            if not chunk:
+                break
+            out += chunk
+    assert len(out.split()) >= n, out
+    return out
+
+
+def saved(tmp_path):
+    store = Store(tmp_path / "home" / "logs.db")
+    return store.messages(store.latest())
+
+
+def start_run(tmp_path, *extra):
+    e = dict(os.environ, **stream_env(tmp_path))
+    return subprocess.Popen([sys.executable, "-m", "flashmoe_cli", "run", "--engine", "fake", *extra, "count"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=e,
+                            cwd=ROOT)
+
+
+def test_sigkill_keeps_the_reply_shown_before_the_last_save(tmp_path):
+    p = start_run(tmp_path)
+    shown = read_words(p.stdout.fileno(), 20).decode()
+    time.sleep(0.6)  # longer than SAVE_EVERY_S: the text read above has been saved
+    p.kill()
+    p.wait(10)
+    user, reply = saved(tmp_path)
+    assert (user.role, user.content) == ("user", "count")
+    assert reply.role == "assistant" and not reply.complete and reply.interrupted
+    assert reply.content.startswith(shown.rstrip()) and LONG.startswith(reply.content)
+    # -c goes on from a consistent conversation: the partial reply is in it, and is answered after
+    r = run_cli("run", "--engine", "fake", "-c", "next", env=fake_env(tmp_path, ["ok"]))
+    assert r.returncode == 0, r.stderr
+    roles = [(m.role, m.complete) for m in saved(tmp_path)]
+    assert roles == [("user", True), ("assistant", False), ("user", True), ("assistant", True)]
+    shown_log = run_cli("logs", "show", env=fake_env(tmp_path, [])).stdout
+    assert "[assistant (incomplete)]" in shown_log
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_save_everything_shown_and_exit_128_plus_signal(tmp_path, sig):
+    p = start_run(tmp_path)
+    shown = read_words(p.stdout.fileno(), 20)
+    p.send_signal(sig)
+    rest = p.stdout.read()
+    code = p.wait(10)
+    err = p.stderr.read().decode()
+    assert code == 128 + sig, err
+    assert "Traceback" not in err
+    user, reply = saved(tmp_path)
+    assert reply.complete and reply.interrupted
+    assert reply.content == (shown + rest).decode().rstrip("\n")  # exactly what was printed
+    assert LONG.startswith(reply.content) and len(reply.content.split()) >= 20
+
+
+def test_terminal_closing_saves_the_reply_and_exits_129(tmp_path):
+    pid, master = spawn_with_terminal(["run", "--engine", "fake", "count"], stream_env(tmp_path))
+    shown = read_until(master, b"w20 ")
+    assert b"w20 " in shown, shown
+    os.close(master)  # the terminal goes away: the kernel sends SIGHUP
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        raise AssertionError("did not exit after the terminal closed")
+    assert os.waitstatus_to_exitcode(status) == 129
+    user, reply = saved(tmp_path)
+    assert reply.complete and reply.interrupted
+    assert reply.content.startswith(shown.decode().replace("\r\n", "\n").rstrip()) and LONG.startswith(reply.content)
+
+
+def test_resumed_history_never_has_two_user_turns_in_a_row(tmp_path):
+    from flashmoe_cli.chat import NO_REPLY, ChatSession
+
+    store = Store(tmp_path / "logs.db")
+    cid = store.new_conversation("m")
+    store.add_message(cid, "user", "first")  # a crash before the reply's row was written (older versions)
+    store.add_message(cid, "user", "second")
+    store.add_message(cid, "assistant", "", interrupted=True, complete=False)  # died before its first token
+    store.add_message(cid, "user", "third")
+    history = ChatSession(None, store, cid=cid).history
+    assert [(m["role"], m["content"]) for m in history] == [
+        ("user", "first"), ("assistant", NO_REPLY), ("user", "second"), ("assistant", NO_REPLY), ("user", "third")]
+
+
+def test_a_failed_reply_leaves_no_lonely_user_turn(tmp_path):
+    env = fake_env(tmp_path, ["x"], FLASHMOE_FAKE_FAIL="boom")
+    r = run_cli("run", "--engine", "fake", "hi", env=env)
+    assert r.returncode == 1 and "boom" in r.stderr
+    assert run_cli("logs", "--json", env=env).stdout.strip() in ("[]", "[\n]") or \
+        all(c["messages"] % 2 == 0 for c in json.loads(run_cli("logs", "--json", env=env).stdout))
+
+
+def test_streaming_saves_are_throttled(tmp_path):
+    """Every token goes through stream(); the database is written at most every SAVE_EVERY_S."""
+    from flashmoe_cli.chat import SAVE_EVERY_S, ChatSession
+
+    store = Store(tmp_path / "logs.db")
+    writes = []
+    update = store.update_message
+    store.update_message = lambda *a, **k: (writes.append(a[1]), update(*a, **k))
+    session = ChatSession(None, store)
+    session._record("user", "hi")
+    session._begin_reply()
+    start = time.perf_counter()
+    for i in range(20000):
+        session.stream(f"t{i} ")
+    elapsed = time.perf_counter() - start
+    assert len(writes) <= 2 + elapsed / SAVE_EVERY_S, (len(writes), elapsed)
+    assert elapsed / 20000 < 50e-6, f"{elapsed / 20000 * 1e6:.1f} us per token"
+    session.finish("all", None)
+    assert [m.content for m in store.messages(session.cid)] == ["hi", "all"]
+    assert store.messages(session.cid)[-1].complete
+
+
+@pytest.mark.asyncio
+async def test_tui_saves_the_reply_as_it_streams_and_when_quitting_mid_reply(tmp_path):
+    from flashmoe_cli.chat import ChatOptions, ChatSession
+    from flashmoe_cli.tui.app import ChatApp
+    from tests.tui.conftest import StableFakeEngine, send, wait_for
+
+    store = Store(tmp_path / "logs.db")
+    engine = StableFakeEngine([LONG], gate_after=30)  # holds the reply after 30 tokens
+    session = ChatSession(engine, store, ChatOptions(timing="step"), model_name="fake")
+    app = ChatApp(session, cursor_blink=False, rss=lambda: 0)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await send(pilot, "count")
+        await wait_for(pilot, lambda: "w29" in (app.reply.text if app.reply else ""), what="30 tokens")
+        await pilot.pause(0.4)  # the redraw timer saves what is shown within SAVE_EVERY_S
+        user, reply = store.messages(session.cid)
+        assert not reply.complete and reply.content == app.reply.text  # a SIGKILL now would keep all of it
+        app._terminated(signal.SIGTERM)  # what the event loop's SIGTERM handler calls
+        await pilot.pause(0.2)
+    user, reply = store.messages(session.cid)
+    assert reply.complete and reply.interrupted and reply.content.split() == LONG.split()[:30]
+    from flashmoe_cli import signals
+
+    assert signals.received == signal.SIGTERM
+    signals.received = None
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)

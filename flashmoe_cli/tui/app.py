@@ -183,6 +183,14 @@ class ChatApp(App[int]):
                     self.transcript.mount(AssistantMessage(text=text))
         self.set_activity("loading the model…")
         self.set_interval(REDRAW_S, self.redraw)
+        import asyncio
+
+        from ..signals import CAUGHT
+        try:
+            for sig in CAUGHT:  # on the event loop: the app quits cleanly and gives the terminal back
+                asyncio.get_running_loop().add_signal_handler(sig, self._terminated, sig)
+        except (ValueError, RuntimeError, NotImplementedError):  # not the main thread (some tests)
+            pass
         self.run_worker(self._load_engine, thread=True, exit_on_error=False, group="load", name="load model")
         self.prompt.focus()
 
@@ -361,6 +369,8 @@ class ChatApp(App[int]):
         if r.box is None:
             await self._open_box(r)
         r.text += m.text
+        if self.agent_turn is None:  # a tool-using turn saves its text on its own thread
+            self.session.stream(m.text)
         await r.stream.write(safe(m.text))
 
     def on_reply_prefill(self, m: ReplyPrefill) -> None:
@@ -557,6 +567,8 @@ class ChatApp(App[int]):
             if live.hits + live.misses:
                 changes["hit_rate"] = live.hits / (live.hits + live.misses)
             self.status.set(**changes)
+        if self.reply is not None and self.agent_turn is None:
+            self.session.save_draft()  # what was shown is saved even while the model stalls
         self._ticks += 1
         if self._ticks % RSS_EVERY == 0:
             self.status.set(rss=self._rss())
@@ -604,9 +616,18 @@ class ChatApp(App[int]):
             self.reply.handle.cancel()  # a turn's pending approval is answered "no" too
         self.exit(int(self.exit_code), return_code=int(self.exit_code))
 
+    def _terminated(self, signum: int) -> None:
+        """SIGTERM or SIGHUP: quit as /exit does; the reply so far is saved (on_unmount)."""
+        from .. import signals
+
+        signals.note(signum)
+        self.quit_app()
+
     async def on_unmount(self) -> None:
         if self.reply is not None:  # quitting mid-reply: end the Markdown stream's task cleanly
             self.reply.handle.cancel()
+            if self.agent_turn is None:  # keep what was shown, marked interrupted
+                self.session.finish(self.reply.text, None, interrupted=True)
             if self.reply.stream is not None:
                 await self.reply.stream.stop()
 
