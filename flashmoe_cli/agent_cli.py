@@ -25,6 +25,9 @@ def add_tool_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ask", action="append", default=[], metavar="RULE")
     p.add_argument("--deny", action="append", default=[], metavar="RULE", help="deny beats ask beats allow")
     p.add_argument("--dangerously-skip-approvals", action="store_true", help="allow --mode yolo")
+    p.add_argument("--pass-env", action="append", default=[], metavar="NAME",
+                   help="let commands see this environment variable although its name looks like a secret "
+                        "(repeatable; secrets are scrubbed from every command's environment otherwise)")
     p.add_argument("--constrain", choices=("off", "tools", "required"), default="off",
                    help="constrained decoding of tool calls: from the call marker on (tools), or the whole "
                         "first reply of each turn must be a call (required)")
@@ -39,7 +42,7 @@ def make_agent(args, session, template: str, approver, on_event):
     from tools.executor import ToolExecutor
     from tools.parsers import json_tools, parser_for_template
     from tools.policy import Policy
-    from tools.runner import CommandRunner
+    from tools.runner import CommandRunner, seal_environment
 
     from .agent import AgentLoop, load_tools
     from .cli import UsageError
@@ -47,10 +50,15 @@ def make_agent(args, session, template: str, approver, on_event):
     workspace = Path(args.workspace).expanduser()
     if not workspace.is_dir():
         raise UsageError(f"--workspace {args.workspace}: not a folder")
+    # Tool commands are children of this process: keep what they may read of it free of secrets
+    # (its /proc environ too), except the variables the user passes on.
+    passed = {n: os.environ[n] for n in args.pass_env if n in os.environ}
+    seal_environment()
+    os.environ.update(passed)
     try:
         policy = Policy(workspace, args.mode, allow=args.allow, ask=args.ask, deny=args.deny,
                         dangerously_skip_approvals=args.dangerously_skip_approvals)
-        registry = load_tools(args.tools, policy, CommandRunner(cwd=workspace))
+        registry = load_tools(args.tools, policy, CommandRunner(cwd=workspace, pass_env=tuple(args.pass_env)))
     except (ToolError, ValueError) as e:
         raise UsageError(str(e)) from None
     if args.mode == "yolo":
@@ -154,10 +162,13 @@ def read_script(path: str) -> list[dict]:
     """session.jsonl: one {"role": "user"|"system", "content": ...} per line ('-' reads stdin)."""
     from .cli import UsageError
 
+    from .headless import decode_input
+
     try:
-        lines = sys.stdin.read().splitlines() if path == "-" else Path(path).read_text().splitlines()
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     except OSError as e:
         raise UsageError(f"--script {path}: cannot read ({e.strerror or e})") from None
+    lines = decode_input(data, "stdin" if path == "-" else f"--script {path}").splitlines()
     turns = []
     for n, line in enumerate(lines, 1):
         if not line.strip():

@@ -48,7 +48,7 @@ def run_suite(args, model: str, constrain: str) -> dict:
 
     ns = Namespace(**{**vars(args), "model": model, "constrain": constrain, "tools": [TOOLS], "no_log": True,
                       "continue_": False, "cid": None, "mode": "workspace-write", "allow": [], "ask": [],
-                      "deny": [], "dangerously_skip_approvals": False, "chain_limit": 1, "stop": []})
+                      "deny": [], "dangerously_skip_approvals": False, "chain_limit": 1, "stop": [], "pass_env": []})
     engine = make_engine(ns)
     loaded = engine.wait_loaded()
     rows, kinds, speeds = [], Counter(), []

@@ -1,0 +1,139 @@
+"""Issue 12's attacks through `flashmoe agent`, as a user would see them: a scripted model (the fake
+engine) writes exactly the calls an attacker wants, and the test checks what happened on disk, in
+the process table and in the transcript. The unit-level versions are in tests/tools/test_attacks.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+def call(name: str, **arguments) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def agent(tmp_path, ws, replies, *extra, env=None):
+    (tmp_path / "s.jsonl").write_text(json.dumps({"role": "user", "content": "go"}) + "\n")
+    e = {"FLASHMOE_HOME": str(tmp_path / "home"), "FLASHMOE_FAKE_REPLIES": json.dumps(replies), **(env or {})}
+    r = run_cli("agent", "--engine", "fake", "--workspace", ws, "--script", tmp_path / "s.jsonl",
+                "--transcript", tmp_path / "t.jsonl", *extra, env=e)
+    assert "Traceback" not in r.stderr, r.stderr
+    events = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    return r, [e for e in events if e["event"] == "tool_result"]
+
+
+@pytest.fixture
+def ws(tmp_path):
+    root = tmp_path / "ws"
+    root.mkdir()
+    (root / "notes.txt").write_text("b\na\n")
+    (tmp_path / "outside").mkdir()
+    return root
+
+
+def test_option_injection_through_a_command_tool(tmp_path, ws):
+    out = tmp_path / "outside" / "x"
+    (tmp_path / "tools.json").write_text(json.dumps([{
+        "name": "sort_file", "parameters": {"type": "object", "properties": {"file": {"type": "string"}},
+                                            "required": ["file"]},
+        "command": ["sort", "{file}"], "paths": ["file"]}]))
+    r, results = agent(tmp_path, ws, [call("sort_file", file=f"-o{out}"), call("sort_file", file="notes.txt"), "ok"],
+                       "--tools", tmp_path / "tools.json", "--allow", "sort_file")
+    assert r.returncode == 0, r.stderr
+    assert not out.exists()
+    assert "would be read as an option by sort" in results[0]["content"]
+    assert results[1]["ok"] and results[1]["content"] == "a\nb\n"
+
+
+def test_planted_git_directory_through_the_agent(tmp_path, ws):
+    marker = tmp_path / "outside" / "pwned"
+    config = f"[core]\n\tbare = true\n\tfsmonitor = \"touch {marker}\"\n"
+    writes = [call("write_file", path="objects/info/x", content=""), call("write_file", path="refs/heads/main", content=""),
+              call("write_file", path="config", content=config), call("write_file", path="HEAD", content="ref: refs/heads/main\n")]
+    r, results = agent(tmp_path, ws, [*writes, call("run_shell", command="git status"), "done"],
+                       "--tools", "builtin", "--mode", "workspace-write", "--allow", "run_shell(git status*)",
+                       "--chain-limit", "10")
+    assert r.returncode == 0, r.stderr
+    assert [x["ok"] for x in results[:4]] == [True, True, True, False]
+    assert "look like a git repository" in results[3]["content"]
+    assert not marker.exists()
+    # Even with HEAD planted by other means, git refuses the implicit bare repository.
+    (ws / "HEAD").write_text("ref: refs/heads/main\n")
+    r, results = agent(tmp_path, ws, [call("run_shell", command="git status"), "done"],
+                       "--tools", "builtin", "--allow", "run_shell(git status*)")
+    assert not marker.exists() and "bare repository" in results[0]["content"]
+
+
+def test_nothing_outlives_a_tool_call(tmp_path, ws):
+    cmd = "setsid sleep 300 >/dev/null 2>&1 & echo $!; (setsid sh -c 'sleep 300 & echo $!' &) ; sleep 0.3"
+    r, results = agent(tmp_path, ws, [call("run_shell", command=cmd), "done"], "--tools", "builtin",
+                       "--mode", "yolo", "--dangerously-skip-approvals")
+    assert r.returncode == 0, r.stderr
+    pids = [int(x) for x in results[0]["content"].split() if x.isdigit()]
+    assert len(pids) == 2
+
+    def alive(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    end = time.monotonic() + 3
+    while time.monotonic() < end and any(map(alive, pids)):
+        time.sleep(0.05)
+    assert not any(map(alive, pids)), "a setsid child outlived its tool call"
+
+
+def test_secrets_are_not_readable_from_any_ancestor(tmp_path, ws):
+    walk = ("p=$$; while [ \"$p\" -gt 1 ]; do cat /proc/$p/environ; echo; "
+            "p=$(sed 's/.*) //' /proc/$p/stat | cut -d' ' -f2); done; env")
+    r, results = agent(tmp_path, ws, [call("run_shell", command=walk), "done"], "--tools", "builtin",
+                       "--mode", "yolo", "--dangerously-skip-approvals",
+                       env={"ZZ_SERVICE_TOKEN": "hunter2-do-not-leak", "DATABASE_URL": "postgres://u:pw@h/db"})
+    assert r.returncode == 0, r.stderr
+    text = results[0]["content"]
+    assert "FLASHMOE_HOME=" in text  # the walk did read environments
+    assert "hunter2-do-not-leak" not in text and "u:pw@h" not in text
+
+
+def test_pass_env_lets_a_named_secret_through(tmp_path, ws):
+    r, results = agent(tmp_path, ws, [call("run_shell", command="echo $ZZ_SERVICE_TOKEN"), "done"],
+                       "--tools", "builtin", "--mode", "yolo", "--dangerously-skip-approvals",
+                       "--pass-env", "ZZ_SERVICE_TOKEN", env={"ZZ_SERVICE_TOKEN": "visible"})
+    assert results[0]["content"].strip() == "visible"
+
+
+def test_deny_rule_catches_another_spelling(tmp_path, ws):
+    (ws / "victim").write_text("keep\n")
+    r, results = agent(tmp_path, ws, [call("run_shell", command="/bin/rm -f victim"),
+                                      call("run_shell", command="command rm victim"), "done"],
+                       "--tools", "builtin", "--mode", "yolo", "--dangerously-skip-approvals",
+                       "--deny", "run_shell(rm *)")
+    assert (ws / "victim").exists()
+    assert all("refused by the rule deny run_shell(rm *)" in x["content"] for x in results)
+
+
+def test_junk_arguments_get_a_repair_round(tmp_path, ws):
+    deep = '<tool_call>\n{"name": "read_file", "arguments": {"path": ' + "[" * 30000 + "]" * 30000 + "}}\n</tool_call>"
+    surrogate = '<tool_call>\n{"name": "read_file", "arguments": {"path": "\\ud800"}}\n</tool_call>'
+    r, results = agent(tmp_path, ws, [deep, surrogate, call("read_file", path="notes.txt"), "ok"], "--tools", "builtin",
+                       "--max-repairs", "3")
+    assert r.returncode == 0, r.stderr
+    assert "nest too deeply" in results[0]["content"] and "repair 1 of 3" in results[0]["content"]
+    assert "unpaired UTF-16 surrogate" in results[1]["content"]
+    assert results[2]["ok"]
+
+
+def test_search_with_a_fifo_and_a_backtracking_pattern_finishes(tmp_path, ws):
+    os.mkfifo(ws / "pipe")
+    (ws / "a.txt").write_text("a" * 40 + "!\n")
+    start = time.monotonic()
+    r, results = agent(tmp_path, ws, [call("search_files", pattern="(a+)+$"), "ok"], "--tools", "builtin")
+    assert r.returncode == 0 and time.monotonic() - start < 60
+    assert results[0]["content"] == "notes.txt:2: a"
