@@ -12,6 +12,39 @@ from tests.tiny_models import save_folder
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _user_home() -> Path:
+    """The FLASHMOE_HOME the user's own runs use (as engine.demo.flashmoe_home finds it)."""
+    env = os.environ.get("FLASHMOE_HOME")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("flashmoe", appauthor=False))
+
+
+USER_HOME = _user_home()  # read before the session fixture below replaces it
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_flashmoe_home(tmp_path_factory):
+    """Every test runs with a FLASHMOE_HOME of its own, so `flashmoe logs` after pytest shows nothing
+    the user did not do. The user's demo model (and the wheel it was built from) are linked in
+    when they exist, so the demo is not rebuilt; otherwise it is built once, here."""
+    from engine.convert import is_converted
+    from engine.demo import DEMO_NAME
+
+    home = tmp_path_factory.mktemp("flashmoe-home")
+    demo = f"models/{DEMO_NAME}"
+    for sub in (demo, "downloads"):
+        if (USER_HOME / sub).is_dir() and (sub != demo or is_converted(USER_HOME / sub)):
+            (home / sub).parent.mkdir(parents=True, exist_ok=True)
+            (home / sub).symlink_to(USER_HOME / sub, target_is_directory=True)
+    mp = pytest.MonkeyPatch()
+    mp.setenv("FLASHMOE_HOME", str(home))
+    yield home
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """Builds (once per session) tiny mlx-lm folders and their flashmoe conversions."""
