@@ -149,6 +149,8 @@ class RunResult:
     prefetch_hit_rate: float = 0.0
     device_bytes_per_token: float | None = None  # from the storage device during decode (Linux)
     page_cache_dropped_every_token: bool = False
+    verify_prefill_s: float = 0.0  # reader-thread seconds spent on expert checksums during prefill
+    verify_decode_s: float = 0.0  # ... and during decode (the first read of each expert is checked)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -169,10 +171,13 @@ def run_generation(loaded, prompt: str, tokens: int, cold: bool, drop_every_toke
     done = None
     device0 = None
     step_s = dropped_s = drop = 0.0  # drop: the latest page-cache drop, not yet inside a step
+    store = loaded.store
+    verify0 = verify1 = store.verify_s if store is not None else 0.0
     for ev in generate(loaded, Session(loaded), request):
         if isinstance(ev, TokenGenerated):
             if device0 is None:
                 device0 = disk_read_bytes()  # decode starts after the first token
+                verify1 = store.verify_s if store is not None else 0.0
             if drop_every_token and files:
                 t = time.perf_counter()
                 evict(files)
@@ -182,6 +187,7 @@ def run_generation(loaded, prompt: str, tokens: int, cold: bool, drop_every_toke
             dropped_s, drop = dropped_s + drop, 0.0
         done = ev
     device1 = disk_read_bytes()
+    verify2 = store.verify_s if store is not None else 0.0
     decoded = max(0, done.generation_tokens - 1)
     device = (device1 - device0) / decoded if device0 is not None and device1 is not None and decoded else None
     decode_tps, decode_s = done.generation_tps, done.decode_s
@@ -194,4 +200,4 @@ def run_generation(loaded, prompt: str, tokens: int, cold: bool, drop_every_toke
     return RunResult("cold" if cold else "warm", done.prompt_tokens, done.generation_tokens, done.prompt_tps,
                      decode_tps, done.bytes_per_token, theory, done.hit_rate,
                      done.io_wait_s / decode_s if decode_s else 0.0, time.perf_counter() - t0,
-                     done.prefetch_hit_rate, device, drop_every_token)
+                     done.prefetch_hit_rate, device, drop_every_token, verify1 - verify0, verify2 - verify1)

@@ -10,6 +10,7 @@ does not exist. Finished layers survive an interruption and are not redone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -21,10 +22,11 @@ from typing import Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from .errors import ConvertError
+from .errors import ConvertError, ModelLoadError
 from .experts.layout import MANIFEST, LayerExperts, Part, layer_file_name, write_layer, write_manifest
-from .loader import (EXPERTS_DIR, RESIDENT, _mx_load, _safetensors_files, build_model, layer_index,
+from .loader import (EXPERTS_DIR, RESIDENT, _mx_load, _safetensors_files, build_model, direct_headers, layer_index,
                      quantize_like_checkpoint, read_config, switch_modules, text_config)
+from .jsonfile import read_json
 from .safetensors_io import write_streaming
 
 # Files copied as they are: tokenizer, chat template, generation settings.
@@ -127,6 +129,7 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
         plan.check(src)
         layer_bits = plan.layer_bits
     files = _safetensors_files(src)
+    direct_headers(config, src, files)  # the config against the tensors, before building from it
     model = build_model(config, src)
     weights = {}
     for f in files:
@@ -177,8 +180,9 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
     work = out.with_name(out.name + ".partial")
     options = {"source": str(src.resolve()), "bits": bits, "group_size": group_size, "expert_bits": expert_bits,
                "layer_bits": [list(x) for x in layer_bits], "dtype": dtype}
-    _prepare_workdir(work, options)
-    (work / EXPERTS_DIR).mkdir(exist_ok=True)
+    with _writing(work, work):
+        _prepare_workdir(work, options)
+        (work / EXPERTS_DIR).mkdir(exist_ok=True)
 
     modules = sorted(by_module, key=layer_index)
     total = len(modules) + 1
@@ -187,58 +191,103 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
         layer = layer_index(module)
         done = work / EXPERTS_DIR / (layer_file_name(layer) + ".json")
         parts = sorted(by_module.pop(module))
-        if done.exists():
-            layers.append(_layer_from_json(json.loads(done.read_text())))
+        finished = _finished_layer(done, work / EXPERTS_DIR / layer_file_name(layer))
+        if finished is not None:
+            layers.append(finished)
         else:
             if _fail_after_layers is not None and i >= _fail_after_layers:
                 raise RuntimeError("injected failure (test)")
             tensors = dict(parts)
             mx.eval(list(tensors.values()))
-            l = write_layer(work / EXPERTS_DIR, layer, module, tensors, [n for n, _ in parts],
-                            quantization=module_quantization(config, module))
-            del tensors
-            _write_json(done, _layer_to_json(l))
+            with _writing(work / EXPERTS_DIR / layer_file_name(layer), work):
+                l = write_layer(work / EXPERTS_DIR, layer, module, tensors, [n for n, _ in parts],
+                                quantization=module_quantization(config, module))
+                del tensors
+                _write_json(done, _layer_to_json(l))
             layers.append(l)
         del parts
         progress(f"experts of layer {layer}", i + 1, total)
 
-    write_streaming(work / RESIDENT, resident, metadata={"format": "mlx"})
+    with _writing(work / RESIDENT, work):
+        write_streaming(work / RESIDENT, resident, metadata={"format": "mlx"})
     progress("resident weights", total, total)
 
     out_config = dict(config)
     out_config.pop("quantization_config", None)
     if "quantization" in out_config:
         out_config["quantization_config"] = out_config["quantization"]
-    _write_json(work / "config.json", out_config)
+    with _writing(work / "config.json", work):
+        _write_json(work / "config.json", out_config)
     for f in src.iterdir():
         if f.is_file() and f.suffix in _COPY_SUFFIXES and f.name not in _NOT_COPIED:
-            shutil.copyfile(f, work / f.name)
-    write_manifest(work / EXPERTS_DIR, layers, extra={"source_model_type": config["model_type"]})
-    for f in (work / EXPERTS_DIR).glob("*.bin.json"):
-        f.unlink()
-    (work / "options.json").unlink()
-    os.replace(work, out)
+            with _writing(work / f.name, work):
+                shutil.copyfile(f, work / f.name)
+    with _writing(work / EXPERTS_DIR / MANIFEST, work):
+        write_manifest(work / EXPERTS_DIR, layers, extra={"source_model_type": config["model_type"]})
+    with _writing(out, work):
+        for f in (work / EXPERTS_DIR).glob("*.bin.json"):
+            f.unlink()
+        (work / "options.json").unlink()
+        (work / OWN_MARKER).unlink()
+        os.replace(work, out)
     return out
 
 
+# Inside OUT.partial, this file says a conversion made the folder: only then may a later run with
+# other options delete it. A folder of that name without it is the user's, and is left alone.
+OWN_MARKER = ".flashmoe-convert-partial"
+_NO_ROOM = (errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+@contextlib.contextmanager
+def _writing(path: Path, work: Path):
+    """A write that fails (a full disk, a file-size limit, a read-only folder) becomes one line
+    naming the file; the finished layers stay in OUT.partial for the re-run to keep."""
+    try:
+        yield
+    except OSError as e:
+        fix = "free some space" if e.errno in _NO_ROOM else "fix that"
+        raise ConvertError(path, f"cannot write: {e.strerror or e}; finished layers are kept in {work}: "
+                           f"{fix} and run the same command again") from None
+
+
 def _prepare_workdir(work: Path, options: dict) -> None:
-    """Keep an interrupted run's finished layers only if it used the same options."""
-    marker = work / "options.json"
-    if work.exists():
+    """Keep an interrupted run's finished layers only if it used the same options; never touch a
+    folder of that name that a conversion did not make."""
+    if work.exists() or work.is_symlink():
+        if work.is_symlink() or not (work / OWN_MARKER).is_file():
+            raise ConvertError(work, "exists and was not made by flashmoe convert (it lacks "
+                               f"{OWN_MARKER}); move it away or pick another OUT")
         try:
-            same = json.loads(marker.read_text()) == options
-        except (OSError, json.JSONDecodeError):
+            same = read_json(work / "options.json") == options
+        except ModelLoadError:
             same = False
         if not same:
             shutil.rmtree(work)
-    work.mkdir(parents=True, exist_ok=True)
-    _write_json(marker, options)
+    if not work.exists():
+        work.mkdir(parents=True)
+        (work / OWN_MARKER).write_text("made by flashmoe convert; renamed to OUT when the conversion finishes\n")
+    _write_json(work / "options.json", options)
 
 
 def _write_json(path: Path, doc) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2))
     os.replace(tmp, path)
+
+
+def _finished_layer(done: Path, file: Path) -> LayerExperts | None:
+    """The layer an interrupted run finished (its .json note is written after its file), or None
+    when it must be written (again): no note, or a note or file that does not hold up."""
+    if not done.exists():
+        return None
+    try:
+        l = _layer_from_json(read_json(done))
+        if file.stat().st_size != l.stride * l.num_experts:
+            return None
+    except (ModelLoadError, OSError, KeyError, TypeError, ValueError):
+        return None
+    return l
 
 
 def _layer_to_json(l: LayerExperts) -> dict:
@@ -297,10 +346,17 @@ def _convert_gguf(src: Path, out: Path, *, plan: QuantPlan, layer_bits, dtype, p
     from .gguf_import import gguf_to_hf_folder
 
     stage = out.with_name(out.name + ".gguf-src")
+    if (stage.exists() or stage.is_symlink()) and not (stage / OWN_MARKER).is_file():
+        raise ConvertError(stage, f"exists and was not made by flashmoe convert (it lacks {OWN_MARKER}); "
+                           "move it away or pick another OUT")
     if not (stage / "config.json").exists():
         progress("reading the GGUF", 0, 1)
+        with _writing(stage, stage):
+            stage.mkdir(parents=True, exist_ok=True)
+            (stage / OWN_MARKER).write_text("made by flashmoe convert from a GGUF; removed when it finishes\n")
         try:
-            gguf_to_hf_folder(src, stage)
+            with _writing(stage, stage):
+                gguf_to_hf_folder(src, stage)
         except ValueError as e:
             shutil.rmtree(stage, ignore_errors=True)
             raise ConvertError(src, str(e)) from None

@@ -6,6 +6,7 @@ checked between tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import traceback
@@ -13,7 +14,7 @@ from time import perf_counter
 
 from .errors import FlashMoEError, ModelLoadError
 from .events import EngineFailed, GenerationFinished, ModelLoaded
-from .generate import GenerationRequest, Session, generate, model_bits
+from .generate import TRUNCATE_MODES, GenerationRequest, Session, generate, model_bits
 
 _STOP = object()
 
@@ -49,10 +50,17 @@ class Handle:
 class Engine:
     def __init__(self, model_path, *, expert_cache: int | None = None, io_threads: int = 8,
                  direct_io: bool = False, dtype: str | None = None, kernels: str = "auto",
-                 prefetch: bool | str = False, cache_policy: str = "lfu"):
+                 prefetch: bool | str = False, cache_policy: str = "lfu", verify_reads: bool = True,
+                 truncate_prompt: str = "off"):
+        """truncate_prompt: for requests that do not say, what to do with a prompt longer than the
+        model's context (generate.TRUNCATE_MODES). The rest are loader.load's options."""
+        if truncate_prompt not in TRUNCATE_MODES:
+            raise ValueError(f"truncate_prompt must be one of {', '.join(TRUNCATE_MODES)}, got {truncate_prompt!r}")
         self.model_path = model_path
+        self.truncate_prompt = truncate_prompt
         self._load_args = dict(expert_cache=expert_cache, io_threads=io_threads, direct_io=direct_io, dtype=dtype,
-                               kernels=kernels, prefetch=prefetch, cache_policy=cache_policy)
+                               kernels=kernels, prefetch=prefetch, cache_policy=cache_policy,
+                               verify_reads=verify_reads)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loaded_event = threading.Event()
         self._stopped = threading.Event()
@@ -131,15 +139,18 @@ class Engine:
             return
         session = self._sessions.setdefault(handle.session, Session(self.loaded))
         self._current = handle
+        request = handle.request
+        if request.truncate_prompt is None:
+            request = dataclasses.replace(request, truncate_prompt=self.truncate_prompt)
         try:
-            for ev in generate(self.loaded, session, handle.request, handle._cancel):
+            for ev in generate(self.loaded, session, request, handle._cancel):
                 handle.events.put(ev)
         except ModelLoadError as e:  # a read failed mid-generation: an I/O problem, exit 3
             session.reset()
             handle.events.put(EngineFailed(str(e), type(e).__name__, 3))
         except (FlashMoEError, ValueError) as e:
             session.reset()
-            handle.events.put(EngineFailed(str(e), type(e).__name__, 1))
+            handle.events.put(EngineFailed(str(e), type(e).__name__, getattr(e, "exit_code", 1)))
         except Exception as e:  # a bug: keep the traceback for the log
             session.reset()
             handle.events.put(EngineFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}",

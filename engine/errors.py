@@ -8,9 +8,13 @@ from __future__ import annotations
 class FlashMoEError(Exception):
     """Base class: a problem with input the user gave us."""
 
+    exit_code = 1  # what a front end exits with (README: exit codes)
+
 
 class ModelLoadError(FlashMoEError):
     """A model folder or file is missing, unreadable or inconsistent (exit code 3)."""
+
+    exit_code = 3
 
     def __init__(self, path, problem: str):
         self.path = str(path)
@@ -20,3 +24,10 @@ class ModelLoadError(FlashMoEError):
 
 class ConvertError(ModelLoadError):
     """A conversion source cannot be converted."""
+
+
+class ContextLengthError(FlashMoEError, ValueError):
+    """The prompt does not fit in the model's context and truncation was not asked for (exit code 2:
+    the user's input is what has to change)."""
+
+    exit_code = 2

@@ -77,7 +77,7 @@ class StepFinished(Event):
 
 @dataclass(frozen=True, slots=True)
 class GenerationFinished(Event):
-    reason: str  # "stop" | "length" | "cancelled"
+    reason: str  # "stop" | "length" (max_tokens) | "context" (the model's context is full) | "cancelled"
     prompt_tokens: int
     reused_prompt_tokens: int
     generation_tokens: int
@@ -94,6 +94,7 @@ class GenerationFinished(Event):
     prefetch_hit_rate: float = 0.0  # --prefetch: read-ahead experts that were then used
     text: str = ""  # the whole reply
     tail: str = ""  # reply text not yet sent in TokenGenerated events (held back, then released)
+    truncated_prompt_tokens: int = 0  # oldest prompt tokens dropped to fit the context (truncate_prompt="left")
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ runs the tokens that are new.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -13,12 +14,17 @@ from typing import Iterator
 
 import mlx.core as mx
 
+from .config_check import context_length
 from .constrain import apply_mask
+from .errors import ContextLengthError
 from .events import GenerationFinished, LayerTimings, PrefillProgress, StepFinished, TokenGenerated
 from .sampling import Sampler, SamplingParams
 from .timing import LayerClock, rows_from
 
 TIMING_MODES = ("off", "step", "layer")
+# What to do with a prompt longer than the model's context: refuse it, or drop its oldest tokens.
+TRUNCATE_MODES = ("off", "left")
+log = logging.getLogger("flashmoe")
 
 
 @dataclass
@@ -35,6 +41,7 @@ class GenerationRequest:
     template_kwargs: dict = field(default_factory=dict)
     prefill_step: int = 256
     constraint: object = None  # ConstraintFactory: make(tokenizer) -> Constraint (engine/constrain.py)
+    truncate_prompt: str | None = None  # TRUNCATE_MODES; None: as the Engine was told ("off" without one)
 
     def __post_init__(self):
         if (self.messages is None) == (self.prompt is None):
@@ -43,6 +50,8 @@ class GenerationRequest:
             raise ValueError(f"timing must be one of {', '.join(TIMING_MODES)}, got {self.timing!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.truncate_prompt not in (None, *TRUNCATE_MODES):
+            raise ValueError(f"truncate_prompt must be one of {', '.join(TRUNCATE_MODES)}, got {self.truncate_prompt!r}")
 
 
 class Session:
@@ -115,6 +124,27 @@ def render_prompt(loaded, request: GenerationRequest) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
+def fit_context(ids: list[int], context: int | None, mode: str, max_tokens: int) -> tuple[list[int], int]:
+    """The prompt ids the model will run, and how many of the oldest were dropped.
+
+    "off" refuses a prompt longer than the context (it would run past the positions the model was
+    trained on, slower with every token, into garbage). "left" drops the oldest tokens so that the
+    prompt leaves room for the reply: max_tokens, at most half the context."""
+    if context is None:
+        return ids, 0
+    if mode != "left":
+        if len(ids) > context:
+            raise ContextLengthError(
+                f"the prompt is {len(ids)} tokens, longer than the model's context of {context} tokens "
+                "(max_position_embeddings in config.json); shorten it, or pass --truncate-prompt left "
+                "to drop the oldest tokens")
+        return ids, 0
+    keep = context - min(max_tokens, context // 2)
+    if len(ids) <= keep:
+        return ids, 0
+    return ids[-keep:], len(ids) - keep
+
+
 def generate(loaded, session: Session, request: GenerationRequest,
              cancel: threading.Event | None = None) -> Iterator:
     """Yield PrefillProgress, TokenGenerated, StepFinished, LayerTimings and GenerationFinished."""
@@ -131,6 +161,11 @@ def generate(loaded, session: Session, request: GenerationRequest,
     ids = render_prompt(loaded, request)
     if not ids:
         raise ValueError("the prompt is empty")
+    context = context_length(loaded.config)
+    ids, dropped = fit_context(ids, context, request.truncate_prompt or "off", request.max_tokens)
+    if dropped:
+        log.warning("flashmoe: warning: prompt truncated: dropped its oldest %d tokens, kept the newest %d, "
+                    "to fit the model's context of %d tokens (--truncate-prompt left)", dropped, len(ids), context)
     reused = session.prepare(ids)
     todo = ids[reused:]
 
@@ -192,6 +227,9 @@ def generate(loaded, session: Session, request: GenerationRequest,
             break
         if steps >= request.max_tokens:
             break
+        if context is not None and len(session.tokens) >= context:
+            reason = "context"  # the next token would sit past the last position the model knows
+            break
         logits = model(mx.array([[token]]), cache=session.cache)[0, -1]
         mx.eval(logits)
         session.tokens.append(token)
@@ -230,7 +268,8 @@ def generate(loaded, session: Session, request: GenerationRequest,
         bytes_per_token=bytes_read / fed if fed else 0.0,
         hit_rate=hits / lookups if lookups else 0.0,
         top_k=loaded.top_k, bits=model_bits(loaded.config), cache_state="cold" if cold else "warm",
-        text=text, tail=tail, prefetch_hit_rate=prefetch_used / prefetched if prefetched else 0.0)
+        text=text, tail=tail, prefetch_hit_rate=prefetch_used / prefetched if prefetched else 0.0,
+        truncated_prompt_tokens=dropped)
 
 
 def model_bits(config: dict) -> int | None:

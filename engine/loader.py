@@ -7,7 +7,6 @@ Two kinds of folder load the same way:
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +16,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .config_check import check_values, check_against_weights
 from .errors import ModelLoadError
 from .experts.layout import LayerExperts, Part, read_manifest
 from .experts.store import ExpertStore
 from .experts.switch import StreamingSwitchGLU
+from .jsonfile import read_json
 from .safetensors_io import read_header
 
 RESIDENT = "resident.safetensors"
@@ -74,14 +75,9 @@ def read_config(path: Path) -> dict:
         raise ModelLoadError(path, "no such file or directory")
     if not path.is_dir():
         raise ModelLoadError(path, "not a model folder (it is a file; give the folder that holds config.json)")
-    if not cfg.exists():
+    if not cfg.exists() and not cfg.is_symlink():
         raise ModelLoadError(path, "not a model folder: no config.json")
-    try:
-        config = json.loads(cfg.read_text())
-    except OSError as e:
-        raise ModelLoadError(cfg, f"cannot read: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(cfg, f"not valid JSON ({e})") from None
+    config = read_json(cfg, expect=None)
     if not isinstance(config, dict) or "model_type" not in config:
         raise ModelLoadError(cfg, "no model_type: this is not a model config")
     try:
@@ -90,14 +86,12 @@ def read_config(path: Path) -> dict:
             normalize_config(config["text_config"])
     except ValueError as e:
         raise ModelLoadError(cfg, str(e)) from None
+    check_values(config, cfg)
     gen = path / "generation_config.json"
     if gen.exists():
-        try:
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            if eos is not None:
-                config["eos_token_id"] = eos
-        except (OSError, json.JSONDecodeError):
-            pass
+        eos = read_json(gen).get("eos_token_id")
+        if eos is not None:
+            config["eos_token_id"] = eos
     return config
 
 
@@ -145,8 +139,9 @@ def build_model(config: dict, path: Path) -> nn.Module:
     model_class, args_class = model_classes(config, path / "config.json")
     try:
         return model_class(args_class.from_dict(config))
-    except (TypeError, KeyError, ValueError) as e:
-        raise ModelLoadError(path / "config.json", f"does not describe a valid {config['model_type']} model ({e})") from None
+    except (TypeError, KeyError, ValueError, ArithmeticError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(path / "config.json", f"does not describe a valid {config['model_type']} model ({first})") from None
 
 
 def switch_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -191,10 +186,10 @@ def quantize_like_checkpoint(model: nn.Module, config: dict, shapes: dict) -> No
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, json.JSONDecodeError, KeyError) as e:
-            raise ModelLoadError(index, f"malformed index ({e})") from None
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(index, "malformed index (weight_map must map tensor names to file names)")
+        names = sorted(set(weight_map.values()))
         files = [path / n for n in names]
         for f in files:
             if not f.exists():
@@ -268,11 +263,16 @@ def router_weights(model: nn.Module, layers: list[LayerExperts]) -> dict:
     return out
 
 
-def _mx_load_checked(f: Path) -> dict:
-    if not f.exists():
-        raise ModelLoadError(f, "missing")
-    read_header(f)  # fails clearly on a truncated file, before MLX does
-    return _mx_load(f)
+def _exists(p: Path) -> bool:
+    return p.exists() or p.is_symlink()  # a dangling link is there, and fails later naming it
+
+
+def direct_headers(config: dict, path: Path, files: list[Path]) -> dict:
+    """Every tensor header of an mlx-lm / Hugging Face folder, the config checked against them."""
+    headers = {k: v for f in files for k, v in read_header(f).items()}
+    stacked = {k.split(".switch_mlp.")[0]: t.shape[0] for k, t in headers.items() if ".switch_mlp." in k and t.shape}
+    check_against_weights(config, path / "config.json", {k: t.shape for k, t in headers.items()}, stacked)
+    return headers
 
 
 def _direct_layers(path: Path, model: nn.Module, headers: dict) -> list[LayerExperts]:
@@ -330,7 +330,8 @@ PREFETCH_MODES = ("off", "hint", "slots")
 
 def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = 8,
          direct_io: bool = False, load_tokenizer: bool = True, dtype: str | None = None,
-         kernels: str = "mlx", prefetch: bool | str = False, cache_policy: str = "lfu") -> LoadedModel:
+         kernels: str = "mlx", prefetch: bool | str = False, cache_policy: str = "lfu",
+         verify_reads: bool = True) -> LoadedModel:
     """Build the model for `path` with streamed experts. Resident weights are loaded here.
 
     dtype "float32" widens 16-bit float tensors (weights, quantization scales and biases, and
@@ -346,6 +347,9 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     into the page cache (see ExpertStore.hint), "off" (or False) does neither.
 
     cache_policy: which cached expert a miss evicts, "lfu" or "lru" (store.CACHE_POLICIES).
+
+    verify_reads: check each expert block against the manifest's CRC-32 the first time it is read
+    (packed folders only: direct mode has no checksums); a mismatch raises ModelLoadError.
     """
     from .cpu_path import resolve
 
@@ -356,17 +360,26 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         raise ValueError(f"dtype must be None or 'float32', got {dtype!r}")
     path = Path(path)
     config = read_config(path)
-    model = build_model(config, path)
-    packed = (path / EXPERTS_DIR / "manifest.json").exists() or (path / RESIDENT).exists()
+    packed = _exists(path / EXPERTS_DIR / "manifest.json") or _exists(path / RESIDENT)
     where = path / EXPERTS_DIR / "manifest.json" if packed else path
 
+    # Headers and manifest first: the config is checked against them before mlx-lm builds anything.
     if packed:
-        weights, layers = _mx_load_checked(path / RESIDENT), read_manifest(path / EXPERTS_DIR)
+        if not _exists(path / RESIDENT):
+            raise ModelLoadError(path / RESIDENT, "missing")
+        layers = read_manifest(path / EXPERTS_DIR)
+        resident = read_header(path / RESIDENT)
+        check_against_weights(config, path / "config.json", {k: t.shape for k, t in resident.items()},
+                              {l.module: l.num_experts for l in layers})
+    else:
+        files = _safetensors_files(path)
+        headers = direct_headers(config, path, files)
+    model = build_model(config, path)
+    if packed:
+        weights = _mx_load(path / RESIDENT)
         expert_shapes = {f"{l.module}.{p.name}": _shape_proxy((l.num_experts, *p.shape), p.mx_dtype)
                          for l in layers for p in l.parts}
     else:
-        files = _safetensors_files(path)
-        headers = {k: v for f in files for k, v in read_header(f).items()}
         weights = {k: v for f in files for k, v in _mx_load(f).items()}
     if hasattr(model, "sanitize"):
         # sanitize sees the experts too (some checks depend on them); stacking them stays lazy
@@ -392,7 +405,8 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
 
     store = ExpertStore(path / EXPERTS_DIR if packed else path, layers, top_k_of(config),
                         budget_bytes=expert_cache, io_threads=io_threads, direct_io=direct_io,
-                        upcast=dtype == "float32", cpu_kernels=kernels == "cpu", policy=cache_policy) if layers else None
+                        upcast=dtype == "float32", cpu_kernels=kernels == "cpu", policy=cache_policy,
+                        verify_reads=verify_reads) if layers else None
     loaded = LoadedModel(model, config, path, "packed" if packed else "direct", store, layers)
     parents = dict(model.named_modules())
     for l in layers:

@@ -16,6 +16,7 @@ import jinja2.sandbox
 import tokenizers
 
 from engine.errors import FlashMoEError, ModelLoadError
+from engine.jsonfile import read_bytes
 
 # Used when a model ships no template: plain ChatML, which most chat models understand.
 FALLBACK_CHAT_TEMPLATE = (
@@ -68,14 +69,17 @@ def _make_environment() -> jinja2.Environment:
 
 def _read_json(path: Path) -> dict | None:
     """The JSON object in `path`, or None when the file does not exist."""
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return None
+    raw = read_bytes(path)  # refuses a FIFO or a device instead of blocking on it
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
         raise ModelLoadError(path, f"cannot read file: {e}") from e
     except json.JSONDecodeError as e:
         raise ModelLoadError(path, f"invalid JSON: {e}") from e
+    except RecursionError:
+        raise ModelLoadError(path, "invalid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ModelLoadError(path, f"expected a JSON object, got {type(data).__name__}")
     return data
@@ -168,7 +172,7 @@ class Tokenizer:
             raise ModelLoadError(folder, "not a directory")
 
         tok_file = folder / "tokenizer.json"
-        if not tok_file.is_file():
+        if not tok_file.exists() and not tok_file.is_symlink():
             raise ModelLoadError(tok_file, "missing (every model folder needs tokenizer.json)")
         _read_json(tok_file)  # gives a clear "invalid JSON" before tokenizers' terser message
         try:
@@ -232,10 +236,10 @@ class Tokenizer:
                 raise ModelLoadError(json_file, "expected a string 'chat_template'")
             sources["default"] = (data["chat_template"], json_file)
         jinja_file = folder / "chat_template.jinja"
-        if jinja_file.is_file():
+        if jinja_file.exists() or jinja_file.is_symlink():
             try:
-                sources["default"] = (jinja_file.read_text(encoding="utf-8"), jinja_file)
-            except (OSError, UnicodeDecodeError) as e:
+                sources["default"] = (read_bytes(jinja_file).decode("utf-8"), jinja_file)
+            except UnicodeDecodeError as e:
                 raise ModelLoadError(jinja_file, f"cannot read file: {e}") from e
 
         if sources and "default" not in sources:

@@ -21,7 +21,7 @@ def cmd_bench_speed(args) -> int:
     model = resolve_model(args.model)
     loaded = load(model, expert_cache=args.expert_cache, io_threads=args.io_threads, direct_io=args.direct_io,
                   dtype=resolve_dtype(args.dtype), kernels=args.kernels, prefetch=args.prefetch,
-                  cache_policy=args.cache_policy)
+                  cache_policy=args.cache_policy, verify_reads=args.verify_reads != "off")
     bits = model_bits(loaded.config)
     expert = (sum(l.expert_bytes for l in loaded.layers) / len(loaded.layers)) if loaded.layers else 0
     machine = f"{os.cpu_count()}x {cpu_model()}, {platform.system()} {platform.release()}"
@@ -49,9 +49,12 @@ def cmd_bench_speed(args) -> int:
         order.append(("uncached", True, True))
         print("uncached: cold, and the expert files dropped from the page cache before every token too: every "
               "expert read comes from the device, as for a model larger than RAM (drop time left out)", flush=True)
+    cold_runs = []
     for _ in range(args.rounds):
         for name, cold, drop in order:
             r = run_generation(loaded, prompt, args.tokens, cold, drop_every_token=drop)
+            if cold:
+                cold_runs.append(r)
             if not cold:  # measure warm on a second, identical run: everything cached
                 r = run_generation(loaded, prompt, args.tokens, cold=False)
             limit, r_dict = "", r.as_dict()
@@ -74,6 +77,9 @@ def cmd_bench_speed(args) -> int:
             print(f"{name:<8}: prefill {r.prompt_tokens} tok {r.prefill_tps:.1f} tok/s | decode {r.generated_tokens} tok "
                   f"{r.decode_tps:.2f} tok/s | {streamed}"
                   + (f" | prefetch hits {r.prefetch_hit_rate:.0%}" if args.prefetch != "off" else ""), flush=True)
+    verify = verify_line(loaded, cold_runs)
+    result["verify"] = verify
+    print(f"verify  : {verify}", flush=True)
     loaded.close()
     if args.out:
         out = Path(args.out)
@@ -81,3 +87,22 @@ def cmd_bench_speed(args) -> int:
         tmp.write_text(json.dumps(result, indent=2))
         os.replace(tmp, out)
     return ExitCode.OK
+
+
+def verify_line(loaded, cold_runs) -> str:
+    """What checking each expert's CRC-32 on its first read cost the cold runs (reader-thread time,
+    which overlaps the other reads and the compute, so it is an upper bound on the slowdown)."""
+    store = loaded.store
+    if store is None or not store.has_checksums:
+        return "no checksums to check (" + ("no routed experts" if store is None else "direct mode") + ")"
+    if not store.verify_reads:
+        return "off (--no-verify-reads): expert reads are not checked against the manifest's CRC-32"
+    decoded = sum(max(0, r.generated_tokens - 1) for r in cold_runs)
+    decode_s = sum((r.generated_tokens - 1) / r.decode_tps for r in cold_runs if r.decode_tps and r.generated_tokens > 1)
+    spent = sum(r.verify_decode_s for r in cold_runs)
+    prefill = sum(r.verify_prefill_s for r in cold_runs)
+    per_token = spent / decoded * 1e3 if decoded else 0.0
+    share = spent / decode_s if decode_s else 0.0
+    return (f"CRC-32 of each expert's first read: {per_token:.3f} ms/token on the reader threads, "
+            f"{share:.1%} of cold decode time ({prefill * 1e3:.1f} ms in cold prefill); "
+            "--no-verify-reads turns it off")

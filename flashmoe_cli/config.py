@@ -25,6 +25,7 @@ DTYPE_CHOICES = ("auto", "float32", "keep")
 KERNEL_CHOICES = ("auto", "mlx", "cpu")
 PREFETCH_CHOICES = ("off", "hint", "slots")
 CACHE_POLICY_CHOICES = ("lfu", "lru")  # engine.experts.store.CACHE_POLICIES, without importing MLX
+TRUNCATE_CHOICES = ("off", "left")  # engine.generate.TRUNCATE_MODES
 
 # name -> (default, parser from text: a type, "size", "count" (an integer >= 1) or a tuple of words)
 SETTINGS = {
@@ -44,6 +45,8 @@ SETTINGS = {
     "kernels": ("auto", KERNEL_CHOICES),
     "prefetch": ("off", PREFETCH_CHOICES),
     "cache_policy": ("lfu", CACHE_POLICY_CHOICES),
+    "verify_reads": ("on", ("on", "off")),
+    "truncate_prompt": ("off", TRUNCATE_CHOICES),
 }
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import ModelLoadError
+from ..jsonfile import read_json
 from ..safetensors_io import DTYPES, ITEM_SIZES, array_bytes
 
 FORMAT = "flashmoe-experts"
@@ -161,30 +162,23 @@ def write_manifest(folder: Path, layers: list[LayerExperts], extra: dict | None 
 def read_manifest(folder: Path) -> list[LayerExperts]:
     """Parse experts/manifest.json and check that every layer file has the size it promises."""
     path = folder / MANIFEST
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ModelLoadError(path, "missing") from None
-    except OSError as e:
-        raise ModelLoadError(path, f"cannot read: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ModelLoadError(path, "not valid JSON") from None
+    doc = read_json(path)
     if doc.get("format") != FORMAT:
         raise ModelLoadError(path, f"not a flashmoe expert manifest (format {doc.get('format')!r})")
     if doc.get("version") != VERSION:
         raise ModelLoadError(path, f"format version {doc.get('version')} is not supported (this flashmoe reads {VERSION})")
+    if not isinstance(doc.get("layers"), list):
+        raise ModelLoadError(path, "malformed manifest (layers must be a list)")
     layers = []
-    try:
-        for d in doc["layers"]:
-            parts = tuple(Part(p["name"], p["dtype"], tuple(p["shape"])) for p in d["parts"])
-            l = LayerExperts(d["layer"], d["module"], d["num_experts"], parts, file=d["file"],
-                             stride=d["stride"], checksums=list(d["checksums"]),
-                             quantization=d.get("quantization"))
-            if l.expert_bytes != d["expert_bytes"] or l.stride < l.expert_bytes or len(l.checksums) != l.num_experts:
-                raise ModelLoadError(path, f"layer {l.layer}: sizes in the manifest disagree with its part shapes")
-            layers.append(l)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(path, f"malformed manifest ({e})") from None
+    for i, d in enumerate(doc["layers"]):
+        try:
+            l = _layer_entry(d)
+        except (KeyError, TypeError, ValueError) as e:
+            name = d.get("layer") if isinstance(d, dict) and isinstance(d.get("layer"), int) else i
+            raise ModelLoadError(path, f"layer {name}: malformed manifest entry ({e})") from None
+        if l.expert_bytes != d["expert_bytes"] or l.stride < l.expert_bytes or len(l.checksums) != l.num_experts:
+            raise ModelLoadError(path, f"layer {l.layer}: sizes in the manifest disagree with its part shapes")
+        layers.append(l)
     for l in layers:
         f = folder / l.file
         try:
@@ -199,6 +193,32 @@ def read_manifest(folder: Path) -> list[LayerExperts]:
         if not os.access(f, os.R_OK):
             raise ModelLoadError(f, "not readable (permission denied)")
     return layers
+
+
+def _count(v, low: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < low:
+        raise ValueError(f"{v!r} is not a whole number >= {low}")
+    return v
+
+
+def _layer_entry(d) -> LayerExperts:
+    """One manifest layer, every field of the type it must have."""
+    if not isinstance(d, dict):
+        raise TypeError("not an object")
+    parts = []
+    for p in d["parts"]:
+        if not isinstance(p["name"], str) or p["dtype"] not in ITEM_SIZES or not isinstance(p["shape"], list):
+            raise ValueError(f"bad part {p!r}")
+        parts.append(Part(p["name"], p["dtype"], tuple(_count(s) for s in p["shape"])))
+    file = d["file"]
+    if not isinstance(file, str) or os.path.basename(file) != file or file in ("", ".", ".."):
+        raise ValueError(f"file {file!r} must be a file name inside experts/")
+    if not isinstance(d["module"], str) or not isinstance(d["checksums"], list):
+        raise TypeError("module must be a string and checksums a list")
+    checksums = [_count(c) for c in d["checksums"]]
+    _count(d["expert_bytes"])
+    return LayerExperts(_count(d["layer"]), d["module"], _count(d["num_experts"], 1), tuple(parts), file=file,
+                        stride=_count(d["stride"], 1), checksums=checksums, quantization=d.get("quantization"))
 
 
 def verify(folder: Path, layers: list[LayerExperts], progress=None) -> list[tuple[int, int, str]]:

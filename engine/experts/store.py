@@ -12,6 +12,7 @@ import concurrent.futures
 import mmap
 import os
 import threading
+import zlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -67,6 +68,17 @@ def pieces(job, size: int) -> list:
     if cur:
         out.append((Extent(ext.path, start, filled, ext.first, ext.last), cur, [None] * len(cur)))
     return out
+
+
+class _Check:
+    """The CRC-32 check of one expert's first read in this process, run by the reader thread that
+    lands its last piece (pieces land in any order; the check needs all of them)."""
+
+    __slots__ = ("layer", "expert", "expected", "path", "views", "left")
+
+    def __init__(self, layer: int, expert: int, expected: int, path: str, views: list[memoryview]):
+        self.layer, self.expert, self.expected, self.path, self.views = layer, expert, expected, path, views
+        self.left = 1  # pieces not landed yet
 
 
 @dataclass
@@ -149,7 +161,8 @@ class ExpertStore:
 
     def __init__(self, root: Path, layers: list[LayerExperts], top_k: int,
                  budget_bytes: int | None = None, io_threads: int = 8, direct_io: bool = False,
-                 upcast: bool = False, cpu_kernels: bool = False, policy: str = "lfu"):
+                 upcast: bool = False, cpu_kernels: bool = False, policy: str = "lfu",
+                 verify_reads: bool = True):
         if policy not in CACHE_POLICIES:
             raise ValueError(f"cache policy must be one of {CACHE_POLICIES}, got {policy!r}")
         self.policy = policy
@@ -178,6 +191,15 @@ class ExpertStore:
         self._tick = 0
         self._exec = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="flashmoe-io")
         self.peak_used_bytes = 0
+        # Each expert block of a packed folder is checked against the manifest's CRC-32 the first
+        # time this process reads it (direct mode has no checksums): a flipped bit on the disk is
+        # an error naming layer and expert, not garbage output. One flag per (layer, expert).
+        self.verify_reads = verify_reads
+        self._verified = {l.layer: np.zeros(l.num_experts, dtype=bool)
+                          for l in layers if l.file is not None and l.checksums}
+        self._verify_lock = threading.Lock()
+        self.verify_s = 0.0  # seconds the reader threads spent computing checksums, in total
+        self.verified_bytes = 0
 
     # -- sizing --------------------------------------------------------------------------
     def _make_pools(self, layers, budget_bytes) -> int:
@@ -256,6 +278,7 @@ class ExpertStore:
             mx.eval(self.pending)
             self.pending.clear()
         jobs: dict[int, list] = {}
+        checks: dict[int, _Check | None] = {}
         slots = self._take_slots(pool, layer, wanted, len(misses))
         if len(slots) < len(misses):  # read-ahead holds the rest: let it land, then evict as usual
             self._drain_inflight()
@@ -265,37 +288,93 @@ class ExpertStore:
             lut[e] = slot
             jobs[e] = [(ext, pool.slot_views(slot, ext.first, ext.last), pool.conversions(ext.first, ext.last))
                        for ext in info.extents(self.root, e)]
+            checks[e] = self._check_for(info, e, pool, slot)
         futures, unread = {}, {}  # piece -> expert; expert -> pieces not landed yet
         for e, js in jobs.items():
             split = [p for job in js for p in pieces(job, READ_PIECE)]
             unread[e] = len(split)
+            if checks[e] is not None:
+                checks[e].left = len(split)
             for p in split:
-                futures[self._exec.submit(self._read, *p)] = e
+                futures[self._exec.submit(self._read, *p, checks[e])] = e
         if ready is not None and hits:
             ready(lut, hits)  # cached experts compute while the misses are read
         if during is not None:
             during()  # and so does the caller's other work (a shared expert)
         wait = 0.0
         pending = set(futures)
-        while pending:
-            t0 = perf_counter()
-            done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-            wait += perf_counter() - t0
-            for f in done:
-                f.result()  # a read error surfaces here
-                e = futures[f]
-                unread[e] -= 1
-                if ready is not None and not unread[e]:
-                    ready(lut, [e])
+        try:
+            while pending:
+                t0 = perf_counter()
+                done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                wait += perf_counter() - t0
+                for f in done:
+                    f.result()  # a read error or a checksum mismatch surfaces here
+                    e = futures[f]
+                    unread[e] -= 1
+                    if ready is not None and not unread[e]:
+                        ready(lut, [e])
+        except BaseException:
+            # No slot may keep a half-read or corrupted expert for a later request to find:
+            # let every read finish, then forget all of this call's misses.
+            concurrent.futures.wait(pending)
+            for e in misses:
+                self._forget(pool, (layer, e))
+            raise
         stats.io_wait_s += wait
         stats.misses += len(misses)
         stats.bytes_read += len(misses) * info.expert_bytes
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         return lut
 
-    def _read_all(self, jobs) -> None:
+    def _read_all(self, jobs, check=None) -> None:
+        if check is not None:
+            check.left = len(jobs)
         for job in jobs:
-            self._read(*job)
+            self._read(*job, check)
+
+    def _forget(self, pool: SlotPool, key: tuple[int, int]) -> None:
+        """Drop an expert whose read failed from the cache; its slot becomes free."""
+        slot = pool.table.pop(key, None)
+        if slot is not None:
+            pool.layer_of[slot] = -1
+            pool.free.append(slot)
+
+    # -- checksums -----------------------------------------------------------------------
+    @property
+    def has_checksums(self) -> bool:
+        """Whether there is anything to check (packed folders; direct mode has no checksums)."""
+        return bool(self._verified)
+
+    def _check_for(self, info: LayerExperts, expert: int, pool: SlotPool, slot: int) -> _Check | None:
+        """The check a read of `expert` must pass, or None: verified before, or nothing to check."""
+        done = self._verified.get(info.layer)
+        if not self.verify_reads or done is None or done[expert]:
+            return None
+        return _Check(info.layer, expert, info.checksums[expert], str(self.root / info.file),
+                      pool.slot_views(slot, 0, len(pool.held)))
+
+    def _verify(self, check: _Check, data: list[memoryview] | None) -> None:
+        """Count a landed piece; after the last one, compare the expert's CRC-32 with the manifest's.
+        `data`: the on-disk bytes when they were staged (parts widened to float32 on read), else
+        the slot holds them as they are on disk."""
+        with self._verify_lock:
+            check.left -= 1
+            if check.left:
+                return
+        t0 = perf_counter()
+        crc, n = 0, 0
+        for v in data if data is not None else check.views:
+            crc = zlib.crc32(v, crc)  # releases the GIL on large buffers
+            n += len(v)
+        took = perf_counter() - t0
+        with self._verify_lock:
+            self.verify_s += took
+            self.verified_bytes += n
+        if crc != check.expected:
+            raise ModelLoadError(check.path, f"layer {check.layer} expert {check.expert}: checksum mismatch, the "
+                                 "file is corrupted (`flashmoe verify` checks every expert)")
+        self._verified[check.layer][check.expert] = True
 
     def _count(self, layer: int, wanted: set[int]) -> None:
         self._tick += 1
@@ -351,7 +430,7 @@ class ExpertStore:
             pool.put(key, slot, self._tick)
             jobs = [(ext, pool.slot_views(slot, ext.first, ext.last), pool.conversions(ext.first, ext.last))
                     for ext in info.extents(self.root, key[1])]
-            self._inflight[key] = self._exec.submit(self._read_all, jobs)
+            self._inflight[key] = self._exec.submit(self._read_all, jobs, self._check_for(info, key[1], pool, slot))
             stats = self.stats[layer]
             stats.prefetched += 1
             stats.bytes_read += info.expert_bytes
@@ -378,9 +457,23 @@ class ExpertStore:
             os.posix_fadvise(self._fd(ext.path), ext.offset, ext.nbytes, os.POSIX_FADV_WILLNEED)
 
     def _drain_inflight(self) -> None:
-        for fut in self._inflight.values():
+        inflight, self._inflight = self._inflight, {}
+        failed = None
+        for key, fut in inflight.items():
+            try:
+                self._landed(key, fut)
+            except BaseException as e:
+                failed = failed or e  # the others still land before we report it
+        if failed is not None:
+            raise failed
+
+    def _landed(self, key: tuple[int, int], fut) -> None:
+        """Wait for one read-ahead; if it failed, its slot holds nothing usable."""
+        try:
             fut.result()
-        self._inflight.clear()
+        except BaseException:
+            self._forget(self._pool_of[key[0]], key)
+            raise
 
     def _settle_prefetches(self, layer: int, wanted: set[int], stats: LayerStats) -> None:
         """Wait for read-ahead of experts this layer wants; forget finished ones it does not."""
@@ -388,11 +481,11 @@ class ExpertStore:
             fut = self._inflight.pop(key)
             if key[1] in wanted:
                 t0 = perf_counter()
-                fut.result()
+                self._landed(key, fut)
                 stats.io_wait_s += perf_counter() - t0
                 stats.prefetch_used += 1
             else:
-                fut.result()  # a prediction that missed: its slot stays, cached, for later
+                self._landed(key, fut)  # a prediction that missed: its slot stays, cached, for later
 
     def note_output(self, y: mx.array) -> None:
         """Remember a lazy result that reads the slots, so a later eviction evaluates it first.
@@ -417,7 +510,7 @@ class ExpertStore:
             self._fds[path] = fd
         return fd
 
-    def _read(self, ext: Extent, views: list[memoryview], conversions: list) -> None:
+    def _read(self, ext: Extent, views: list[memoryview], conversions: list, check: _Check | None = None) -> None:
         fd = self._fd(ext.path)
         targets = views
         if any(conversions):
@@ -437,6 +530,8 @@ class ExpertStore:
             raise ModelLoadError(ext.path, f"read failed at offset {ext.offset}: {e.strerror or e}") from None
         if got != ext.nbytes:
             raise ModelLoadError(ext.path, f"truncated: wanted {ext.nbytes} bytes at offset {ext.offset}, got {got}")
+        if check is not None:  # before widening: the checksum is of the bytes on disk
+            self._verify(check, views if any(conversions) else None)
         for src, dst, conv in zip(views, targets, conversions):
             if conv:
                 _to_float32(src, conv, dst)
@@ -469,11 +564,14 @@ class ExpertStore:
         return out
 
     def evict_all(self) -> None:
-        """Forget every cached expert (a cold start for benchmarks)."""
+        """Forget every cached expert (a cold start for benchmarks): checksums are checked again
+        too, so that a cold run costs what the first run of a new process does."""
         self._drain_inflight()
         for p in self.pools:
             p.clear()
         self.freq[:] = 0
+        for done in self._verified.values():
+            done[:] = False
 
     def close(self) -> None:
         self._exec.shutdown(wait=True)
