@@ -45,7 +45,10 @@ def resumed_history(messages) -> list[dict]:
 
 
 def say_store_failed(path, e: BaseException) -> None:
-    print(f"flashmoe: warning: the conversation is not saved ({path}: {e})", file=sys.stderr, flush=True)
+    from .store import store_failure
+
+    print(f"flashmoe: warning: the conversation is not saved ({path}: {store_failure(e)})", file=sys.stderr,
+          flush=True)
 
 
 @dataclass

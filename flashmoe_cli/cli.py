@@ -15,6 +15,7 @@ from .argtypes import at_least, output_file, parse_size
 from .config import (CACHE_POLICY_CHOICES, DTYPE_CHOICES, KERNEL_CHOICES, PREFETCH_CHOICES, TIMING_CHOICES,
                      TRUNCATE_CHOICES, ConfigError)
 from .exit_codes import ExitCode
+from .store import StoreError
 
 EPILOG = """exit codes: 0 ok, 1 generation failure, 2 usage, 3 model load or I/O, 4 timeout,
 5 approval needed but not interactive, 130 interrupted"""
@@ -129,7 +130,13 @@ def open_conversation(args, engine, model_name: str):
     options = ChatOptions(max_tokens=args.max_tokens, sampling=sampling, timing=args.timing,
                           system=args.system, stop=tuple(args.stop))
     resume = args.continue_ or args.cid
-    store = None if (args.no_log or logging_disabled()) and not resume else open_store()
+    try:
+        store = None if (args.no_log or logging_disabled()) and not resume else open_store()
+    except StoreError as e:  # resuming needs it (exit 3); a new conversation goes on unsaved
+        if resume:
+            raise
+        print(f"flashmoe: warning: the conversation is not saved ({e})", file=sys.stderr)
+        store = None
     cid = args.cid
     if args.continue_ and cid is None:
         cid = store.latest()
@@ -257,6 +264,9 @@ def resolve_model(model: str | None) -> str:
         return model
     from engine.demo import ensure_demo
 
+    from .paths import ensure_home
+
+    ensure_home()  # the demo is built in it: a bad FLASHMOE_HOME is one line, not a traceback
     return str(ensure_demo(progress=Progress()))
 
 
@@ -319,6 +329,9 @@ def _main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         error(str(e))
         return ExitCode.USAGE
+    except StoreError as e:
+        error(str(e))
+        return ExitCode.MODEL
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return ExitCode.INTERRUPTED

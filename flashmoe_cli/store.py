@@ -162,10 +162,26 @@ class Store:
         return [Message(r[0], r[1], r[2], bool(r[3]), json.loads(r[4]) if r[4] else None, bool(r[5])) for r in rows]
 
 
-def open_store() -> Store:
-    from .paths import logs_db
+class StoreError(Exception):
+    """The log database cannot be opened (locked, corrupt, unreadable): one line, exit 3."""
 
-    return Store(logs_db())
+
+def open_store() -> Store:
+    """The log database in the state folder (ConfigError when that folder is unusable)."""
+    from .paths import ensure_home, logs_db
+
+    ensure_home()
+    path = logs_db()
+    try:
+        return Store(path)
+    except (sqlite3.Error, OSError) as e:
+        raise StoreError(f"{path}: {store_failure(e)}") from None
+
+
+def store_failure(e: BaseException) -> str:
+    """What went wrong with the database, in words (a lock says how long it was waited for)."""
+    text = str(e) or type(e).__name__
+    return f"{text}; waited {BUSY_TIMEOUT_S:g} s" if "locked" in text else text
 
 
 def logging_disabled() -> bool:

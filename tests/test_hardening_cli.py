@@ -306,6 +306,7 @@ LONG = " ".join(f"w{i}" for i in range(400))
 
 
 def stream_env(tmp_path):
+    (tmp_path / "home").mkdir(exist_ok=True)  # so that stderr has no "created" line
     return fake_env(tmp_path, [LONG], FLASHMOE_FAKE_DELAY="0.03")
 
 
@@ -461,3 +462,85 @@ async def test_tui_saves_the_reply_as_it_streams_and_when_quitting_mid_reply(tmp
     assert signals.received == signal.SIGTERM
     signals.received = None
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+# -- item 13: every user mistake is one line with its exit code -----------------------------------
+def one_error_line(r) -> str:
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def test_flashmoe_home_that_is_a_file_or_under_one_is_exit_2(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    for home, why in ((f, "not a folder"), (f / "sub", "cannot create it (Not a directory)")):
+        for args in (["run", "--engine", "fake", "hi"], ["logs"], ["logs", "show"]):
+            r = run_cli(*args, env=fake_env(tmp_path, ["ok"], FLASHMOE_HOME=str(home)))
+            assert r.returncode == 2, (args, r.stderr)
+            assert one_error_line(r) == f"flashmoe: error: FLASHMOE_HOME {home}: {why}"
+
+
+def test_read_only_flashmoe_home_is_exit_2(tmp_path):
+    # /proc/self is read-only even to root (tests run as root: chmod would not stop it)
+    for home, why in (("/proc/self", "not writable"), ("/proc/self/fm", "cannot create it (No such file or directory)")):
+        r = run_cli("run", "--engine", "fake", "hi", env=fake_env(tmp_path, ["ok"], FLASHMOE_HOME=home))
+        assert r.returncode == 2 and one_error_line(r) == f"flashmoe: error: FLASHMOE_HOME {home}: {why}"
+    # -n saves nothing, so it does not need the folder
+    r = run_cli("run", "--engine", "fake", "-n", "hi", env=fake_env(tmp_path, ["ok"], FLASHMOE_HOME="/proc/self"))
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr
+
+
+def test_a_missing_flashmoe_home_is_created_and_said(tmp_path):
+    home = tmp_path / "new" / "home"
+    r = run_cli("run", "--engine", "fake", "hi", env=fake_env(tmp_path, ["ok"], FLASHMOE_HOME=str(home)))
+    assert r.returncode == 0 and r.stdout == "ok\n"
+    assert r.stderr.splitlines()[0] == f"flashmoe: created {home} (FLASHMOE_HOME) for the config, logs and history"
+    assert (home / "logs.db").exists()
+    r = run_cli("run", "--engine", "fake", "again", env=fake_env(tmp_path, ["ok"], FLASHMOE_HOME=str(home)))
+    assert "created" not in r.stderr
+
+
+def test_non_utf8_stdin_and_arguments_are_replaced_and_said_once(tmp_path):
+    env = fake_env(tmp_path, ["ok"])
+    e = dict(os.environ, **env)
+    r = subprocess.run([sys.executable, "-m", "flashmoe_cli", "run", "--engine", "fake", "caf\xe9".encode("latin-1")],
+                       input=b"na\xefve \xff\xfe text\n", capture_output=True, env=e, cwd=ROOT, timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode == 0 and r.stdout == b"ok\n", err
+    assert "Traceback" not in err
+    assert [l for l in err.splitlines() if "UTF-8" in l] == [
+        "flashmoe: warning: stdin is not UTF-8: undecodable bytes are replaced with U+FFFD",
+        "flashmoe: warning: the prompt argument is not UTF-8: undecodable bytes are replaced with U+FFFD"]
+    [user, _] = saved(tmp_path)
+    assert user.content == "na\ufffdve \ufffd\ufffd text\n\ncaf\ufffd"
+
+
+def test_non_utf8_agent_script_is_replaced_and_said(tmp_path):
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (tmp_path / "s.jsonl").write_bytes(b'{"role": "user", "content": "caf\xe9"}\n')
+    r = run_cli("agent", "--engine", "fake", "--tools", "builtin", "--workspace", ws, "--script",
+                tmp_path / "s.jsonl", "--approve", "never", env=fake_env(tmp_path, ["ok"]))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert f"flashmoe: warning: --script {tmp_path / 's.jsonl'} is not UTF-8: undecodable bytes are replaced " \
+           "with U+FFFD" in r.stderr.splitlines()
+
+
+def test_a_locked_log_database_waits_then_says_so_and_still_answers(tmp_path):
+    env = fake_env(tmp_path, ["the answer"])
+    assert run_cli("run", "--engine", "fake", "first", env=env).returncode == 0
+    holder = sqlite3.connect(tmp_path / "home" / "logs.db", isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another flashmoe (or a sqlite3 shell) holds the database
+    try:
+        start = time.monotonic()
+        r = run_cli("run", "--engine", "fake", "--timing", "off", "second", env=env)
+        waited = time.monotonic() - start
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert r.returncode == 0 and r.stdout == "the answer\n", r.stderr
+    assert waited >= 5
+    assert one_error_line(r) == (f"flashmoe: warning: the conversation is not saved "
+                                 f"({tmp_path / 'home' / 'logs.db'}: database is locked; waited 5 s)")
