@@ -7,7 +7,8 @@ summary goes to stderr after it.
 
 Ctrl-C while a reply streams stops it and keeps the partial text (marked "[interrupted]"). At the
 prompt Ctrl-C abandons the line; a second Ctrl-C on an empty line within QUIT_WINDOW seconds
-quits, and so does Ctrl-D on an empty line.
+quits, and so does Ctrl-D on an empty line. SIGTERM and SIGHUP (signals.py) stop a reply the same
+way, and then quit: at the prompt at once, mid-reply once the partial reply is saved.
 
 Tests drive `run_repl(args, engine=FakeEngine(...), input=create_pipe_input(), output=DummyOutput(),
 stdout=io.StringIO(), stderr=io.StringIO())`, or `LineRepl` directly.
@@ -29,6 +30,7 @@ from prompt_toolkit.key_binding import KeyBindings
 
 from engine.events import EngineFailed, GenerationFinished, LayerTimings, TokenGenerated
 
+from . import signals
 from .commands import ALIASES, COMMANDS, CommandError, help_text, parse
 from .exit_codes import ExitCode
 from .term_safe import safe
@@ -135,10 +137,9 @@ class LineRepl:
         self.banner()
         while True:
             line = self.read()
-            if line is None:
-                return ExitCode.OK
-            if not self.handle(line):
-                return ExitCode.OK
+            # after SIGTERM / SIGHUP the reply it stopped is saved: quit with 128 + the signal
+            if line is None or not self.handle(line) or signals.received is not None:
+                return signals.exit_code(ExitCode.OK)
 
     def read(self) -> str | None:
         """The next line; None means quit (Ctrl-D on an empty line, or Ctrl-C twice on one)."""
@@ -148,6 +149,8 @@ class LineRepl:
             except EOFError:
                 return None
             except KeyboardInterrupt:
+                if signals.received is not None:  # SIGTERM / SIGHUP (signals.Terminated): quit now
+                    return None
                 # prompt-toolkit's own Ctrl-C binding (also in its TERM=dumb prompt) leaves the text
                 if self.prompt.default_buffer.text:  # a line was being typed: drop it, stay
                     self._armed_at = None

@@ -544,3 +544,52 @@ def test_a_locked_log_database_waits_then_says_so_and_still_answers(tmp_path):
     assert waited >= 5
     assert one_error_line(r) == (f"flashmoe: warning: the conversation is not saved "
                                  f"({tmp_path / 'home' / 'logs.db'}: database is locked; waited 5 s)")
+
+
+# -- the line REPL: SIGTERM / SIGHUP quit it, at the prompt and mid-reply --------------------------
+def spawn_repl(tmp_path, replies):
+    """`flashmoe chat --no-tui` on a pty it controls (TERM=dumb: plain "> " prompts)."""
+    env = dict(stream_env(tmp_path), TERM="dumb", PROMPT_TOOLKIT_NO_CPR="1")
+    env["FLASHMOE_FAKE_REPLIES"] = json.dumps(replies)
+    return spawn_with_terminal(["chat", "--no-tui", "--engine", "fake"], env)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_repl_at_its_prompt_quits_on_sigterm_and_sighup(tmp_path, sig):
+    pid, master = spawn_repl(tmp_path, ["first answer"])
+    seen = read_until(master, b"\n> ")
+    os.write(master, b"hi\r")
+    seen += read_until(master, b"first answer")
+    seen += read_until(master, b"\n> ")
+    assert seen.endswith(b"\n> "), seen
+    time.sleep(0.2)
+    os.kill(pid, sig)
+    code, rest = wait_exit(pid, master, timeout=10)
+    assert code == 128 + sig, seen + rest
+    assert b"press Ctrl-C again" not in rest and b"Traceback" not in rest, rest
+    assert [(m.role, m.content, m.interrupted) for m in saved(tmp_path)] == [
+        ("user", "hi", False), ("assistant", "first answer", False)]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_repl_mid_reply_saves_what_was_shown_and_exits_on_sigterm_and_sighup(tmp_path, sig):
+    pid, master = spawn_repl(tmp_path, [LONG])
+    read_until(master, b"\n> ")
+    os.write(master, b"count\r")
+    shown = read_until(master, b"w20 ")
+    assert b"w20 " in shown, shown
+    os.kill(pid, sig)
+    code, rest = wait_exit(pid, master, timeout=10)
+    assert code == 128 + sig, shown + rest
+    assert b"Traceback" not in rest and b"\n> " not in rest, rest  # no new prompt: it quit
+    user, reply = saved(tmp_path)
+    assert (user.role, user.content) == ("user", "count")
+    # what was shown, marked interrupted ("[interrupted]" on the terminal, like run and the TUI)
+    assert reply.interrupted and reply.complete, reply
+    assert LONG.startswith(reply.content) and len(reply.content.split()) >= 20
+    screen = (shown + rest).decode().replace("\r", "")
+    shown_text = screen[screen.index("w0 "):]
+    if sig == signal.SIGTERM:  # the terminal is still there: it shows exactly what was saved
+        assert shown_text.startswith(reply.content + "\n[interrupted]"), (shown_text, reply.content)
+    else:  # after a hangup nothing more reaches the terminal, but the reply is saved past what it got
+        assert reply.content.startswith(shown_text.rstrip()), (shown_text, reply.content)
