@@ -162,13 +162,14 @@ def read_script(path: str) -> list[dict]:
     """session.jsonl: one {"role": "user"|"system", "content": ...} per line ('-' reads stdin)."""
     from .cli import UsageError
 
-    from .headless import decode_input
+    from .utf8 import decode_bytes, decode_text
 
     try:
         data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     except OSError as e:
         raise UsageError(f"--script {path}: cannot read ({e.strerror or e})") from None
-    lines = decode_input(data, "stdin" if path == "-" else f"--script {path}").splitlines()
+    where = "stdin" if path == "-" else f"--script {path}"
+    lines = decode_bytes(data, where).splitlines()
     turns = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -181,6 +182,7 @@ def read_script(path: str) -> list[dict]:
             raise UsageError(f'--script {path} line {n}: expected {{"role": "user" or "system", "content": "..."}}')
         if d["role"] == "system" and turns:
             raise UsageError(f"--script {path} line {n}: a system line may only come first")
+        d["content"] = decode_text(d["content"], f"{where} line {n}")  # JSON may spell "\udcff"
         turns.append(d)
     if not any(t["role"] == "user" for t in turns):
         raise UsageError(f"--script {path}: no user turns")

@@ -87,6 +87,23 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=("real", "fake"), default="real", help=argparse.SUPPRESS)
 
 
+TEXT_FLAGS = {"system": "--system", "stop": "--stop", "cid": "--cid"}  # the prompt: headless.read_prompt
+
+
+def decode_text_flags(args) -> None:
+    """argv holds bytes that are not UTF-8 as lone surrogates, which no save or tokenizer takes:
+    text flags get U+FFFD (said once per flag). Paths (--model, --workspace...) keep their bytes."""
+    from .utf8 import scrub, warn
+
+    for name, flag in TEXT_FLAGS.items():
+        value = getattr(args, name, None)
+        values = value if isinstance(value, list) else [value] if isinstance(value, str) else []
+        clean = [scrub(v) for v in values]
+        if clean != values:
+            warn(flag)
+            setattr(args, name, clean if isinstance(value, list) else clean[0])
+
+
 def apply_settings(args) -> None:
     """defaults < config file < FLASHMOE_* < flags: fill args with the merged settings."""
     from .config import SETTINGS, load_settings
@@ -293,6 +310,7 @@ def _main(argv: list[str] | None = None) -> int:
             from .signals import install
 
             install()  # SIGTERM / SIGHUP stop a reply as Ctrl-C does, and it is saved
+            decode_text_flags(args)
             apply_settings(args)
         if args.command == "agent":
             from .agent_cli import cmd_agent

@@ -91,6 +91,10 @@ def load_settings(explicit: dict) -> dict:
     for k in SETTINGS:
         env = os.environ.get("FLASHMOE_" + k.upper())
         if env is not None and env != "":
+            if k == "system":  # text: bytes that are not UTF-8 become U+FFFD (utf8.py)
+                from .utf8 import decode_text
+
+                env = decode_text(env, "FLASHMOE_SYSTEM")
             merged[k] = _parse(k, env, "FLASHMOE_" + k.upper())
     merged.update(explicit)
     return merged

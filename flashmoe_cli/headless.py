@@ -9,16 +9,7 @@ import time
 from .chat import SAVE_EVERY_S
 from .exit_codes import ExitCode
 from .term_safe import is_tty, json_line, safe
-
-
-def decode_input(data: bytes, what: str) -> str:
-    """UTF-8 text; anything else is decoded with U+FFFD for what cannot be, and that is said once."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        print(f"flashmoe: warning: {what} is not UTF-8: undecodable bytes are replaced with U+FFFD",
-              file=sys.stderr)
-        return data.decode("utf-8", "replace")
+from .utf8 import decode_bytes, decode_text
 
 
 def read_prompt(arg: str | None, stdin=None, command: str = "run") -> str:
@@ -29,9 +20,9 @@ def read_prompt(arg: str | None, stdin=None, command: str = "run") -> str:
     piped = None
     if stdin is not None and not stdin.isatty():
         buffer = getattr(stdin, "buffer", None)  # bytes, so that non-UTF-8 input is not a traceback
-        piped = decode_input(buffer.read(), "stdin") if buffer is not None else stdin.read()
+        piped = decode_bytes(buffer.read(), "stdin") if buffer is not None else stdin.read()
     if arg:  # argv is decoded with surrogate escapes: the bytes that were not UTF-8 come back here
-        arg = decode_input(arg.encode("utf-8", "surrogateescape"), "the prompt argument")
+        arg = decode_text(arg, "the prompt argument")
     # `echo hi |` ends with a newline the user did not mean as part of the prompt.
     parts = [p for p in (piped.rstrip("\n") if piped else None, arg) if p]
     if not parts:

@@ -34,6 +34,7 @@ from . import signals
 from .commands import ALIASES, COMMANDS, CommandError, help_text, parse
 from .exit_codes import ExitCode
 from .term_safe import safe
+from .utf8 import decode_text, scrub
 
 KEYS = """Keys:
   Enter              send                    Alt+Enter (Esc Enter)  new line
@@ -60,6 +61,14 @@ class SlashCompleter(Completer):
                 yield Completion("/" + name, start_position=-len(text), display_meta=COMMANDS.get(name, ""))
 
 
+class Utf8FileHistory(FileHistory):
+    """prompt-toolkit decodes the terminal with surrogate escapes, and FileHistory would then fail
+    to encode a line typed in another encoding (inside the prompt, a hang): store it with U+FFFD."""
+
+    def store_string(self, string: str) -> None:
+        super().store_string(scrub(string))
+
+
 def open_history(path: Path | None = None, stderr=None) -> History:
     """FileHistory at `path` (default: history_file()), creating its folder; in memory if that fails."""
     if path is None:
@@ -70,7 +79,7 @@ def open_history(path: Path | None = None, stderr=None) -> History:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "ab"), open(path, "rb"):  # can it be written and read back?
             pass
-        return FileHistory(str(path))
+        return Utf8FileHistory(str(path))
     except OSError as e:
         print(f"flashmoe: warning: history is not saved ({path}: {e.strerror or e})", file=stderr or sys.stderr)
         return InMemoryHistory()
@@ -176,7 +185,11 @@ class LineRepl:
             self.say(str(e))
             return True
         if cmd is not None:
-            return self.command(*cmd)
+            name, arg = cmd
+            if name == "system":  # text, unlike /save's PATH, which keeps its bytes
+                arg = decode_text(arg, "/system", self.err)
+            return self.command(name, arg)
+        line = decode_text(line, "the message", self.err)  # typed bytes that were not UTF-8
         if self.agent is not None:
             self.agent_reply(line)
         else:

@@ -4,6 +4,8 @@ Each message is committed on its own, so a crash loses nothing that was shown: a
 written as it starts (`complete` 0), its text updated as it streams (ChatSession throttles that),
 and marked complete at its end. A row still incomplete is a reply whose process died mid-way.
 Migrations are an append-only list: the database records how many have run.
+Text is written with lone surrogates (bytes that were not UTF-8) as U+FFFD: sqlite3 would refuse
+it, and the front ends' own decoding (utf8.py) must not be the only thing keeping a save alive.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .utf8 import scrub
 
 MIGRATIONS = [
     """
@@ -85,26 +89,30 @@ class Store:
     def close(self) -> None:
         self.db.close()
 
+    def _execute(self, sql: str, params: tuple = ()):
+        # sqlite3 raises UnicodeEncodeError on a lone surrogate: store U+FFFD instead
+        return self.db.execute(sql, tuple(scrub(v) if isinstance(v, str) else v for v in params))
+
     # -- writing -------------------------------------------------------------------------
     def new_conversation(self, model: str | None, system: str | None = None) -> str:
         cid = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
         with self.db:
-            self.db.execute("INSERT INTO conversations (id, created, model, system) VALUES (?, ?, ?, ?)",
-                            (cid, time.time(), model, system))
+            self._execute("INSERT INTO conversations (id, created, model, system) VALUES (?, ?, ?, ?)",
+                          (cid, time.time(), model, system))
         return cid
 
     def add_message(self, cid: str, role: str, content: str, *, interrupted: bool = False,
                     stats: dict | None = None, complete: bool = True) -> int:
         """Insert a message; returns its row id (update_message changes a reply as it grows)."""
         with self.db:
-            row = self.db.execute(
+            row = self._execute(
                 "INSERT INTO messages (conversation_id, created, role, content, interrupted, stats, complete) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (cid, time.time(), role, content, int(interrupted), json.dumps(stats) if stats else None,
                  int(complete)))
             if role == "user":
-                self.db.execute("UPDATE conversations SET title = ? WHERE id = ? AND title IS NULL",
-                                (content.strip().splitlines()[0][:80] if content.strip() else "", cid))
+                self._execute("UPDATE conversations SET title = ? WHERE id = ? AND title IS NULL",
+                              (content.strip().splitlines()[0][:80] if content.strip() else "", cid))
         return row.lastrowid
 
     def update_message(self, mid: int, content: str, *, interrupted: bool | None = None,
@@ -119,44 +127,44 @@ class Store:
             sets.append("stats = ?")
             values.append(json.dumps(stats))
         with self.db:
-            self.db.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*values, mid))
+            self._execute(f"UPDATE messages SET {', '.join(sets)} WHERE id = ?", (*values, mid))
 
     def delete_message(self, mid: int) -> None:
         with self.db:
-            self.db.execute("DELETE FROM messages WHERE id = ?", (mid,))
+            self._execute("DELETE FROM messages WHERE id = ?", (mid,))
 
     def delete_last(self, cid: str, role: str) -> None:
         """Remove the conversation's last message if it has this role."""
         with self.db:
-            row = self.db.execute("SELECT id, role FROM messages WHERE conversation_id = ? ORDER BY id DESC LIMIT 1",
-                                  (cid,)).fetchone()
+            row = self._execute("SELECT id, role FROM messages WHERE conversation_id = ? ORDER BY id DESC LIMIT 1",
+                                (cid,)).fetchone()
             if row and row[1] == role:
-                self.db.execute("DELETE FROM messages WHERE id = ?", (row[0],))
+                self._execute("DELETE FROM messages WHERE id = ?", (row[0],))
 
     def set_system(self, cid: str, system: str | None) -> None:
         with self.db:
-            self.db.execute("UPDATE conversations SET system = ? WHERE id = ?", (system, cid))
+            self._execute("UPDATE conversations SET system = ? WHERE id = ?", (system, cid))
 
     # -- reading -------------------------------------------------------------------------
     def get(self, cid: str) -> Conversation | None:
-        row = self.db.execute(
+        row = self._execute(
             "SELECT c.id, c.created, c.model, c.system, c.title, COUNT(m.id) FROM conversations c "
             "LEFT JOIN messages m ON m.conversation_id = c.id WHERE c.id = ? GROUP BY c.id", (cid,)).fetchone()
         return Conversation(*row) if row else None
 
     def latest(self) -> str | None:
-        row = self.db.execute("SELECT id FROM conversations ORDER BY created DESC, rowid DESC LIMIT 1").fetchone()
+        row = self._execute("SELECT id FROM conversations ORDER BY created DESC, rowid DESC LIMIT 1").fetchone()
         return row[0] if row else None
 
     def list(self, limit: int = 20) -> list[Conversation]:
-        rows = self.db.execute(
+        rows = self._execute(
             "SELECT c.id, c.created, c.model, c.system, c.title, COUNT(m.id) FROM conversations c "
             "LEFT JOIN messages m ON m.conversation_id = c.id GROUP BY c.id "
             "ORDER BY c.created DESC, c.rowid DESC LIMIT ?", (limit,)).fetchall()
         return [Conversation(*r) for r in rows]
 
     def messages(self, cid: str) -> list[Message]:
-        rows = self.db.execute(
+        rows = self._execute(
             "SELECT role, content, created, interrupted, stats, complete FROM messages WHERE conversation_id = ? "
             "ORDER BY id", (cid,)).fetchall()
         return [Message(r[0], r[1], r[2], bool(r[3]), json.loads(r[4]) if r[4] else None, bool(r[5])) for r in rows]

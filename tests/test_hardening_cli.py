@@ -593,3 +593,82 @@ def test_repl_mid_reply_saves_what_was_shown_and_exits_on_sigterm_and_sighup(tmp
         assert shown_text.startswith(reply.content + "\n[interrupted]"), (shown_text, reply.content)
     else:  # after a hangup nothing more reaches the terminal, but the reply is saved past what it got
         assert reply.content.startswith(shown_text.rstrip()), (shown_text, reply.content)
+
+
+# -- non-UTF-8 text in every argument, not only the prompt -----------------------------------------
+def run_argv_bytes(args, env, stdin=b""):
+    e = dict(os.environ, **env)
+    e.pop("FORCE_COLOR", None)
+    r = subprocess.run([sys.executable, "-m", "flashmoe_cli", *args], input=stdin, capture_output=True, env=e,
+                       cwd=ROOT, timeout=60)
+    return r, r.stderr.decode()
+
+
+def utf8_warnings(err: str) -> list[str]:
+    return [l for l in err.splitlines() if "UTF-8" in l]
+
+
+def test_non_utf8_system_stop_and_cid_are_replaced_and_said(tmp_path):
+    env = fake_env(tmp_path, ["ok"])
+    r, err = run_argv_bytes(["run", "--engine", "fake", "--timing", "off", "--system", b"be \xff brief",
+                             "--stop", b"\xfe", "--stop", b"\xfd", "hi"], env)
+    assert r.returncode == 0 and r.stdout == b"ok\n" and "Traceback" not in err, err
+    assert utf8_warnings(err) == [  # one line per argument, however often it is given
+        "flashmoe: warning: --system is not UTF-8: undecodable bytes are replaced with U+FFFD",
+        "flashmoe: warning: --stop is not UTF-8: undecodable bytes are replaced with U+FFFD"]
+    store = Store(tmp_path / "home" / "logs.db")
+    assert store.get(store.latest()).system == "be \ufffd brief"
+    r, err = run_argv_bytes(["run", "--engine", "fake", "--cid", b"x\xff", "hi"], env)
+    assert r.returncode == 2 and "Traceback" not in err, err
+    assert err.splitlines()[-1] == "flashmoe: error: --cid x\ufffd: no such conversation (see `flashmoe logs`)"
+
+
+def test_non_utf8_system_from_the_environment_is_replaced_and_said(tmp_path):
+    r, err = run_argv_bytes(["run", "--engine", "fake", "--timing", "off", "hi"],
+                            fake_env(tmp_path, ["ok"], FLASHMOE_SYSTEM=b"caf\xe9"))
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert utf8_warnings(err) == [
+        "flashmoe: warning: FLASHMOE_SYSTEM is not UTF-8: undecodable bytes are replaced with U+FFFD"]
+    store = Store(tmp_path / "home" / "logs.db")
+    assert store.get(store.latest()).system == "caf\ufffd"
+
+
+def test_lone_surrogates_in_an_agent_script_are_replaced_and_said(tmp_path):
+    """JSON can spell a lone surrogate (\\udcff, \\ud800): the system line and the user turns."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    script = tmp_path / "s.jsonl"
+    script.write_text('{"role": "system", "content": "be \\udcff brief"}\n{"role": "user", "content": "hi \\ud800"}\n')
+    r, err = run_argv_bytes(["agent", "--engine", "fake", "--tools", "builtin", "--workspace", str(ws),
+                             "--script", str(script), "--approve", "never"], fake_env(tmp_path, ["ok"]))
+    assert r.returncode == 0 and "Traceback" not in err, err
+    assert utf8_warnings(err) == [
+        f"flashmoe: warning: --script {script} line 1 is not UTF-8: undecodable bytes are replaced with U+FFFD",
+        f"flashmoe: warning: --script {script} line 2 is not UTF-8: undecodable bytes are replaced with U+FFFD"]
+    store = Store(tmp_path / "home" / "logs.db")
+    cid = store.latest()
+    assert store.get(cid).system == "be \ufffd brief"
+    assert [m.content for m in store.messages(cid)][:1] == ["hi \ufffd"]
+
+
+def test_a_non_utf8_model_path_is_kept_for_opening_and_saved_replaced(tmp_path):
+    """A path stays as the bytes name it (it may be a real folder); the log holds it with U+FFFD."""
+    r, err = run_argv_bytes(["run", "--engine", "fake", "--timing", "off", "-m", b"/models/\xff", "hi"],
+                            fake_env(tmp_path, ["ok"]))
+    assert r.returncode == 0 and r.stdout == b"ok\n" and "Traceback" not in err, err
+    store = Store(tmp_path / "home" / "logs.db")
+    cid = store.latest()
+    assert store.get(cid).model == "/models/\ufffd"
+    assert [m.content for m in store.messages(cid)] == ["hi", "ok"]
+
+
+def test_the_store_saves_lone_surrogates_as_replacement_characters(tmp_path):
+    store = Store(tmp_path / "logs.db")
+    cid = store.new_conversation("m\udcff", system="s\ud800")
+    mid = store.add_message(cid, "user", "a\udcffb", stats={"message": {"name": "t\udcff"}})
+    store.update_message(mid, "c\udcfe", stats={"x": "\udcff"})
+    store.set_system(cid, "t\udfff")
+    conv = store.get(cid)
+    assert (conv.model, conv.system, conv.title) == ("m\ufffd", "t\ufffd", "a\ufffdb")
+    [m] = store.messages(cid)
+    assert m.content == "c\ufffd"

@@ -457,3 +457,25 @@ def test_tool_call_asks_y_n_and_runs_only_on_yes(tmp_path, answer, written):
     assert ("<- ok" in t.err) == written and (("declined" in t.err) != written), t
     # the tool result went back to the model before its second reply
     assert any("<tool_response>" in m for m in user_messages(engine.requests[-1]))
+
+
+# -- non-UTF-8 typing ------------------------------------------------------------------------------
+def test_non_utf8_bytes_typed_in_a_line_or_system_are_replaced_and_said(home):
+    """prompt-toolkit decodes the terminal with surrogate escapes; what is sent and saved is U+FFFD."""
+    engine = FakeEngine(["ok"])
+    out, err = io.StringIO(), io.StringIO()
+    with create_pipe_input() as inp:
+        inp.send_bytes(b"/system be \xff brief\rcaf\xe9\r\x04")
+        code = run_repl(chat_args(), engine=engine, input=inp, output=DummyOutput(), stdout=out, stderr=err)
+    t = Transcript(code, out.getvalue(), err.getvalue(), engine)
+    assert code == 0 and "Traceback" not in t.err, t
+    assert [l for l in t.err.splitlines() if "UTF-8" in l] == [
+        "flashmoe: warning: /system is not UTF-8: undecodable bytes are replaced with U+FFFD",
+        "flashmoe: warning: the message is not UTF-8: undecodable bytes are replaced with U+FFFD"]
+    assert engine.requests[0].messages == [{"role": "system", "content": "be \ufffd brief"},
+                                           {"role": "user", "content": "caf\ufffd"}]
+    from flashmoe_cli.store import open_store
+
+    store = open_store()
+    assert store.get(store.latest()).system == "be \ufffd brief"
+    assert [m.content for m in latest_messages()] == ["caf\ufffd", "ok"]
