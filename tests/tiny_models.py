@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 VOCAB = 320
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=10000.0,
-               max_position_embeddings=512, tie_word_embeddings=False)
+               max_position_embeddings=4096, tie_word_embeddings=False)  # room for tool prompts
 
 CONFIGS = {
     "qwen3_moe": dict(_COMMON, model_type="qwen3_moe", intermediate_size=128, num_experts=8,

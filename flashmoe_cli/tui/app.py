@@ -10,6 +10,7 @@ run_turn, tool calls show as collapsed blocks, and calls that need a yes ask wit
 """
 from __future__ import annotations
 
+import logging
 import queue
 import re
 import time
@@ -43,6 +44,7 @@ from .messages import (
     ApprovalRequest,
     EngineLoaded,
     EngineLoadFailed,
+    EngineWarning,
     ReplyActivity,
     ReplyDone,
     ReplyFailed,
@@ -164,6 +166,11 @@ class ChatApp(App[int]):
         return self.query_one(StatusBar)
 
     def on_mount(self) -> None:
+        # The engine's warnings (a prompt truncated to fit the context) go to stderr elsewhere;
+        # here stderr is the screen, so they become notifications.
+        self._engine_log = _NotifyHandler(self)
+        logging.getLogger("flashmoe").addHandler(self._engine_log)
+        logging.getLogger("flashmoe").propagate = False
         timing = self.session.options.timing
         self.panel.set_mode(timing)
         self.panel.display = (timing != "off") if self._show_layers is None else self._show_layers
@@ -252,6 +259,9 @@ class ChatApp(App[int]):
         self.note(f"Tools: {names}\nmode {policy.mode}{yolo} · workspace {short_path(policy.workspace)}",
                   title="tools", before=self._queued)
         return True
+
+    def on_engine_warning(self, m: EngineWarning) -> None:
+        self.notify(safe(m.text), severity="warning", timeout=10, markup=False)
 
     def on_engine_load_failed(self, m: EngineLoadFailed) -> None:
         self.load_error = m.message
@@ -624,6 +634,8 @@ class ChatApp(App[int]):
         self.quit_app()
 
     async def on_unmount(self) -> None:
+        logging.getLogger("flashmoe").removeHandler(self._engine_log)
+        logging.getLogger("flashmoe").propagate = True
         if self.reply is not None:  # quitting mid-reply: end the Markdown stream's task cleanly
             self.reply.handle.cancel()
             if self.agent_turn is None:  # keep what was shown, marked interrupted
@@ -753,3 +765,14 @@ def run_tui(args) -> int:
     finally:
         app.stop_engine()
     return ExitCode.OK if app.return_code is None else app.return_code
+
+
+class _NotifyHandler(logging.Handler):
+    """Engine log records as app messages (post_message is thread-safe and does not wait)."""
+
+    def __init__(self, app: App) -> None:
+        super().__init__(logging.WARNING)
+        self.app = app
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.app.post_message(EngineWarning(record.getMessage().removeprefix("flashmoe: warning: ")))

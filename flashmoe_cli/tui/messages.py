@@ -17,6 +17,14 @@ class EngineLoadFailed(Message):
         self.exit_code = exit_code
 
 
+class EngineWarning(Message):
+    """A warning the engine logged (a prompt truncated to fit the context)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
 class ReplyText(Message):
     """A batch of reply text (~30 ms of tokens)."""
 

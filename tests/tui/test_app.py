@@ -317,3 +317,20 @@ async def test_ctrl_c_copies_a_selection_when_idle():
         await pilot.press("ctrl+c")
         assert app.clipboard == "copy me"
         assert app.is_running and not any("again" in n.message for n in app._notifications)
+
+
+async def test_engine_warnings_become_notifications_not_stderr(capsys):
+    # The engine warns through logging (a prompt truncated to fit the context) from its own
+    # thread; in the TUI stderr is the screen, so the warning must arrive as a notification.
+    import logging
+
+    app, engine, session = make_app()
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        t = threading.Thread(target=logging.getLogger("flashmoe").warning,
+                             args=("flashmoe: warning: prompt truncated: dropped its oldest %d tokens", 7))
+        t.start()
+        t.join()
+        await wait_for(pilot, lambda: any("dropped its oldest 7 tokens" in n.message for n in app._notifications),
+                       what="the notification")
+    assert "dropped its oldest" not in capsys.readouterr().err
