@@ -11,6 +11,7 @@ import time
 import pytest
 
 from tests.conftest import run_cli
+from tests.tools.test_runner import wait_gone
 
 
 def call(name: str, **arguments) -> str:
@@ -77,17 +78,7 @@ def test_nothing_outlives_a_tool_call(tmp_path, ws):
     pids = [int(x) for x in results[0]["content"].split() if x.isdigit()]
     assert len(pids) == 2
 
-    def alive(pid):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-        except FileNotFoundError:
-            return False
-
-    end = time.monotonic() + 3
-    while time.monotonic() < end and any(map(alive, pids)):
-        time.sleep(0.05)
-    assert not any(map(alive, pids)), "a setsid child outlived its tool call"
+    assert wait_gone(pids) == [], "a setsid child outlived its tool call"
 
 
 def test_secrets_are_not_readable_from_any_ancestor(tmp_path, ws):

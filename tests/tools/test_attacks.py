@@ -26,20 +26,7 @@ from tools.registry import Tool, ToolRegistry
 from tools.runner import CommandRunner, run_command, scrub_env
 from tools.user_tools import load_tool_file
 
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids, limit=3.0):
-    end = time.monotonic() + limit
-    while time.monotonic() < end and any(alive(p) for p in pids):
-        time.sleep(0.02)
-    return [p for p in pids if alive(p)]
+from tests.tools.test_runner import wait_gone
 
 
 @pytest.fixture
