@@ -27,16 +27,17 @@ PREFETCH_CHOICES = ("off", "hint", "slots")
 CACHE_POLICY_CHOICES = ("lfu", "lru")  # engine.experts.store.CACHE_POLICIES, without importing MLX
 TRUNCATE_CHOICES = ("off", "left")  # engine.generate.TRUNCATE_MODES
 
-# name -> (default, parser from text: a type, "size", "count" (an integer >= 1) or a tuple of words)
+# name -> (default, parser from text: a type, "size", "count" (an integer >= 1), a tuple of words, or
+# the name of a range-checked number in argtypes.py, the flag's own type: "temperature", "top_p", ...)
 SETTINGS = {
     "model": (None, str),
     "system": (None, str),
     "max_tokens": (512, "count"),
-    "temp": (0.0, float),
-    "top_p": (1.0, float),
+    "temp": (0.0, "temperature"),
+    "top_p": (1.0, "top_p"),
     "top_k": (0, int),
-    "min_p": (0.0, float),
-    "repetition_penalty": (1.0, float),
+    "min_p": (0.0, "min_p"),
+    "repetition_penalty": (1.0, "repetition_penalty"),
     "seed": (None, int),
     "timing": ("step", TIMING_CHOICES),
     "expert_cache": (None, "size"),
@@ -65,6 +66,10 @@ def _parse(name: str, value, where: str):
             from .argtypes import parse_size
 
             return value if isinstance(value, int) else parse_size(str(value))
+        if kind in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            from . import argtypes
+
+            return getattr(argtypes, kind)(value)
         if kind == "count":
             text = str(value).strip()
             if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
@@ -75,15 +80,34 @@ def _parse(name: str, value, where: str):
         raise ConfigError(f"{where}: {name} = {value!r} is not valid ({e})") from None
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _read_config(path) -> str:
+    """The config file's text: a regular file (a FIFO would block the start-up) of sane size."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError("not a regular file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise OSError(f"{st.st_size:,} bytes; a config file is at most {MAX_CONFIG_BYTES:,}")
+        return f.read().decode("utf-8")
+
+
 def load_settings(explicit: dict) -> dict:
     """Merge the layers; `explicit` holds only the flags the user actually typed."""
     merged = {k: d for k, (d, _) in SETTINGS.items()}
     path = config_file()
     if path.exists():
         try:
-            data = tomllib.loads(path.read_text())
+            data = tomllib.loads(_read_config(path))
         except (tomllib.TOMLDecodeError, OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply to read") from None
         for k, v in data.items():
             if k not in SETTINGS:
                 raise ConfigError(f"{path}: unknown setting {k!r} (known: {', '.join(SETTINGS)})")

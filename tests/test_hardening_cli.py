@@ -672,3 +672,21 @@ def test_the_store_saves_lone_surrogates_as_replacement_characters(tmp_path):
     assert (conv.model, conv.system, conv.title) == ("m\ufffd", "t\ufffd", "a\ufffdb")
     [m] = store.messages(cid)
     assert m.content == "c\ufffd"
+
+
+@pytest.mark.parametrize("kind", ["nested", "fifo", "huge"])
+def test_a_config_file_nested_deep_a_fifo_or_huge_is_one_line(tmp_path, kind):
+    home = tmp_path / "home"
+    home.mkdir()
+    path = home / "config.toml"
+    if kind == "nested":
+        path.write_text("temp = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    elif kind == "fifo":
+        os.mkfifo(path)  # reading it would block the start-up forever
+    else:
+        path.write_text("# " + "x" * (2 << 20) + "\n")
+    r = run_cli("run", "--engine", "fake", "hi", env={"FLASHMOE_HOME": str(home)}, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert line.startswith(f"flashmoe: error: {path}: ")
+    assert {"nested": "nested too deeply", "fifo": "not a regular file", "huge": "at most"}[kind] in line
