@@ -3,6 +3,7 @@ before any work starts."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 
@@ -27,6 +28,33 @@ def at_least(low: int):
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
         return n
     return parse
+
+
+def number_in(low: float, high: float | None = None, *, low_open: bool = False, high_open: bool = False):
+    """An argparse type: a finite number in the range from `low` to `high` (None: no upper end);
+    `low_open` / `high_open` leave that end out. The same check serves config.toml and FLASHMOE_*."""
+    if high is None:
+        span = f"greater than {low:g}" if low_open else f"at least {low:g}"
+    else:
+        span = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+    def parse(text) -> float:
+        try:
+            v = float(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if isinstance(text, bool) or not math.isfinite(v) or v < low or (low_open and v == low) or (
+                high is not None and (v > high or (high_open and v == high))):
+            raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
+        return v
+    parse.__name__ = "number"  # argparse's "invalid number value" when the type raises ValueError
+    return parse
+
+
+temperature = number_in(0.0)  # 0 is greedy; a negative one is a typo, not "more greedy"
+top_p = number_in(0.0, 1.0, low_open=True)
+min_p = number_in(0.0, 1.0)
+repetition_penalty = number_in(0.0, low_open=True)
 
 
 def output_file(text: str) -> str:

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from . import __version__
+from . import __version__, argtypes
 from .agent_cli import add_tool_options
 from .argtypes import at_least, output_file, parse_size
 from .config import (CACHE_POLICY_CHOICES, DTYPE_CHOICES, KERNEL_CHOICES, PREFETCH_CHOICES, TIMING_CHOICES,
@@ -67,11 +67,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="model folder (flashmoe or mlx-lm); default: the built-in demo model, built on first use")
     p.add_argument("-s", "--system", default=S, help="system prompt")
     p.add_argument("--max-tokens", type=at_least(1), default=S, metavar="N", help="default 512")
-    p.add_argument("--temp", type=float, default=S, metavar="T", help="temperature; 0 is greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=S, metavar="P", help="default 1.0")
-    p.add_argument("--top-k", type=int, default=S, metavar="K", help="default 0 (off)")
-    p.add_argument("--min-p", type=float, default=S, metavar="P", help="default 0 (off)")
-    p.add_argument("--repetition-penalty", type=float, default=S, metavar="R", help="default 1.0 (off)")
+    p.add_argument("--temp", type=argtypes.temperature, default=S, metavar="T",
+                   help="temperature, at least 0; 0 is greedy (default 0)")
+    p.add_argument("--top-p", type=argtypes.top_p, default=S, metavar="P", help="in (0, 1]; default 1.0")
+    p.add_argument("--top-k", type=at_least(0), default=S, metavar="K", help="default 0 (off)")
+    p.add_argument("--min-p", type=argtypes.min_p, default=S, metavar="P", help="in [0, 1]; default 0 (off)")
+    p.add_argument("--repetition-penalty", type=argtypes.repetition_penalty, default=S, metavar="R",
+                   help="greater than 0; default 1.0 (off)")
     p.add_argument("--seed", type=int, default=S, help="sampling seed (default: a fresh one each run)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     p.add_argument("--timing", choices=TIMING_CHOICES, default=S,
@@ -213,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--max-tokens", type=at_least(1), default=96, metavar="N", help="per reply (default 96)")
     bt.add_argument("--max-repairs", type=at_least(0), default=2, metavar="N",
                     help="repair rounds for bad calls (default 2)")
-    bt.add_argument("--temp", type=float, default=S, metavar="T", help="temperature; 0 is greedy (default 0)")
+    bt.add_argument("--temp", type=argtypes.temperature, default=S, metavar="T",
+                    help="temperature, at least 0; 0 is greedy (default 0)")
     bt.add_argument("--seed", type=int, default=S, help="sampling seed")
     _add_engine_options(bt)
     bt.add_argument("--engine", choices=("real", "fake"), default="real", help=argparse.SUPPRESS)
@@ -256,11 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "fastest on CPU (default: keep the source's)")
 
     info = sub.add_parser("info", help="describe a model folder")
-    info.add_argument("model", metavar="MODEL", help="model folder (flashmoe or mlx-lm)")
+    info.add_argument("model", metavar="MODEL", nargs="?",
+                      help="model folder (flashmoe or mlx-lm); default: the demo model, built on first use")
     info.add_argument("--json", action="store_true", help="print the description as JSON")
 
     ver = sub.add_parser("verify", help="check every expert block against the manifest's checksums")
-    ver.add_argument("model", metavar="MODEL", help="model folder (flashmoe or mlx-lm)")
+    ver.add_argument("model", metavar="MODEL", nargs="?",
+                     help="model folder (flashmoe or mlx-lm); default: the demo model, built on first use")
 
     demo = sub.add_parser("demo", help="build the demo model (SmolLM2-135M as an 8-expert MoE) and print its path")
     demo.add_argument("--rebuild", action="store_true", help="build it again from the GGUF")
@@ -299,9 +304,43 @@ def main(argv: list[str] | None = None) -> int:
     return signals.exit_code(code)  # 128 + the signal after SIGTERM / SIGHUP
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None = None):
+    """parse_args, but an unknown option names the nearest real one: `--temperature` -> `--temp`
+    (Python 3.11's argparse has no suggest_on_error). Usage errors exit 2, as argparse's own do."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = _chosen_parser(parser, args)
+        hints = [h for h in (suggest_option(sub, a) for a in extra) if h]
+        sub.error(f"unrecognized arguments: {' '.join(extra)}" + (f" ({'; '.join(hints)})" if hints else ""))
+    return args
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, args) -> argparse.ArgumentParser:
+    """The (sub)parser of the command given (`bench speed` is two levels down)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(args, action.dest, None)
+            if name in action.choices:
+                return _chosen_parser(action.choices[name], args)
+    return parser
+
+
+def suggest_option(parser: argparse.ArgumentParser, arg: str) -> str | None:
+    """'did you mean --temp?' for an unknown option, from the parser's own option strings."""
+    import difflib
+
+    if not arg.startswith("-") or arg == "-":
+        return None
+    typed = arg.split("=", 1)[0]
+    options = [o for a in parser._actions for o in a.option_strings if a.help != argparse.SUPPRESS]
+    close = [o for o in options if len(o) > 3 and typed.startswith(o)]  # --temperature: --temp
+    close = sorted(close, key=len, reverse=True)[:1] or difflib.get_close_matches(typed, options, n=1, cutoff=0.6)
+    return f"{typed}: did you mean {close[0]}?" if close else None
+
+
 def _main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return ExitCode.USAGE
@@ -411,7 +450,7 @@ def cmd_convert(args) -> int:
 def cmd_info(args) -> int:
     from engine.info import describe, expert_bits_summary
 
-    d = describe(args.model)
+    d = describe(resolve_model(args.model))  # no MODEL: the demo, as `run` uses it
     if args.json:
         print(json.dumps(d, indent=2))
         return ExitCode.OK
@@ -436,7 +475,7 @@ def cmd_verify(args) -> int:
     from engine.experts.layout import read_manifest, verify
     from engine.loader import EXPERTS_DIR, read_config
 
-    root = Path(args.model)
+    root = Path(resolve_model(args.model))  # no MODEL: the demo, as `run` uses it
     read_config(root)
     if not (root / EXPERTS_DIR).exists():
         from engine.info import describe

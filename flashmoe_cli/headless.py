@@ -146,7 +146,7 @@ def _stream(args, loaded, session, handle, deadline: float | None = None) -> int
                 for j, v in enumerate((r.attn_ms, r.route_ms, r.expert_io_ms, r.expert_compute_ms, r.other_ms,
                                        r.hits, r.misses, r.bytes_read)):
                     acc[j] += v
-            if args.json:
+            if args.json and args.timing == "layer":  # a row per layer per token: only when asked
                 emit_json(ev.to_dict())
         elif isinstance(ev, EngineFailed):
             session.abandon_reply()  # a partial reply is kept, marked; none: the turn is undone

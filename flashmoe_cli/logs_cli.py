@@ -48,5 +48,14 @@ def cmd_logs(args) -> int:
     for m in msgs:
         # incomplete: the process died while writing it (what it had shown is saved)
         mark = " (incomplete)" if not m.complete else " (interrupted)" if m.interrupted else ""
-        print(shown(f"\n[{m.role}{mark}]\n{m.content}"))
+        print(shown(f"\n[{label(m)}{mark}]\n{m.content}"))
     return ExitCode.OK
+
+
+def label(m) -> str:
+    """Who wrote a message. A tool's result goes back to the model as a "tool" turn, or, for chat
+    templates without one, as a user turn wrapped in <tool_response>: neither is the user's."""
+    if m.role == "tool" or (m.role == "user" and m.content.startswith("<tool_response>")):
+        name = ((m.stats or {}).get("message") or {}).get("name")
+        return f"tool result: {name}" if name else "tool result"
+    return m.role
