@@ -187,11 +187,35 @@ def load_tool_file(path: str | os.PathLike[str], runner: CommandRunner | None = 
     p = Path(path)
     shown = str(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = _read_tool_file(p)
     except FileNotFoundError:
         raise ToolFileError(shown, "no such file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ToolFileError(shown, f"cannot read: {e}") from None
+        raise ToolFileError(shown, f"cannot read: {e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
+    try:
+        return _tools_from_text(p, shown, text, runner)
+    except RecursionError:
+        raise ToolFileError(shown, "nested too deeply to read") from None
+
+
+MAX_TOOL_FILE_BYTES = 16 << 20
+
+
+def _read_tool_file(p: Path) -> str:
+    """The file's text: a regular file (a FIFO would block) of sane size."""
+    import stat
+
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(0, "not a regular file")
+        if st.st_size > MAX_TOOL_FILE_BYTES:
+            raise OSError(0, f"{st.st_size:,} bytes; a tool file is at most {MAX_TOOL_FILE_BYTES:,}")
+        return f.read().decode("utf-8")
+
+
+def _tools_from_text(p: Path, shown: str, text: str, runner: CommandRunner | None) -> list[Tool]:
     suffix = p.suffix.lower()
     if suffix == ".json":
         try:

@@ -465,3 +465,23 @@ def test_allow_prefixes_match_whole_words_and_not_side_effect_options(ws, comman
     policy = Policy(ws, "ask", allow=["run_shell(git status*)", "run_shell(git diff*)"])
     tool = ToolRegistry(builtin_tools(policy))["run_shell"]
     assert (policy.decide(tool, {"command": command}).action == "allow") is allowed, command
+
+
+# ---- 13. a user's tool file that is nested absurdly deep, a FIFO, or huge -------------------------
+
+@pytest.mark.parametrize("kind", ["json", "yaml", "fifo", "huge"])
+def test_a_tool_file_that_cannot_be_read_is_one_line(tmp_path, kind):
+    from tools.errors import ToolFileError
+
+    path = tmp_path / ("tools.yaml" if kind == "yaml" else "tools.json")
+    if kind in ("json", "yaml"):
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text(" " * (17 << 20))
+    with pytest.raises(ToolFileError) as e:
+        finishes(lambda: load_tool_file(path), 10)
+    assert str(e.value).startswith(f"{path}: ") and "\n" not in str(e.value)
+    assert {"json": "nested too deeply", "yaml": "nested too deeply", "fifo": "not a regular file",
+            "huge": "at most"}[kind] in str(e.value)
