@@ -178,6 +178,8 @@ def read_script(path: str) -> list[dict]:
             d = json.loads(line)
         except json.JSONDecodeError as e:
             raise UsageError(f"--script {path} line {n}: not JSON ({e.msg})") from None
+        except (RecursionError, ValueError) as e:  # nesting past the recursion limit, 5,000-digit numbers
+            raise UsageError(f"--script {path} line {n}: cannot be read ({'nested too deeply' if isinstance(e, RecursionError) else e})") from None
         if not isinstance(d, dict) or d.get("role") not in ("user", "system") or not isinstance(d.get("content"), str):
             raise UsageError(f'--script {path} line {n}: expected {{"role": "user" or "system", "content": "..."}}')
         if d["role"] == "system" and turns:

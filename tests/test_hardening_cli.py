@@ -690,3 +690,12 @@ def test_a_config_file_nested_deep_a_fifo_or_huge_is_one_line(tmp_path, kind):
     [line] = r.stderr.strip().splitlines()
     assert line.startswith(f"flashmoe: error: {path}: ")
     assert {"nested": "nested too deeply", "fifo": "not a regular file", "huge": "at most"}[kind] in line
+
+
+def test_an_agent_script_line_nested_deep_is_one_line(tmp_path):
+    script = tmp_path / "s.jsonl"
+    script.write_text('{"role": "user", "content": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    r = run_cli("agent", "--engine", "fake", "--tools", "builtin", "--script", script, "--transcript",
+                tmp_path / "t.jsonl", env={"FLASHMOE_HOME": str(tmp_path / "home")})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip() == f"flashmoe: error: --script {script} line 1: cannot be read (nested too deeply)"
