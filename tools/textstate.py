@@ -3,14 +3,21 @@
 Feed it text chunks as they arrive; it returns segments in order:
 
     Segment("text", ...)             visible answer text (incremental)
-    Segment("reasoning", ...)        text inside <think>...</think> (incremental, tags removed)
+    Segment("reasoning", ...)        text inside <think>...</think>, [THINK]...[/THINK] or another
+                                     pair of engine.reasoning.REASONING_MARKERS (incremental,
+                                     markers removed)
     Segment("tool_call_begin", m)    a tool-call marker opened (a UI can show "calling a tool...")
     Segment("tool_call", raw)        one complete tool-call block, markers included, verbatim
 
 Markers can be split across chunks at any offset: text that could still be the start of a marker
 is held back until the next chunk decides it, so no marker ever leaks into the visible text.
-Tool-call markers inside reasoning are not calls. With a marker-less format (plain_json), a reply
-that may be a bare JSON call is held back until it is complete, then given as text or as a call.
+Tool-call markers inside reasoning are not calls, and neither are those inside a fenced Markdown
+code block of the answer (a call shown as an example): a fence is a line that starts (after at most
+three spaces) with three or more backticks or tildes, closed by a line starting with as many of the
+same. The state can start inside reasoning (`in_reasoning`), for templates whose generation prompt
+opened the block; `ended_in_reasoning` says a reply was cut off before it closed it. With a
+marker-less format (plain_json), a reply that may be a bare JSON call is held back until it is
+complete, then given as text or as a call.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
+from engine.reasoning import REASONING_MARKERS
 from tools.parsers import parse_calls
 
 SegmentKind = Literal["text", "reasoning", "tool_call_begin", "tool_call"]
@@ -28,6 +36,7 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 
 _TEXT, _REASONING, _TOOL = "text", "reasoning", "tool"
+_FENCES = ("```", "~~~")
 _FENCE_OPEN = re.compile(r"^```[A-Za-z0-9_-]*")
 
 
@@ -95,36 +104,60 @@ def _complete_with_trailing_text(s: str) -> bool:
 class TextState:
     """Splits streamed text. Give it a parser module (tools.parsers.*) or explicit markers.
 
-    `in_reasoning=True` starts inside reasoning, for templates whose generation prompt already
-    opened <think>. `tools` is only used to decide held-back bare JSON replies (plain_json).
+    `in_reasoning` starts inside reasoning, for templates whose generation prompt already opened
+    the block: True (the first pair: <think>), or the opening marker the prompt ended with
+    (engine.reasoning.open_reasoning), which picks the closing one. `think_pairs` are the reasoning
+    marker pairs recognised (default: all of REASONING_MARKERS; `think_start` / `think_end` put
+    one pair first). `tools` is only used to decide held-back bare JSON replies (plain_json).
     """
 
     def __init__(self, parser: ModuleType | None = None, *, tool_call_start: str | None = None,
                  tool_call_end: str | None = None, think_start: str | None = THINK_START,
-                 think_end: str | None = THINK_END, in_reasoning: bool = False, tools: Any = None) -> None:
+                 think_end: str | None = THINK_END, in_reasoning: bool | str = False, tools: Any = None,
+                 think_pairs: tuple[tuple[str, str], ...] | None = None) -> None:
         self.parser = parser
         self.tool_start = tool_call_start if tool_call_start is not None else getattr(parser, "tool_call_start", "")
         self.tool_end = tool_call_end if tool_call_end is not None else getattr(parser, "tool_call_end", "")
-        self.think_start = think_start or ""
-        self.think_end = think_end or ""
+        pairs = list(think_pairs if think_pairs is not None else REASONING_MARKERS)
+        if think_start and think_end:
+            pairs = [(think_start, think_end)] + [p for p in pairs if p != (think_start, think_end)]
+        self.think_pairs = [(a, b) for a, b in pairs if a and b]
+        self._closer = dict(self.think_pairs)
+        self.think_start, self.think_end = self.think_pairs[0] if self.think_pairs else ("", "")
         self.tools = tools
-        self.state = _REASONING if in_reasoning and self.think_end else _TEXT
+        self.state = _TEXT
+        self._think_end = ""  # the marker that closes the reasoning block we are in
+        if in_reasoning:
+            opener = self.think_start if in_reasoning is True else str(in_reasoning)
+            if self._closer.get(opener):
+                self.state, self._think_end = _REASONING, self._closer[opener]
         self._buf = ""
         self._tool: list[str] = []
         self._watch = bool(getattr(parser, "whole_reply", False)) and not self.tool_start
         self._held = ""
+        # Fenced code blocks matter where a marker opens a call (not for bare JSON replies).
+        self._fences = _FENCES if self.tool_start else ()
+        self._fence = ""  # the fence we are inside ("" outside): its character times its length
+        self._indent: int | None = 0  # blanks since the line started; None once it has other text
         self.text = ""
         self.reasoning = ""
         self.tool_calls: list[str] = []
         self.finished = False
+        self.ended_in_reasoning = False  # finish(): the reply stopped before closing its reasoning
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self.state == _REASONING
 
     # -- markers -----------------------------------------------------------------------------
 
     def _markers(self) -> list[str]:
         if self.state == _TEXT:
-            ms = [self.think_start, self.think_end, self.tool_start]
+            if self._fence:
+                return [self._fence[0] * 3]
+            ms = [m for pair in self.think_pairs for m in pair] + [self.tool_start, *self._fences]
         elif self.state == _REASONING:
-            ms = [self.think_end]
+            ms = [self._think_end]
         else:
             ms = [self.tool_end]
         return [m for m in ms if m]
@@ -162,6 +195,7 @@ class TextState:
             self._emit_text(s, out)
 
     def _emit_text(self, s: str, out: list[Segment]) -> None:
+        self._track_line(s)
         if self._watch:
             self._held += s
             stripped = self._held.lstrip()
@@ -172,17 +206,43 @@ class TextState:
         self.text += s
         out.append(Segment("text", s))
 
+    def _track_line(self, s: str) -> None:
+        """Where the current line stands: only blanks so far (how many), or other text (None)."""
+        line = s.rsplit("\n", 1)[-1]
+        start = 0 if "\n" in s else self._indent
+        if start is None or line.strip(" \t"):
+            self._indent = None
+        else:
+            self._indent = start + len(line)
+
+    def _fence_run(self, m: str, out: list[Segment]) -> bool:
+        """A run of backticks or tildes at the front of the buffer: a fence when it starts a line.
+        False when the run may still grow (the next chunk decides)."""
+        ch = m[0]
+        n = len(self._buf) - len(self._buf.lstrip(ch))
+        if n == len(self._buf) and not self.finished:
+            return False
+        run, self._buf = self._buf[:n], self._buf[n:]
+        at_line_start = self._indent is not None and self._indent <= 3
+        if at_line_start and not self._fence:
+            self._fence = run
+        elif at_line_start and run[0] == self._fence[0] and len(run) >= len(self._fence):
+            self._fence = ""
+        self._emit_text(run, out)
+        return True
+
     def _transition(self, marker: str, out: list[Segment]) -> None:
         if self.state == _TEXT:
-            if marker == self.think_start:
-                self.state = _REASONING
+            if marker in self._closer:
+                self.state, self._think_end = _REASONING, self._closer[marker]
             elif marker == self.tool_start:
                 self.state = _TOOL
                 self._tool = [marker]
                 out.append(Segment("tool_call_begin", marker))
-            # a stray think_end in the answer is dropped
+            # a stray closing marker in the answer is dropped
         elif self.state == _REASONING:
             self.state = _TEXT
+            self._indent = 0  # the answer starts a line
         else:
             self._tool.append(marker)
             self._close_tool(out, closed=True)
@@ -191,6 +251,7 @@ class TextState:
         raw = "".join(self._tool)
         self._tool = []
         self.state = _TEXT
+        self._indent = None
         self.tool_calls.append(raw)
         out.append(Segment("tool_call", raw, closed))
 
@@ -201,6 +262,10 @@ class TextState:
             raise RuntimeError("TextState.feed after finish()")
         out: list[Segment] = []
         self._buf += chunk
+        self._run(out)
+        return out
+
+    def _run(self, out: list[Segment]) -> None:
         while self._buf:
             markers = self._markers()
             if not markers:  # inside a call that runs to the end of the reply
@@ -210,14 +275,22 @@ class TextState:
             i, m = self._earliest(self._buf, markers)
             if i >= 0:
                 self._emit(self._buf[:i], out)
-                self._buf = self._buf[i + len(m):]
+                self._buf = self._buf[i:]
+                if m in _FENCES and self.state == _TEXT:
+                    if not self._fence_run(m, out):
+                        break
+                    continue
+                self._buf = self._buf[len(m):]
                 self._transition(m, out)
                 continue
+            if self.finished:
+                self._emit(self._buf, out)
+                self._buf = ""
+                break
             keep = self._held_suffix(self._buf, markers)
             self._emit(self._buf[:len(self._buf) - keep], out)
             self._buf = self._buf[len(self._buf) - keep:]
             break
-        return out
 
     def finish(self) -> list[Segment]:
         """End of the reply: flush held text; an unterminated call is given with closed=False
@@ -225,8 +298,10 @@ class TextState:
         if self.finished:
             return []
         out: list[Segment] = []
-        buf, self._buf = self._buf, ""
-        self._emit(buf, out)
+        self.finished = True
+        self._run(out)  # a fence run at the very end is text
+        if self.state == _REASONING:
+            self.ended_in_reasoning = True
         if self.state == _TOOL:
             self._close_tool(out, closed=not self.tool_end)
         if self._held:
@@ -239,7 +314,6 @@ class TextState:
             else:
                 self.text += held
                 out.append(Segment("text", held))
-        self.finished = True
         return out
 
 

@@ -34,6 +34,26 @@ CASES = [
     (plain_json, '{"a": 1} is a JSON object.', {}, '{"a": 1} is a JSON object.', "", []),
     (plain_json, "  Just text with {braces}.", {}, "  Just text with {braces}.", "", []),
     (plain_json, "```python\nprint(1)\n```", {}, "```python\nprint(1)\n```", "", []),
+    # Reasoning the prompt opened: a call written inside it is not a call; the one after it is.
+    (qwen3_coder, "Maybe " + XML + " first?</think>\n\nReading.\n" + XML, {"in_reasoning": "<think>"},
+     "\n\nReading.\n", "Maybe " + XML + " first?", [XML]),
+    (deepseek_v3, "try " + DS_CALL + "</think>Now." + DS_CALL, {"in_reasoning": "<think>"},
+     "Now.", "try " + DS_CALL, [DS_CALL]),
+    # Mistral / Magistral reasoning, written by the model or opened by the prompt.
+    (mistral, "[THINK]use [TOOL_CALLS]x[ARGS]{}?[/THINK]Sure.[TOOL_CALLS]list_dir[ARGS]{}", {},
+     "Sure.", "use [TOOL_CALLS]x[ARGS]{}?", ["[TOOL_CALLS]list_dir[ARGS]{}"]),
+    (mistral, "hm </think>[/THINK]ok", {"in_reasoning": "[THINK]"}, "ok", "hm </think>", []),
+    # A call shown in a fenced code block is text; the real one after the fence is a call.
+    (json_tools, "Like this:\n```xml\n" + HERMES + "\n```\nNow:\n" + HERMES, {},
+     "Like this:\n```xml\n" + HERMES + "\n```\nNow:\n", "", [HERMES]),
+    (qwen3_coder, "~~~~\n" + XML + "\n~~~\nstill in\n~~~~\n" + XML, {},
+     "~~~~\n" + XML + "\n~~~\nstill in\n~~~~\n", "", [XML]),
+    (mistral, "  ```\n[TOOL_CALLS]f[ARGS]{}\n  ```\n[TOOL_CALLS]g[ARGS]{}", {},
+     "  ```\n[TOOL_CALLS]f[ARGS]{}\n  ```\n", "", ["[TOOL_CALLS]g[ARGS]{}"]),
+    # Backticks inside a line open no fence; a fence left open runs to the end as text.
+    (json_tools, "say ``` here " + HERMES + " and\n```\n" + HERMES, {},
+     "say ``` here  and\n```\n" + HERMES, "", [HERMES]),
+    (deepseek_v3, "```\n" + DS_CALL, {}, "```\n" + DS_CALL, "", []),
 ]
 
 
@@ -112,6 +132,22 @@ def test_bare_json_reply_is_held_until_decided():
     assert st.feed('} and more') == [Segment("text", '{"name": "x", "arguments": {}} and more')]
     st = TextState(plain_json)
     assert st.feed("Hi {") == [Segment("text", "Hi {")]
+
+
+def test_reply_cut_off_inside_reasoning():
+    st = TextState(qwen3_coder, in_reasoning="<think>")
+    segs = st.feed("I will call <tool_call>\n<function=read_file>") + st.finish()
+    assert st.ended_in_reasoning and st.tool_calls == [] and st.text == ""
+    assert [s.kind for s in segs] == ["reasoning"] * len(segs)
+    st = TextState(qwen3_coder, in_reasoning="<think>")
+    st.feed("done</think>ok")
+    st.finish()
+    assert not st.ended_in_reasoning
+
+
+def test_unknown_opening_marker_starts_in_text():
+    st = TextState(json_tools, in_reasoning="<nothing>")
+    assert st.feed("hello") == [Segment("text", "hello")]
 
 
 def test_feed_after_finish_raises():
