@@ -171,8 +171,12 @@ class Sandbox:
     def argument_escapes(self, arg: str) -> bool:
         """Whether a command argument, read as a path from the workspace root, leaves the workspace
         or reaches the deny list (`cat ../x`, `--output=/tmp/x`, `cat .env`)."""
-        value = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg
-        if not value or (value.startswith("-") and value is arg):
+        if arg.startswith("-"):  # an option: only its value, if it has one, can be a path
+            if "=" not in arg:
+                return False
+            arg = arg.split("=", 1)[1]
+        value = arg
+        if not value:
             return False
         candidate = self.root / value
         lexical = Path(os.path.normpath(candidate))
