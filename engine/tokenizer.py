@@ -6,6 +6,8 @@ environment mirrors what transformers sets up so that model-provided templates r
 from __future__ import annotations
 
 import json
+import logging
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,11 @@ import tokenizers
 
 from engine.errors import FlashMoEError, ModelLoadError
 from engine.jsonfile import read_bytes
+
+log = logging.getLogger("flashmoe")
+# Stands in for control-token text inside messages when finding the template's own markers
+# (a private-use character: no template treats it specially).
+_FILLER = "\ue000"
 
 # Used when a model ships no template: plain ChatML, which most chat models understand.
 FALLBACK_CHAT_TEMPLATE = (
@@ -164,6 +171,8 @@ class Tokenizer:
             chat_templates = {"default": _make_environment().from_string(FALLBACK_CHAT_TEMPLATE)}
         self._templates = chat_templates
         self.template_source = ""  # the chat template's text, when the folder has one
+        self._guarded: list[str] | None = None
+        self._as_text: tokenizers.Tokenizer | None = None
 
     @classmethod
     def from_folder(cls, path: str | Path) -> Tokenizer:
@@ -281,6 +290,94 @@ class Tokenizer:
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template {name!r} failed: {e}") from e
+
+    # -- prompts whose content holds control-token text ---------------------------------------
+
+    def _guarded_tokens(self) -> list[str]:
+        """Added tokens that content must not produce: every special one, and the others that the
+        chat template never writes itself (those it writes, like <tool_call> or </think>, a
+        template may look for in content, so they keep their meaning there)."""
+        if self._guarded is None:
+            source = self.template_source or "".join(
+                getattr(t, "flashmoe_source", "") for t in self._templates.values()) or FALLBACK_CHAT_TEMPLATE
+            added = self._tok.get_added_tokens_decoder().values()
+            self._guarded = sorted({t.content for t in added if t.content and (t.special or t.content not in source)},
+                                   key=len, reverse=True)
+        return self._guarded
+
+    def _text_tokenizer(self) -> tokenizers.Tokenizer:
+        """A copy of the tokenizer that encodes every guarded token's text as plain text."""
+        if self._as_text is None:
+            guarded = set(self._guarded_tokens())
+            data = json.loads(self._tok.to_str())
+            for entry in data.get("added_tokens") or []:
+                if entry.get("content") in guarded:
+                    entry["special"] = True
+            tok = tokenizers.Tokenizer.from_str(json.dumps(data))
+            tok.encode_special_tokens = True
+            self._as_text = tok
+        return self._as_text
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+        """The chat template's prompt as token ids (see render_chat)."""
+        return self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)[0]
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, **template_kwargs) -> tuple[list[int], str]:
+        """The chat template's prompt as token ids, where only the template's own markers are
+        control tokens: `<|im_end|>` written inside a message or a tool result is text.
+
+        Found by rendering twice: once as is, once with every guarded token's text in the
+        messages replaced by filler of the same length, so the second rendering has control tokens
+        exactly where the template put them. The text between them is encoded with the guarded
+        tokens as text. Without guarded text in the messages (the usual case) this is a plain
+        encode of the rendering."""
+        text = self.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                        **template_kwargs)
+        return self._encode_rendered(text, messages, tools, add_generation_prompt, template_kwargs), text
+
+    def _encode_rendered(self, text: str, messages, tools, add_generation_prompt, template_kwargs) -> list[int]:
+        guarded = self._guarded_tokens()
+        if not guarded:
+            return self.encode(text)
+        pattern = re.compile("|".join(re.escape(t) for t in guarded))
+        found = False
+
+        def scrub(value: Any) -> Any:
+            nonlocal found
+            if isinstance(value, str):
+                out = pattern.sub(lambda m: _FILLER * len(m.group(0)), value)
+                found = found or out != value
+                return out
+            if isinstance(value, dict):
+                return {k: scrub(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [scrub(v) for v in value]
+            return value
+
+        clean_messages, clean_tools = scrub(messages), scrub(tools)
+        if not found:
+            return self.encode(text)
+        clean = self.apply_chat_template(clean_messages, tools=clean_tools,
+                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
+        markers = [m.span() for m in pattern.finditer(clean)]
+        if len(clean) != len(text) or any(text[a:b] != clean[a:b] for a, b in markers):
+            # The template did something length-changing with content; no way to line the two up.
+            log.warning("flashmoe: warning: the prompt holds control-token text inside a message and the chat "
+                        "template could not be lined up; it is encoded as written")
+            return self.encode(text)
+        as_text = self._text_tokenizer()
+        ids: list[int] = []
+        pos = 0
+        for a, b in markers:
+            if a > pos:
+                ids += as_text.encode(text[pos:a], add_special_tokens=False).ids
+            ids += self._tok.encode(text[a:b], add_special_tokens=False).ids
+            pos = b
+        if pos < len(text):
+            ids += as_text.encode(text[pos:], add_special_tokens=False).ids
+        return ids
 
     def detokenizer(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
         return StreamingDetokenizer(self._tok, skip_special_tokens=skip_special_tokens)
