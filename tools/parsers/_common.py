@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -132,3 +133,123 @@ def json_calls(body: str, raw: str) -> list[ToolCall]:
     if len(values) == 1:
         return [call_from_object(values[0][0], raw)]
     return [call_from_object(v, text) for v, text in values]
+
+
+# ---- typed values for formats whose arguments are bare text (XML-ish key/value formats) ---------
+
+_INT = re.compile(r"^[+-]?\d+$")
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def schema_types(schema: dict[str, Any]) -> list[str]:
+    """The JSON types a property schema allows, in the order it names them."""
+    t = schema.get("type")
+    if isinstance(t, str):
+        return [t]
+    if isinstance(t, list):
+        return [x for x in t if isinstance(x, str)]
+    out: list[str] = []
+    for key in ("anyOf", "oneOf", "allOf"):
+        for sub in schema.get(key) or []:
+            if isinstance(sub, dict):
+                out.extend(x for x in schema_types(sub) if x not in out)
+    if not out and "enum" in schema:
+        for v in schema["enum"]:
+            kind = ("boolean" if isinstance(v, bool) else "integer" if isinstance(v, int) else
+                    "number" if isinstance(v, float) else "null" if v is None else
+                    "array" if isinstance(v, list) else "object" if isinstance(v, dict) else "string")
+            if kind not in out:
+                out.append(kind)
+    return out
+
+
+def literal(s: str) -> Any:
+    """A Python literal ({'k': 'v'}, ['a', 'b'], True), with JSON's true/false/null allowed too
+    (templates render nested values as JSON). Raises ValueError when s is not one."""
+    import ast
+
+    try:
+        tree = ast.parse(s.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(str(e)) from None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
+            node.__class__ = ast.Constant
+            node.value = _JSON_NAMES[node.id]  # type: ignore[attr-defined]
+    try:
+        return ast.literal_eval(tree)
+    except (ValueError, TypeError, SyntaxError) as e:
+        raise ValueError(str(e)) from None
+
+
+def container(s: str, kind: type) -> Any:
+    """s decoded as a dict or list (JSON, a Python literal, or JSON encoded twice), or None."""
+    s = s.strip()
+    for decode in (json.loads, literal):
+        try:
+            v = decode(s)
+        except ValueError:  # JSONDecodeError is one
+            continue
+        if isinstance(v, str) and decode is json.loads:  # double-encoded: "{\"a\": 1}"
+            try:
+                v = json.loads(v)
+            except ValueError:
+                continue
+        if isinstance(v, kind):
+            return v
+    return None
+
+
+def guess(value: str) -> Any:
+    """A value with no schema to go by, for formats whose template writes non-strings as JSON
+    (GLM, LongCat, Kimi): JSON or a Python literal if it is one, else the text."""
+    s = value.strip()
+    for decode in (json.loads, literal):
+        try:
+            return decode(s)
+        except ValueError:
+            continue
+    return value
+
+
+def coerce(value: str, schema: dict[str, Any] | None, untyped: str = "string") -> Any:
+    """The typed value a bare parameter string stands for, given its property schema. Strings
+    stay strings; a value that fits none of the schema's types is left as text, so validation
+    names the mismatch. `untyped` says what to do without a schema: keep the "string", or "guess"."""
+    if schema is None:
+        return guess(value) if untyped == "guess" else value
+    types = schema_types(schema)
+    s = value.strip()
+    if "null" in types and (s in ("null", "None") or (not s and "string" not in types)):
+        return None
+    if not types:  # e.g. {"description": ...} only: a container if it is one, else like no schema
+        v = container(s, (dict, list)) if s[:1] in "{[\"" else None
+        return v if v is not None else coerce(value, None, untyped)
+    if "string" in types:
+        return value
+    for t in types:
+        if t == "integer":
+            if _INT.match(s):
+                return int(s)
+            try:
+                f = float(s)
+            except ValueError:
+                continue
+            if f.is_integer():
+                return int(f)
+        elif t == "number":
+            if _INT.match(s):
+                return int(s)
+            try:
+                f = float(s)
+            except ValueError:
+                continue
+            if math.isfinite(f):
+                return f
+        elif t == "boolean" and s.lower() in ("true", "false"):
+            return s.lower() == "true"
+        elif t in ("object", "array"):
+            v = container(s, dict if t == "object" else list)
+            if v is not None:
+                return v
+    return value

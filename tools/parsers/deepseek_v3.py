@@ -5,7 +5,10 @@
     {...}
     ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
-Also accepts V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`.
+Also accepts V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`, and the
+variants of the opening marker that R1 and its distills write instead of the real token (as
+llama.cpp accepts them): `<｜tool_calls_begin｜>`, `<｜tool calls begin｜>`, `<｜tool\\_calls\\_begin｜>`
+and `<｜tool▁calls｜>`.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ tool_call_end = "<｜tool▁calls▁end｜>"
 call_begin = "<｜tool▁call▁begin｜>"
 call_end = "<｜tool▁call▁end｜>"
 sep = "<｜tool▁sep｜>"
+R1_STARTS = ("<｜tool_calls_begin｜>", "<｜tool calls begin｜>", "<｜tool\\_calls\\_begin｜>", "<｜tool▁calls｜>")
 
 
 def _one(body: str, raw: str) -> ToolCall:
@@ -49,6 +53,8 @@ def _one(body: str, raw: str) -> ToolCall:
 
 def parse_tool_call(text: str, tools: Any = None) -> list[ToolCall]:
     calls: list[ToolCall] = []
+    for variant in R1_STARTS:
+        text = text.replace(variant, tool_call_start)
     for outer_raw, body in blocks(text, tool_call_start, tool_call_end):
         inner = blocks(body, call_begin, call_end)
         single = len(inner) == 1

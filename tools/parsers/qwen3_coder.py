@@ -8,122 +8,114 @@
     </function>
     </tool_call>
 
-Values are bare text; they are coerced by the tool's JSON Schema (integers, numbers, booleans,
-JSON objects and arrays, null), so pass `tools` (OpenAI dicts or a ToolRegistry) to get typed
-arguments. Without a schema every value stays a string.
+The reading is structure-aware: a value may itself hold `</parameter>`, `</function>` or a whole
+`<tool_call>` (a file whose content shows a tool call): tags nest, and a `</parameter>` only ends
+a value at nesting depth 0 when the next thing is another parameter or the end of the function.
+A call that starts at `<function=` without `<tool_call>` is read too.
+
+Values are bare text; they are typed by the tool's JSON Schema (see _common.coerce: integers,
+numbers, booleans, JSON or Python-literal objects and arrays, double-encoded objects, null for
+nullable types), so pass `tools` (OpenAI dicts or a ToolRegistry). Without a schema every value
+stays a string.
 """
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
 from tools.calls import ToolCall, ToolsInfo
-from tools.parsers._common import blocks, json_calls
+from tools.parsers._common import blocks, coerce, json_calls
 
 name = "qwen3_coder"
 tool_call_start = "<tool_call>"
 tool_call_end = "</tool_call>"
 
-_FUNC = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|(?=<function=)|\Z)", re.DOTALL)
-_PARAM = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|\Z)", re.DOTALL)
-_INT = re.compile(r"^[+-]?\d+$")
+FUNC, PARAM = "<function=", "<parameter="
+_TAG = re.compile(r"<tool_call>|</tool_call>|<function=|</function>|<parameter=|</parameter>")
+# What may follow the `</parameter>` that really ends a value.
+_AFTER_VALUE = re.compile(r"\s*(?:<parameter=|</function>|</tool_call>|<function=|\Z)")
+_NAME_END = re.compile(r"[>\n]")
 
 
-def _types(schema: dict[str, Any]) -> list[str]:
-    t = schema.get("type")
-    if isinstance(t, str):
-        return [t]
-    if isinstance(t, list):
-        return [x for x in t if isinstance(x, str)]
-    out: list[str] = []
-    for key in ("anyOf", "oneOf"):
-        for sub in schema.get(key) or []:
-            if isinstance(sub, dict):
-                out.extend(x for x in _types(sub) if x not in out)
-    if not out and "enum" in schema:
-        for v in schema["enum"]:
-            kind = ("boolean" if isinstance(v, bool) else "integer" if isinstance(v, int) else
-                    "number" if isinstance(v, float) else "null" if v is None else "string")
-            if kind not in out:
-                out.append(kind)
-    return out
+def _value_end(text: str, start: int) -> tuple[int, int]:
+    """(end of value, where reading resumes) for a value starting at `start`."""
+    depth = 0
+    for m in _TAG.finditer(text, start):
+        tag = m.group(0)
+        if tag == "</parameter>" and depth == 0 and _AFTER_VALUE.match(text, m.end()):
+            return m.start(), m.end()
+        depth += -1 if tag.startswith("</") else 1
+        depth = max(depth, 0)
+    # No balanced close: the value ends at the first tag that cannot be part of it (a cut-off
+    # reply, or a model that left out </parameter>).
+    m = re.compile(r"</parameter>|<parameter=|</function>|</tool_call>").search(text, start)
+    if m is None:
+        return len(text), len(text)
+    return m.start(), m.end() if m.group(0) == "</parameter>" else m.start()
 
 
-def coerce(value: str, schema: dict[str, Any] | None) -> Any:
-    """The typed value a bare parameter string stands for, given its property schema."""
-    if not schema:
-        return value
-    types = _types(schema)
-    if not types or "string" in types:
-        return value
-    s = value.strip()
-    if "null" in types and s in ("null", "None", ""):
-        return None
-    for t in types:
-        if t == "integer" and _INT.match(s):
-            return int(s)
-        if t == "number":
-            if _INT.match(s):
-                return int(s)
-            try:
-                f = float(s)
-            except ValueError:
-                continue
-            if f == f and f not in (float("inf"), float("-inf")):
-                return f
-        if t == "boolean" and s.lower() in ("true", "false"):
-            return s.lower() == "true"
-        if t in ("object", "array"):
-            try:
-                v = json.loads(s)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(v, dict if t == "object" else list):
-                return v
-    return value  # left as text: validation reports the type mismatch
-
-
-def _value(text: str) -> str:
+def _strip_newlines(v: str) -> str:
     # The template writes "\n" after the opening tag and before the closing one.
-    if text.startswith("\r\n"):
-        text = text[2:]
-    elif text.startswith("\n"):
-        text = text[1:]
-    if text.endswith("\r\n"):
-        text = text[:-2]
-    elif text.endswith("\n"):
-        text = text[:-1]
-    return text
+    for nl in ("\r\n", "\n"):
+        if v.startswith(nl):
+            v = v[len(nl):]
+            break
+    for nl in ("\r\n", "\n"):
+        if v.endswith(nl):
+            v = v[:-len(nl)]
+            break
+    return v
+
+
+def _read_name(text: str, pos: int) -> tuple[str, int]:
+    m = _NAME_END.search(text, pos)
+    end = m.start() if m else len(text)
+    return text[pos:end].strip(), (end + 1 if m and m.group(0) == ">" else end)
+
+
+def _function(text: str, start: int, info: ToolsInfo) -> tuple[ToolCall, int]:
+    """The call whose `<function=` is at `start`, and where it ends."""
+    fname, pos = _read_name(text, start + len(FUNC))
+    args: dict[str, Any] = {}
+    dup = None
+    while True:
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if text.startswith(PARAM, pos):
+            pname, vstart = _read_name(text, pos + len(PARAM))
+            vend, pos = _value_end(text, vstart)
+            if pname in args:
+                dup = pname
+            args[pname] = coerce(_strip_newlines(text[vstart:vend]), info.property_schema(fname, pname))
+            continue
+        if text.startswith("</function>", pos):
+            pos += len("</function>")
+        break  # </tool_call>, the next <function=, stray text or the end: the function is over
+    raw = text[start:pos]
+    if not fname or not re.fullmatch(r"[\w.\-]+", fname):
+        return ToolCall(None, None, raw, error=f"<function={fname[:40]}> is not a tool name"), pos
+    if dup is not None:
+        return ToolCall(fname, None, raw, error=f"parameter '{dup}' is given twice"), pos
+    return ToolCall(fname, args, raw), pos
 
 
 def parse_tool_call(text: str, tools: Any = None) -> list[ToolCall]:
     info = ToolsInfo.of(tools)
-    calls: list[ToolCall] = []
-    for raw, body in blocks(text, tool_call_start, tool_call_end):
-        funcs = list(_FUNC.finditer(body))
-        if not funcs:
+    if FUNC not in text:
+        calls: list[ToolCall] = []
+        for raw, body in blocks(text, tool_call_start, tool_call_end):
             if body.strip().startswith(("{", "[", "```")):  # the model fell back to Hermes JSON
                 calls.extend(json_calls(body, raw))
             else:
                 calls.append(ToolCall(None, None, raw, error="no <function=NAME> block in the tool call"))
-            continue
-        for f in funcs:
-            fname = f.group(1).strip()
-            call_raw = raw if len(funcs) == 1 else f.group(0)
-            if not fname:
-                calls.append(ToolCall(None, None, call_raw, error="<function=> has no name"))
-                continue
-            args: dict[str, Any] = {}
-            dup = None
-            for p in _PARAM.finditer(f.group(2)):
-                pname = p.group(1).strip()
-                if pname in args:
-                    dup = pname
-                args[pname] = coerce(_value(p.group(2)), info.property_schema(fname, pname))
-            if dup is not None:
-                calls.append(ToolCall(fname, None, call_raw, error=f"parameter '{dup}' is given twice",
-                                      arguments_text=None))
-                continue
-            calls.append(ToolCall(fname, args, call_raw))
+        return calls
+    calls = []
+    pos = text.find(FUNC)
+    while pos >= 0:
+        call, end = _function(text, pos, info)
+        calls.append(call)
+        pos = text.find(FUNC, end)
+    if len(calls) == 1:  # one call: its raw is the whole block, markers included
+        c = calls[0]
+        calls = [ToolCall(c.name, c.arguments, text, c.error, c.arguments_text, c.id)]
     return calls
