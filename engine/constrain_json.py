@@ -34,10 +34,14 @@ Grammar choices, for a model that may not know JSON at all:
 * closed_objects (default True): an object schema that lists "properties" and says nothing
   about additionalProperties / patternProperties / unevaluatedProperties gets no extra keys
   (as OpenAI's strict mode requires); the output still satisfies the original schema;
-* max_string_length (default None): when set, strings with no maxLength/enum/const/pattern get
-  that maxLength, so a string cannot run on until max_tokens. Off by default because a tool
-  such as write_file legitimately takes long strings. Numbers, arrays without maxItems and
-  free-form objects are likewise unbounded; max_tokens is the backstop.
+* max_string_length (default "auto"): strings with no maxLength/enum/const/pattern get a
+  maxLength, so a string a low-bit model never closes cannot run on until max_tokens: the
+  grammar closes it and the call completes (and validates). "auto" gives STRING_BOUND (1,024
+  characters: paths, patterns, commands, names; the longest such argument `flashmoe bench
+  tools` saw was under 100) and LONG_TEXT_BOUND (65,536) to parameters that carry file text
+  (LONG_TEXT_NAMES: content, old_string, new_string, ...), which write_file and edit_file take
+  legitimately long. An int bounds every string alike; None leaves them unbounded. Numbers,
+  arrays without maxItems and free-form objects are unbounded; max_tokens is the backstop.
 
 Limits: a tool whose schema uses keywords llguidance does not implement (uniqueItems, not,
 if/then/else, contains, dependentRequired, ...) falls back to llguidance's "lenient" mode, where
@@ -69,6 +73,13 @@ _SCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "c
 _SCHEMA_LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_MAP_KEYS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+# Default string bounds (max_string_length="auto"; see the module docstring).
+STRING_BOUND = 1024
+LONG_TEXT_BOUND = 65536
+LONG_TEXT_NAMES = frozenset({"content", "contents", "text", "body", "data", "code", "source", "patch", "diff",
+                             "old_string", "new_string", "old_text", "new_text", "old_str", "new_str",
+                             "replacement", "message", "input", "stdin", "script"})
 
 
 def _llg():
@@ -108,34 +119,43 @@ def _is_string_schema(node: dict) -> bool:
     return t == "string" or (isinstance(t, list) and "string" in t)
 
 
-def _prepare_schema(schema: dict, *, closed_objects: bool, max_string_length: int | None) -> dict:
+def _string_bound(max_string_length: int | str | None, name: str | None) -> int | None:
+    if max_string_length == "auto":
+        return LONG_TEXT_BOUND if name is not None and name.lower() in LONG_TEXT_NAMES else STRING_BOUND
+    return max_string_length  # type: ignore[return-value]
+
+
+def _prepare_schema(schema: dict, *, closed_objects: bool, max_string_length: int | str | None) -> dict:
     """A copy of `schema` tightened for generation (see the module docstring)."""
     schema = copy.deepcopy(schema)
 
-    def visit(node: Any, in_allof: bool = False) -> None:
+    def visit(node: Any, in_allof: bool = False, name: str | None = None) -> None:
+        """`name`: the property this schema is the value of (items and alternatives inherit it)."""
         if not isinstance(node, dict):
             return
         if (closed_objects and not in_allof and isinstance(node.get("properties"), dict)
                 and not any(k in node for k in _OPEN_KEYS)):
             node["additionalProperties"] = False
-        if (max_string_length is not None and _is_string_schema(node)
+        bound = _string_bound(max_string_length, name)
+        if (bound is not None and _is_string_schema(node)
                 and not any(k in node for k in ("maxLength", "enum", "const", "pattern"))):
-            node["maxLength"] = max_string_length
+            node["maxLength"] = bound
         for key in _SCHEMA_KEYS:
             sub = node.get(key)
+            inherit = name if key in ("items", "additionalItems", "unevaluatedItems", "then", "else") else None
             if isinstance(sub, list):  # "items" as a list in older drafts
                 for s in sub:
-                    visit(s)
+                    visit(s, name=inherit)
             else:
-                visit(sub)
+                visit(sub, name=inherit)
         for key in _SCHEMA_LIST_KEYS:
             if isinstance(node.get(key), list):
                 for s in node[key]:
-                    visit(s, in_allof=key == "allOf")
+                    visit(s, in_allof=key == "allOf", name=name)
         for key in _SCHEMA_MAP_KEYS:
             if isinstance(node.get(key), dict):
-                for s in node[key].values():
-                    visit(s)
+                for k, s in node[key].items():
+                    visit(s, name=k if key == "properties" else None)
 
     visit(schema)
     return schema
@@ -333,15 +353,16 @@ class ToolCallConstraintFactory:
 
     def __init__(self, tools: list[dict], mode: str = "required", fmt: str = "json",
                  start: str = "<tool_call>", end: str = "</tool_call>", *, parallel: bool = False,
-                 closed_objects: bool = True, max_string_length: int | None = None):
+                 closed_objects: bool = True, max_string_length: int | str | None = "auto"):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {fmt!r}")
         if not start or not end:
             raise ValueError("the start and end markers must not be empty")
-        if max_string_length is not None and max_string_length < 0:
-            raise ValueError(f"max_string_length must be >= 0, got {max_string_length}")
+        if max_string_length != "auto" and max_string_length is not None and (
+                not isinstance(max_string_length, int) or max_string_length < 0):
+            raise ValueError(f"max_string_length must be 'auto', None or an int >= 0, got {max_string_length!r}")
         self.mode, self.fmt, self.start, self.end, self.parallel = mode, fmt, start, end, parallel
         self.warnings: list[str] = []
         self.schemas: list[tuple[str, dict, bool]] = []  # (name, parameters, lenient)
@@ -410,6 +431,6 @@ def tool_call_constraint(tools: list[dict], mode: str = "required", fmt: str = "
     """A ConstraintFactory for GenerationRequest.constraint (see the module docstring).
 
     options: parallel (bool, "required" mode: allow more than one call), closed_objects (bool),
-    max_string_length (int | None).
+    max_string_length ("auto" (default), int or None).
     """
     return ToolCallConstraintFactory(tools, mode, fmt, start, end, **options)
