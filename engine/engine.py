@@ -14,6 +14,7 @@ from time import perf_counter
 
 from .errors import FlashMoEError, ModelLoadError
 from .events import EngineFailed, GenerationFinished, ModelLoaded
+from .config_check import context_length
 from .generate import TRUNCATE_MODES, GenerationRequest, Session, generate, model_bits
 
 _STOP = object()
@@ -112,7 +113,8 @@ class Engine:
                 experts=lm.layers[0].num_experts if lm.layers else 0, top_k=lm.top_k,
                 bits=model_bits(lm.config), cache_bytes=lm.store.capacity_bytes if lm.store else 0,
                 load_s=perf_counter() - t0, chat_template=lm.tokenizer.template_source if lm.tokenizer else "",
-                kernels=lm.kernels, cache_policy=lm.store.policy if lm.store else "")
+                kernels=lm.kernels, cache_policy=lm.store.policy if lm.store else "",
+                context=context_length(lm.config))
         except BaseException as e:  # reported to the caller by wait_loaded
             self.load_error = e
         self._loaded_event.set()

@@ -29,6 +29,7 @@ class ModelLoaded(Event):
     chat_template: str = ""  # its text: front ends pick the tool-call format from it
     kernels: str = "mlx"  # quantized matmul kernels in use: "mlx" or "cpu"
     cache_policy: str = ""  # which cached expert a miss evicts: "lfu" or "lru" ("" without experts)
+    context: int | None = None  # the model's context in tokens (config_check.context_length), None: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,9 @@ class PrefillProgress(Event):
     done: int
     total: int
     reused: int  # prompt tokens whose cache was kept from the previous turn
+    # The opening marker of the reasoning block the rendered prompt ends inside ("<think>" when the
+    # template opened it for the model), "" when none: the reply starts as reasoning.
+    reasoning: str = ""
 
 
 @dataclass(frozen=True, slots=True)

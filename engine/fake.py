@@ -17,7 +17,10 @@ from .events import (EngineFailed, GenerationFinished, LayerRow, LayerTimings, M
 
 class FakeEngine:
     def __init__(self, replies: list[str] | None = None, *, layers: int = 8, token_delay: float = 0.0,
-                 prompt_tokens: int = 12, fail: str | None = None):
+                 prompt_tokens: int = 12, fail: str | None = None, chat_template: str = "",
+                 context: int | None = 32768):
+        """chat_template: a Jinja chat template that requests are rendered with (as the real engine
+        does), so that PrefillProgress says when the prompt ends inside reasoning."""
         self._replies = itertools.cycle(replies or ["Hello! I am a **fake** engine.\n\n- one\n- two"])
         self.layers = layers
         self.token_delay = token_delay
@@ -26,7 +29,13 @@ class FakeEngine:
         self.requests: list = []  # what was submitted, for tests
         self.loaded_info = ModelLoaded(model="fake", model_type="fake_moe", mode="packed", layers=layers,
                                        moe_layers=layers, experts=64, top_k=4, bits=4,
-                                       cache_bytes=64 << 20, load_s=0.0, cache_policy="lfu")
+                                       cache_bytes=64 << 20, load_s=0.0, cache_policy="lfu",
+                                       chat_template=chat_template, context=context)
+        self._template = None
+        if chat_template:
+            from .tokenizer import _make_environment
+
+            self._template = _make_environment().from_string(chat_template)
 
     def wait_loaded(self, timeout: float | None = None) -> ModelLoaded:
         return self.loaded_info
@@ -38,6 +47,20 @@ class FakeEngine:
         threading.Thread(target=self._play, args=(handle, reply), daemon=True).start()
         return handle
 
+    def _reasoning(self, request) -> str:
+        """As engine.generate.render_prompt_text: the reasoning block the rendered prompt leaves open."""
+        from .reasoning import open_reasoning, prompt_reasoning
+
+        if getattr(request, "prompt", None) is not None:
+            return open_reasoning(request.prompt)
+        if self._template is None or getattr(request, "messages", None) is None:
+            return ""
+
+        def render(gen: bool) -> str:
+            return self._template.render(messages=request.messages, tools=request.tools, add_generation_prompt=gen,
+                                         bos_token="", eos_token="", **request.template_kwargs)
+        return prompt_reasoning(render(True), render(False))
+
     def reset_session(self, session: str = "default") -> None:
         pass
 
@@ -46,8 +69,9 @@ class FakeEngine:
 
     def _play(self, handle: Handle, reply: str) -> None:
         put = handle.events.put
-        put(PrefillProgress(0, self.prompt_tokens, 0))
-        put(PrefillProgress(self.prompt_tokens, self.prompt_tokens, 0))
+        opened = self._reasoning(handle.request)
+        put(PrefillProgress(0, self.prompt_tokens, 0, opened))
+        put(PrefillProgress(self.prompt_tokens, self.prompt_tokens, 0, opened))
         if self.fail:
             put(EngineFailed(self.fail, "RuntimeError", 1))
             return

@@ -18,6 +18,7 @@ from .config_check import context_length
 from .constrain import apply_mask
 from .errors import ContextLengthError
 from .events import GenerationFinished, LayerTimings, PrefillProgress, StepFinished, TokenGenerated
+from .reasoning import open_reasoning, prompt_reasoning
 from .sampling import Sampler, SamplingParams
 from .timing import LayerClock, rows_from
 
@@ -116,12 +117,29 @@ class StopMatcher:
 
 
 def render_prompt(loaded, request: GenerationRequest) -> list[int]:
+    return render_prompt_text(loaded, request)[0]
+
+
+def render_prompt_text(loaded, request: GenerationRequest) -> tuple[list[int], str]:
+    """The prompt's ids, and the opening marker of the reasoning block it ends inside ("" if none)."""
     tok = loaded.tokenizer
     if request.prompt is not None:
-        return tok.encode(request.prompt, add_special_tokens=True)
-    text = tok.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=True,
-                                   **request.template_kwargs)
-    return tok.encode(text, add_special_tokens=False)
+        return tok.encode(request.prompt, add_special_tokens=True), open_reasoning(request.prompt)
+    # Control-token text inside messages (a tool result saying "<|im_end|><|im_start|>system")
+    # is encoded as text; only the template's own markers are control tokens.
+    ids, text = tok.render_chat(request.messages, tools=request.tools, add_generation_prompt=True,
+                                **request.template_kwargs)
+    return ids, template_reasoning(tok, request, text)
+
+
+def template_reasoning(tok, request: GenerationRequest, text: str) -> str:
+    """Whether the generation prompt the template added opened a reasoning block (engine/reasoning.py)."""
+    try:
+        bare = tok.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=False,
+                                       **request.template_kwargs)
+    except Exception:  # noqa: BLE001  (a template that insists on the generation prompt: look at all of it)
+        bare = None
+    return prompt_reasoning(text, bare)
 
 
 def fit_context(ids: list[int], context: int | None, mode: str, max_tokens: int) -> tuple[list[int], int]:
@@ -158,7 +176,7 @@ def generate(loaded, session: Session, request: GenerationRequest,
     # "cold": the expert slots start empty (first turn after load, or after evict_all).
     cold = store is not None and store.used_bytes == 0
 
-    ids = render_prompt(loaded, request)
+    ids, opened = render_prompt_text(loaded, request)
     if not ids:
         raise ValueError("the prompt is empty")
     context = context_length(loaded.config)
@@ -173,7 +191,7 @@ def generate(loaded, session: Session, request: GenerationRequest,
     t0 = perf_counter()
     done = 0
     logits = None
-    yield PrefillProgress(0, len(todo), reused)
+    yield PrefillProgress(0, len(todo), reused, opened)
     while done < len(todo):
         if cancel.is_set():
             break
@@ -182,7 +200,7 @@ def generate(loaded, session: Session, request: GenerationRequest,
         mx.eval(logits, [c.state for c in session.cache if c.state is not None])
         session.tokens.extend(chunk)
         done += len(chunk)
-        yield PrefillProgress(done, len(todo), reused)
+        yield PrefillProgress(done, len(todo), reused, opened)
     prefill_s = perf_counter() - t0
     if store is not None:
         store.take_stats()  # decode figures start clean

@@ -14,12 +14,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from engine.events import EngineFailed, GenerationFinished, TokenGenerated
+from engine.events import EngineFailed, GenerationFinished, PrefillProgress, TokenGenerated
 from tools.calls import ToolCall
 from tools.executor import ToolExecutor
 from tools.parsers import parse_calls
 from tools.textstate import TextState
 from tools.validate import check_call
+
+from .reasoning import reasoning_cut_note
 
 CONSTRAIN_MODES = ("off", "tools", "required")
 
@@ -65,8 +67,9 @@ class RepairEvent:
 class TurnFinished:
     status: str  # done | chain-limit | approval-needed | repairs-exhausted | cancelled | failed
     rounds: int
-    message: str = ""
+    message: str = ""  # why it stopped; with "done", a note (the reply ended inside its reasoning)
     exit_code: int = 0
+
 
 
 def tool_instructions(tools: list[dict]) -> str:
@@ -85,6 +88,7 @@ class AgentLoop:
     on_event: Callable[[object], None] = lambda ev: None
     _cancel: threading.Event = field(default_factory=threading.Event)
     _handle: object = None
+    _state: TextState | None = None  # the last reply, split
 
     def __post_init__(self):
         if self.constrain not in CONSTRAIN_MODES:
@@ -123,13 +127,16 @@ class AgentLoop:
             reply, calls, done = self._generate(first_round=rounds == 0)
             if isinstance(done, EngineFailed):
                 return self._finish(TurnFinished("failed", rounds, done.message.splitlines()[0], done.exit_code))
+            state = self._state
             if not calls:
-                self.session.add({"role": "assistant", "content": reply}, done=done,
+                self.session.add(self._answer_message(reply, state), done=done,
                                  interrupted=done.reason == "cancelled")
-                status = "cancelled" if done.reason == "cancelled" else "done"
-                return self._finish(TurnFinished(status, rounds))
+                if done.reason == "cancelled":
+                    return self._finish(TurnFinished("cancelled", rounds))
+                note = reasoning_cut_note(done.reason, tools=True) if state.ended_in_reasoning else ""
+                return self._finish(TurnFinished("done", rounds, note))
             rounds += 1
-            self._record_calls(reply, calls, done)
+            self._record_calls(reply, calls, done, state)
             seen = len(self.executor.rejected)
             results = self.executor.execute_round(calls)
             for rej in self.executor.rejected[seen:]:
@@ -160,7 +167,8 @@ class AgentLoop:
         extra = None if self.native else tool_instructions(self.tools)
         self._handle = self.session.generate(tools=self.tools if self.native else None,
                                              constraint=self._constraint(first_round), extra_system=extra)
-        state = TextState(self.parser, tools=self.tools)
+        state = self._state = TextState(self.parser, tools=self.tools)
+        fed = False
         done = None
         while done is None:
             try:
@@ -171,7 +179,11 @@ class AgentLoop:
                 self.cancel()
                 continue
             self.on_event(ev)
-            if isinstance(ev, TokenGenerated):
+            if isinstance(ev, PrefillProgress) and not fed and ev.reasoning:
+                # the template opened a reasoning block: the reply starts inside it
+                state = self._state = TextState(self.parser, tools=self.tools, in_reasoning=ev.reasoning)
+            elif isinstance(ev, TokenGenerated):
+                fed = True
                 self.session.stream(ev.text)  # saved as it streams (chat.py)
                 self._emit(state.feed(ev.text))
             elif isinstance(ev, GenerationFinished):
@@ -192,10 +204,19 @@ class AgentLoop:
             if seg.kind in ("text", "reasoning") and seg.text:
                 self.on_event(TextChunk(seg.text, seg.kind))
 
-    def _record_calls(self, reply: str, calls: list[ToolCall], done) -> None:
+    def _answer_message(self, reply: str, state: TextState) -> dict:
+        """The reply as history: with a native template, reasoning goes apart (reasoning_content,
+        which the Qwen3 / Qwen3.5 templates render in their own <think> block)."""
+        if self.native and state.reasoning:
+            return {"role": "assistant", "content": state.text.strip(), "reasoning_content": state.reasoning.strip()}
+        return {"role": "assistant", "content": reply}
+
+    def _record_calls(self, reply: str, calls: list[ToolCall], done, state: TextState) -> None:
         if self.native:
-            msg = {"role": "assistant", "content": _strip_calls(reply, self.parser),
+            msg = {"role": "assistant", "content": state.text.strip() if state.reasoning else _strip_calls(reply, self.parser),
                    "tool_calls": [c.to_openai(f"call_{i}") for i, c in enumerate(calls)]}
+            if state.reasoning:  # not cut at a call marker that was only in the reasoning
+                msg["reasoning_content"] = state.reasoning.strip()
         else:
             msg = {"role": "assistant", "content": reply}
         self.session.add(msg, done=done)

@@ -132,9 +132,14 @@ def run_with_tools(args, session, loaded, text: str) -> int:
 
     from .agent import TextChunk, ToolCallEvent, ToolResultEvent
 
+    from .reasoning import show_segments
+
+    in_think = [False]  # --show-reasoning: reasoning between '<think>' and '</think>' lines
+
     def show(ev):
-        if isinstance(ev, TextChunk) and ev.kind == "text":
-            sys.stdout.write(for_stream(ev.text, sys.stdout))
+        if isinstance(ev, TextChunk):
+            text = show_segments([ev], getattr(args, "show_reasoning", False), in_think)
+            sys.stdout.write(for_stream(text, sys.stdout))
             sys.stdout.flush()
         elif isinstance(ev, ToolCallEvent):  # names and arguments are the model's text
             state = "" if ev.valid else f" [invalid: {ev.error}]"
@@ -151,6 +156,8 @@ def run_with_tools(args, session, loaded, text: str) -> int:
         return ExitCode.INTERRUPTED
     sys.stdout.write("\n")
     if end.status in ("done",):
+        if end.message:  # the reply ended inside its reasoning
+            print(f"flashmoe: note: {end.message}", file=sys.stderr)
         return ExitCode.OK
     if end.status == "cancelled":
         return ExitCode.INTERRUPTED
@@ -257,6 +264,8 @@ def cmd_agent(args) -> int:
             transcript.write({"event": "user", "content": turn["content"], "turn": n})
             end = loop.run_turn(turn["content"])
             sys.stdout.write("\n")
+            if end.status == "done" and end.message:  # the reply ended inside its reasoning
+                print(safe(f"flashmoe: note: turn {n + 1}: {end.message}"), file=sys.stderr)
             if end.status not in ("done",):
                 print(safe(f"flashmoe: error: turn {n + 1}: {end.message or end.status}"), file=sys.stderr)
                 return {"approval-needed": ExitCode.APPROVAL, "cancelled": ExitCode.INTERRUPTED}.get(

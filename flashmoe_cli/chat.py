@@ -58,6 +58,7 @@ class ChatOptions:
     timing: str = "step"
     system: str | None = None
     stop: tuple[str, ...] = ()
+    thinking: str | None = None  # "on" | "off" through the template's switch; None: its default
 
 
 class ChatSession:
@@ -81,6 +82,34 @@ class ChatSession:
             self.system = conv.system if conv.system is not None else self.system
             self.history = resumed_history(store.messages(cid))
         self._key = cid or f"chat-{id(self)}"
+        self.template: str | None = None  # the chat template's text (None: the loaded engine's)
+        self.on_note = lambda text: print(f"flashmoe: note: {text}", file=sys.stderr, flush=True)
+        self._noted_thinking = False
+
+    def _template(self) -> str:
+        if self.template is not None:
+            return self.template
+        return getattr(getattr(self.engine, "loaded_info", None), "chat_template", "") or ""
+
+    def template_kwargs(self) -> dict:
+        """enable_thinking (or the template's own name for it) from --thinking / /thinking; the
+        first request says once (on_note) when the template has no such switch."""
+        from engine.reasoning import thinking_kwargs
+
+        note = None if self._noted_thinking else self.thinking_note()
+        if note:
+            self._noted_thinking = True
+            self.on_note(note)
+        return thinking_kwargs(self.options.thinking, self._template())
+
+    def thinking_note(self) -> str | None:
+        """One line when --thinking is set but the chat template has no switch for it."""
+        from engine.reasoning import thinking_switch
+
+        if self.options.thinking is None or thinking_switch(self._template()):
+            return None
+        return (f"--thinking {self.options.thinking}: this model's chat template has no thinking switch "
+                "(enable_thinking), so it changes nothing")
 
     @property
     def session_key(self) -> str:
@@ -174,7 +203,8 @@ class ChatSession:
         """A reply to the history as it stands; returns the engine's Handle."""
         request = GenerationRequest(messages=self.messages(extra_system), tools=tools, constraint=constraint,
                                     max_tokens=self.options.max_tokens, sampling=self.options.sampling,
-                                    stop=self.options.stop, timing=self.options.timing)
+                                    stop=self.options.stop, timing=self.options.timing,
+                                    template_kwargs=self.template_kwargs())
         self._begin_reply()
         return self.engine.submit(request, session=self.session_key)
 
@@ -184,7 +214,7 @@ class ChatSession:
         self._record("user", text)
         request = GenerationRequest(messages=self.messages(), max_tokens=self.options.max_tokens,
                                     sampling=self.options.sampling, stop=self.options.stop,
-                                    timing=self.options.timing)
+                                    timing=self.options.timing, template_kwargs=self.template_kwargs())
         return self._submit(request)
 
     def send_raw(self, text: str):

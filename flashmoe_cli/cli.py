@@ -12,8 +12,8 @@ import sys
 from . import __version__, argtypes
 from .agent_cli import add_tool_options
 from .argtypes import at_least, output_file, parse_size
-from .config import (CACHE_POLICY_CHOICES, DTYPE_CHOICES, KERNEL_CHOICES, PREFETCH_CHOICES, TIMING_CHOICES,
-                     TRUNCATE_CHOICES, ConfigError)
+from .config import (CACHE_POLICY_CHOICES, DTYPE_CHOICES, KERNEL_CHOICES, PREFETCH_CHOICES, THINKING_CHOICES,
+                     TIMING_CHOICES, TRUNCATE_CHOICES, ConfigError)
 from .exit_codes import ExitCode
 from .store import StoreError
 
@@ -79,6 +79,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timing", choices=TIMING_CHOICES, default=S,
                    help="step (default): host-side figures only; layer: per-layer breakdown (adds syncs)")
     _add_engine_options(p)
+    p.add_argument("--thinking", choices=THINKING_CHOICES, default=S,
+                   help="reasoning on or off, through the chat template's own switch (enable_thinking); "
+                        "default: the template's default. Said when the template has no such switch")
     p.add_argument("--truncate-prompt", choices=TRUNCATE_CHOICES, default=S,
                    help="a prompt longer than the model's context: off (default) refuses it (exit 2), left "
                         "drops its oldest tokens to leave room for the reply, and says so on stderr")
@@ -122,7 +125,9 @@ def make_engine(args):
 
         replies = json.loads(os.environ.get("FLASHMOE_FAKE_REPLIES", "null"))
         delay = float(os.environ.get("FLASHMOE_FAKE_DELAY", "0"))
-        return FakeEngine(replies, token_delay=delay, fail=os.environ.get("FLASHMOE_FAKE_FAIL") or None)
+        template = os.environ.get("FLASHMOE_FAKE_TEMPLATE")  # a chat template file the fake renders with
+        return FakeEngine(replies, token_delay=delay, fail=os.environ.get("FLASHMOE_FAKE_FAIL") or None,
+                          chat_template=open(template, encoding="utf-8").read() if template else "")
     from engine.engine import Engine
 
     return Engine(resolve_model(args.model), expert_cache=args.expert_cache, io_threads=args.io_threads,
@@ -147,7 +152,7 @@ def open_conversation(args, engine, model_name: str):
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     options = ChatOptions(max_tokens=args.max_tokens, sampling=sampling, timing=args.timing,
-                          system=args.system, stop=tuple(args.stop))
+                          system=args.system, stop=tuple(args.stop), thinking=getattr(args, "thinking", None))
     resume = args.continue_ or args.cid
     try:
         store = None if (args.no_log or logging_disabled()) and not resume else open_store()
@@ -181,7 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
                          epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("prompt", nargs="?", help="the prompt; piped stdin comes first, then a blank line, then this")
     run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    run.add_argument("--json", action="store_true", help="one JSON event per line on stdout")
+    run.add_argument("--json", action="store_true",
+                     help="one JSON event per line on stdout (reasoning text as its own 'reasoning' events)")
+    run.add_argument("--show-reasoning", action="store_true",
+                     help="also print the model's reasoning on stdout, before the answer, between lines "
+                          "'<think>' and '</think>' (default: the answer only)")
     run.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                      help="stop the reply after this long (model loading included) and exit 4")
     _add_model_options(run)

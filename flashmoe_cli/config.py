@@ -26,6 +26,7 @@ KERNEL_CHOICES = ("auto", "mlx", "cpu")
 PREFETCH_CHOICES = ("off", "hint", "slots")
 CACHE_POLICY_CHOICES = ("lfu", "lru")  # engine.experts.store.CACHE_POLICIES, without importing MLX
 TRUNCATE_CHOICES = ("off", "left")  # engine.generate.TRUNCATE_MODES
+THINKING_CHOICES = ("on", "off")  # engine.reasoning.THINKING_CHOICES; unset: the chat template's default
 
 # name -> (default, parser from text: a type, "size", "count" (an integer >= 1), a tuple of words, or
 # the name of a range-checked number in argtypes.py, the flag's own type: "temperature", "top_p", ...)
@@ -48,6 +49,7 @@ SETTINGS = {
     "cache_policy": ("lfu", CACHE_POLICY_CHOICES),
     "verify_reads": ("on", ("on", "off")),
     "truncate_prompt": ("off", TRUNCATE_CHOICES),
+    "thinking": (None, THINKING_CHOICES),
 }
 
 

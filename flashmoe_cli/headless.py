@@ -88,9 +88,10 @@ def run(args) -> int:
 
 def _stream(args, loaded, session, handle, deadline: float | None = None) -> int:
     """Write the reply as it comes; record it; the summary goes to stderr."""
-    from engine import EngineFailed, GenerationFinished, LayerTimings, TokenGenerated
+    from engine import EngineFailed, GenerationFinished, LayerTimings, PrefillProgress, TokenGenerated
 
     from .cli import error
+    from .reasoning import ReplySplitter, reasoning_cut_note, show_segments
 
     out = sys.stdout
     shown = safe if is_tty(out) else str  # a terminal never gets the model's control sequences
@@ -116,6 +117,9 @@ def _stream(args, loaded, session, handle, deadline: float | None = None) -> int
     rows_sum: dict[int, list] = {}
     steps = 0
     interrupted = timed_out = False
+    split = ReplySplitter()  # the answer on stdout; reasoning only with --show-reasoning / --json
+    shown_reasoning = getattr(args, "show_reasoning", False)
+    in_think: list[bool] = [False]
     while True:
         try:
             wait = SAVE_EVERY_S
@@ -135,10 +139,20 @@ def _stream(args, loaded, session, handle, deadline: float | None = None) -> int
             continue
         if isinstance(ev, TokenGenerated):
             session.stream(ev.text)
+            segments = split.feed(ev.text)
+            if args.json:  # reasoning text as its own events; the token event carries the answer's
+                for seg in segments:
+                    if seg.kind == "reasoning":
+                        emit_json({"event": "reasoning", "id": ev.id, "text": seg.text, "step": ev.step})
+                answer = "".join(s.text for s in segments if s.kind == "text")
+                if answer or not segments:
+                    emit_json(ev.to_dict() | {"text": answer})
+            else:
+                write(shown(show_segments(segments, shown_reasoning, in_think)))
+        elif isinstance(ev, PrefillProgress):
+            split.prefill(ev.reasoning)
             if args.json:
                 emit_json(ev.to_dict())
-            elif ev.text:
-                write(shown(ev.text))
         elif isinstance(ev, LayerTimings):
             steps += 1
             for r in ev.rows:
@@ -158,10 +172,16 @@ def _stream(args, loaded, session, handle, deadline: float | None = None) -> int
             emit_json(ev.to_dict())
     done = ev
     session.finish(done.text, done, interrupted=done.reason == "cancelled")
+    segments = split.finish(done.tail)
     if args.json:
+        for seg in segments:
+            if seg.kind == "reasoning":
+                emit_json({"event": "reasoning", "id": None, "text": seg.text, "step": None})
         emit_json(done.to_dict())
     else:
-        write(shown(done.tail) + "\n")
+        write(shown(show_segments(segments, shown_reasoning, in_think, end=True)) + "\n")
+    if split.ended_in_reasoning and done.reason != "cancelled":
+        print(f"flashmoe: note: {reasoning_cut_note(done.reason)}", file=sys.stderr)
     if lost:
         raise lost[0]  # saved; cli.main turns it into the exit code (a closed pipe: 0, a hangup: 129)
     if args.timing != "off":
