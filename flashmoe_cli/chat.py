@@ -28,13 +28,33 @@ SAVE_EVERY_S = 0.25
 NO_REPLY = "[no reply: flashmoe stopped before it answered]"
 
 
+class Turn(dict):
+    """A message of the history (a plain dict to the chat template) that carries how it ended:
+    `mark` "interrupted" (stopped: Esc, Ctrl-C, a signal), "incomplete" (the process died while
+    writing it) or "". The front ends show it on a resumed conversation and in /save."""
+
+    def __init__(self, message: dict, mark: str = "") -> None:
+        super().__init__(message)
+        self.mark = mark
+
+
+def mark_of(message: dict) -> str:
+    return getattr(message, "mark", "")
+
+
+def is_tool_result(message: dict) -> bool:
+    """A tool's result: a "tool" turn, or (templates without one) a user turn in <tool_response>."""
+    return message.get("role") == "tool" or (
+        message.get("role") == "user" and message.get("content", "").startswith("<tool_response>"))
+
+
 def resumed_history(messages) -> list[dict]:
     """Saved messages as a history the model can continue: a reply that never came (the process
     died before its first token, or before its row was written) becomes a note, so user turns
     never follow each other (tool results sent back as user turns may)."""
     out: list[dict] = []
     for m in messages:
-        d = m.for_template()
+        d = Turn(m.for_template(), "incomplete" if not m.complete else "interrupted" if m.interrupted else "")
         if m.role == "assistant" and not m.complete and not m.content.strip():
             d["content"] = NO_REPLY
         if (d["role"] == "user" and out and out[-1]["role"] == "user"
@@ -42,6 +62,14 @@ def resumed_history(messages) -> list[dict]:
             out.append({"role": "assistant", "content": NO_REPLY})
         out.append(d)
     return out
+
+
+def resume_hint(session) -> str | None:
+    """The line a chat prints on stderr as it quits: how to come back to what was saved."""
+    if session.store is None or session.cid is None:
+        return None
+    return (f"flashmoe: conversation {session.cid} is saved; `flashmoe chat -c` resumes the latest, "
+            f"`flashmoe chat --cid {session.cid}` this one")
 
 
 def say_store_failed(path, e: BaseException) -> None:
@@ -187,7 +215,7 @@ class ChatSession:
 
     def add(self, message: dict, done: GenerationFinished | None = None, interrupted: bool = False) -> None:
         """Append any message (user, assistant with tool_calls, tool result) and record it."""
-        self.history.append(message)
+        self.history.append(Turn(message, "interrupted") if interrupted else message)
         extra = {k: v for k, v in message.items() if k not in ("role", "content")}
         stats = None
         if done is not None or extra:
@@ -235,7 +263,7 @@ class ChatSession:
 
     def finish(self, text: str, done: GenerationFinished | None = None, interrupted: bool = False) -> None:
         """Record the reply (the partial one too, marked, when it was interrupted)."""
-        self.history.append({"role": "assistant", "content": text})
+        self.history.append(Turn({"role": "assistant", "content": text}, "interrupted" if interrupted else ""))
         stats = None
         if done is not None:
             stats = {k: v for k, v in done.to_dict().items() if k not in ("text", "tail", "event")}
@@ -271,7 +299,9 @@ class ChatSession:
         if self.system:
             out += ["**system**", "", self.system, ""]
         for m in self.history:
-            out += [f"**{m['role']}**", "", m["content"], ""]
+            who = "tool result" if is_tool_result(m) else m["role"]
+            mark = f" ({mark_of(m)})" if mark_of(m) else ""
+            out += [f"**{who}**{mark}", "", m["content"], ""]
         tmp = path.with_name(path.name + ".partial")
         tmp.write_text("\n".join(out))
         os.replace(tmp, path)

@@ -289,6 +289,25 @@ def resolve_dtype(choice: str) -> str | None:
     return None if choice == "keep" else choice
 
 
+DEMO_NOTE = ("This is the demo model: SmolLM2-135M, a 135M-parameter toy made into an 8-expert MoE to show "
+             "expert streaming. Its answers are often wrong and its tool use is unreliable: do not trust "
+             "either. For real work give a real model with -m (README: Models).")
+
+
+def is_demo(model: str | None) -> bool:
+    """Is this folder the built-in demo (what `-m` defaults to)?"""
+    if not model:
+        return False
+    from pathlib import Path
+
+    from engine.demo import demo_path
+
+    try:
+        return Path(model).resolve() == demo_path().resolve()
+    except (OSError, RuntimeError):
+        return False
+
+
 def resolve_model(model: str | None) -> str:
     """The model folder to use: the one given, or the demo model (built on first use)."""
     if model:

@@ -28,8 +28,10 @@ def parse(line: str) -> tuple[str, str] | None:
     return name, arg.strip()
 
 
-def help_text(keys: str = "") -> str:
-    lines = ["Commands:"] + [f"  /{k:<7} {v}" for k, v in COMMANDS.items()]
+def help_text(keys: str = "", overrides: dict[str, str] | None = None) -> str:
+    """The commands and (keys) the keys; `overrides`: what a command does in this front end."""
+    described = COMMANDS | (overrides or {})
+    lines = ["Commands:"] + [f"  /{k:<7} {v}" for k, v in described.items()]
     if keys:
         lines += ["", keys]
     return "\n".join(lines)

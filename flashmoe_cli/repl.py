@@ -15,11 +15,17 @@ stdout=io.StringIO(), stderr=io.StringIO())`, or `LineRepl` directly.
 """
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
+try:
+    import termios
+except ImportError:  # pragma: no cover  (Windows: no tty echo to switch off)
+    termios = None
 from prompt_toolkit import PromptSession
 from prompt_toolkit.auto_suggest import AutoSuggestFromHistory
 from prompt_toolkit.completion import Completer, Completion
@@ -28,9 +34,10 @@ from prompt_toolkit.filters import has_focus
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
-from engine.events import EngineFailed, GenerationFinished, LayerTimings, TokenGenerated
+from engine.events import EngineFailed, GenerationFinished, LayerTimings, PrefillProgress, TokenGenerated
 
 from . import signals
+from .chat import resume_hint
 from .commands import ALIASES, COMMANDS, CommandError, help_text, parse
 from .exit_codes import ExitCode
 from .term_safe import safe
@@ -43,6 +50,10 @@ KEYS = """Keys:
   Ctrl-X Ctrl-E      edit in $EDITOR         Ctrl-C                 stop the reply / clear the line
   Ctrl-D             quit (empty line)       Ctrl-C twice           quit"""
 
+# what a command does here, where COMMANDS (shared with the TUI) says otherwise: no panel
+REPL_COMMANDS = COMMANDS | {
+    "timing": "/timing off|step|layer sets the timing mode; alone, shows it and the last reply's per-layer table",
+}
 QUIT_WINDOW = 1.5  # seconds between two Ctrl-C on an empty line that quit
 POLL_S = 0.1  # how often the stream loop wakes while it waits (keeps Ctrl-C prompt everywhere)
 TIMING_MODES = ("off", "step", "layer")
@@ -58,7 +69,7 @@ class SlashCompleter(Completer):
         word = text[1:].lower()
         for name in list(COMMANDS) + [a for a in ALIASES if a.isalpha()]:
             if name.startswith(word):
-                yield Completion("/" + name, start_position=-len(text), display_meta=COMMANDS.get(name, ""))
+                yield Completion("/" + name, start_position=-len(text), display_meta=REPL_COMMANDS.get(name, ""))
 
 
 class Utf8FileHistory(FileHistory):
@@ -83,6 +94,31 @@ def open_history(path: Path | None = None, stderr=None) -> History:
     except OSError as e:
         print(f"flashmoe: warning: history is not saved ({path}: {e.strerror or e})", file=stderr or sys.stderr)
         return InMemoryHistory()
+
+
+@contextmanager
+def no_echo(stream):
+    """While a reply streams nothing reads the terminal, so the tty itself would echo what is typed
+    into the reply: switch its echo off (ISIG stays, so Ctrl-C still stops the reply). What was
+    typed waits in the tty and shows at the next prompt, as type-ahead does in a shell."""
+    try:
+        fd = stream.fileno()
+        old = termios.tcgetattr(fd) if termios is not None and os.isatty(fd) else None
+    except (AttributeError, ValueError, OSError) + ((termios.error,) if termios else ()):  # a pipe, a StringIO, a closed stream
+        old = None
+    if old is None:
+        yield
+        return
+    quiet = list(old)
+    quiet[3] &= ~(termios.ECHO | termios.ECHONL)
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        try:
+            termios.tcsetattr(fd, termios.TCSANOW, old)
+        except termios.error:  # the terminal went away
+            pass
 
 
 class LineRepl:
@@ -127,6 +163,28 @@ class LineRepl:
         self.out.write(safe(text))
         self.out.flush()
 
+    _dim = False  # reasoning is being shown
+
+    def show(self, segments, end: bool = False) -> None:
+        """Reply text: the answer as it is, reasoning dimmed on a terminal (between '<think>' and
+        '</think>' lines elsewhere)."""
+        from .reasoning import SHOW_CLOSE, SHOW_OPEN
+        from .term_safe import is_tty
+
+        tty = is_tty(self.out)
+        for seg in segments:
+            if seg.kind not in ("text", "reasoning") or not seg.text:
+                continue
+            thinking = seg.kind == "reasoning"
+            if thinking != self._dim:
+                self.out.write(("\x1b[2m" if tty else SHOW_OPEN) if thinking else ("\x1b[0m\n\n" if tty else SHOW_CLOSE))
+                self._dim = thinking
+            self.write(seg.text)
+        if end and self._dim:
+            self.out.write("\x1b[0m" if tty else SHOW_CLOSE.rstrip("\n"))
+            self._dim = False
+            self.out.flush()
+
     def say(self, text: str) -> None:
         """A line for the user that is not the model's answer: stderr, after whatever stdout holds."""
         self.out.flush()
@@ -141,6 +199,10 @@ class LineRepl:
         model = getattr(ld, "model", "") or "model"
         mode = f" ({ld.model_type}, {ld.mode})" if getattr(ld, "model_type", None) else ""
         self.say(f"flashmoe chat: {model}{mode}. /help lists the commands; Ctrl-D quits.")
+        from .cli import DEMO_NOTE, is_demo
+
+        if is_demo(getattr(ld, "model", None)):
+            self.say(DEMO_NOTE)
 
     def run(self) -> int:
         self.banner()
@@ -148,6 +210,9 @@ class LineRepl:
             line = self.read()
             # after SIGTERM / SIGHUP the reply it stopped is saved: quit with 128 + the signal
             if line is None or not self.handle(line) or signals.received is not None:
+                hint = resume_hint(self.session)
+                if hint:
+                    self.say(hint)
                 return signals.exit_code(ExitCode.OK)
 
     def read(self) -> str | None:
@@ -190,10 +255,11 @@ class LineRepl:
                 arg = decode_text(arg, "/system", self.err)
             return self.command(name, arg)
         line = decode_text(line, "the message", self.err)  # typed bytes that were not UTF-8
-        if self.agent is not None:
-            self.agent_reply(line)
-        else:
-            self.reply(line)
+        with no_echo(sys.stdin if self._input is None else self._input):  # typing is not echoed into the reply
+            if self.agent is not None:
+                self.agent_reply(line)
+            else:
+                self.reply(line)
         return True
 
     def command(self, name: str, arg: str) -> bool:
@@ -201,7 +267,7 @@ class LineRepl:
         if name == "exit":
             return False
         if name == "help":
-            self.say(help_text(KEYS))
+            self.say(help_text(KEYS, REPL_COMMANDS))
         elif name == "clear":
             s.clear()
             self.last_layers = None
@@ -245,7 +311,10 @@ class LineRepl:
     # -- one reply -------------------------------------------------------------------------
     def reply(self, text: str) -> None:
         """Send `text` and stream the answer; Ctrl-C stops it and keeps what came."""
+        from .reasoning import ReplySplitter
+
         handle = self.session.send(text)
+        split = ReplySplitter()  # reasoning shown dimmed, apart from the answer
         pieces: list[str] = []
         rows_sum: dict[int, list[float]] = {}
         steps = 0
@@ -268,7 +337,9 @@ class LineRepl:
                     if ev.text:
                         self.session.stream(ev.text)
                         pieces.append(ev.text)
-                        self.write(ev.text)
+                        self.show(split.feed(ev.text))
+                elif isinstance(ev, PrefillProgress):
+                    split.prefill(ev.reasoning)
                 elif isinstance(ev, LayerTimings):
                     steps += 1
                     for r in ev.rows:
@@ -290,12 +361,16 @@ class LineRepl:
                 handle.cancel()
         if done is not None and done.reason == "cancelled":
             interrupted = True
+        self.show(split.finish(done.tail if done is not None else ""), end=True)
         if done is not None:
-            self.write(done.tail)
             reply = done.text
         else:
             reply = "".join(pieces)
         self.write("\n")
+        if split.ended_in_reasoning and not interrupted:
+            from .reasoning import reasoning_cut_note
+
+            self.say(f"flashmoe: note: {reasoning_cut_note(done.reason if done else 'stop')}")
         if interrupted:
             self.write("[interrupted]\n")
         self.session.finish(reply, done, interrupted=interrupted)
@@ -333,9 +408,10 @@ class LineRepl:
     def _on_agent_event(self, ev) -> None:
         from .agent import TextChunk, ToolCallEvent, ToolResultEvent
 
-        if isinstance(ev, TextChunk) and ev.kind == "text":
-            self.write(ev.text)
+        if isinstance(ev, TextChunk):
+            self.show([ev])
         elif isinstance(ev, ToolCallEvent):
+            self.show([], end=True)
             import json
 
             state = "" if ev.valid else f"  [invalid: {ev.error}]"
@@ -350,7 +426,10 @@ class LineRepl:
 
     def agent_reply(self, text: str) -> None:
         end = self.agent.run_turn(text)
+        self.show([], end=True)
         self.write("\n")
+        if end.status == "done" and end.message:  # the reply ended inside its reasoning
+            self.say(f"flashmoe: note: {end.message}")
         if end.status == "cancelled":
             self.write("[interrupted]\n")
         elif end.status != "done":

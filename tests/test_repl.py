@@ -7,6 +7,7 @@ requests the FakeEngine received and what the conversation store recorded.
 from __future__ import annotations
 
 import io
+import json
 import os
 import select
 import subprocess
@@ -353,8 +354,10 @@ def test_load_error_through_make_engine_exits_3(monkeypatch):
 
 
 def test_bad_flags_are_a_usage_error_before_loading():
-    with pytest.raises(cli.UsageError):
-        run_repl(chat_args("--top-p", "1.5"), engine=FakeEngine())
+    with pytest.raises(cli.UsageError):  # the sampler refuses it (argparse takes any integer)
+        run_repl(chat_args("--seed", "-1"), engine=FakeEngine())
+    with pytest.raises(SystemExit):  # out of range: argparse (argtypes.top_p), exit 2
+        chat_args("--top-p", "1.5")
     with pytest.raises(SystemExit):  # argparse refuses this one itself (exit 2)
         chat_args("--max-tokens", "0")
 
@@ -479,3 +482,107 @@ def test_non_utf8_bytes_typed_in_a_line_or_system_are_replaced_and_said(home):
     store = open_store()
     assert store.get(store.latest()).system == "be \ufffd brief"
     assert [m.content for m in latest_messages()] == ["caf\ufffd", "ok"]
+
+
+class Pty:
+    """`flashmoe chat --no-tui` on a pseudo-terminal: what it showed, and keys typed into it."""
+
+    def __init__(self, home, replies, delay="0.02"):
+        import pty
+
+        env = dict(os.environ, TERM="xterm-256color", FLASHMOE_HOME=str(home), FLASHMOE_FAKE_DELAY=delay,
+                   FLASHMOE_FAKE_REPLIES=json.dumps(replies), PROMPT_TOOLKIT_NO_CPR="1")
+        env.pop("FORCE_COLOR", None)
+        self.master, slave = pty.openpty()
+        child = ("import fcntl, runpy, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+                 "sys.argv[0] = 'flashmoe'; runpy.run_module('flashmoe_cli', run_name='__main__')")
+        self.proc = subprocess.Popen([sys.executable, "-c", child, "chat", "--engine", "fake", "--no-tui"],
+                                     stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT,
+                                     start_new_session=True)
+        os.close(slave)
+        self.seen, self.mark = b"", 0
+
+    def until(self, needle: bytes, timeout: float = 10.0) -> int:
+        """Wait until `needle` appears after the previous match; returns where it starts."""
+        end = time.monotonic() + timeout
+        while needle not in self.seen[self.mark:]:
+            left = end - time.monotonic()
+            assert left > 0, f"waited for {needle!r}; the terminal shows:\n{self.seen.decode(errors='replace')}"
+            if select.select([self.master], [], [], min(left, 0.1))[0]:
+                try:
+                    self.seen += os.read(self.master, 4096)
+                except OSError:
+                    pass
+        at = self.seen.index(needle, self.mark)
+        self.mark = at + len(needle)
+        return at
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.master, keys)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.master)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_text_typed_during_a_reply_is_not_echoed_into_it_and_waits_for_the_prompt(home):
+    from flashmoe_cli.paths import logs_db
+    from flashmoe_cli.store import Store
+
+    words = " ".join(f"w{i}" for i in range(60))
+    t = Pty(home, [words, "second answer"])
+    try:
+        bracketed = b"\x1b[?2004h"  # prompt-toolkit is reading: the prompt is up
+        t.until(bracketed)
+        t.type(b"hi\r")
+        start = t.until(b"w3 ")
+        t.type(b"typed ahead")  # while the reply streams
+        end = t.until(b"w59")
+        t.until(b"prefill ")  # the summary after the reply
+        reply = t.seen[start:end]
+        assert b"typed" not in reply and b"ahead" not in reply, reply
+        t.until(bracketed)
+        t.until(b"typed ahead")  # the next prompt shows it, ready to send
+        t.type(b" now\r")
+        t.until(b"second answer")
+        t.until(bracketed)
+        time.sleep(0.3)
+        t.type(b"\x04")
+        assert t.proc.wait(timeout=10) == 0
+    finally:
+        t.close()
+    store = Store(logs_db())  # FLASHMOE_HOME is `home` here too
+    users = [m.content for m in store.messages(store.latest()) if m.role == "user"]
+    assert users == ["hi", "typed ahead now"]
+
+
+def test_help_describes_timing_as_the_repl_has_it_no_panel():
+    t = drive("/help" + ENTER + CTRL_D)
+    assert t.code == 0, t
+    timing = next(line for line in t.err.splitlines() if line.strip().startswith("/timing"))
+    assert "panel" not in t.err and "per-layer table" in timing, t
+    assert [c.display_meta_text for c in SlashCompleter().get_completions(Document("/tim"), None)] == \
+        [timing.strip().split(None, 1)[1]]
+
+
+def test_quitting_says_how_to_resume_the_conversation(home):
+    from flashmoe_cli.paths import logs_db
+    from flashmoe_cli.store import Store
+
+    t = drive("hi" + ENTER + CTRL_D)
+    assert t.code == 0, t
+    cid = Store(logs_db()).latest()
+    assert cid is not None
+    assert t.err.splitlines()[-1] == (f"flashmoe: conversation {cid} is saved; `flashmoe chat -c` resumes the "
+                                      f"latest, `flashmoe chat --cid {cid}` this one"), t
+    t = drive("hi" + ENTER + CTRL_D, None, "--cid", cid)  # resumed: the same id again
+    assert t.err.splitlines()[-1].startswith(f"flashmoe: conversation {cid} is saved"), t
+
+
+@pytest.mark.parametrize("keys,flags", [(CTRL_D, ()), ("hi" + ENTER + CTRL_D, ("-n",))])
+def test_nothing_saved_no_resume_hint(keys, flags):
+    t = drive(keys, None, *flags)
+    assert t.code == 0 and "is saved" not in t.err and "chat -c" not in t.err, t

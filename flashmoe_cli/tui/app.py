@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import re
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -35,7 +36,8 @@ from engine.events import (
     TokenGenerated,
 )
 
-from ..cli import human_bytes
+from ..chat import mark_of, resume_hint
+from ..cli import DEMO_NOTE, human_bytes, is_demo
 from ..commands import CommandError, help_text, parse
 from ..exit_codes import ExitCode
 from ..term_safe import safe
@@ -75,6 +77,15 @@ REDRAW_S = 0.1  # the layer panel and the live figures are redrawn at most this 
 RSS_EVERY = 10  # redraw ticks between memory readings
 QUIT_WINDOW_S = 1.0  # two Ctrl+C presses this close together quit
 TIMING_MODES = ("off", "step", "layer")
+PANEL_MIN_COLUMNS = 100  # narrower, the layer panel (48 columns) is hidden until F2 shows it
+
+
+class MainRow(Horizontal):
+    """The transcript and the layer panel; it is as wide as the terminal, so its resize is the
+    terminal's (the app's own Resize handler stops the event)."""
+
+    def on_resize(self) -> None:
+        self.app.fit_panel()
 
 
 @dataclass
@@ -141,7 +152,7 @@ class ChatApp(App[int]):
     # -- layout --------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
         yield StatusBar(id="status")
-        with Horizontal(id="main"):
+        with MainRow(id="main"):
             yield Transcript(id="transcript")
             yield LayerPanel(id="layers")
         yield Static(id="activity")
@@ -173,7 +184,8 @@ class ChatApp(App[int]):
         logging.getLogger("flashmoe").propagate = False
         timing = self.session.options.timing
         self.panel.set_mode(timing)
-        self.panel.display = (timing != "off") if self._show_layers is None else self._show_layers
+        self._panel_auto = self._show_layers is None  # shown or hidden by the width until F2 or /timing
+        self.panel.display = self._panel_fits() if self._panel_auto else self._show_layers
         self.status.set(rss=self._rss())
         self.transcript.anchor()
         for m in self.session.history:  # a resumed conversation (-c / --cid)
@@ -185,9 +197,13 @@ class ChatApp(App[int]):
                 content = m["content"]
                 text = TOOL_CALL_MARKUP.sub("", content).strip()
                 if text == content.strip() and not m.get("tool_calls"):
-                    self.transcript.mount(AssistantMessage(text=content))
+                    self.transcript.mount(box := AssistantMessage(text=content))
                 elif text:  # a reply with tool calls: its text (the calls show as their results)
-                    self.transcript.mount(AssistantMessage(text=text))
+                    self.transcript.mount(box := AssistantMessage(text=text))
+                else:
+                    continue
+                if mark_of(m):  # stopped, or cut short by a crash, when it was written
+                    box.mark(mark_of(m))
         self.set_activity("loading the model…")
         self.set_interval(REDRAW_S, self.redraw)
         import asyncio
@@ -200,6 +216,15 @@ class ChatApp(App[int]):
             pass
         self.run_worker(self._load_engine, thread=True, exit_on_error=False, group="load", name="load model")
         self.prompt.focus()
+
+    def _panel_fits(self) -> bool:
+        """Shown by default with timing on and room beside the transcript (PANEL_MIN_COLUMNS)."""
+        return self.session.options.timing != "off" and self.size.width >= PANEL_MIN_COLUMNS
+
+    def fit_panel(self) -> None:
+        """The terminal was resized (MainRow): show or hide the panel, unless the user chose."""
+        if getattr(self, "_panel_auto", False):
+            self.panel.display = self._panel_fits()
 
     def set_activity(self, text: str | Text, style: str = "") -> None:
         """The line above the message box: loading, prefill progress, generating, ready."""
@@ -231,7 +256,8 @@ class ChatApp(App[int]):
                   f"({info.moe_layers} with experts), {info.experts} experts, top-{info.top_k}, {bits}, "
                   f"expert cache {human_bytes(info.cache_bytes)}"
                   + (f" ({info.cache_policy})" if info.cache_policy else "") + f", loaded in {info.load_s:.1f} s\n"
-                  "Type a message and press Enter. /help lists the commands, F1 the keys.", title="model",
+                  + (DEMO_NOTE + "\n" if is_demo(info.model) else "")
+                  + "Type a message and press Enter. /help lists the commands, F1 the keys.", title="model",
                   before=self._queued)
         if self.args is not None and getattr(self.args, "tools", None) and not self._build_agent(info):
             return
@@ -658,6 +684,7 @@ class ChatApp(App[int]):
             self.push_screen(HelpScreen())
 
     def action_toggle_layers(self) -> None:
+        self._panel_auto = False  # the user's choice from now on, at any width
         self.panel.display = not self.panel.display
 
     def prefill_prompt(self, text: str) -> None:
@@ -695,6 +722,7 @@ class ChatApp(App[int]):
             elif arg in TIMING_MODES:
                 session.options.timing = arg
                 self.panel.set_mode(arg)
+                self._panel_auto = False
                 self.panel.display = arg != "off"
                 self.note(f"Timing {arg} from the next reply."
                           + (" Layer timing adds a sync per layer." if arg == "layer" else ""))
@@ -764,6 +792,9 @@ def run_tui(args) -> int:
         app.run()
     finally:
         app.stop_engine()
+    hint = resume_hint(session)  # the screen is the shell's again: say how to come back
+    if hint:
+        print(hint, file=sys.stderr, flush=True)
     return ExitCode.OK if app.return_code is None else app.return_code
 
 

@@ -99,15 +99,40 @@ async def test_layer_panel_has_a_row_per_layer_and_coalesces():
         assert "█" in row
 
 
-async def test_step_timing_marks_the_layer_only_columns():
+def step_rows(engine):
+    """The fake reports layer-timing rows; make them step rows (attention and compute unmeasured)."""
+    import dataclasses
+
+    from engine.events import LayerTimings
+
+    hook = engine._hook
+
+    def as_step(handle, ev):
+        ev = hook(handle, ev)
+        return dataclasses.replace(ev, mode="step") if isinstance(ev, LayerTimings) else ev
+
+    engine._hook = as_step
+
+
+async def test_step_timing_drops_the_columns_it_cannot_fill():
     app, engine, session = make_app(timing="step")
+    step_rows(engine)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
+        assert app.panel.header.render().plain.split() == ["L", "route", "I/O", "hit/mis", "time"]
         await send(pilot, "hi")
         await wait_idle(pilot)
-        app.panel.rows_widget.mode = "step"  # the fake always reports layer rows; draw them as step rows
         row = app.panel.row_texts()[0].split()
-    assert row[1] == "-" and row[2] == "0.3" and row[4] == "-"
+        total = app.panel.rows_widget.row_text(8).plain.split()
+        legend = app.panel.border_subtitle
+        header = app.panel.header.render().plain.split()
+        await send(pilot, "/timing layer")
+        layer_header = app.panel.header.render().plain.split()
+    assert row[:4] == ["0", "0.3", "2.0", "3/1"] and "█" in row[4] and len(row) == 5
+    assert total[:3] == ["all", "2.4", "32.0"]  # 8 layers' route and I/O
+    assert "attn" not in legend and "comp" not in legend and "route" in legend and "I/O" in legend
+    assert header == ["L", "route", "I/O", "hit/mis", "time"]
+    assert layer_header == ["L", "attn", "route", "I/O", "comp", "hit/mis", "time"]
 
 
 async def test_f2_and_timing_command_toggle_the_panel():
@@ -334,3 +359,117 @@ async def test_engine_warnings_become_notifications_not_stderr(capsys):
         await wait_for(pilot, lambda: any("dropped its oldest 7 tokens" in n.message for n in app._notifications),
                        what="the notification")
     assert "dropped its oldest" not in capsys.readouterr().err
+
+
+# -- what a new user hit (issue 13, item 7) --------------------------------------------------------
+async def test_raw_html_and_unknown_tags_in_a_reply_are_shown_as_text():
+    from textual.widgets._markdown import MarkdownBlock
+
+    reply = "<div>hi there</div>\n\nText with <b>bold</b>, <br> and <tool_result>x</tool_result>."
+    app, engine, session = make_app([reply])
+    session.history = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<p>saved</p>"}]
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await send(pilot, "hi")
+        await wait_idle(pilot)
+        shown = [[str(b.render()) for b in box.markdown.query(MarkdownBlock)] for box in boxes(app, AssistantMessage)]
+    assert shown == [["<p>saved</p>"],
+                     ["<div>hi there</div>", "Text with <b>bold</b>, <br> and <tool_result>x</tool_result>."]]
+
+
+async def test_a_resumed_interrupted_reply_keeps_its_mark(tmp_path):
+    from flashmoe_cli.chat import ChatOptions, ChatSession
+    from flashmoe_cli.store import Store
+
+    store = Store(tmp_path / "logs.db")
+    cid = store.new_conversation("fake")
+    store.add_message(cid, "user", "first")
+    store.add_message(cid, "assistant", "stopped half", interrupted=True)
+    store.add_message(cid, "user", "second")
+    store.add_message(cid, "assistant", "cut by a crash", interrupted=True, complete=False)
+    store.add_message(cid, "user", "third")
+    store.add_message(cid, "assistant", "whole")
+    app, engine, _ = make_app()
+    app.session = ChatSession(engine, store, ChatOptions(timing="layer"), cid=cid, model_name="fake")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        shown = [(a.text, str(a.border_subtitle or ""), a.has_class("-interrupted")) for a in boxes(app, AssistantMessage)]
+    assert shown == [("stopped half", "(interrupted)", True), ("cut by a crash", "(incomplete)", True),
+                     ("whole", "", False)]
+
+
+@pytest.mark.parametrize("size,shown", [((80, 24), False), ((99, 30), False), ((100, 30), True)])
+async def test_the_layer_panel_is_hidden_below_100_columns(size, shown):
+    app, engine, session = make_app()
+    async with app.run_test(size=size) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        assert app.panel.display is shown
+        await pilot.press("f2")  # F2 still shows (hides) it at any width
+        assert app.panel.display is not shown
+        await pilot.resize_terminal(120, 30)  # the user chose: a resize does not undo it
+        await pilot.pause(0.1)
+        assert app.panel.display is not shown
+
+
+async def test_the_layer_panel_follows_the_width_until_the_user_toggles_it():
+    app, engine, session = make_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        assert not app.panel.display
+        await pilot.resize_terminal(120, 30)
+        await pilot.pause(0.1)
+        assert app.panel.display
+        await pilot.resize_terminal(90, 30)
+        await pilot.pause(0.1)
+        assert not app.panel.display
+
+
+async def test_the_layer_panel_says_which_rows_are_in_view():
+    app, engine, session = make_app(layers=30)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        assert app.panel.border_title.startswith("layers · ms")
+        await send(pilot, "hi")
+        await wait_idle(pilot)
+        await pilot.pause(0.1)
+        window = app.panel.scrollable_content_region.height - 1
+        title = app.panel.border_title
+        app.panel.scroll_to(y=5, animate=False)
+        await pilot.pause(0.1)
+        scrolled = app.panel.border_title
+        app.panel.scroll_end(animate=False)
+        await pilot.pause(0.1)
+        end = app.panel.border_title
+    assert 10 < window < 30
+    assert title.startswith(f"rows 0-{window - 1} of 30 · ms · step "), title
+    assert scrolled.startswith(f"rows 5-{window + 4} of 30 · "), scrolled
+    assert end.startswith(f"rows {31 - window}-29 of 30 · "), end  # the sum row is the last line
+
+
+async def test_few_layers_that_fit_need_no_row_count():
+    app, engine, session = make_app(layers=8)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await send(pilot, "hi")
+        await wait_idle(pilot)
+        assert app.panel.border_title.startswith("layers · ms · step ")
+
+
+async def test_the_demo_says_it_is_a_toy_not_to_be_trusted():
+    import dataclasses
+
+    from engine.demo import demo_path
+
+    from flashmoe_cli.cli import DEMO_NOTE
+
+    app, engine, session = make_app()
+    engine.loaded_info = dataclasses.replace(engine.loaded_info, model=str(demo_path()))
+    other, *_ = make_app()  # any other model: no such note
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        welcome = boxes(app, Note)[0].text
+    async with other.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: other.loaded is not None)
+        plain = boxes(other, Note)[0].text
+    assert DEMO_NOTE in welcome and "135M" in DEMO_NOTE and "do not trust" in DEMO_NOTE
+    assert "tool use" in DEMO_NOTE and DEMO_NOTE not in plain

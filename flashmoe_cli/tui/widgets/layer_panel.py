@@ -23,7 +23,22 @@ PHASES = (
     ("other_ms", "other", "#878787"),
 )
 LAYER_ONLY = {"attn_ms", "expert_compute_ms", "other_ms"}  # measured only with --timing layer
-FIXED = 36  # cells before the bar: layer, four times, hits/misses
+
+
+def columns(mode: str) -> tuple:
+    """The time columns a mode fills: step timing measures only routing and expert I/O per layer,
+    so its rows leave attention and compute out instead of showing them empty."""
+    return tuple(p for p in PHASES[:4] if mode != "step" or p[0] not in LAYER_ONLY)
+
+
+def fixed_cells(mode: str) -> int:
+    """Cells before the bar: layer, the times, hits/misses."""
+    return 4 + 6 * len(columns(mode)) + 8
+
+
+def header(mode: str) -> Text:
+    times = " ".join(f"{label:>5}" for _, label, _ in columns(mode))
+    return Text(f"{'L':>3} {times} {'hit/mis':<7} time", style="bold")
 
 
 def fmt_ms(v: float) -> str:
@@ -84,11 +99,9 @@ class LayerRows(Widget):
         r = self.rows[y]
         t = Text()
         t.append(f"{r.layer:>3} ", style="bold")
-        for field, _, colour in PHASES[:4]:
+        for field, _, colour in columns(self.mode):
             v = getattr(r, field)
-            if self.mode == "step" and field in LAYER_ONLY:
-                t.append("    -", style="dim")
-            elif field == "expert_io_ms":
+            if field == "expert_io_ms":
                 t.append(fmt_ms(v), style=heat(v / self._max_io if self._max_io else 0.0))
             else:
                 t.append(fmt_ms(v), style=colour)
@@ -99,7 +112,7 @@ class LayerRows(Widget):
         t.append("/", style="dim")
         t.append(misses, style="#e0675f" if r.misses else "dim")
         t.append(" ")
-        width = max(0, self.size.width - FIXED)
+        width = max(0, self.size.width - fixed_cells(self.mode))
         values = [getattr(r, f) for f, _, _ in PHASES]
         used = round(sum(values) / self._max_total * width) if self._max_total else 0
         for (_, _, colour), n in zip(PHASES, split_cells(values, used)):
@@ -109,11 +122,8 @@ class LayerRows(Widget):
     def _sum_text(self) -> Text:
         """The whole step: every layer's times and hits/misses added up."""
         t = Text("all ", style="bold")
-        for field, _, _ in PHASES[:4]:
-            if self.mode == "step" and field in LAYER_ONLY:
-                t.append("    -", style="dim")
-            else:
-                t.append(fmt_ms(sum(getattr(r, field) for r in self.rows)), style="bold")
+        for field, _, _ in columns(self.mode):
+            t.append(fmt_ms(sum(getattr(r, field) for r in self.rows)), style="bold")
             t.append(" ")
         hits, misses = sum(r.hits for r in self.rows), sum(r.misses for r in self.rows)
         t.append(f"{hits}/{misses}", style="bold")
@@ -129,41 +139,69 @@ class LayerRows(Widget):
 
 
 class LayerPanel(VerticalScroll):
-    """Toggled with F2 or /timing."""
+    """Toggled with F2 or /timing. Its title says which rows are in view ("rows 0-17 of 30") when
+    they do not all fit, so a panel that scrolls says so."""
 
     def __init__(self, id: str | None = None) -> None:
         super().__init__(id=id)
         self.rows_widget = LayerRows()
+        self.header = Static(header("step"), classes="layer-header")
         self.updates = 0  # redraws so far (tests check the coalescing)
         self.step: int | None = None
         self.timing_mode = "step"
         self._title()
 
     def compose(self):
-        header = Text(f"{'L':>3} {'attn':>5} {'route':>5} {'I/O':>5} {'comp':>5} {'hit/mis':<7} time", style="bold")
-        yield Static(header, classes="layer-header")
+        yield self.header
         yield self.rows_widget
 
+    def visible_rows(self) -> tuple[int, int] | None:
+        """(first, last) index of the layer rows in view; None when every row is."""
+        n = len(self.rows_widget.rows)
+        window = self.scrollable_content_region.height - 1  # the header is docked on top
+        if n == 0 or window <= 0 or window >= n + 1:  # the rows and their sum all fit
+            return None
+        first = min(round(self.scroll_y), n - 1)
+        return first, min(first + window, n) - 1
+
     def _title(self) -> None:
+        rows = self.rows_widget.rows
+        seen = self.visible_rows() if self.is_mounted else None
+        if seen is not None:
+            what = f"rows {rows[seen[0]].layer}-{rows[seen[1]].layer} of {len(rows)}"
+        else:
+            what = "layers"
         step = f" · step {self.step}" if self.step is not None else ""
-        self.border_title = f"layers · ms{step} · timing {self.timing_mode}"
+        self.border_title = f"{what} · ms{step} · timing {self.timing_mode}"
         legend = Text()
-        for i, (_, label, colour) in enumerate(PHASES):
+        shown = [p for p in PHASES if self.timing_mode != "step" or p[0] not in LAYER_ONLY]
+        for i, (_, label, colour) in enumerate(shown):
             legend.append(("  " if i else "") + "■ ", style=colour)
             legend.append(label)
         self.border_subtitle = legend.markup
 
+    def watch_scroll_y(self, old: float, new: float) -> None:
+        super().watch_scroll_y(old, new)
+        self._title()
+
+    def on_resize(self) -> None:
+        self._title()
+
     def set_mode(self, mode: str) -> None:
         self.timing_mode = mode
+        self.header.update(header(mode))
         self._title()
 
     def show_timings(self, ev) -> None:
         """Draw one LayerTimings event (in place)."""
         self.updates += 1
         self.step = ev.step
-        self.timing_mode = ev.mode
-        self._title()
+        if ev.mode != self.timing_mode:
+            self.timing_mode = ev.mode
+            self.header.update(header(ev.mode))
         self.rows_widget.set_rows(ev.rows, ev.mode)
+        self._title()
+        self.call_after_refresh(self._title)  # the rows' new height is known after the layout
 
     def row_texts(self) -> list[str]:
         return [self.rows_widget.row_text(i).plain for i in range(len(self.rows_widget.rows))]

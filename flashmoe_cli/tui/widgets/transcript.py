@@ -1,11 +1,18 @@
 """The conversation: user messages as typed, replies as streamed Markdown, notes and errors."""
 from __future__ import annotations
 
+from markdown_it import MarkdownIt
 from rich.text import Text
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Markdown, Static
 
 from ...term_safe import safe
+
+
+def html_as_text() -> MarkdownIt:
+    """Textual's parser with raw HTML off: a reply's <div>, <br> or <tool_result> is shown as the
+    text the model wrote (the default parser turns it into html tokens, which Markdown drops)."""
+    return MarkdownIt("gfm-like", {"html": False})
 
 
 class Transcript(VerticalScroll):
@@ -32,7 +39,7 @@ class AssistantMessage(Vertical):
     def __init__(self, title: str = "assistant", text: str = "") -> None:
         super().__init__(classes="msg -assistant")
         self.border_title = title
-        self.markdown = Markdown(safe(text) or None)
+        self.markdown = Markdown(safe(text) or None, parser_factory=html_as_text)
 
     def compose(self):
         yield self.markdown
@@ -42,13 +49,14 @@ class AssistantMessage(Vertical):
         return self.markdown.source
 
     def mark(self, state: str, detail: str = "") -> None:
-        """state: "streaming", "done", "interrupted" or "failed"; shown on the bottom border."""
+        """state: "streaming", "done", "interrupted", "incomplete" (a resumed reply whose process
+        died while writing it) or "failed"; shown on the bottom border."""
         for s in ("streaming", "interrupted", "failed"):
-            self.set_class(s == state, f"-{s}")
+            self.set_class(s == state or (s, state) == ("interrupted", "incomplete"), f"-{s}")
         if state == "streaming":
             self.border_subtitle = "…"
-        elif state == "interrupted":
-            self.border_subtitle = "(interrupted)"
+        elif state in ("interrupted", "incomplete"):
+            self.border_subtitle = f"({state})"
         elif state == "failed":
             self.border_subtitle = "(failed)"
         else:
