@@ -6,6 +6,7 @@ COMMANDS = {
     "clear": "start a new conversation",
     "system": "/system TEXT sets the system prompt (no TEXT: show it)",
     "timing": "/timing [off|step|layer] shows the per-layer panel or sets the timing mode",
+    "thinking": "/thinking on|off turns the model's reasoning on or off (its chat template's switch)",
     "save": "/save PATH writes the conversation as Markdown",
     "exit": "quit (also /quit, Ctrl-D on an empty line)",
 }
@@ -14,6 +15,21 @@ ALIASES = {"quit": "exit", "q": "exit", "?": "help"}
 
 class CommandError(Exception):
     """A slash command the user mistyped: shown, never fatal."""
+
+
+def set_thinking(session, arg: str) -> str:
+    """/thinking [on|off]: set it on the session (from the next reply); the line to show.
+    Raises CommandError for any other value."""
+    from engine.reasoning import THINKING_CHOICES
+
+    value = arg.strip().lower()
+    if not value:
+        now = session.options.thinking or "the chat template's default"
+        return f"thinking: {now} (/thinking on|off sets it)"
+    if value not in THINKING_CHOICES:
+        raise CommandError(f"usage: /thinking on|off (not {arg.strip()!r})")
+    session.options.thinking = value
+    return session.thinking_note() or f"thinking {value} from the next reply"
 
 
 def parse(line: str) -> tuple[str, str] | None:

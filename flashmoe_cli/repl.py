@@ -38,7 +38,7 @@ from engine.events import EngineFailed, GenerationFinished, LayerTimings, Prefil
 
 from . import signals
 from .chat import resume_hint
-from .commands import ALIASES, COMMANDS, CommandError, help_text, parse
+from .commands import ALIASES, COMMANDS, CommandError, help_text, parse, set_thinking
 from .exit_codes import ExitCode
 from .term_safe import safe
 from .utf8 import decode_text, scrub
@@ -185,6 +185,28 @@ class LineRepl:
             self._dim = False
             self.out.flush()
 
+    _dim = False  # reasoning is being shown
+
+    def show(self, segments, end: bool = False) -> None:
+        """Reply text: the answer as it is, reasoning dimmed on a terminal (between '<think>' and
+        '</think>' lines elsewhere)."""
+        from .reasoning import SHOW_CLOSE, SHOW_OPEN
+        from .term_safe import is_tty
+
+        tty = is_tty(self.out)
+        for seg in segments:
+            if seg.kind not in ("text", "reasoning") or not seg.text:
+                continue
+            thinking = seg.kind == "reasoning"
+            if thinking != self._dim:
+                self.out.write(("\x1b[2m" if tty else SHOW_OPEN) if thinking else ("\x1b[0m\n\n" if tty else SHOW_CLOSE))
+                self._dim = thinking
+            self.write(seg.text)
+        if end and self._dim:
+            self.out.write("\x1b[0m" if tty else SHOW_CLOSE.rstrip("\n"))
+            self._dim = False
+            self.out.flush()
+
     def say(self, text: str) -> None:
         """A line for the user that is not the model's answer: stderr, after whatever stdout holds."""
         self.out.flush()
@@ -280,6 +302,11 @@ class LineRepl:
                 self.say(f"system prompt: {s.system}" if s.system else "no system prompt (set one: /system TEXT)")
         elif name == "timing":
             self._timing(arg)
+        elif name == "thinking":
+            try:
+                self.say(set_thinking(s, arg))
+            except CommandError as e:
+                self.say(str(e))
         elif name == "save":
             if not arg:
                 self.say("usage: /save PATH")
