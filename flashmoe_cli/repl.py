@@ -34,7 +34,7 @@ from prompt_toolkit.filters import has_focus
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
-from engine.events import EngineFailed, GenerationFinished, LayerTimings, PrefillProgress, TokenGenerated
+from engine.events import EngineFailed, GenerationFinished, LayerTimings, TokenGenerated
 
 from . import signals
 from .chat import resume_hint
@@ -185,28 +185,6 @@ class LineRepl:
             self._dim = False
             self.out.flush()
 
-    _dim = False  # reasoning is being shown
-
-    def show(self, segments, end: bool = False) -> None:
-        """Reply text: the answer as it is, reasoning dimmed on a terminal (between '<think>' and
-        '</think>' lines elsewhere)."""
-        from .reasoning import SHOW_CLOSE, SHOW_OPEN
-        from .term_safe import is_tty
-
-        tty = is_tty(self.out)
-        for seg in segments:
-            if seg.kind not in ("text", "reasoning") or not seg.text:
-                continue
-            thinking = seg.kind == "reasoning"
-            if thinking != self._dim:
-                self.out.write(("\x1b[2m" if tty else SHOW_OPEN) if thinking else ("\x1b[0m\n\n" if tty else SHOW_CLOSE))
-                self._dim = thinking
-            self.write(seg.text)
-        if end and self._dim:
-            self.out.write("\x1b[0m" if tty else SHOW_CLOSE.rstrip("\n"))
-            self._dim = False
-            self.out.flush()
-
     def say(self, text: str) -> None:
         """A line for the user that is not the model's answer: stderr, after whatever stdout holds."""
         self.out.flush()
@@ -313,6 +291,7 @@ class LineRepl:
                 return True
             try:
                 path = s.save(arg)
+            self.write(done.tail)
             except OSError as e:
                 self.error(f"{arg}: {e.strerror or e}")
             else:
@@ -338,10 +317,7 @@ class LineRepl:
     # -- one reply -------------------------------------------------------------------------
     def reply(self, text: str) -> None:
         """Send `text` and stream the answer; Ctrl-C stops it and keeps what came."""
-        from .reasoning import ReplySplitter
-
         handle = self.session.send(text)
-        split = ReplySplitter()  # reasoning shown dimmed, apart from the answer
         pieces: list[str] = []
         rows_sum: dict[int, list[float]] = {}
         steps = 0
@@ -364,9 +340,7 @@ class LineRepl:
                     if ev.text:
                         self.session.stream(ev.text)
                         pieces.append(ev.text)
-                        self.show(split.feed(ev.text))
-                elif isinstance(ev, PrefillProgress):
-                    split.prefill(ev.reasoning)
+                        self.write(ev.text)
                 elif isinstance(ev, LayerTimings):
                     steps += 1
                     for r in ev.rows:
@@ -388,16 +362,11 @@ class LineRepl:
                 handle.cancel()
         if done is not None and done.reason == "cancelled":
             interrupted = True
-        self.show(split.finish(done.tail if done is not None else ""), end=True)
         if done is not None:
             reply = done.text
         else:
             reply = "".join(pieces)
         self.write("\n")
-        if split.ended_in_reasoning and not interrupted:
-            from .reasoning import reasoning_cut_note
-
-            self.say(f"flashmoe: note: {reasoning_cut_note(done.reason if done else 'stop')}")
         if interrupted:
             self.write("[interrupted]\n")
         self.session.finish(reply, done, interrupted=interrupted)
@@ -435,10 +404,9 @@ class LineRepl:
     def _on_agent_event(self, ev) -> None:
         from .agent import TextChunk, ToolCallEvent, ToolResultEvent
 
-        if isinstance(ev, TextChunk):
-            self.show([ev])
+        if isinstance(ev, TextChunk) and ev.kind == "text":
+            self.write(ev.text)
         elif isinstance(ev, ToolCallEvent):
-            self.show([], end=True)
             import json
 
             state = "" if ev.valid else f"  [invalid: {ev.error}]"
@@ -453,10 +421,7 @@ class LineRepl:
 
     def agent_reply(self, text: str) -> None:
         end = self.agent.run_turn(text)
-        self.show([], end=True)
         self.write("\n")
-        if end.status == "done" and end.message:  # the reply ended inside its reasoning
-            self.say(f"flashmoe: note: {end.message}")
         if end.status == "cancelled":
             self.write("[interrupted]\n")
         elif end.status != "done":
