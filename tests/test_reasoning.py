@@ -214,3 +214,34 @@ def test_run_cut_off_inside_reasoning_says_so(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == ""
     assert "ended inside its reasoning" in r.stderr and "max-tokens" in r.stderr
+
+
+# -- the line REPL ------------------------------------------------------------------------------------
+from tests.test_repl import CTRL_D, ENTER, drive, home  # noqa: E402,F401  (home: its autouse fixture)
+
+
+def test_repl_sets_reasoning_apart_and_switches_thinking():
+    from engine.fake import FakeEngine
+
+    engine = FakeEngine(["weighing</think>Paris.", "Lyon."], chat_template=qwen35_template())
+    t = drive("hi" + ENTER + "/thinking off" + ENTER + "again" + ENTER + "/thinking maybe" + ENTER + CTRL_D, engine)
+    assert t.code == 0, t
+    assert t.out.startswith("<think>\nweighing\n</think>\n\nParis.\n"), t
+    assert "Lyon." in t.out and "thinking off from the next reply" in t.err and "usage: /thinking on|off" in t.err
+    assert [r.template_kwargs for r in engine.requests] == [{}, {"enable_thinking": False}]
+
+
+def test_repl_dims_reasoning_on_a_terminal():
+    import io
+
+    from flashmoe_cli.repl import LineRepl
+    from tools.textstate import Segment
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    repl = SimpleNamespace(out=out, _dim=False, write=out.write)
+    LineRepl.show(repl, [Segment("reasoning", "hm"), Segment("text", "Paris.")], end=True)
+    assert out.getvalue() == "\x1b[2mhm\x1b[0m\n\nParis."
