@@ -34,7 +34,7 @@ from prompt_toolkit.filters import has_focus
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
-from engine.events import EngineFailed, GenerationFinished, LayerTimings, TokenGenerated
+from engine.events import EngineFailed, GenerationFinished, LayerTimings, PrefillProgress, TokenGenerated
 
 from . import signals
 from .chat import resume_hint
@@ -291,7 +291,6 @@ class LineRepl:
                 return True
             try:
                 path = s.save(arg)
-            self.write(done.tail)
             except OSError as e:
                 self.error(f"{arg}: {e.strerror or e}")
             else:
@@ -317,7 +316,10 @@ class LineRepl:
     # -- one reply -------------------------------------------------------------------------
     def reply(self, text: str) -> None:
         """Send `text` and stream the answer; Ctrl-C stops it and keeps what came."""
+        from .reasoning import ReplySplitter
+
         handle = self.session.send(text)
+        split = ReplySplitter()  # reasoning shown dimmed, apart from the answer
         pieces: list[str] = []
         rows_sum: dict[int, list[float]] = {}
         steps = 0
@@ -340,7 +342,9 @@ class LineRepl:
                     if ev.text:
                         self.session.stream(ev.text)
                         pieces.append(ev.text)
-                        self.write(ev.text)
+                        self.show(split.feed(ev.text))
+                elif isinstance(ev, PrefillProgress):
+                    split.prefill(ev.reasoning)
                 elif isinstance(ev, LayerTimings):
                     steps += 1
                     for r in ev.rows:
@@ -362,11 +366,16 @@ class LineRepl:
                 handle.cancel()
         if done is not None and done.reason == "cancelled":
             interrupted = True
+        self.show(split.finish(done.tail if done is not None else ""), end=True)
         if done is not None:
             reply = done.text
         else:
             reply = "".join(pieces)
         self.write("\n")
+        if split.ended_in_reasoning and not interrupted:
+            from .reasoning import reasoning_cut_note
+
+            self.say(f"flashmoe: note: {reasoning_cut_note(done.reason if done else 'stop')}")
         if interrupted:
             self.write("[interrupted]\n")
         self.session.finish(reply, done, interrupted=interrupted)
@@ -404,9 +413,10 @@ class LineRepl:
     def _on_agent_event(self, ev) -> None:
         from .agent import TextChunk, ToolCallEvent, ToolResultEvent
 
-        if isinstance(ev, TextChunk) and ev.kind == "text":
-            self.write(ev.text)
+        if isinstance(ev, TextChunk):
+            self.show([ev])
         elif isinstance(ev, ToolCallEvent):
+            self.show([], end=True)
             import json
 
             state = "" if ev.valid else f"  [invalid: {ev.error}]"
@@ -421,7 +431,10 @@ class LineRepl:
 
     def agent_reply(self, text: str) -> None:
         end = self.agent.run_turn(text)
+        self.show([], end=True)
         self.write("\n")
+        if end.status == "done" and end.message:  # the reply ended inside its reasoning
+            self.say(f"flashmoe: note: {end.message}")
         if end.status == "cancelled":
             self.write("[interrupted]\n")
         elif end.status != "done":
