@@ -28,9 +28,10 @@ def add_tool_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pass-env", action="append", default=[], metavar="NAME",
                    help="let commands see this environment variable although its name looks like a secret "
                         "(repeatable; secrets are scrubbed from every command's environment otherwise)")
-    p.add_argument("--constrain", choices=("off", "tools", "required"), default="off",
-                   help="constrained decoding of tool calls: from the call marker on (tools), or the whole "
-                        "first reply of each turn must be a call (required)")
+    p.add_argument("--constrain", choices=("off", "tools", "required"), default="tools",
+                   help="constrained decoding of tool calls: from the call marker on (tools, the default: free "
+                        "text costs nothing, a call once started is always valid), the whole first reply of each "
+                        "turn must be a call (required), or off")
     p.add_argument("--max-repairs", type=at_least(0), default=2, metavar="N", help="repair rounds for bad calls (default 2)")
     p.add_argument("--chain-limit", type=at_least(1), default=5, metavar="N",
                    help="rounds of tool calls per user message (default 5)")
@@ -126,43 +127,141 @@ class TerminalApprover:
         return {"y": "yes", "yes": "yes", "a": "always", "always": "always"}.get(answer, "no")
 
 
-def run_with_tools(args, session, loaded, text: str) -> int:
-    """Headless `run --tools`: the answer on stdout, tool activity on stderr; fails closed."""
+# Results that mean nobody said yes to the call: the run exits 5 (ExitCode.APPROVAL) at the end.
+REFUSED = ("declined", "approval-needed")
+
+
+def event_dict(ev) -> dict | None:
+    """An engine or agent event as the JSON line `--json` and `--transcript` write (None: not written)."""
+    import dataclasses
+
+    from .agent import RepairEvent, TextChunk, ToolCallEvent, ToolResultEvent, TurnFinished
+
+    if isinstance(ev, TextChunk):
+        return None  # the tokens are there already
+    if hasattr(ev, "to_dict"):
+        return ev.to_dict()
+    kind = {ToolCallEvent: "tool_call", ToolResultEvent: "tool_result", RepairEvent: "repair",
+            TurnFinished: "turn_end"}[type(ev)]
+    return {"event": kind, **dataclasses.asdict(ev)}
+
+
+class CallReport:
+    """Pairs each tool_call event with the result that follows it, so that every face says what
+    became of a call: its status (ok, declined, denied, error, timeout, invalid, ...) goes into the
+    call's JSON line and onto stderr. `write(d)` takes the JSON lines."""
+
+    def __init__(self, write):
+        self.write = write
+        self.pending = None
+        self.refused: list[str] = []
+
+    def __call__(self, ev) -> None:
+        from .agent import ToolCallEvent, ToolResultEvent
+
+        if isinstance(ev, ToolCallEvent):
+            self.flush()
+            self.pending = ev
+            return
+        if isinstance(ev, ToolResultEvent) and self.pending is not None:
+            call, self.pending = self.pending, None
+            self.write(event_dict(call) | {"status": ev.status})
+            self.say(call, ev.status)
+        d = event_dict(ev)
+        if d is not None:
+            self.write(d)
+
+    def flush(self) -> None:
+        if self.pending is not None:  # a call with no result (the turn was cut short)
+            call, self.pending = self.pending, None
+            self.write(event_dict(call) | {"status": "not-run"})
+            self.say(call, "not-run")
+
+    def say(self, call, status: str) -> None:
+        if status in REFUSED:
+            self.refused.append(f"{call.name} {status}")
+        why = f" ({call.error})" if status != "ok" and call.error else ""
+        args = json.dumps(call.arguments, ensure_ascii=False) if call.arguments is not None else call.raw
+        args = args if len(args) <= 200 else args[:199] + "…"
+        # names, errors and arguments are the model's text: escaped for the terminal
+        print(safe(f"flashmoe: tool call {call.name}: {status}{why} {args}"), file=sys.stderr)
+
+    def exit_code(self, code: int) -> int:
+        """ExitCode.APPROVAL when a call went without the yes it needed and nothing worse happened."""
+        self.flush()
+        if not self.refused:
+            return code
+        n = len(self.refused)
+        print(safe(f"flashmoe: error: {n} tool call{'s' if n != 1 else ''} refused for want of approval: "
+                   f"{', '.join(self.refused)}"), file=sys.stderr)
+        return ExitCode.APPROVAL if code == ExitCode.OK else code
+
+
+def run_with_tools(args, session, loaded, text: str, deadline: float | None = None) -> int:
+    """Headless `run --tools`: the answer on stdout (or, with --json, every event of the agent as
+    a JSON line), tool activity and the summary line per reply on stderr; fails closed; --timeout
+    stops it with exit 4."""
+    import threading
+    import time
+
+    from engine.events import GenerationFinished
     from tools.policy import NonInteractiveApprover
 
-    from .agent import TextChunk, ToolCallEvent, ToolResultEvent
+    from .agent import TextChunk
+    from .headless import summary
+    from .term_safe import is_tty, json_line
 
-    from .reasoning import show_segments
+    out = sys.stdout
 
-    in_think = [False]  # --show-reasoning: reasoning between '<think>' and '</think>' lines
+    def emit_json(d: dict) -> None:
+        line = json.dumps(d, ensure_ascii=False, default=str)
+        out.write((json_line(line) if is_tty(out) else line) + "\n")
+        out.flush()
+
+    report = CallReport(emit_json if args.json else (lambda d: None))
 
     def show(ev):
-        if isinstance(ev, TextChunk):
-            text = show_segments([ev], getattr(args, "show_reasoning", False), in_think)
-            sys.stdout.write(for_stream(text, sys.stdout))
-            sys.stdout.flush()
-        elif isinstance(ev, ToolCallEvent):  # names and arguments are the model's text
-            state = "" if ev.valid else f" [invalid: {ev.error}]"
-            print(safe(f"flashmoe: tool call {ev.name}({json.dumps(ev.arguments, ensure_ascii=False)}){state}"),
-                  file=sys.stderr)
-        elif isinstance(ev, ToolResultEvent):
-            print(safe(f"flashmoe: {ev.name} -> {ev.status}"), file=sys.stderr)
+        if isinstance(ev, TextChunk) and ev.kind == "text" and not args.json:
+            out.write(for_stream(ev.text, out))
+            out.flush()
+        report(ev)
+        if isinstance(ev, GenerationFinished) and args.timing != "off":
+            print(summary(ev, loaded), file=sys.stderr)
 
+    if args.json:
+        emit_json(loaded.to_dict() | {"chat_template": None})
     loop = make_agent(args, session, loaded.chat_template, NonInteractiveApprover(), show)
+    timed_out = threading.Event()
+    timer = None
+    if deadline is not None:
+        def expire():
+            timed_out.set()
+            loop.cancel()
+
+        timer = threading.Timer(max(0.0, deadline - time.monotonic()), expire)
+        timer.daemon = True
+        timer.start()
     try:
         end = loop.run_turn(text)
     except KeyboardInterrupt:
         loop.cancel()
         return ExitCode.INTERRUPTED
-    sys.stdout.write("\n")
-    if end.status in ("done",):
-        if end.message:  # the reply ended inside its reasoning
-            print(f"flashmoe: note: {end.message}", file=sys.stderr)
-        return ExitCode.OK
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if not args.json:
+        out.write("\n")
+    if timed_out.is_set():
+        report.flush()
+        print(f"flashmoe: error: timed out after {args.timeout:g} s; the reply above is partial", file=sys.stderr)
+        return ExitCode.TIMEOUT
+    if end.status == "done":
+        return report.exit_code(ExitCode.OK)
     if end.status == "cancelled":
         return ExitCode.INTERRUPTED
     print(safe(f"flashmoe: error: {end.message or end.status}"), file=sys.stderr)
-    return ExitCode.APPROVAL if end.status == "approval-needed" else ExitCode.FAILURE
+    code = ExitCode.APPROVAL if end.status == "approval-needed" else ExitCode.FAILURE
+    return report.exit_code(code)
 
 
 def read_script(path: str) -> list[dict]:
@@ -219,11 +318,9 @@ class Transcript:
 
 def cmd_agent(args) -> int:
     """`flashmoe agent`: user turns from a script, every event to the transcript."""
-    import dataclasses
-
     from tools.policy import NonInteractiveApprover
 
-    from .agent import RepairEvent, TextChunk, ToolCallEvent, ToolResultEvent, TurnFinished
+    from .agent import TextChunk
     from .cli import UsageError, make_engine, open_conversation
 
     if not args.tools:
@@ -238,21 +335,13 @@ def cmd_agent(args) -> int:
         loaded = engine.wait_loaded()
         transcript.write(loaded.to_dict() | {"chat_template": None})
 
+        report = CallReport(transcript.write)
+
         def record(ev):
-            if isinstance(ev, TextChunk):
-                if ev.kind == "text":
-                    sys.stdout.write(for_stream(ev.text, sys.stdout))
-                    sys.stdout.flush()
-                return
-            if hasattr(ev, "to_dict"):
-                transcript.write(ev.to_dict())
-            else:
-                kind = {ToolCallEvent: "tool_call", ToolResultEvent: "tool_result", RepairEvent: "repair",
-                        TurnFinished: "turn_end"}[type(ev)]
-                transcript.write({"event": kind, **dataclasses.asdict(ev)})
-                if isinstance(ev, ToolCallEvent):
-                    print(safe(f"flashmoe: tool call {ev.name} {'ok' if ev.valid else 'invalid: ' + str(ev.error)}"),
-                          file=sys.stderr)
+            if isinstance(ev, TextChunk) and ev.kind == "text":
+                sys.stdout.write(for_stream(ev.text, sys.stdout))
+                sys.stdout.flush()
+            report(ev)
 
         approver = {"never": DecliningApprover(), "ask": None}.get(args.approve)
         loop = make_agent(args, session, loaded.chat_template, approver or NonInteractiveApprover(), record)
@@ -268,9 +357,9 @@ def cmd_agent(args) -> int:
                 print(safe(f"flashmoe: note: turn {n + 1}: {end.message}"), file=sys.stderr)
             if end.status not in ("done",):
                 print(safe(f"flashmoe: error: turn {n + 1}: {end.message or end.status}"), file=sys.stderr)
-                return {"approval-needed": ExitCode.APPROVAL, "cancelled": ExitCode.INTERRUPTED}.get(
-                    end.status, ExitCode.FAILURE)
-        return ExitCode.OK
+                return report.exit_code({"approval-needed": ExitCode.APPROVAL, "cancelled": ExitCode.INTERRUPTED}.get(
+                    end.status, ExitCode.FAILURE))
+        return report.exit_code(ExitCode.OK)
     finally:
         transcript.close()
         engine.close()

@@ -79,7 +79,7 @@ def run(args) -> int:
         if getattr(args, "tools", None):
             from .agent_cli import run_with_tools
 
-            return run_with_tools(args, session, loaded, text)
+            return run_with_tools(args, session, loaded, text, deadline)
         handle = session.send_raw(text) if args.raw else session.send(text)
         return _stream(args, loaded, session, handle, deadline)
     finally:

@@ -40,7 +40,8 @@ def test_scripted_session_transcript(tmp_path, workspace):
     assert [e["event"] for e in events] == ["loaded", "user", "done", "tool_call", "tool_result", "done", "turn_end"]
     call, result = events[3], events[4]
     assert call == {"event": "tool_call", "name": "read_file", "arguments": {"path": "notes.txt"}, "raw": CALL,
-                    "valid": True, "error": None, "kind": None}
+                    "valid": True, "error": None, "kind": None, "status": "ok"}
+    assert "flashmoe: tool call read_file: ok" in r.stderr
     assert result["ok"] and result["content"] == "hello from the notes\n"
     assert events[-1]["status"] == "done"
 
@@ -72,8 +73,72 @@ def test_shell_needs_approval_headless_fails_closed(tmp_path, workspace):
     assert "approval" in r.stderr and "Traceback" not in r.stderr
     # --approve auto does not run commands either; --approve never declines and goes on
     r2, events = agent(tmp_path, workspace, [SHELL, "ok then"], [{"role": "user", "content": "x"}], "--approve", "never")
-    assert r2.returncode == 0
     assert "declined" in next(e for e in events if e["event"] == "tool_result")["content"]
+    assert r2.returncode == 5  # the session went on, but a call needed a yes and did not get one
+
+
+def test_declined_and_failed_calls_are_never_reported_ok(tmp_path, workspace):
+    missing = '<tool_call>\n{"name": "read_file", "arguments": {"path": "nope.txt"}}\n</tool_call>'
+    r, events = agent(tmp_path, workspace, [SHELL, missing, "giving up"], [{"role": "user", "content": "x"}],
+                      "--approve", "never")
+    calls = [e for e in events if e["event"] == "tool_call"]
+    assert [c["status"] for c in calls] == ["declined", "error"]
+    assert [c["valid"] for c in calls] == [True, True]  # they parsed; they did not run
+    assert " ok" not in r.stderr.replace("giving up", "")
+    assert "flashmoe: tool call run_shell: declined" in r.stderr
+    assert "flashmoe: tool call read_file: error" in r.stderr
+    assert "1 tool call refused" in r.stderr and r.returncode == 5
+    # headless run: the same words on stderr, and exit 5 when a call needed approval
+    env = {"FLASHMOE_HOME": str(tmp_path / "home"), "FLASHMOE_FAKE_REPLIES": json.dumps([missing, "sorry"])}
+    r = run_cli("run", "--engine", "fake", "--tools", "builtin", "--workspace", workspace, "x", env=env)
+    assert r.returncode == 0 and "flashmoe: tool call read_file: error" in r.stderr, r.stderr
+    assert " ok" not in r.stderr
+
+
+def test_constrain_defaults_to_tools_when_tools_are_given():
+    from flashmoe_cli.cli import build_parser
+
+    for cmd in (["run", "--tools", "builtin", "x"], ["agent", "--tools", "builtin", "--script", "s"],
+                ["chat", "--tools", "builtin"]):
+        assert build_parser().parse_args(cmd).constrain == "tools"
+    assert build_parser().parse_args(["run", "--tools", "builtin", "--constrain", "off", "x"]).constrain == "off"
+
+
+def run_tools(tmp_path, workspace, replies, *extra, env=None):
+    e = {"FLASHMOE_HOME": str(tmp_path / "home"), "FLASHMOE_FAKE_REPLIES": json.dumps(replies), **(env or {})}
+    return run_cli("run", "--engine", "fake", "--tools", "builtin", "--workspace", workspace, *extra, "notes?", env=e)
+
+
+def test_run_with_tools_json_gives_the_agents_events(tmp_path, workspace):
+    r = run_tools(tmp_path, workspace, [CALL, "They say hello."], "--json")
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(line) for line in r.stdout.splitlines()]  # every line is JSON
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "loaded" and kinds[-1] == "turn_end"
+    assert {"token", "tool_call", "tool_result", "done"} <= set(kinds)
+    call = next(e for e in events if e["event"] == "tool_call")
+    assert call["name"] == "read_file" and call["status"] == "ok"
+    assert next(e for e in events if e["event"] == "tool_result")["content"] == "hello from the notes\n"
+    assert events[-1]["status"] == "done"
+
+
+def test_run_with_tools_prints_the_summary_line(tmp_path, workspace):
+    r = run_tools(tmp_path, workspace, [CALL, "They say hello."])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "They say hello."
+    lines = [l for l in r.stderr.splitlines() if "tok/s" in l]
+    assert len(lines) == 2  # one per reply, with its conditions
+    for needle in ("decode", "/token read", "hit rate", "K=4", "4-bit"):
+        assert needle in lines[-1]
+    assert "tok/s" not in run_tools(tmp_path, workspace, [CALL, "x"], "--timing", "off").stderr
+
+
+def test_run_with_tools_timeout_exits_4(tmp_path, workspace):
+    slow = "word " * 200
+    r = run_tools(tmp_path, workspace, [CALL, slow], "--timeout", "1.5", env={"FLASHMOE_FAKE_DELAY": "0.05"})
+    assert r.returncode == 4, r.stderr
+    assert "timed out after 1.5 s" in r.stderr and "Traceback" not in r.stderr
+    assert 0 < len(r.stdout.split()) < 200  # the partial answer is kept
 
 
 def test_env_files_and_escapes_are_refused(tmp_path, workspace):
