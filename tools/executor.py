@@ -173,8 +173,13 @@ class ToolExecutor:
         key = self._grant_key(tool, arguments)
         if key in self._grants:
             return None, "ask:granted"
+        reason = decision.reason
+        if getattr(tool.fn, "risk_undeclared", False):  # a Python tool that said nothing: exec
+            from tools.user_tools import DECLARE_RISK_HINT
+
+            reason = f"{reason}; {tool.name} {DECLARE_RISK_HINT}"
         try:
-            answer = self.approver.ask(dataclasses.replace(call, arguments=arguments), decision.reason)
+            answer = self.approver.ask(dataclasses.replace(call, arguments=arguments), reason)
         except (EOFError, OSError):
             answer = "no"
         if answer == "always":

@@ -22,8 +22,10 @@ are literal braces. argv[0] must be fixed. Command tools have risk "exec".
 
 Python tools: every public top-level function defined in the file (or those in `__all__`) becomes a
 tool; type hints give the JSON Schema, the docstring's first paragraph the description and its
-Google-style "Args:" section the parameter descriptions. Risk is "exec" unless the function has a
-`risk` attribute ("read", "write" or "exec").
+Google-style "Args:" section the parameter descriptions. A function declares its risk ("read",
+"write" or "exec") with the decorator `@risk("read")` (`from tools.user_tools import risk`), a
+`Risk: read` line in its docstring, or a `risk` attribute; one that declares none is "exec", the
+safe default (it always asks), and the approval question says how to declare it.
 """
 from __future__ import annotations
 
@@ -351,6 +353,37 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
     return " ".join(desc), params
 
 
+_RISK_LINE = re.compile(r"^[ \t]*Risk[ \t]*:[ \t]*(\S*)[ \t]*$\n?", re.MULTILINE | re.IGNORECASE)
+
+# Where the approval question tells the user how to declare a risk (tools/executor.py).
+DECLARE_RISK_HINT = ('it declares no risk, so it is treated as one that runs commands; if it only reads, '
+                     'declare it with @risk("read") (from tools.user_tools import risk) or a "Risk: read" '
+                     'line in its docstring (or "write")')
+
+
+def risk(level: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: `@risk("read")` declares what a Python tool does: read, write or exec."""
+    if level not in RISKS:
+        raise ValueError(f"risk must be one of {', '.join(RISKS)}, not {level!r}")
+
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        fn.risk = level  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+def _docstring_risk(doc: str | None) -> tuple[str | None, str | None]:
+    """(the docstring without its `Risk:` line, the risk it names or None)."""
+    if not doc:
+        return doc, None
+    doc = inspect.cleandoc(doc)
+    m = _RISK_LINE.search(doc)
+    if m is None:
+        return doc, None
+    return doc[:m.start()] + doc[m.end():], m.group(1).strip().lower()
+
+
 def tool_from_function(fn: Callable[..., Any], *, risk: str | None = None, source: str = "") -> Tool:
     """A Tool whose JSON Schema comes from fn's signature and type hints; raises TypeError/ValueError
     with a message naming the parameter when fn cannot be a tool."""
@@ -359,7 +392,8 @@ def tool_from_function(fn: Callable[..., Any], *, risk: str | None = None, sourc
         hints = typing.get_type_hints(fn)
     except Exception as e:  # unresolvable string annotations
         raise TypeError(f"function '{name}': cannot resolve type hints: {e}") from None
-    description, arg_docs = parse_docstring(fn.__doc__)
+    doc, doc_risk = _docstring_risk(fn.__doc__)
+    description, arg_docs = parse_docstring(doc)
     props: dict[str, Any] = {}
     required: list[str] = []
     for pname, param in inspect.signature(fn).parameters.items():
@@ -387,7 +421,8 @@ def tool_from_function(fn: Callable[..., Any], *, risk: str | None = None, sourc
     parameters: dict[str, Any] = {"type": "object", "properties": props, "additionalProperties": False}
     if required:
         parameters["required"] = required
-    chosen = risk or getattr(fn, "risk", None) or "exec"
+    declared = risk or getattr(fn, "risk", None) or doc_risk
+    chosen = declared or "exec"
     if chosen not in RISKS:
         raise ValueError(f"function '{name}': risk must be one of {', '.join(RISKS)}, not {chosen!r}")
 
@@ -395,6 +430,7 @@ def tool_from_function(fn: Callable[..., Any], *, risk: str | None = None, sourc
         return fn(**arguments)
 
     call.__name__ = name
+    call.risk_undeclared = not declared  # type: ignore[attr-defined]  (the approval question says how)
     return Tool(name, description or name, parameters, call, chosen, source=source)  # type: ignore[arg-type]
 
 

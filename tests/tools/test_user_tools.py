@@ -208,3 +208,80 @@ def test_bad_tool_files(tmp_path, name, text, msg):
 def test_missing_tool_file(tmp_path):
     with pytest.raises(ToolFileError, match="no such file"):
         load_tool_file(tmp_path / "nope.json")
+
+
+RISK_TOOLS = '''
+from tools.user_tools import risk
+
+
+@risk("read")
+def lookup(key: str) -> str:
+    """Look a key up."""
+    return key
+
+
+def save(key: str, value: str) -> str:
+    """Save a value.
+
+    Risk: write
+
+    Args:
+        key: Where.
+        value: What.
+    """
+    return "saved"
+
+
+def launch(target: str) -> str:
+    """Launch something (no risk declared)."""
+    return target
+'''
+
+
+def test_python_tools_declare_their_risk_by_decorator_or_docstring(tmp_path):
+    (tmp_path / "r.py").write_text(RISK_TOOLS)
+    tools = {t.name: t for t in load_python_tools(tmp_path / "r.py")}
+    assert {n: t.risk for n, t in tools.items()} == {"lookup": "read", "save": "write", "launch": "exec"}
+    assert tools["save"].description == "Save a value."  # the field is not part of the description
+    assert set(tools["save"].parameters["properties"]) == {"key", "value"}
+    assert tools["save"].parameters["properties"]["value"]["description"] == "What."
+
+
+def test_bad_declared_risks_are_refused(tmp_path):
+    from tools.user_tools import risk
+
+    with pytest.raises(ValueError, match="risk must be one of read, write, exec"):
+        risk("network")
+    (tmp_path / "b.py").write_text('def f(x: int):\n    """Do.\n\n    Risk: sometimes\n    """\n')
+    with pytest.raises(ToolFileError, match="risk must be one of read, write, exec, not 'sometimes'"):
+        load_python_tools(tmp_path / "b.py")
+
+
+def test_approval_for_an_undeclared_python_tool_says_how_to_declare_it(tmp_path):
+    from tools.executor import ToolExecutor
+    from tools.calls import ToolCall
+    from tools.policy import Policy
+    from tools.registry import ToolRegistry
+
+    (tmp_path / "r.py").write_text(RISK_TOOLS)
+    registry = ToolRegistry()
+    for t in load_python_tools(tmp_path / "r.py"):
+        registry.add(t)
+    asked = []
+
+    class Approver:
+        interactive = True
+
+        def ask(self, call, reason):
+            asked.append((call.name, reason))
+            return "no"
+
+    ex = ToolExecutor(registry, Policy(tmp_path, "ask"), Approver())
+    res = ex.execute(ToolCall("launch", {"target": "x"}, raw=""))
+    assert res.status == "declined"
+    name, reason = asked[0]
+    assert name == "launch" and "declares no risk" in reason
+    assert '@risk("read")' in reason and "Risk: read" in reason
+    assert ex.execute(ToolCall("save", {"key": "k", "value": "v"}, raw="")).status == "declined"
+    assert "declares no risk" not in asked[1][1]  # a declared write is just a write
+    assert ex.execute(ToolCall("lookup", {"key": "k"}, raw="")).content == "k"
