@@ -83,7 +83,8 @@ def run_suite(args, model: str, constrain: str) -> dict:
                     kinds["no-call"] += 1
                 rows.append({
                     "prompt": prompt, "expected": expected, "seconds": time.perf_counter() - t0,
-                    "calls": [{"name": c.name, "valid": c.valid, "kind": c.kind, "raw": c.raw} for c in calls],
+                    "calls": [{"name": c.name, "valid": c.valid, "kind": c.kind, "raw": c.raw,
+                               "arguments": c.arguments} for c in calls],
                     "first_valid": bool(calls) and calls[0].valid,
                     "right_tool": bool(calls) and calls[0].valid and calls[0].name == expected,
                     "repaired": bool(repairs), "ended_valid": any(c.valid for c in calls),
@@ -92,6 +93,7 @@ def run_suite(args, model: str, constrain: str) -> dict:
         engine.close()
     n = len(rows)
     decode = [s for s in speeds if s.decode_s > 0]
+    started = [c for r in rows for c in r["calls"]]  # every call the model began, repairs included
     return {
         "model": model, "model_type": loaded.model_type, "bits": loaded.bits, "top_k": loaded.top_k,
         "constrain": constrain, "prompts": n,
@@ -100,6 +102,11 @@ def run_suite(args, model: str, constrain: str) -> dict:
         "repair_rate": sum(r["repaired"] for r in rows) / n,
         "valid_after_repair_rate": sum(r["ended_valid"] for r in rows) / n,
         "failure_kinds": dict(kinds),
+        "started_calls": len(started),
+        # valid as written: a call run after the low-bit quoting repair does not count
+        "started_valid_rate": sum(c["valid"] and not c["kind"] for c in started) / len(started) if started else 0.0,
+        "mean_call_chars": sum(len(c["raw"]) for c in started) / len(started) if started else 0.0,
+        "max_string_chars": max((len(v) for c in started for v in _strings(c.get("arguments"))), default=0),
         "decode_tps": sum(s.generation_tps for s in decode) / len(decode) if decode else 0.0,
         "prefill_tps": sum(s.prompt_tps for s in speeds) / len(speeds) if speeds else 0.0,
         "bytes_per_token": sum(s.bytes_per_token for s in decode) / len(decode) if decode else 0.0,
@@ -108,6 +115,17 @@ def run_suite(args, model: str, constrain: str) -> dict:
         "generated_tokens": sum(s.generation_tokens for s in speeds),
         "rows": rows,
     }
+
+
+def _strings(value) -> list[str]:
+    """Every string inside decoded arguments (for the longest one a model wrote)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 def cmd_bench_tools(args) -> int:
@@ -128,6 +146,8 @@ def cmd_bench_tools(args) -> int:
             kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["failure_kinds"].items())) or "none"
             print(f"{r['model_type']} {r['bits'] or 'float'}-bit K={r['top_k']} constrain={mode:<8} "
                   f"valid calls {r['valid_call_rate']:.0%}  right tool {r['right_tool_rate']:.0%}  "
+                  f"started calls {r['started_calls']} ({r['started_valid_rate']:.0%} valid)  "
+                  f"mean call {r['mean_call_chars']:.0f} chars  longest string {r['max_string_chars']}  "
                   f"repaired {r['repair_rate']:.0%}  valid after repair {r['valid_after_repair_rate']:.0%}  "
                   f"failures: {kinds} | decode {r['decode_tps']:.2f} tok/s, prefill {r['prefill_tps']:.1f} tok/s, "
                   f"{human_bytes(r['bytes_per_token'])}/token read, hit rate {r['hit_rate']:.0%}, "

@@ -218,8 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt = bench_sub.add_parser("tools", help="tool-call reliability per model and constrained-decoding mode")
     bt.add_argument("-m", "--model", dest="models", action="append", metavar="MODEL",
                     help="model folder (repeat for several bit widths; default: the demo model)")
-    bt.add_argument("--constrain-modes", default="off,required", metavar="MODES",
-                    help="comma-separated: off, tools, required (default off,required)")
+    bt.add_argument("--constrain-modes", default="tools", metavar="MODES",
+                    help="comma-separated: off, tools, required (default tools, as --constrain)")
     bt.add_argument("--out", type=output_file, metavar="FILE", help="write the results as JSON")
     bt.add_argument("--max-tokens", type=at_least(1), default=96, metavar="N", help="per reply (default 96)")
     bt.add_argument("--max-repairs", type=at_least(0), default=2, metavar="N",

@@ -193,6 +193,10 @@ def test_bench_tools_reports_rates_and_failure_kinds(tmp_path):
     assert res["prompts"] == 8 and res["valid_call_rate"] == pytest.approx(6 / 8)
     assert res["repair_rate"] == pytest.approx(3 / 8)
     assert res["failure_kinds"] == {"backslash-quotes": 3, "no-call": 2}
+    # every call the model began (the low-bit one, run repaired, counts as not valid)
+    assert res["started_calls"] == 6 and res["started_valid_rate"] == pytest.approx(3 / 6)
+    assert res["mean_call_chars"] == pytest.approx((3 * len(CALL) + 3 * len(broken_envelope)) / 6)
+    assert res["max_string_chars"] == len("notes.txt")
     line = r.stdout.strip().splitlines()[-1]
-    for needle in ("valid calls 75%", "repaired 38%", "tok/s", "/token read", "hit rate", "4-bit", "K=4"):
+    for needle in ("valid calls 75%", "right tool", "started calls 6 (50% valid)", "mean call", "repaired 38%", "tok/s", "/token read", "hit rate", "4-bit", "K=4"):
         assert needle in line, line
