@@ -8,6 +8,7 @@ import pytest
 from tools.calls import ToolCall
 from tools.parsers import (
     deepseek_v3,
+    PARSERS,
     get_parser,
     json_tools,
     mistral,
@@ -17,7 +18,9 @@ from tools.parsers import (
     sniff_template,
 )
 
-TEMPLATES = Path("/work/shared/reference/chat_templates")
+REPO = Path(__file__).resolve().parents[2]
+TEMPLATES = REPO / ".." / "shared" / "reference" / "chat_templates"
+FIXTURES = REPO / "tests" / "fixtures" / "templates"
 
 TOOLS = [
     {"type": "function", "function": {"name": "read_file", "description": "", "parameters": {
@@ -233,16 +236,32 @@ def test_plain_json_requires_known_tool_when_tools_given():
     ("smollm2_from_gguf.chat_template.jinja", plain_json),
 ])
 def test_parser_for_reference_templates(fname, module):
-    path = TEMPLATES / fname
-    if not path.exists():
-        pytest.skip("reference templates not available")
-    assert parser_for_template(path.read_text()) is module
+    assert parser_for_template((TEMPLATES / fname).read_text(encoding="utf-8")) is module
+
+
+@pytest.mark.parametrize("fname, name", [
+    ("GLM-4.6.jinja", "glm47"),  # holds <tool_call> too: must not be taken for Hermes JSON
+    ("moonshotai-Kimi-K2-Thinking.jinja", "kimi_k2"),
+    ("deepseek-ai-DeepSeek-V3.1.jinja", "deepseek_v3"),
+])
+def test_sniff_fixture_templates(fname, name):
+    assert sniff_template((FIXTURES / fname).read_text(encoding="utf-8")) == name
 
 
 @pytest.mark.parametrize("template, name", [
     ("{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}", "mistral"),
     ("{{- '<tool_call>\\n' + tool_call | tojson }}", "json_tools"),
     ("{{- '<tool_call>\\n<function=' + name }}", "qwen3_coder"),
+    ("<minimax:tool_call>\n<invoke name=", "minimax_m2"),
+    ("{{ '<|tool_call>call:' }}...{{ '<tool_call|>' }}", "gemma4"),
+    ("<start_function_call>call:", "function_gemma"),
+    ("<longcat_tool_call>{{ name }}<longcat_arg_key>", "longcat"),
+    ("<tool_call>{{ tc.name }}<arg_key>{{ k }}</arg_key>", "glm47"),
+    ("<|tool_call_start|>[", "pythonic"),
+    ("<|tool_calls_section_begin|><|tool_call_begin|>", "kimi_k2"),
+    ('<function name="{{ n }}"><param name="', "minicpm5"),
+    ("<atem:function_calls>", "muse_spark"),
+    ("<|open|>tools<|sep|>", "kimi_k3"),
     ("<|im_start|>", None),
     ("", None),
 ])
@@ -258,7 +277,103 @@ def test_parser_for_template_fallback_and_names():
         get_parser("nope")
 
 
-@pytest.mark.parametrize("module", [json_tools, qwen3_coder, mistral, deepseek_v3, plain_json])
+@pytest.mark.parametrize("module", list(PARSERS.values()), ids=list(PARSERS))
 def test_module_surface(module):
     assert isinstance(module.tool_call_start, str) and isinstance(module.tool_call_end, str)
     assert callable(module.parse_tool_call)
+
+
+# ---- the formats added for issue 13 ---------------------------------------------------------------
+
+from tools.parsers import (  # noqa: E402
+    function_gemma, gemma4, glm47, kimi_k2, kimi_k3, longcat, minicpm5, minimax_m2, muse_spark, parse_reply,
+    pythonic)
+
+GLM_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "s": {"type": "string"}, "n": {"type": "integer"}, "o": {"type": "object"}, "ns": {"type": ["string", "null"]}}}}}]
+
+
+@pytest.mark.parametrize("module, text, expected", [
+    (glm47, "<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>42</arg_value>\n<arg_key>n</arg_key>\n<arg_value>42"
+            "</arg_value>\n<arg_key>o</arg_key><arg_value>{'a': 1}</arg_value></tool_call>",
+     [("f", {"s": "42", "n": 42, "o": {"a": 1}}, False, None)]),
+    (glm47, "<tool_call>f<arg_key>ns</arg_key><arg_value>null</arg_value></tool_call>", [("f", {"ns": None}, False, None)]),
+    (glm47, "<tool_call>f<arg_key>s</arg_key><arg_value>a</arg_value><arg_key>s</arg_key><arg_value>b</arg_value>"
+            "</tool_call>", [("f", None, True, None)]),
+    (glm47, "<tool_call><arg_key>s</arg_key><arg_value>a</arg_value></tool_call>", [(None, None, True, None)]),
+    (longcat, "<longcat_tool_call>f<longcat_arg_key>n</longcat_arg_key><longcat_arg_value>7</longcat_arg_value>"
+              "</longcat_tool_call>", [("f", {"n": 7}, False, None)]),
+    (minimax_m2, '<minimax:tool_call><invoke name="f"><parameter name="n">3</parameter><parameter name="s">3'
+                 '</parameter></invoke></minimax:tool_call>', [("f", {"n": 3, "s": "3"}, False, None)]),
+    (minimax_m2, "<minimax:tool_call>\n</minimax:tool_call>", [(None, None, True, None)]),
+    (minicpm5, '<function name="f"><param name="s"><![CDATA[a < b & c]]></param><param name="n">2</param></function>',
+     [("f", {"s": "a < b & c", "n": 2}, False, None)]),
+    (muse_spark, '<atem:function_calls><atem:invoke name="f"><atem:parameter name="s">x</atem:parameter>'
+                 '</atem:invoke></atem:function_calls>', [("f", {"s": "x"}, False, None)]),
+    (kimi_k2, '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"n": 1}'
+              '<|tool_call_end|><|tool_calls_section_end|>', [("f", {"n": 1}, False, None)]),
+    (kimi_k2, '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"n": '
+              '<|tool_call_end|><|tool_calls_section_end|>', [("f", None, True, '{"n":')]),
+    (kimi_k3, '<|open|>tools<|sep|><|open|>call tool="f"<|sep|><|open|>json type="object"<|sep|>{"n": 1}'
+              '<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>', [("f", None, False, '{"n": 1}')]),
+    (gemma4, '<|tool_call>call:f{s:<|"|>a, b}<|"|>,n:1}<tool_call|>', [("f", {"s": "a, b}", "n": 1}, False, None)]),
+    (gemma4, '<|tool_call>call:f{s:<|"|>open<tool_call|>', [("f", None, True, None)]),
+    (function_gemma, "<start_function_call>call:f{s:<escape>x<escape>}<end_function_call>", [("f", {"s": "x"}, False, None)]),
+    (pythonic, "<|tool_call_start|>[f(s='x', o={'a': null})]<|tool_call_end|>", [("f", {"s": "x", "o": {"a": None}}, False, None)]),
+    (pythonic, "<|tool_call_start|>[f(__import__('os'))]<|tool_call_end|>", [("f", None, True, None)]),
+    (pythonic, "<|tool_call_start|>[f(s=open('x'))]<|tool_call_end|>", [("f", None, True, None)]),
+])
+def test_new_formats(module, text, expected):
+    assert _simple(module.parse_tool_call(text, GLM_TOOLS)) == expected
+
+
+# Qwen3-Coder, structure-aware: a value holding the format's own closing tags or a whole call.
+INNER = "<tool_call>\n<function=read_file>\n<parameter=path>\na\n</parameter>\n</function>\n</tool_call>"
+WRITE_TOOLS = [{"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "content": {"type": "string"}, "meta": {"type": "object"},
+    "note": {"type": ["string", "null"]}}}}}]
+
+
+@pytest.mark.parametrize("content", [
+    INNER,  # a file that documents a tool call
+    "x = '</parameter>'\ny = 1",  # a lone closing tag, not followed by a parameter or </function>
+    "see </function> and </tool_call> in the docs",
+])
+def test_qwen3_coder_value_holding_tags(content):
+    text = xml("write_file", path="doc.md", content=content)
+    assert _simple(qwen3_coder.parse_tool_call(text, WRITE_TOOLS)) == [
+        ("write_file", {"path": "doc.md", "content": content}, False, None)]
+
+
+@pytest.mark.parametrize("value, expected", [
+    ('"{\\"a\\": 1}"', {"a": 1}),  # JSON encoded twice
+    ("{'a': True, 'b': None}", {"a": True, "b": None}),  # a Python literal
+])
+def test_qwen3_coder_object_values(value, expected):
+    assert qwen3_coder.parse_tool_call(xml("write_file", meta=value), WRITE_TOOLS)[0].arguments == {"meta": expected}
+
+
+def test_qwen3_coder_nullable_and_plain_strings():
+    args = qwen3_coder.parse_tool_call(xml("write_file", note="null", content="null"), WRITE_TOOLS)[0].arguments
+    assert args == {"note": None, "content": "null"}  # only a nullable string turns null into None
+
+
+def test_qwen3_coder_without_tool_call_wrapper():
+    text = "<function=read_file>\n<parameter=path>\na\n</parameter>\n</function>"
+    assert _simple(qwen3_coder.parse_tool_call(text, TOOLS)) == [("read_file", {"path": "a"}, False, None)]
+
+
+@pytest.mark.parametrize("start", ["<｜tool_calls_begin｜>", "<｜tool calls begin｜>", "<｜tool\\_calls\\_begin｜>",
+                                   "<｜tool▁calls｜>"])
+def test_deepseek_r1_marker_variants(start):
+    text = start + ds("read_file", '{"path": "a"}') + E
+    assert _simple(deepseek_v3.parse_tool_call(text)) == [("read_file", {"path": "a"}, False, None)]
+
+
+def test_parse_reply_drops_nameless_blocks_next_to_calls():
+    good = '<tool_call>{"name": "read_file", "arguments": {"path": "a"}}</tool_call>'
+    calls = parse_reply(json_tools, ["<tool_call>\n</tool_call>", good, "<tool_call>garbage</tool_call>"])
+    assert [(c.name, c.arguments) for c in calls] == [("read_file", {"path": "a"})]
+    broken = '<tool_call>{"name": "read_file", "arguments": {"path": </tool_call>'
+    assert [c.name for c in parse_reply(json_tools, [good, broken])] == ["read_file", "read_file"]  # named: kept
+    assert [c.error for c in parse_reply(json_tools, ["<tool_call></tool_call>"])] == ["empty tool call"]
