@@ -165,3 +165,28 @@ def test_logs_show_labels_tool_results(home, capsys):
     out = capsys.readouterr().out
     heads = [line for line in out.splitlines() if line.startswith("[")]
     assert heads == ["[user]", "[assistant]", "[tool result: read_file]", "[tool result]", "[assistant]"]
+
+
+# -- a resumed interrupted reply keeps its mark (/save; the TUI's boxes: tests/tui/test_app.py) ------
+def test_save_of_a_resumed_conversation_keeps_the_marks(tmp_path):
+    from engine.fake import FakeEngine
+    from flashmoe_cli.chat import ChatSession
+
+    store = Store(tmp_path / "logs.db")
+    cid = store.new_conversation("fake")
+    store.add_message(cid, "user", "first")
+    store.add_message(cid, "assistant", "stopped half", interrupted=True)
+    store.add_message(cid, "user", "second")
+    store.add_message(cid, "assistant", "cut by a crash", interrupted=True, complete=False)
+    store.add_message(cid, "user", "<tool_response>\nbuy milk\n</tool_response>")
+    store.add_message(cid, "assistant", "whole")
+    session = ChatSession(FakeEngine(["ok"]), store, cid=cid)
+    assert [m["role"] for m in session.messages()] == ["user", "assistant"] * 3  # plain turns to the model
+    text = session.save(tmp_path / "out.md").read_text()
+    heads = [line for line in text.splitlines() if line.startswith("**")]
+    assert heads == ["**user**", "**assistant** (interrupted)", "**user**", "**assistant** (incomplete)",
+                     "**tool result**", "**assistant**"]
+    # stopped in this process: marked too
+    session.send("third")
+    session.finish("half of it", None, interrupted=True)
+    assert session.save(tmp_path / "out.md").read_text().rstrip().endswith("**assistant** (interrupted)\n\nhalf of it")

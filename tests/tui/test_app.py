@@ -119,7 +119,7 @@ async def test_step_timing_drops_the_columns_it_cannot_fill():
     step_rows(engine)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
-        assert app.panel.header.render().plain.split() == ["L", "route", "I/O", "hit/mis", "time"]
+        assert app.panel.header.render().plain.split() == ["L", "route", "I/O", "hit/mis", "ms"]
         await send(pilot, "hi")
         await wait_idle(pilot)
         row = app.panel.row_texts()[0].split()
@@ -131,8 +131,8 @@ async def test_step_timing_drops_the_columns_it_cannot_fill():
     assert row[:4] == ["0", "0.3", "2.0", "3/1"] and "█" in row[4] and len(row) == 5
     assert total[:3] == ["all", "2.4", "32.0"]  # 8 layers' route and I/O
     assert "attn" not in legend and "comp" not in legend and "route" in legend and "I/O" in legend
-    assert header == ["L", "route", "I/O", "hit/mis", "time"]
-    assert layer_header == ["L", "attn", "route", "I/O", "comp", "hit/mis", "time"]
+    assert header == ["L", "route", "I/O", "hit/mis", "ms"]
+    assert layer_header == ["L", "attn", "route", "I/O", "comp", "hit/mis", "ms"]
 
 
 async def test_f2_and_timing_command_toggle_the_panel():
@@ -428,7 +428,7 @@ async def test_the_layer_panel_says_which_rows_are_in_view():
     app, engine, session = make_app(layers=30)
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
-        assert app.panel.border_title.startswith("layers · ms")
+        assert app.panel.border_title == "layers · timing layer"
         await send(pilot, "hi")
         await wait_idle(pilot)
         await pilot.pause(0.1)
@@ -441,7 +441,7 @@ async def test_the_layer_panel_says_which_rows_are_in_view():
         await pilot.pause(0.1)
         end = app.panel.border_title
     assert 10 < window < 30
-    assert title.startswith(f"rows 0-{window - 1} of 30 · ms · step "), title
+    assert title.startswith(f"rows 0-{window - 1} of 30 · step ") and title.endswith(" · timing layer"), title
     assert scrolled.startswith(f"rows 5-{window + 4} of 30 · "), scrolled
     assert end.startswith(f"rows {31 - window}-29 of 30 · "), end  # the sum row is the last line
 
@@ -452,7 +452,7 @@ async def test_few_layers_that_fit_need_no_row_count():
         await wait_for(pilot, lambda: app.loaded is not None)
         await send(pilot, "hi")
         await wait_idle(pilot)
-        assert app.panel.border_title.startswith("layers · ms · step ")
+        assert app.panel.border_title.startswith("layers · step ")
 
 
 async def test_the_demo_says_it_is_a_toy_not_to_be_trusted():

@@ -118,3 +118,30 @@ def test_tool_call_and_approval(snap_compare, tmp_path, monkeypatch):
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
     assert (ws / "todo.txt").read_text() == "- eggs\n- bread\n"  # quitting while it asks answers no
+
+
+# -- the layer panel's width (issue 13, item 7): 30 layers, as the demo has ------------------------------
+def test_80x24_hides_the_layer_panel(snap_compare):
+    """Below 100 columns the transcript gets the whole width; F2 would show the panel."""
+    app, engine, session = make_app(layers=30, gate_after=9)
+    assert snap_compare(app, terminal_size=(80, 24), run_before=mid_reply)
+
+
+def test_80x24_layer_panel_on_f2(snap_compare):
+    app, engine, session = make_app(layers=30, gate_after=9)
+
+    async def run_before(pilot):
+        await mid_reply(pilot)
+        await pilot.press("f2")
+        await pilot.pause(0.2)
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_100x30_step_timing_panel_says_which_rows_show(snap_compare):
+    """Step timing: only route and I/O columns; the title says which of the 30 rows are in view."""
+    from .test_app import step_rows
+
+    app, engine, session = make_app(layers=30, gate_after=9, timing="step")
+    step_rows(engine)
+    assert snap_compare(app, terminal_size=(100, 30), run_before=mid_reply)

@@ -38,7 +38,7 @@ def fixed_cells(mode: str) -> int:
 
 def header(mode: str) -> Text:
     times = " ".join(f"{label:>5}" for _, label, _ in columns(mode))
-    return Text(f"{'L':>3} {times} {'hit/mis':<7} time", style="bold")
+    return Text(f"{'L':>3} {times} {'hit/mis':<7} ms", style="bold")
 
 
 def fmt_ms(v: float) -> str:
@@ -172,7 +172,7 @@ class LayerPanel(VerticalScroll):
         else:
             what = "layers"
         step = f" · step {self.step}" if self.step is not None else ""
-        self.border_title = f"{what} · ms{step} · timing {self.timing_mode}"
+        self.border_title = f"{what}{step} · timing {self.timing_mode}"  # short: the panel is 48 wide
         legend = Text()
         shown = [p for p in PHASES if self.timing_mode != "step" or p[0] not in LAYER_ONLY]
         for i, (_, label, colour) in enumerate(shown):
