@@ -27,7 +27,7 @@ from .messages import (
     ReplyActivity,
     ReplyPrefill,
     ReplyRoundDone,
-    ReplyText,
+    text_batches,
     ReplyTool,
     ReplyTurnEnd,
 )
@@ -69,7 +69,7 @@ class AgentTurn:
         self.cancelled = threading.Event()
         self.pending: Future | None = None  # the approval being asked
         self.worker = None
-        self._batch: list[str] = []
+        self._batch: list[tuple[str, str]] = []  # (kind, text): the answer's or the reasoning's
         self._lock = threading.Lock()  # the batch, and the order of what is posted
         self._done = threading.Event()
         self._call: ToolCallEvent | None = None
@@ -126,17 +126,19 @@ class AgentTurn:
 
     def _flush(self) -> None:
         if self._batch:
-            self.app.post_message(ReplyText(self.reply_id, "".join(self._batch)))
+            for m in text_batches(self.reply_id, self._batch):
+                self.app.post_message(m)
             self._batch.clear()
 
     def on_event(self, ev) -> None:
         if self._stopping() and isinstance(ev, (PrefillProgress, TokenGenerated)):
             self.agent.cancel()  # a reply that started after the cancel (between rounds) stops too
         if isinstance(ev, TextChunk):
-            if ev.kind == "text" and ev.text:
+            if ev.text:
                 with self._lock:
-                    self._batch.append(ev.text)
+                    self._batch.append((ev.kind, ev.text))
         elif isinstance(ev, TokenGenerated):
+            self.live.token()
             if not self._writing:
                 self._writing = True
                 self.post(ReplyActivity(self.reply_id, "generating… Esc stops (the text so far is kept)"))
@@ -152,6 +154,7 @@ class AgentTurn:
                 live.decode_steps += 1
                 live.decode_ms += ev.wall_ms
         elif isinstance(ev, PrefillProgress):
+            self.live.prefill(ev)
             self._writing = False
             self.post(ReplyPrefill(self.reply_id, ev.done, ev.total))
         elif isinstance(ev, GenerationFinished):

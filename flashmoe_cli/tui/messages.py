@@ -26,12 +26,24 @@ class EngineWarning(Message):
 
 
 class ReplyText(Message):
-    """A batch of reply text (~30 ms of tokens)."""
+    """A batch of reply text (~30 ms of tokens): the answer's, or (kind "reasoning") the reasoning's."""
 
-    def __init__(self, reply_id: int, text: str) -> None:
+    def __init__(self, reply_id: int, text: str, kind: str = "text") -> None:
         super().__init__()
         self.reply_id = reply_id
         self.text = text
+        self.kind = kind
+
+
+def text_batches(reply_id: int, pieces: list[tuple[str, str]]) -> list[ReplyText]:
+    """(kind, text) pieces as ReplyText messages, one per run of the same kind, in order."""
+    out: list[ReplyText] = []
+    for kind, text in pieces:
+        if out and out[-1].kind == kind:
+            out[-1].text += text
+        else:
+            out.append(ReplyText(reply_id, text, kind))
+    return out
 
 
 class ReplyPrefill(Message):

@@ -19,6 +19,7 @@ KEYS = (
     ("Ctrl+D", "quit, on an empty message box"),
     ("F1", "this help"),
     ("F2", "show or hide the per-layer panel"),
+    ("Ctrl+T", "show or hide the model's reasoning (collapsed once the answer starts)"),
     ("Ctrl+P", "command palette"),
     ("Ctrl+Q", "quit at once"),
 )

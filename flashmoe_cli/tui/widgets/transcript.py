@@ -4,7 +4,7 @@ from __future__ import annotations
 from markdown_it import MarkdownIt
 from rich.text import Text
 from textual.containers import Vertical, VerticalScroll
-from textual.widgets import Markdown, Static
+from textual.widgets import Collapsible, Markdown, Static
 
 from ...term_safe import safe
 
@@ -30,6 +30,27 @@ class UserMessage(Static):
         self.border_title = "you"
 
 
+class ReasoningBlock(Collapsible):
+    """The model's reasoning, above its answer: dimmed, open while it streams, collapsed once the
+    answer starts (Ctrl+T shows or hides every block). Shown as plain text, control sequences escaped."""
+
+    def __init__(self, text: str = "", collapsed: bool = False) -> None:
+        self._text = text
+        self.body = Static(self._render_text(), classes="reasoning-text")
+        super().__init__(self.body, title="reasoning", collapsed=collapsed, classes="reasoning")
+
+    def _render_text(self) -> Text:
+        return Text(safe(self._text.strip("\n")), style="dim italic")
+
+    @property
+    def text(self) -> str:
+        return self._text.strip("\n")
+
+    def append(self, text: str) -> None:
+        self._text += text
+        self.body.update(self._render_text())
+
+
 class AssistantMessage(Vertical):
     """A reply: a Markdown widget fed by a MarkdownStream while tokens arrive.
 
@@ -47,6 +68,20 @@ class AssistantMessage(Vertical):
     @property
     def text(self) -> str:
         return self.markdown.source
+
+    @property
+    def reasoning(self) -> ReasoningBlock | None:
+        found = self.query(ReasoningBlock)
+        return found.first() if found else None
+
+    async def add_reasoning(self, text: str, collapsed: bool = False) -> ReasoningBlock:
+        """More reasoning: into its block, made (above the answer) when the first comes."""
+        block = self.reasoning
+        if block is None:
+            block = ReasoningBlock(collapsed=collapsed)
+            await self.mount(block, before=self.markdown)
+        block.append(text)
+        return block
 
     def mark(self, state: str, detail: str = "") -> None:
         """state: "streaming", "done", "interrupted", "incomplete" (a resumed reply whose process
