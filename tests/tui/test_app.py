@@ -99,8 +99,10 @@ async def test_layer_panel_has_a_row_per_layer_and_coalesces():
         assert "█" in row
 
 
-def step_rows(engine):
-    """The fake reports layer-timing rows; make them step rows (attention and compute unmeasured)."""
+def step_rows(engine, compute: bool = False):
+    """The fake reports layer-timing rows; make them step rows as the engine sends them: no
+    attention or other time, and expert compute only where the store times it (compute=True: the
+    CPU kernels)."""
     import dataclasses
 
     from engine.events import LayerTimings
@@ -109,7 +111,11 @@ def step_rows(engine):
 
     def as_step(handle, ev):
         ev = hook(handle, ev)
-        return dataclasses.replace(ev, mode="step") if isinstance(ev, LayerTimings) else ev
+        if not isinstance(ev, LayerTimings):
+            return ev
+        rows = tuple(dataclasses.replace(r, attn_ms=0.0, other_ms=0.0,
+                                         expert_compute_ms=r.expert_compute_ms if compute else 0.0) for r in ev.rows)
+        return dataclasses.replace(ev, mode="step", rows=rows)
 
     engine._hook = as_step
 
@@ -133,6 +139,21 @@ async def test_step_timing_drops_the_columns_it_cannot_fill():
     assert "attn" not in legend and "comp" not in legend and "route" in legend and "I/O" in legend
     assert header == ["L", "route", "I/O", "hit/mis", "ms"]
     assert layer_header == ["L", "attn", "route", "I/O", "comp", "hit/mis", "ms"]
+
+
+async def test_step_timing_shows_expert_compute_where_the_store_times_it():
+    app, engine, session = make_app(timing="step")
+    step_rows(engine, compute=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.loaded is not None)
+        await send(pilot, "hi")
+        await wait_idle(pilot)
+        row = app.panel.row_texts()[0].split()
+        header = app.panel.header.render().plain.split()
+        legend = app.panel.border_subtitle
+    assert header == ["L", "route", "I/O", "comp", "hit/mis", "ms"]
+    assert row[:5] == ["0", "0.3", "2.0", "3.0", "3/1"]
+    assert "comp" in legend and "attn" not in legend and "other" not in legend
 
 
 async def test_f2_and_timing_command_toggle_the_panel():

@@ -139,9 +139,10 @@ def test_80x24_layer_panel_on_f2(snap_compare):
 
 
 def test_100x30_step_timing_panel_says_which_rows_show(snap_compare):
-    """Step timing: only route and I/O columns; the title says which of the 30 rows are in view."""
+    """Step timing (as with the CPU kernels): no attention column; the title says which of the 30
+    rows are in view."""
     from .test_app import step_rows
 
     app, engine, session = make_app(layers=30, gate_after=9, timing="step")
-    step_rows(engine)
+    step_rows(engine, compute=True)
     assert snap_compare(app, terminal_size=(100, 30), run_before=mid_reply)

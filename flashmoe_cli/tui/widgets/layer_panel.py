@@ -25,19 +25,23 @@ PHASES = (
 LAYER_ONLY = {"attn_ms", "expert_compute_ms", "other_ms"}  # measured only with --timing layer
 
 
-def columns(mode: str) -> tuple:
-    """The time columns a mode fills: step timing measures only routing and expert I/O per layer,
-    so its rows leave attention and compute out instead of showing them empty."""
-    return tuple(p for p in PHASES[:4] if mode != "step" or p[0] not in LAYER_ONLY)
+def columns(mode: str, rows: tuple = ()) -> tuple:
+    """The time columns a mode fills. Step timing measures routing and expert I/O per layer, and
+    expert compute only where the expert store times it (the CPU kernels; not MLX's lazy ones):
+    its rows leave out attention, and compute when no row has any, instead of showing them empty."""
+    def filled(field: str) -> bool:
+        return field not in LAYER_ONLY or (field == "expert_compute_ms" and any(r.expert_compute_ms for r in rows))
+
+    return tuple(p for p in PHASES[:4] if mode != "step" or filled(p[0]))
 
 
-def fixed_cells(mode: str) -> int:
+def fixed_cells(mode: str, rows: tuple = ()) -> int:
     """Cells before the bar: layer, the times, hits/misses."""
-    return 4 + 6 * len(columns(mode)) + 8
+    return 4 + 6 * len(columns(mode, rows)) + 8
 
 
-def header(mode: str) -> Text:
-    times = " ".join(f"{label:>5}" for _, label, _ in columns(mode))
+def header(mode: str, rows: tuple = ()) -> Text:
+    times = " ".join(f"{label:>5}" for _, label, _ in columns(mode, rows))
     return Text(f"{'L':>3} {times} {'hit/mis':<7} ms", style="bold")
 
 
@@ -99,7 +103,7 @@ class LayerRows(Widget):
         r = self.rows[y]
         t = Text()
         t.append(f"{r.layer:>3} ", style="bold")
-        for field, _, colour in columns(self.mode):
+        for field, _, colour in columns(self.mode, self.rows):
             v = getattr(r, field)
             if field == "expert_io_ms":
                 t.append(fmt_ms(v), style=heat(v / self._max_io if self._max_io else 0.0))
@@ -112,7 +116,7 @@ class LayerRows(Widget):
         t.append("/", style="dim")
         t.append(misses, style="#e0675f" if r.misses else "dim")
         t.append(" ")
-        width = max(0, self.size.width - fixed_cells(self.mode))
+        width = max(0, self.size.width - fixed_cells(self.mode, self.rows))
         values = [getattr(r, f) for f, _, _ in PHASES]
         used = round(sum(values) / self._max_total * width) if self._max_total else 0
         for (_, _, colour), n in zip(PHASES, split_cells(values, used)):
@@ -122,7 +126,7 @@ class LayerRows(Widget):
     def _sum_text(self) -> Text:
         """The whole step: every layer's times and hits/misses added up."""
         t = Text("all ", style="bold")
-        for field, _, _ in columns(self.mode):
+        for field, _, _ in columns(self.mode, self.rows):
             t.append(fmt_ms(sum(getattr(r, field) for r in self.rows)), style="bold")
             t.append(" ")
         hits, misses = sum(r.hits for r in self.rows), sum(r.misses for r in self.rows)
@@ -174,7 +178,7 @@ class LayerPanel(VerticalScroll):
         step = f" · step {self.step}" if self.step is not None else ""
         self.border_title = f"{what}{step} · timing {self.timing_mode}"  # short: the panel is 48 wide
         legend = Text()
-        shown = [p for p in PHASES if self.timing_mode != "step" or p[0] not in LAYER_ONLY]
+        shown = PHASES if self.timing_mode != "step" else columns("step", rows)
         for i, (_, label, colour) in enumerate(shown):
             legend.append(("  " if i else "") + "■ ", style=colour)
             legend.append(label)
@@ -189,17 +193,18 @@ class LayerPanel(VerticalScroll):
 
     def set_mode(self, mode: str) -> None:
         self.timing_mode = mode
-        self.header.update(header(mode))
+        self.header.update(header(mode, self.rows_widget.rows if self.rows_widget.mode == mode else ()))
         self._title()
 
     def show_timings(self, ev) -> None:
         """Draw one LayerTimings event (in place)."""
         self.updates += 1
         self.step = ev.step
-        if ev.mode != self.timing_mode:
-            self.timing_mode = ev.mode
-            self.header.update(header(ev.mode))
+        before = columns(self.timing_mode, self.rows_widget.rows)
+        self.timing_mode = ev.mode
         self.rows_widget.set_rows(ev.rows, ev.mode)
+        if columns(ev.mode, ev.rows) != before:
+            self.header.update(header(ev.mode, ev.rows))
         self._title()
         self.call_after_refresh(self._title)  # the rows' new height is known after the layout
 
