@@ -137,8 +137,8 @@ def event_dict(ev) -> dict | None:
 
     from .agent import RepairEvent, TextChunk, ToolCallEvent, ToolResultEvent, TurnFinished
 
-    if isinstance(ev, TextChunk):
-        return None  # the tokens are there already
+    if isinstance(ev, TextChunk):  # the tokens are there already; reasoning is said apart
+        return {"event": "reasoning", "text": ev.text} if ev.kind == "reasoning" else None
     if hasattr(ev, "to_dict"):
         return ev.to_dict()
     kind = {ToolCallEvent: "tool_call", ToolResultEvent: "tool_result", RepairEvent: "repair",
@@ -220,9 +220,13 @@ def run_with_tools(args, session, loaded, text: str, deadline: float | None = No
 
     report = CallReport(emit_json if args.json else (lambda d: None))
 
+    from .reasoning import show_segments
+
+    in_think = [False]  # --show-reasoning: reasoning between a line '<think>' and a line '</think>'
+
     def show(ev):
-        if isinstance(ev, TextChunk) and ev.kind == "text" and not args.json:
-            out.write(for_stream(ev.text, out))
+        if isinstance(ev, TextChunk) and not args.json:
+            out.write(for_stream(show_segments([ev], getattr(args, "show_reasoning", False), in_think), out))
             out.flush()
         report(ev)
         if isinstance(ev, GenerationFinished) and args.timing != "off":
@@ -256,6 +260,8 @@ def run_with_tools(args, session, loaded, text: str, deadline: float | None = No
         print(f"flashmoe: error: timed out after {args.timeout:g} s; the reply above is partial", file=sys.stderr)
         return ExitCode.TIMEOUT
     if end.status == "done":
+        if end.message:  # the reply ended inside its reasoning
+            print(safe(f"flashmoe: note: {end.message}"), file=sys.stderr)
         return report.exit_code(ExitCode.OK)
     if end.status == "cancelled":
         return ExitCode.INTERRUPTED
