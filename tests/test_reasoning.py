@@ -245,3 +245,20 @@ def test_repl_dims_reasoning_on_a_terminal():
     repl = SimpleNamespace(out=out, _dim=False, write=out.write)
     LineRepl.show(repl, [Segment("reasoning", "hm"), Segment("text", "Paris.")], end=True)
     assert out.getvalue() == "\x1b[2mhm\x1b[0m\n\nParis."
+
+
+def test_run_tools_answer_only_and_cut_note(tmp_path, workspace):
+    (tmp_path / "t.jinja").write_text(qwen35_template())
+    env = {"FLASHMOE_HOME": str(tmp_path / "home"), "FLASHMOE_FAKE_TEMPLATE": str(tmp_path / "t.jinja"),
+           "FLASHMOE_FAKE_REPLIES": json.dumps([f"maybe {XML_READ}</think>\n\nNo call needed."])}
+    base = ("run", "--engine", "fake", "-n", "--tools", "builtin", "--workspace", workspace)
+    r = run_cli(*base, "hi", env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "No call needed." and "tool call" not in r.stderr
+    r = run_cli(*base, "--show-reasoning", "hi", env=env)
+    assert r.stdout.startswith("<think>\nmaybe <tool_call>") and r.stdout.rstrip().endswith("No call needed.")
+    r = run_cli(*base, "--json", "hi", env=env)
+    events = [json.loads(l) for l in r.stdout.splitlines()]
+    assert "".join(e["text"] for e in events if e["event"] == "reasoning").startswith("maybe <tool_call>")
+    r = run_cli(*base, "--max-tokens", "3", "hi", env=env)
+    assert r.returncode == 0 and "ended inside its reasoning" in r.stderr, r.stderr
