@@ -36,11 +36,12 @@ Grammar choices, for a model that may not know JSON at all:
   (as OpenAI's strict mode requires); the output still satisfies the original schema;
 * max_string_length (default "auto"): strings with no maxLength/enum/const/pattern get a
   maxLength, so a string a low-bit model never closes cannot run on until max_tokens: the
-  grammar closes it and the call completes (and validates). "auto" gives STRING_BOUND (1,024
-  characters: paths, patterns, commands, names; the longest such argument `flashmoe bench
-  tools` saw was under 100) and LONG_TEXT_BOUND (65,536) to parameters that carry file text
-  (LONG_TEXT_NAMES: content, old_string, new_string, ...), which write_file and edit_file take
-  legitimately long. An int bounds every string alike; None leaves them unbounded. Numbers,
+  grammar closes it and the call completes (and validates). "auto" gives STRING_BOUND (128
+  characters: paths, patterns, names; short enough to close inside a 96-token reply, where the
+  demo's real arguments in `flashmoe bench tools` were under 20), COMMAND_BOUND (4,096) to
+  command lines and queries (COMMAND_NAMES), and LONG_TEXT_BOUND (65,536) to parameters that
+  carry file text (LONG_TEXT_NAMES: content, old_string, new_string, ...), which write_file and
+  edit_file take legitimately long (a runaway there is left to max_tokens). An int bounds every string alike; None leaves them unbounded. Numbers,
   arrays without maxItems and free-form objects are unbounded; max_tokens is the backstop.
 
 Limits: a tool whose schema uses keywords llguidance does not implement (uniqueItems, not,
@@ -74,8 +75,12 @@ _SCHEMA_LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_MAP_KEYS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 
-# Default string bounds (max_string_length="auto"; see the module docstring).
-STRING_BOUND = 1024
+# Default string bounds (max_string_length="auto"; see the module docstring). STRING_BOUND is
+# what fits in a reply: `flashmoe bench tools` (max_tokens 96) saw the demo run a path on as
+# "list_dir.txt.txt.txt..." until max_tokens at 1,024; its real arguments were under 20 characters.
+STRING_BOUND = 128
+COMMAND_BOUND = 4096
+COMMAND_NAMES = frozenset({"command", "cmd", "query", "url", "prompt", "description", "args", "arguments"})
 LONG_TEXT_BOUND = 65536
 LONG_TEXT_NAMES = frozenset({"content", "contents", "text", "body", "data", "code", "source", "patch", "diff",
                              "old_string", "new_string", "old_text", "new_text", "old_str", "new_str",
@@ -121,7 +126,8 @@ def _is_string_schema(node: dict) -> bool:
 
 def _string_bound(max_string_length: int | str | None, name: str | None) -> int | None:
     if max_string_length == "auto":
-        return LONG_TEXT_BOUND if name is not None and name.lower() in LONG_TEXT_NAMES else STRING_BOUND
+        key = (name or "").lower()
+        return LONG_TEXT_BOUND if key in LONG_TEXT_NAMES else COMMAND_BOUND if key in COMMAND_NAMES else STRING_BOUND
     return max_string_length  # type: ignore[return-value]
 
 

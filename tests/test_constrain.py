@@ -261,18 +261,20 @@ def test_options_tighten_the_schema(tiny):
 
 
 def test_strings_are_bounded_by_default():
-    """Without a maxLength of their own, strings get one: 1,024 characters, or 65,536 for
-    parameters that carry file text (content, old_string, ...); their own bound is kept."""
-    from engine.constrain_json import LONG_TEXT_BOUND, STRING_BOUND
+    """Without a maxLength of their own, strings get one: 128 characters, 4,096 for command
+    lines, 65,536 for parameters that carry file text (content, old_string, ...); their own
+    bound is kept."""
+    from engine.constrain_json import COMMAND_BOUND, LONG_TEXT_BOUND, STRING_BOUND
 
     tools = [{"type": "function", "function": {"name": "write_file", "parameters": {
         "type": "object", "properties": {
-            "path": {"type": "string"}, "content": {"type": "string"}, "new_string": {"type": ["string", "null"]},
+            "path": {"type": "string"}, "content": {"type": "string"}, "command": {"type": "string"}, "new_string": {"type": ["string", "null"]},
             "tag": {"type": "string", "maxLength": 7}, "mode": {"type": "string", "enum": ["a", "b"]},
             "lines": {"type": "array", "items": {"type": "string"}}},
         "required": ["path", "content"]}}}]
     props = tool_call_constraint(tools, "tools").schemas[0][1]["properties"]
-    assert (STRING_BOUND, LONG_TEXT_BOUND) == (1024, 65536)
+    assert (STRING_BOUND, COMMAND_BOUND, LONG_TEXT_BOUND) == (128, 4096, 65536)
+    assert props["command"]["maxLength"] == COMMAND_BOUND
     assert props["path"]["maxLength"] == STRING_BOUND and props["lines"]["items"]["maxLength"] == STRING_BOUND
     assert props["content"]["maxLength"] == props["new_string"]["maxLength"] == LONG_TEXT_BOUND
     assert props["tag"]["maxLength"] == 7 and "maxLength" not in props["mode"]
@@ -294,7 +296,8 @@ def test_a_model_that_never_closes_a_string_still_finishes_the_call(tiny):
         constraint.accept(token)
         out.append(token)
     name, args = parse_json_call(tiny.decode(out))
-    assert name == "read_file" and 1000 <= len(args["path"]) <= 1024
+    assert name == "read_file" and 120 <= len(args["path"]) <= 128
+    assert len(out) < 96  # closed inside bench tools' reply budget
 
 
 def test_unsupported_keywords_fall_back_to_lenient_for_that_tool_only(tiny):
