@@ -15,9 +15,29 @@ Tool-call markers inside reasoning are not calls, and neither are those inside a
 code block of the answer (a call shown as an example): a fence is a line that starts (after at most
 three spaces) with three or more backticks or tildes, closed by a line starting with as many of the
 same. The state can start inside reasoning (`in_reasoning`), for templates whose generation prompt
-opened the block; `ended_in_reasoning` says a reply was cut off before it closed it. With a
-marker-less format (plain_json), a reply that may be a bare JSON call is held back until it is
-complete, then given as text or as a call.
+opened the block; `ended_in_reasoning` says a reply was cut off before it closed it.
+
+A format may open calls with several markers (`tool_call_starts`: Qwen3-Coder's `<tool_call>` and a
+bare `<function=`, DeepSeek-R1's variant openers); any of them opens a call. A call ends at the
+format's `tool_call_end`, or, where the parser has `find_call_end(text, start, final)`, where that
+says (Qwen3-Coder: by the call's structure, so a `</tool_call>` inside a value does not end it);
+it is asked again only when one of the parser's `call_end_tags` arrives or while only blanks
+follow the last one, so a long call streams in linear time.
+
+With a marker-less format (plain_json), a reply that may be bare JSON calls is held back until it
+is complete, then given as text or as one call block: one JSON call object, several separated by
+newlines, `;` or `,`, a list of them, optionally in a ``` fence. Text after a complete object that
+cannot start another call object releases the reply as text.
+
+Near-misses (parsers with `bare_json_calls`: Hermes / Qwen3's json_tools). Low-bit models drop
+the `<tool_call>` wrapper. When the reply gives no call block, `tools` are known, and the visible
+text, stripped, is exactly one JSON object, or exactly one ``` fenced block holding exactly one
+JSON object, with nothing else before or after it, and that object is a call (plain_json's
+checks: a known tool "name" and "arguments") whose arguments are an object that validates against
+the tool's schema, the text is that call. Anything else stays text: a fenced call with prose before
+or after it (a call shown as an example), several objects, an unknown tool, arguments that fail
+the schema, or no tools to check against. Such a reply is held back like plain_json's while it
+may still be one.
 """
 from __future__ import annotations
 
@@ -28,7 +48,7 @@ from types import ModuleType
 from typing import Any, Literal
 
 from engine.reasoning import REASONING_MARKERS
-from tools.parsers import parse_calls
+from tools.parsers import parse_calls, plain_json
 
 SegmentKind = Literal["text", "reasoning", "tool_call_begin", "tool_call"]
 
@@ -87,18 +107,71 @@ def _maybe_bare_call(s: str) -> bool:
     return k.group(1) in _CALL_KEYS
 
 
-def _complete_with_trailing_text(s: str) -> bool:
-    """s starts with a JSON value that is complete and followed by more than whitespace or a fence."""
+_DECODER = json.JSONDecoder()
+
+
+def _maybe_bare_calls(s: str, several: bool = True) -> bool:
+    """Could s (left-stripped, non-empty) still become a reply that is only JSON call objects (one
+    when not `several`), optionally fenced? False once a complete object is followed by text that
+    is neither a closing fence nor (with `several`) the start of another call object."""
+    if not _maybe_bare_call(s):
+        return False
     body = s
     m = _FENCE_OPEN.match(body)
     if m:
         body = body[m.end():].lstrip(" \t\r\n")
+    while True:
+        try:
+            _, end = _DECODER.raw_decode(body)
+        except json.JSONDecodeError:
+            return True  # still arriving (or broken: finish() decides)
+        rest = body[end:]
+        stripped = rest.strip()
+        if not stripped or "```".startswith(stripped):
+            return True
+        if stripped.startswith("```"):
+            return not stripped[3:].strip()
+        if not several:
+            return False
+        body = rest.lstrip(" \t\r\n;,")
+        if not body:
+            return True
+        if not body.startswith("{") or not _maybe_bare_call(body):
+            return False
+
+
+def _one_json_call(text: str, tools: Any) -> bool:
+    """The near-miss rule (see the module docstring): text is exactly one JSON call object, bare or
+    alone in a ``` fence, naming a known tool with object arguments that fit its schema."""
+    from tools.calls import ToolsInfo
+    from tools.parsers._common import strip_fence
+
+    s = text.strip()
+    if s.startswith("```"):
+        inner = strip_fence(s)
+        if inner is s or "```" in inner:
+            return False
+        s = inner.strip()
+    if not s.startswith("{"):
+        return False
     try:
-        _, end = json.JSONDecoder().raw_decode(body)
+        _, end = _DECODER.raw_decode(s)
     except json.JSONDecodeError:
         return False
-    rest = body[end:].strip()
-    return bool(rest) and not "```".startswith(rest)
+    if s[end:].strip():
+        return False
+    calls = parse_calls(plain_json, s, tools)
+    if len(calls) != 1 or calls[0].error or not isinstance(calls[0].arguments, dict):
+        return False
+    schema = ToolsInfo.of(tools).schemas.get(calls[0].name or "")
+    if schema is None:
+        return False
+    try:
+        from jsonschema import Draft202012Validator
+
+        return Draft202012Validator(schema).is_valid(calls[0].arguments)
+    except Exception:  # a schema the validator cannot take: no intent to be sure of
+        return False
 
 
 class TextState:
@@ -116,8 +189,17 @@ class TextState:
                  think_end: str | None = THINK_END, in_reasoning: bool | str = False, tools: Any = None,
                  think_pairs: tuple[tuple[str, str], ...] | None = None) -> None:
         self.parser = parser
-        self.tool_start = tool_call_start if tool_call_start is not None else getattr(parser, "tool_call_start", "")
+        if tool_call_start is not None:
+            starts: tuple[str, ...] = (tool_call_start,)
+        else:
+            starts = tuple(getattr(parser, "tool_call_starts", ()) or (getattr(parser, "tool_call_start", ""),))
+        self.tool_starts = tuple(m for m in starts if m)
+        self.tool_start = self.tool_starts[0] if self.tool_starts else ""
         self.tool_end = tool_call_end if tool_call_end is not None else getattr(parser, "tool_call_end", "")
+        # Where the parser finds a call's end by its structure (only with the parser's own markers).
+        self._find_end = (getattr(parser, "find_call_end", None)
+                          if tool_call_start is None and tool_call_end is None else None)
+        self._end_tags = tuple(getattr(parser, "call_end_tags", ()) or (self.tool_end or ">",))
         pairs = list(think_pairs if think_pairs is not None else REASONING_MARKERS)
         if think_start and think_end:
             pairs = [(think_start, think_end)] + [p for p in pairs if p != (think_start, think_end)]
@@ -133,7 +215,13 @@ class TextState:
                 self.state, self._think_end = _REASONING, self._closer[opener]
         self._buf = ""
         self._tool: list[str] = []
-        self._watch = bool(getattr(parser, "whole_reply", False)) and not self.tool_start
+        self._opener = ""  # the marker that opened the call we are in
+        self._body = ""  # with _find_end: the call's text after its opener
+        self._checked = 0  # how much of _body find_call_end has seen
+        self._whole = bool(getattr(parser, "whole_reply", False)) and not self.tool_start
+        # Hermes near-misses: a reply that is one bare call object (only checkable with tools).
+        self._near_miss = bool(getattr(parser, "bare_json_calls", False)) and bool(tools) and not self._whole
+        self._watch = self._whole or self._near_miss
         self._held = ""
         # Fenced code blocks matter where a marker opens a call (not for bare JSON replies).
         self._fences = _FENCES if self.tool_start else ()
@@ -155,7 +243,7 @@ class TextState:
         if self.state == _TEXT:
             if self._fence:
                 return [self._fence[0] * 3]
-            ms = [m for pair in self.think_pairs for m in pair] + [self.tool_start, *self._fences]
+            ms = [m for pair in self.think_pairs for m in pair] + [*self.tool_starts, *self._fences]
         elif self.state == _REASONING:
             ms = [self._think_end]
         else:
@@ -199,7 +287,7 @@ class TextState:
         if self._watch:
             self._held += s
             stripped = self._held.lstrip()
-            if not stripped or (_maybe_bare_call(stripped) and not _complete_with_trailing_text(stripped)):
+            if not stripped or _maybe_bare_calls(stripped, several=self._whole):
                 return
             self._watch = False
             s, self._held = self._held, ""
@@ -235,9 +323,10 @@ class TextState:
         if self.state == _TEXT:
             if marker in self._closer:
                 self.state, self._think_end = _REASONING, self._closer[marker]
-            elif marker == self.tool_start:
+            elif marker in self.tool_starts:
+                self._release_held(out)  # a real call: the text before it is text
                 self.state = _TOOL
-                self._tool = [marker]
+                self._tool, self._opener, self._body, self._checked = [marker], marker, "", 0
                 out.append(Segment("tool_call_begin", marker))
             # a stray closing marker in the answer is dropped
         elif self.state == _REASONING:
@@ -247,9 +336,45 @@ class TextState:
             self._tool.append(marker)
             self._close_tool(out, closed=True)
 
+    def _release_held(self, out: list[Segment]) -> None:
+        if self._watch:
+            self._watch = False
+            held, self._held = self._held, ""
+            if held:
+                self.text += held
+                out.append(Segment("text", held))
+
+    def _structured_end(self, out: list[Segment]) -> bool:
+        """With find_call_end: take the buffer into the call; close it where the parser says it
+        ends and put what follows back in the buffer. False while the call goes on."""
+        assert self._find_end is not None
+        self._body += self._buf
+        self._buf = ""
+        seen, self._checked = self._checked, len(self._body)
+        # An end is decided by one of the parser's closing tags arriving, or by what follows one
+        # (the text after it is only blanks so far); other chunks need no scan of the whole call.
+        # Anything this skips is read at finish() with the same result.
+        if not self.finished:
+            lo = max(0, seen - max(map(len, self._end_tags)) + 1)
+            tail = self._body[:seen].rstrip()
+            if not (any(t in self._body[lo:] for t in self._end_tags)
+                    or any(tail.endswith(t) for t in self._end_tags)):
+                return False
+        end = self._find_end(self._body, self._opener)
+        if end < 0 and self.finished:
+            end = self._find_end(self._body, self._opener, final=True)
+            if end < 0:
+                return False
+        if end < 0:
+            return False
+        body, self._buf = self._body[:end], self._body[end:]
+        self._tool, self._body = [self._opener, body], ""
+        self._close_tool(out, closed=True)
+        return True
+
     def _close_tool(self, out: list[Segment], *, closed: bool) -> None:
-        raw = "".join(self._tool)
-        self._tool = []
+        raw = "".join(self._tool) + self._body
+        self._tool, self._body = [], ""
         self.state = _TEXT
         self._indent = None
         self.tool_calls.append(raw)
@@ -266,7 +391,11 @@ class TextState:
         return out
 
     def _run(self, out: list[Segment]) -> None:
-        while self._buf:
+        while self._buf or (self.finished and self.state == _TOOL and self._find_end is not None and self._body):
+            if self.state == _TOOL and self._find_end is not None:
+                if not self._structured_end(out):
+                    break
+                continue
             markers = self._markers()
             if not markers:  # inside a call that runs to the end of the reply
                 self._emit(self._buf, out)
@@ -307,7 +436,10 @@ class TextState:
         if self._held:
             held, self._held = self._held, ""
             self._watch = False
-            calls = parse_calls(self.parser, held, self.tools) if self.parser is not None else []
+            if self._whole:
+                calls = parse_calls(self.parser, held, self.tools) if self.parser is not None else []
+            else:
+                calls = [True] if not self.tool_calls and _one_json_call(held, self.tools) else []
             if calls:
                 self.tool_calls.append(held)
                 out.append(Segment("tool_call", held))

@@ -11,6 +11,23 @@ CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜t
 DS_CALL = f"{B}{CB}function{SEP}read_file\n```json\n{{\"path\": \"a\"}}\n```{CE}{E}"
 HERMES = '<tool_call>\n{"name": "read_file", "arguments": {"path": "a<b>.txt"}}\n</tool_call>'
 XML = "<tool_call>\n<function=read_file>\n<parameter=path>\n<tool>.txt\n</parameter>\n</function>\n</tool_call>"
+BARE = "<function=read_file>\n<parameter=path>\na\n</parameter>\n</function>"
+R1_CALL = f"<｜tool_calls_begin｜>{CB}function{SEP}read_file\n```json\n{{\"path\": \"a\"}}\n```{CE}{E}"
+R1_SHORT = f"<｜tool▁calls｜>{CB}function{SEP}list_dir\n```json\n{{}}\n```{CE}{E}"
+# A file whose content shows a tool call, and a value holding a stray </tool_call>.
+NESTED = ("<tool_call>\n<function=write_file>\n<parameter=path>\nREADME.md\n</parameter>\n"
+          "<parameter=content>\nCall it so:\n<tool_call>\n<function=read_file>\n<parameter=path>\nx\n"
+          "</parameter>\n</function>\n</tool_call>\nThat is all.\n</parameter>\n</function>\n</tool_call>")
+STRAY = ("<tool_call>\n<function=write_file>\n<parameter=content>\nend with </tool_call> here\n</parameter>\n"
+         "</function>\n</tool_call>")
+NO_PARAM_END = "<tool_call>\n<function=read_file>\n<parameter=path>\na\n</function>\n</tool_call>"
+PJ_A = '{"name": "read_file", "arguments": {"path": "a"}}'
+PJ_B = '{"name": "list_dir", "arguments": {}}'
+PJ_UNKNOWN = '{"name": "delete_all", "arguments": {}}'
+PJ_BAD_ARGS = '{"name": "read_file", "arguments": {"path": 3}}'
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in (
+    ("read_file", {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}),
+    ("list_dir", {"type": "object", "properties": {}}))]
 
 # (parser, reply, kwargs, expected visible text, expected reasoning, expected raw calls)
 CASES = [
@@ -54,6 +71,40 @@ CASES = [
     (json_tools, "say ``` here " + HERMES + " and\n```\n" + HERMES, {},
      "say ``` here  and\n```\n" + HERMES, "", [HERMES]),
     (deepseek_v3, "```\n" + DS_CALL, {}, "```\n" + DS_CALL, "", []),
+    # Issue 13.1: several start markers. Qwen3-Coder without the <tool_call> wrapper (a stray
+    # </tool_call> after it belongs to the call); DeepSeek-R1's variant opening markers.
+    (qwen3_coder, "Sure.\n" + BARE + "\nDone <fun.", {}, "Sure.\n\nDone <fun.", "", [BARE]),
+    (qwen3_coder, BARE + "\n</tool_call>" + BARE, {}, "", "", [BARE + "\n</tool_call>", BARE]),
+    (qwen3_coder, "```\n" + BARE + "\n```", {}, "```\n" + BARE + "\n```", "", []),
+    (deepseek_v3, "Ok." + R1_CALL + " done", {}, "Ok. done", "", [R1_CALL]),
+    (deepseek_v3, R1_SHORT + "\n" + R1_CALL, {}, "\n", "", [R1_SHORT, R1_CALL]),
+    # Issue 13.2: a Qwen3-Coder call ends at its own </tool_call>, not at one inside a value.
+    (qwen3_coder, NESTED + " after", {}, " after", "", [NESTED]),
+    (qwen3_coder, STRAY + "\n" + XML, {}, "\n", "", [STRAY, XML]),
+    (qwen3_coder, "<tool_call>\n" + HERMES[12:-13] + "\n</tool_call> ok", {}, " ok", "",
+     ["<tool_call>\n" + HERMES[12:-13] + "\n</tool_call>"]),
+    # ... and a call whose value lost its </parameter> ends where parse_tool_call reads it.
+    (qwen3_coder, NO_PARAM_END + "\nDone.", {}, "\nDone.", "", [NO_PARAM_END]),
+    (qwen3_coder, NESTED[:60], {}, "", "", [NESTED[:60]]),
+    # Issue 13.3: plain JSON with several call objects.
+    (plain_json, PJ_A + ";\n" + PJ_B, {}, "", "", [PJ_A + ";\n" + PJ_B]),
+    (plain_json, PJ_A + "\n" + PJ_B + "\n", {}, "", "", [PJ_A + "\n" + PJ_B + "\n"]),
+    (plain_json, PJ_A + "\nThat is the call.", {}, PJ_A + "\nThat is the call.", "", []),
+    (plain_json, PJ_A + "\n{\"answer\": 1}", {}, PJ_A + "\n{\"answer\": 1}", "", []),
+    # Issue 13.4: Hermes near-misses, accepted only when the whole reply is the call.
+    (json_tools, PJ_A, {"tools": TOOLS}, "", "", [PJ_A]),
+    (json_tools, " ```json\n" + PJ_A + "\n```\n", {"tools": TOOLS}, "", "", [" ```json\n" + PJ_A + "\n```\n"]),
+    (json_tools, "Like this:\n```json\n" + PJ_A + "\n```", {"tools": TOOLS},
+     "Like this:\n```json\n" + PJ_A + "\n```", "", []),
+    (json_tools, "```json\n" + PJ_A + "\n```\nThat reads it.", {"tools": TOOLS},
+     "```json\n" + PJ_A + "\n```\nThat reads it.", "", []),
+    (json_tools, PJ_A + "\nThen I will answer.", {"tools": TOOLS}, PJ_A + "\nThen I will answer.", "", []),
+    (json_tools, PJ_A, {}, PJ_A, "", []),  # no tools: nothing to check the name against
+    (json_tools, PJ_UNKNOWN, {"tools": TOOLS}, PJ_UNKNOWN, "", []),
+    (json_tools, PJ_BAD_ARGS, {"tools": TOOLS}, PJ_BAD_ARGS, "", []),  # fails the schema
+    (json_tools, PJ_A + "\n" + PJ_B, {"tools": TOOLS}, PJ_A + "\n" + PJ_B, "", []),  # more than one
+    (json_tools, '{"name": "read_file"}', {"tools": TOOLS}, '{"name": "read_file"}', "", []),  # no arguments
+    (json_tools, PJ_A + "\n" + HERMES, {"tools": TOOLS}, PJ_A + "\n", "", [HERMES]),
 ]
 
 
@@ -170,3 +221,54 @@ def test_bare_call_prefix_is_held():
     assert st.feed('```json\n[{"na') == []
     assert st.feed('me": "list_dir", "arguments": {}}]\n```') == []
     assert st.finish() == [Segment("tool_call", '```json\n[{"name": "list_dir", "arguments": {}}]\n```')]
+
+
+def test_nested_tool_call_in_a_value_does_not_close_the_call():
+    """Streamed, the inner </tool_call> of a file's content leaves the call open (issue 13.2)."""
+    st = TextState(qwen3_coder)
+    inner_end = NESTED.index("</tool_call>") + len("</tool_call>")
+    assert st.feed(NESTED[:inner_end] + "\n") == [Segment("tool_call_begin", "<tool_call>")]
+    assert st.feed(NESTED[inner_end + 1:] + " ok") == [Segment("tool_call", NESTED), Segment("text", " ok")]
+    calls = qwen3_coder.parse_tool_call(st.tool_calls[0])
+    assert [c.name for c in calls] == ["write_file"] and "<tool_call>" in calls[0].arguments["content"]
+
+
+def test_bare_function_opens_a_call():
+    st = TextState(qwen3_coder)
+    assert st.feed("Ok <function=") == [Segment("text", "Ok "), Segment("tool_call_begin", "<function=")]
+    assert st.feed(BARE[len("<function="):]) == []  # a </tool_call> may still follow
+    assert st.feed(" next") == [Segment("tool_call", BARE), Segment("text", " next")]
+
+
+def test_plain_json_several_calls_held_until_the_end():
+    st = TextState(plain_json)
+    assert st.feed(PJ_A + "\n") == []
+    assert st.feed(PJ_B) == []
+    assert st.finish() == [Segment("tool_call", PJ_A + "\n" + PJ_B)]
+    assert [c.name for c in plain_json.parse_tool_call(st.tool_calls[0])] == ["read_file", "list_dir"]
+
+
+def test_near_miss_is_held_then_decided():
+    st = TextState(json_tools, tools=TOOLS)
+    assert st.feed("```json\n" + PJ_A) == []
+    assert st.feed("\n```") == []
+    assert st.finish() == [Segment("tool_call", "```json\n" + PJ_A + "\n```")]
+    assert [(c.name, c.arguments) for c in json_tools.parse_tool_call(st.tool_calls[0])] == [
+        ("read_file", {"path": "a"})]
+    st = TextState(json_tools, tools=TOOLS)
+    assert st.feed("```json\n" + PJ_A + "\n```\nLike") == [Segment("text", "```json\n" + PJ_A + "\n```\nLike")]
+    st = TextState(json_tools, tools=TOOLS)  # prose first: streams at once, never a call
+    assert st.feed("Use ") == [Segment("text", "Use ")]
+
+
+def test_long_value_streams_in_linear_time():
+    """find_call_end is not re-run over the whole call for every token."""
+    import time
+
+    body = "<tool_call>\n<function=write_file>\n<parameter=content>\n" + "<div>a</div>\n" * 8000  # tags galore
+    st = TextState(qwen3_coder)
+    t = time.perf_counter()
+    for i in range(0, len(body), 4):
+        st.feed(body[i:i + 4])
+    st.feed("</parameter>\n</function>\n</tool_call>")
+    assert time.perf_counter() - t < 5 and len(st.tool_calls) == 1

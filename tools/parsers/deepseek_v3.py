@@ -8,7 +8,7 @@
 Also accepts V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`, and the
 variants of the opening marker that R1 and its distills write instead of the real token (as
 llama.cpp accepts them): `<｜tool_calls_begin｜>`, `<｜tool calls begin｜>`, `<｜tool\\_calls\\_begin｜>`
-and `<｜tool▁calls｜>`.
+and `<｜tool▁calls｜>` (`tool_call_starts`, so the text state machine opens a call at each).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ call_begin = "<｜tool▁call▁begin｜>"
 call_end = "<｜tool▁call▁end｜>"
 sep = "<｜tool▁sep｜>"
 R1_STARTS = ("<｜tool_calls_begin｜>", "<｜tool calls begin｜>", "<｜tool\\_calls\\_begin｜>", "<｜tool▁calls｜>")
+tool_call_starts = (tool_call_start, *R1_STARTS)  # any of them opens a call (tools.textstate)
 
 
 def _one(body: str, raw: str) -> ToolCall:

@@ -9,6 +9,9 @@ from tools.parsers._common import blocks, json_calls
 name = "json_tools"
 tool_call_start = "<tool_call>"
 tool_call_end = "</tool_call>"
+# Low-bit models drop the wrapper: a reply that is only one call object is read as a call (with
+# tools to check it against; see tools.textstate).
+bare_json_calls = True
 
 
 def parse_tool_call(text: str, tools: Any = None) -> list[ToolCall]:

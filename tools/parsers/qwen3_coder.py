@@ -11,7 +11,9 @@
 The reading is structure-aware: a value may itself hold `</parameter>`, `</function>` or a whole
 `<tool_call>` (a file whose content shows a tool call): tags nest, and a `</parameter>` only ends
 a value at nesting depth 0 when the next thing is another parameter or the end of the function.
-A call that starts at `<function=` without `<tool_call>` is read too.
+A call that starts at `<function=` without `<tool_call>` is read too (`tool_call_starts` tells the
+text state machine to open a call at either), and `find_call_end` tells it where a streamed call
+ends by the same structure, so a `</tool_call>` inside a value does not end the call.
 
 Values are bare text; they are typed by the tool's JSON Schema (see _common.coerce: integers,
 numbers, booleans, JSON or Python-literal objects and arrays, double-encoded objects, null for
@@ -29,6 +31,8 @@ from tools.parsers._common import blocks, coerce, json_calls
 name = "qwen3_coder"
 tool_call_start = "<tool_call>"
 tool_call_end = "</tool_call>"
+tool_call_starts = (tool_call_start, "<function=")
+call_end_tags = (tool_call_end, "</function>")  # the tags after which find_call_end may find an end
 
 FUNC, PARAM = "<function=", "<parameter="
 _TAG = re.compile(r"<tool_call>|</tool_call>|<function=|</function>|<parameter=|</parameter>")
@@ -37,8 +41,9 @@ _AFTER_VALUE = re.compile(r"\s*(?:<parameter=|</function>|</tool_call>|<function
 _NAME_END = re.compile(r"[>\n]")
 
 
-def _value_end(text: str, start: int) -> tuple[int, int]:
-    """(end of value, where reading resumes) for a value starting at `start`."""
+def _value_end(text: str, start: int, balanced: bool = False) -> tuple[int, int]:
+    """(end of value, where reading resumes) for a value starting at `start`. `balanced`: only a
+    balanced close counts ((-1, -1) without one: a streamed value may still be arriving)."""
     depth = 0
     for m in _TAG.finditer(text, start):
         tag = m.group(0)
@@ -46,6 +51,8 @@ def _value_end(text: str, start: int) -> tuple[int, int]:
             return m.start(), m.end()
         depth += -1 if tag.startswith("</") else 1
         depth = max(depth, 0)
+    if balanced:
+        return -1, -1
     # No balanced close: the value ends at the first tag that cannot be part of it (a cut-off
     # reply, or a model that left out </parameter>).
     m = re.compile(r"</parameter>|<parameter=|</function>|</tool_call>").search(text, start)
@@ -119,3 +126,75 @@ def parse_tool_call(text: str, tools: Any = None) -> list[ToolCall]:
         c = calls[0]
         calls = [ToolCall(c.name, c.arguments, text, c.error, c.arguments_text, c.id)]
     return calls
+
+
+_NEXT = (PARAM, "</function>", tool_call_end, FUNC)
+
+
+def find_call_end(text: str, start: str = tool_call_start, final: bool = False) -> int:
+    """Where a call that `start` opened ends in `text` (what follows that marker): the offset just
+    past its closing marker, read with parse_tool_call's structure (a `</tool_call>` inside a value
+    is part of the value). -1 while the call may still be going on; with `final` (the reply is
+    over) a value without a balanced close ends as parse_tool_call reads it, and -1 means the call
+    runs to the end of the reply unclosed.
+
+    A call opened by `<tool_call>` ends at the `</tool_call>` after its functions (the first one
+    when it holds Hermes JSON instead); one opened by a bare `<function=` ends after its
+    `</function>`, taking a `</tool_call>` right after it along."""
+    bare = start == FUNC
+    n = len(text)
+
+    def ws(p: int) -> int:
+        while p < n and text[p].isspace():
+            p += 1
+        return p
+
+    def partial(p: int) -> bool:  # the text from p may still become one of the tags read next
+        return not final and any(t.startswith(text[p:]) for t in _NEXT)
+
+    if bare:
+        pos = 0
+    else:
+        pos = ws(0)
+        if not text.startswith(FUNC, pos):
+            if not final and FUNC.startswith(text[pos:]):
+                return -1
+            j = text.find(tool_call_end, pos)  # Hermes JSON (or junk): the first close ends it
+            return j + len(tool_call_end) if j >= 0 else -1
+        pos += len(FUNC)
+    while True:  # a function whose name starts at pos
+        m = _NAME_END.search(text, pos)
+        if m is None:
+            return -1
+        pos = m.end() if m.group(0) == ">" else m.start()
+        closed = False
+        while True:
+            pos = ws(pos)
+            if text.startswith(PARAM, pos):
+                m = _NAME_END.search(text, pos + len(PARAM))
+                if m is None:
+                    return -1
+                vstart = m.end() if m.group(0) == ">" else m.start()
+                _, pos = _value_end(text, vstart, balanced=not final)
+                if pos < 0:
+                    return -1
+                continue
+            if partial(pos) and not text.startswith(_NEXT, pos):
+                return -1
+            if text.startswith("</function>", pos):
+                pos += len("</function>")
+                closed = True
+            break
+        if bare:
+            j = ws(pos)
+            if text.startswith(tool_call_end, j):
+                return j + len(tool_call_end)
+            if closed and not final and tool_call_end.startswith(text[j:]):
+                return -1
+            return pos if closed or pos < n else -1
+        j = text.find(tool_call_end, pos)
+        f = text.find(FUNC, pos)
+        if f >= 0 and (j < 0 or f < j):
+            pos = f + len(FUNC)
+            continue
+        return j + len(tool_call_end) if j >= 0 else -1
