@@ -177,9 +177,24 @@ def literal(s: str) -> Any:
             node.__class__ = ast.Constant
             node.value = _JSON_NAMES[node.id]  # type: ignore[attr-defined]
     try:
-        return ast.literal_eval(tree)
+        value = ast.literal_eval(tree)
     except (ValueError, TypeError, SyntaxError) as e:
         raise ValueError(str(e)) from None
+    _check_json_types(value)
+    return value
+
+
+def _check_json_types(value: Any) -> None:
+    """Raise ValueError for a literal JSON cannot carry: b'..', 1j, {1, 2} (arguments must stay JSON)."""
+    if isinstance(value, (bytes, complex, set, frozenset)):
+        raise ValueError(f"a {type(value).__name__} value is not JSON")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_json_types(k)
+            _check_json_types(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_json_types(v)
 
 
 def container(s: str, kind: type) -> Any:
