@@ -18,7 +18,7 @@ from .exit_codes import ExitCode
 from .store import StoreError
 
 EPILOG = """exit codes: 0 ok, 1 generation failure, 2 usage, 3 model load or I/O, 4 timeout,
-5 approval needed but not interactive, 130 interrupted, 143 / 129 stopped by SIGTERM / SIGHUP"""
+5 a tool call needed approval and did not get it, 130 interrupted, 143 / 129 stopped by SIGTERM / SIGHUP"""
 
 
 class UsageError(Exception):

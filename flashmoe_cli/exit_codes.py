@@ -8,5 +8,5 @@ class ExitCode(IntEnum):
     USAGE = 2  # bad arguments or configuration
     MODEL = 3  # model load or I/O problem
     TIMEOUT = 4
-    APPROVAL = 5  # a tool needed approval and nobody could give it
+    APPROVAL = 5  # a tool call needed approval and did not get it (declined, or nobody could answer)
     INTERRUPTED = 130
