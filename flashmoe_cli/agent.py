@@ -17,7 +17,7 @@ from typing import Callable
 from engine.events import EngineFailed, GenerationFinished, PrefillProgress, TokenGenerated
 from tools.calls import ToolCall
 from tools.executor import ToolExecutor
-from tools.parsers import parse_calls
+from tools.parsers import parse_reply
 from tools.textstate import TextState
 from tools.validate import check_call
 
@@ -194,9 +194,8 @@ class AgentLoop:
                 return "", [], ev
         if done.reason == "cancelled":
             return done.text, [], done  # an interrupted call is not run
-        calls: list[ToolCall] = []
-        for raw in state.tool_calls:
-            calls += parse_calls(self.parser, raw, self.tools)
+        # Empty / nameless blocks next to named calls are dropped (no repair round for them).
+        calls = parse_reply(self.parser, state.tool_calls, self.tools)
         return done.text, calls, done
 
     def _emit(self, segments) -> None:
