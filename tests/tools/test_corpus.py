@@ -72,7 +72,7 @@ def _ok(case: dict[str, Any]) -> bool:
 
 
 def test_corpus_is_real_and_sourced():
-    assert len(CASES) >= 50
+    assert len(CASES) >= 200
     ids = [c["id"] for c in CASES]
     assert len(ids) == len(set(ids))
     for c in CASES:
