@@ -72,10 +72,27 @@ class TurnFinished:
 
 
 
-def tool_instructions(tools: list[dict]) -> str:
-    """For chat templates that know no tools: how to call them, in the Qwen / Hermes format."""
+# How a call is written, in the format of the parser that will read it (templates without native
+# tools get these instructions in the system prompt, so what they say must be what is parsed).
+CALL_FORMATS = {
+    "deepseek_v3": ("For each function call, write its name and its arguments as a JSON object between DeepSeek's "
+                    "tool-call markers:\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+                    "<function-name>\n```json\n<args-json-object>\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+}
+JSON_CALL_FORMAT = ("For each function call, return a json object with function name and arguments within "
+                    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+                    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+
+
+def tool_instructions(tools: list[dict], parser=None, *, native_results: bool = False) -> str:
+    """For chat templates that render no tools: how to call them, in the parser's own format
+    (Qwen / Hermes JSON unless the parser has one of its own)."""
     text = resources.files("prompts").joinpath("tool_instructions.md").read_text()
-    return text.replace("{tools}", "\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    results = ("Tool results come back to you in the next turn." if native_results else
+               "Tool results come back to you inside <tool_response></tool_response> tags.")
+    return (text.replace("{call_format}", CALL_FORMATS.get(getattr(parser, "name", ""), JSON_CALL_FORMAT))
+                .replace("{results}", results)
+                .replace("{tools}", "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)))
 
 
 @dataclass
@@ -93,8 +110,13 @@ class AgentLoop:
     def __post_init__(self):
         if self.constrain not in CONSTRAIN_MODES:
             raise ValueError(f"--constrain must be one of {', '.join(CONSTRAIN_MODES)}, got {self.constrain!r}")
-        # Templates that render `tools` get them natively; others get instructions in the system prompt.
+        # Templates that render `tools` get them natively; others get instructions in the system
+        # prompt. Calls and results are recorded in the template's own form when it renders
+        # `tool_calls` (DeepSeek V3 renders calls but not tools), and DeepSeek's template
+        # concatenates the arguments, so it gets them as a JSON string.
         self.native = "tools" in self.template
+        self.native_calls = self.native or "tool_calls" in self.template
+        self.json_arguments = getattr(self.parser, "name", "") == "deepseek_v3"
         self.tools = self.executor.registry.definitions()
         self._factories: dict[str, object] = {}
 
@@ -164,7 +186,7 @@ class AgentLoop:
 
     def _generate(self, first_round: bool):
         """One reply: stream its visible text, collect its tool calls."""
-        extra = None if self.native else tool_instructions(self.tools)
+        extra = None if self.native else tool_instructions(self.tools, self.parser, native_results=self.native_calls)
         self._handle = self.session.generate(tools=self.tools if self.native else None,
                                              constraint=self._constraint(first_round), extra_system=extra)
         state = self._state = TextState(self.parser, tools=self.tools)
@@ -206,14 +228,15 @@ class AgentLoop:
     def _answer_message(self, reply: str, state: TextState) -> dict:
         """The reply as history: with a native template, reasoning goes apart (reasoning_content,
         which the Qwen3 / Qwen3.5 templates render in their own <think> block)."""
-        if self.native and state.reasoning:
+        if self.native_calls and state.reasoning:
             return {"role": "assistant", "content": state.text.strip(), "reasoning_content": state.reasoning.strip()}
         return {"role": "assistant", "content": reply}
 
     def _record_calls(self, reply: str, calls: list[ToolCall], done, state: TextState) -> None:
-        if self.native:
+        if self.native_calls:
             msg = {"role": "assistant", "content": state.text.strip() if state.reasoning else _strip_calls(reply, self.parser),
-                   "tool_calls": [c.to_openai(f"call_{i}") for i, c in enumerate(calls)]}
+                   "tool_calls": [c.to_openai(f"call_{i}", json_arguments=self.json_arguments)
+                                  for i, c in enumerate(calls)]}
             if state.reasoning:  # not cut at a call marker that was only in the reasoning
                 msg["reasoning_content"] = state.reasoning.strip()
         else:
@@ -221,7 +244,7 @@ class AgentLoop:
         self.session.add(msg, done=done)
 
     def _record_result(self, call: ToolCall, content: str) -> None:
-        if self.native:
+        if self.native_calls:
             self.session.add({"role": "tool", "name": call.name or "", "content": content})
         else:  # the Qwen way: results come back in a user turn
             self.session.add({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})

@@ -125,13 +125,18 @@ def agent(tmp_path, workspace, template: str, replies, *extra):
     return r, events
 
 
-@pytest.mark.parametrize("template, reply", [
-    (qwen35_template, f"I could write it: {XML_WRITE} but reading is enough.\n</think>\n\n{XML_READ}"),
+# The follow-up reply reads the tool result. Qwen3.5's template opens <think> again after a tool
+# turn; DeepSeek's renders the results natively and adds no assistant prompt after them, so the
+# model opens its own reasoning there.
+@pytest.mark.parametrize("template, reply, follow_up", [
+    (qwen35_template, f"I could write it: {XML_WRITE} but reading is enough.\n</think>\n\n{XML_READ}",
+     "Got it.</think>Your notes say hello."),
     (deepseek_r1_template, "Maybe " + ds_call("write_file", {"path": "x.txt", "content": "no"})
-     + " no.</think>Reading." + ds_call("read_file", {"path": "notes.txt"})),
+     + " no.</think>Reading." + ds_call("read_file", {"path": "notes.txt"}),
+     "<think>Got it.</think>Your notes say hello."),
 ], ids=["qwen3.5", "deepseek-r1"])
-def test_call_inside_preopened_reasoning_is_not_run(tmp_path, workspace, template, reply):
-    r, events = agent(tmp_path, workspace, template(), [reply, "Got it.</think>Your notes say hello."])
+def test_call_inside_preopened_reasoning_is_not_run(tmp_path, workspace, template, reply, follow_up):
+    r, events = agent(tmp_path, workspace, template(), [reply, follow_up])
     assert r.returncode == 0, r.stderr
     calls = [e for e in events if e["event"] == "tool_call"]
     assert [(c["name"], c["arguments"]) for c in calls] == [("read_file", {"path": "notes.txt"})]

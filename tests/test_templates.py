@@ -150,13 +150,6 @@ def test_rendering_without_tools_equals_transformers(both):
     assert ours.apply_chat_template(messages, add_generation_prompt=True) == want
 
 
-ITEM_3 = pytest.mark.xfail(strict=True, reason=(
-    "issue 13 item 3, flashmoe_cli/agent.py (not this file's owner): the agent treats a template as native "
-    "only when it renders `tools`, so DeepSeek's calls are recorded as raw text with Qwen-format instructions "
-    "in the system prompt, and ToolCall.to_openai is never asked for json_arguments"))
-
-
-@ITEM_3
 def test_deepseek_gets_its_arguments_as_a_json_string_and_qwen_as_an_object(tmp_path):
     """DeepSeek's template concatenates `arguments` (a dict would raise), Qwen's iterates it."""
     ds = Tokenizer.from_folder(folder_for(tmp_path, "deepseek_v3"))
@@ -171,7 +164,6 @@ def test_deepseek_gets_its_arguments_as_a_json_string_and_qwen_as_an_object(tmp_
     assert call["arguments"] == {"city": "Paris & <Île>", "days": 2}
 
 
-@ITEM_3
 def test_deepseek_system_prompt_and_parser_agree(tmp_path):
     """DeepSeek's template renders no tool definitions, so the agent describes the tools in the
     system prompt: in the format its parser reads (DeepSeek's markers), not Qwen's <tool_call>."""
@@ -183,11 +175,12 @@ def test_deepseek_system_prompt_and_parser_agree(tmp_path):
     session = RecordingSession()
     loop = AgentLoop(session, Executor(), parser, template=ds.template_source)
     assert not loop.native  # the template has no `tools`
-    instructions = tool_instructions(TOOLS, parser) if tool_instructions.__code__.co_argcount > 1 \
-        else tool_instructions(TOOLS)
+    instructions = tool_instructions(TOOLS, parser, native_results=loop.native_calls)
     assert parser.tool_call_start in instructions
     assert "<tool_call>" not in instructions
+    assert "get_weather" in instructions and "<tool_response>" not in instructions  # results come natively
     # and a call written the way the instructions say parses
-    example = instructions[instructions.index(parser.tool_call_start):]
-    assert "get_weather" in instructions
-    assert example
+    example = instructions[instructions.index(parser.tool_call_start):].split("\n\n")[0]
+    written = example.replace("<function-name>", "get_weather").replace("<args-json-object>", '{"city": "Rome"}')
+    [call] = parser.parse_tool_call(written)
+    assert (call.name, call.arguments) == ("get_weather", {"city": "Rome"})
