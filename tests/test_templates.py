@@ -3,8 +3,9 @@ conversations the agent loop builds (system prompt, tools, an assistant tool cal
 arguments in the form the template expects, the tool's result, a follow-up).
 
 Templates available offline: ../shared/reference/chat_templates (Qwen3, the Qwen3.5 family's XML
-calls, DeepSeek-V3, SmolLM2). None of GLM, Mistral or Kimi ships in an installed package (mlx-lm
-has their call parsers, not their templates), so they are not compared here.
+calls, DeepSeek-V3, SmolLM2), and GLM-4.6, Kimi-K2-Thinking and DeepSeek-V3.1 as published in
+llama.cpp's models/templates (tests/fixtures/templates, sources in SOURCES.md there). No Mistral
+template could be had offline (none ships in an installed package), so Mistral is not compared.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from tools.parsers import parser_for_template
 REFERENCE = Path(__file__).resolve().parents[2] / "shared/reference"
 TEMPLATES = REFERENCE / "chat_templates"
 TOKENIZERS = REFERENCE / "tokenizers"
+FIXTURES = Path(__file__).resolve().parent / "fixtures/templates"
 
 # (template file, tokenizer folder it is rendered with, bos_token to use)
 CASES = {
@@ -30,6 +32,9 @@ CASES = {
     "qwen3.5": ("qwen3.5-family_xml_toolcall.from_gguf.jinja", "qwen3", None),
     "deepseek_v3": ("deepseek_v3_tokenizer_config.chat_template.jinja", "qwen3", "<｜begin▁of▁sentence｜>"),
     "smollm2": ("smollm2_from_gguf.chat_template.jinja", "smollm2", "<|im_start|>"),
+    "glm4.6": (FIXTURES / "GLM-4.6.jinja", "qwen3", None),
+    "kimi_k2": (FIXTURES / "moonshotai-Kimi-K2-Thinking.jinja", "qwen3", None),
+    "deepseek_v3.1": (FIXTURES / "deepseek-ai-DeepSeek-V3.1.jinja", "qwen3", "<｜begin▁of▁sentence｜>"),
 }
 
 TOOLS = [
@@ -53,7 +58,7 @@ def folder_for(tmp: Path, case: str) -> Path:
     cfg.pop("chat_template", None)
     cfg["bos_token"] = bos
     (out / "tokenizer_config.json").write_text(json.dumps(cfg))
-    shutil.copy(TEMPLATES / template, out / "chat_template.jinja")
+    shutil.copy(TEMPLATES / template, out / "chat_template.jinja")  # a Path in CASES stays as it is
     return out
 
 
@@ -105,7 +110,16 @@ def conversation(case: str, tok: Tokenizer) -> tuple[list[dict], list[dict] | No
     calls = [ToolCall("get_weather", {"city": "Paris & <Île>", "days": 2}, raw=""),
              ToolCall("read_file", {"path": "notes.txt"}, raw="")]
     # the reply as the model wrote it, in its own format
-    if case == "deepseek_v3":
+    if case == "glm4.6":
+        reply = "Let me check." + "".join(
+            f"<tool_call>{c.name}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n"
+                                               for k, v in c.arguments.items()) + "</tool_call>" for c in calls)
+    elif case == "kimi_k2":
+        reply = "Let me check.<|tool_calls_section_begin|>" + "".join(
+            f"<|tool_call_begin|>functions.{c.name}:{i}<|tool_call_argument_begin|>"
+            f"{json.dumps(c.arguments, ensure_ascii=False)}<|tool_call_end|>" for i, c in enumerate(calls)) \
+            + "<|tool_calls_section_end|>"
+    elif case.startswith("deepseek_v3"):
         reply = "Let me check.<｜tool▁calls▁begin｜>" + "\n".join(
             f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{c.name}\n```json\n{json.dumps(c.arguments, ensure_ascii=False)}"
             "\n```<｜tool▁call▁end｜>" for c in calls) + "<｜tool▁calls▁end｜>"
