@@ -234,7 +234,9 @@ class AgentLoop:
 
     def _record_calls(self, reply: str, calls: list[ToolCall], done, state: TextState) -> None:
         if self.native_calls:
-            msg = {"role": "assistant", "content": state.text.strip() if state.reasoning else _strip_calls(reply, self.parser),
+            # The visible text, without the call blocks TextState took out (whatever opened them:
+            # a marker, a bare <function=, or a near-miss JSON reply) and without reasoning.
+            msg = {"role": "assistant", "content": state.text.strip(),
                    "tool_calls": [c.to_openai(f"call_{i}", json_arguments=self.json_arguments)
                                   for i, c in enumerate(calls)]}
             if state.reasoning:  # not cut at a call marker that was only in the reasoning
@@ -248,11 +250,6 @@ class AgentLoop:
             self.session.add({"role": "tool", "name": call.name or "", "content": content})
         else:  # the Qwen way: results come back in a user turn
             self.session.add({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
-
-
-def _strip_calls(reply: str, parser) -> str:
-    start = getattr(parser, "tool_call_start", "")
-    return reply.split(start)[0].strip() if start and start in reply else reply
 
 
 def load_tools(specs: list[str], policy, runner):
