@@ -2,7 +2,10 @@
 source), run through the agent's own path: TextState over the streamed text, parse_reply over
 the call blocks, check_call against a registry of the case's tools.
 
-A case is {"id", "format", "text", "expected", "source", "tools"?, "deviation"?, "needs_textstate"?}.
+A case is {"id", "format", "text", "expected", "source", "tools"?, "deviation"?, "needs_textstate"?,
+"in_reasoning"?}. "in_reasoning": true is a reply whose prompt already opened the reasoning block
+(a template that ends the generation prompt with <think>; llama.cpp's thinking_forced_open), as
+the engine tells TextState.
 "expected" is the list of calls that should run ({"name", "arguments"}) or refusals
 ({"refused": KIND}); [] means the reply is text. Without "tools" every expected tool exists and
 takes any object, so only parsing is tested.
@@ -46,7 +49,7 @@ def run(case: dict[str, Any], chunks: list[str]) -> list[dict[str, Any]]:
     parser = PARSERS[case["format"]]
     tools = case.get("tools")
     reg = _registry(case)
-    state = TextState(parser, tools=tools)
+    state = TextState(parser, tools=tools, in_reasoning=case.get("in_reasoning", False))
     for chunk in chunks:
         state.feed(chunk)
     state.finish()

@@ -57,6 +57,10 @@ def parse_tool_call(text: str, tools: Any = None) -> list[ToolCall]:
     for variant in R1_STARTS:
         text = text.replace(variant, tool_call_start)
     for outer_raw, body in blocks(text, tool_call_start, tool_call_end):
+        if call_end in body and not body.lstrip().startswith(call_begin):
+            # R1 sometimes writes the first call right after the opener, without its own
+            # <｜tool▁call▁begin｜> (llama.cpp takes that marker as optional there)
+            body = call_begin + body.lstrip()
         inner = blocks(body, call_begin, call_end)
         single = len(inner) == 1
         for raw, call_body in inner:
