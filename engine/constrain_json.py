@@ -287,26 +287,75 @@ def ll_tokenizer(tokenizer) -> Any:
 class ToolCallConstraint:
     """The Constraint (engine/constrain.py) for one generation."""
 
-    def __init__(self, lt, matchers: dict[str, Any], mode: str, start: str, start_id: int | None):
+    def __init__(self, lt, matchers: dict[str, Any], mode: str, start: str, start_id: int | None,
+                 fmt: str = "json", closers: dict[str, list[list[int]]] | None = None):
         self._lt = lt
         self._templates = matchers  # "call": whole call(s) (required), "body": after the start marker
         self._mode = mode
         self._start = start.encode("utf-8")
         self._start_id = start_id
+        self._fmt = fmt
+        self._closers = closers or {}  # see finish(); built per tokenizer by the factory
         self._n = lt.vocab_size
         self._bits = np.zeros((self._n + 31) // 32, dtype=np.int32)
         self._tail = b""  # recent free text, to find a marker spelled in pieces
         self._matcher = None
         self._done = False
+        self._finishing = False
+        self._forced: list[int] = []  # the closer being written (finish())
+        self._call = b""  # the text of the call so far (finish() needs to know if it is in a string)
         if mode == "required":
             self._matcher = self._new_matcher("call")
 
     def _new_matcher(self, which: str):
+        self._call = b""
         return self._templates[which].deep_copy()
 
     @property
     def in_call(self) -> bool:
         return self._matcher is not None
+
+    def finish(self) -> None:
+        """Close the call that is under way as soon as the grammar allows (the generation loop
+        calls this at max_tokens inside a call). From now on, whenever one of the format's
+        closers (a quote inside a JSON string; else "}", "]", "," (ends a number that a required
+        key must follow), then "\n" and the end marker;
+        for XML "\n</parameter>\n", "</function>", then "\n" and the end marker, then the
+        JSON closers inside a non-string parameter's value) can come
+        next, it is forced; where none can (a required key, a value, a minLength), the model
+        picks among what the grammar allows. Each forced closer ends a string, object, array,
+        parameter or the call, and the grammar bounds everything else, so the call completes in
+        a few tokens: the shortest completion is not searched for, only approached greedily.
+        A no-op outside a call; further calls (tools mode) are not affected."""
+        if self._matcher is not None:
+            self._finishing = True
+
+    @staticmethod
+    def _in_json_string(text: bytes) -> bool:
+        inside = escape = False
+        for b in text:
+            if escape:
+                escape = False
+            elif inside and b == 0x5C:  # backslash
+                escape = True
+            elif b == 0x22:  # quote
+                inside = not inside
+        return inside
+
+    def _closer(self) -> list[int] | None:
+        """The first closer the grammar accepts whole from here, or None."""
+        if self._fmt == "json":
+            order = self._closers.get("string" if self._in_json_string(self._call) else "json", [])
+        else:  # a JSON value sits after the last "<parameter=KEY>\n"; a raw one closes with the first closer
+            at = self._call.rfind(b"<parameter=")
+            value = self._call[self._call.find(b">\n", at) + 2:] if at >= 0 else b""
+            order = self._closers.get("xml", []) + self._closers.get(
+                "string" if self._in_json_string(value) else "json", [])[:3]
+        for ids in order:
+            m = self._matcher.deep_copy()
+            if ids and m.consume_tokens(ids) and not m.is_error():
+                return list(ids)
+        return None
 
     def allowed(self) -> np.ndarray | None:
         if self._matcher is None:
@@ -314,7 +363,15 @@ class ToolCallConstraint:
         self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
         if self._matcher.is_error():
             raise RuntimeError(f"tool-call constraint failed: {self._matcher.get_error()}")
-        return np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self._n).view(bool)
+        mask = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self._n).view(bool)
+        if self._finishing:
+            if not self._forced or not mask[self._forced[0]]:
+                self._forced = self._closer() or []
+            if self._forced and mask[self._forced[0]]:
+                only = np.zeros(self._n, dtype=bool)
+                only[self._forced[0]] = True
+                return only
+        return mask
 
     def accept(self, token: int) -> None:
         token = int(token)
@@ -322,9 +379,17 @@ class ToolCallConstraint:
             if not self._matcher.consume_token(token):
                 raise RuntimeError(f"tool-call constraint: token {token} not allowed: "
                                    f"{self._matcher.get_error()}")
+            if self._forced and self._forced[0] == token:
+                self._forced.pop(0)
+            else:
+                self._forced = []
+            if token < self._n:
+                self._call += self._lt.decode_bytes([token])
             if self._matcher.is_stopped():
                 self._matcher = None
                 self._tail = b""
+                self._finishing = False
+                self._forced = []
                 if self._mode == "required":
                     self._done = True
             return
@@ -344,6 +409,7 @@ class ToolCallConstraint:
         matcher = self._new_matcher("body")
         if rest and not matcher.consume_tokens(self._lt.tokenize_bytes(rest)):
             return  # text after the marker that no call can continue: leave it unconstrained
+        self._call = rest
         self._matcher = matcher
 
     def done(self) -> bool:
@@ -395,7 +461,7 @@ class ToolCallConstraintFactory:
 
     def matchers(self, tokenizer) -> tuple[Any, dict[str, Any], int | None]:
         """llguidance's tokenizer, fresh matchers for "call" (from the start marker) and
-        "body" (after it), and the start marker's token id; each generation copies the
+        "body" (after it), the start marker's token id and the closers (_closers); each generation copies the
         matchers, which is cheap (microseconds, against milliseconds to build one)."""
         with self._lock:
             hit = self._cache.get(tokenizer)
@@ -413,9 +479,19 @@ class ToolCallConstraintFactory:
                     if m.is_error():
                         raise ValueError(f"tool-call grammar rejected: {m.get_error()}")
                     matchers[which] = m
-                hit = (lt, matchers, start_id)
+                hit = (lt, matchers, start_id, self._closers(lt, end_id))
                 self._cache[tokenizer] = hit
             return hit
+
+    def _closers(self, lt, end_id: int | None) -> dict[str, list[list[int]]]:
+        """Token ids of the texts ToolCallConstraint.finish() forces, in order of preference:
+        "string" inside a JSON string, "json" outside one, "xml" for the XML format."""
+        end = [end_id] if end_id is not None else lt.tokenize_bytes(self.end.encode("utf-8"))
+        ids = lambda text: list(lt.tokenize_bytes(text.encode("utf-8")))  # noqa: E731
+        close = [ids("\n") + end, end]
+        return {"string": [ids('"')],
+                "json": [ids("}"), ids("]"), ids(","), *close],
+                "xml": [ids("\n</parameter>\n"), ids("</function>"), *close]}
 
     @staticmethod
     def _marker_id(lt, tokenizer, text: str) -> int | None:
@@ -427,8 +503,8 @@ class ToolCallConstraintFactory:
         return tid
 
     def __call__(self, tokenizer) -> ToolCallConstraint:
-        lt, matchers, start_id = self.matchers(tokenizer)
-        return ToolCallConstraint(lt, matchers, self.mode, self.start, start_id)
+        lt, matchers, start_id, closers = self.matchers(tokenizer)
+        return ToolCallConstraint(lt, matchers, self.mode, self.start, start_id, self.fmt, closers)
 
 
 def tool_call_constraint(tools: list[dict], mode: str = "required", fmt: str = "json",

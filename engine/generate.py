@@ -26,6 +26,11 @@ TIMING_MODES = ("off", "step", "layer")
 # What to do with a prompt longer than the model's context: refuse it, or drop its oldest tokens.
 TRUNCATE_MODES = ("off", "left")
 log = logging.getLogger("flashmoe")
+# A call under a constraint that is still open at max_tokens is closed (Constraint.finish(),
+# engine/constrain_json.py) rather than cut: generation runs on for at most this many tokens
+# more. The forced closers finish a call in a few tokens (tests/test_constrain.py measures the
+# worst case of its schemas); the cap is the backstop for a grammar that needs long values.
+FINISH_CALL_TOKENS = 256
 
 
 @dataclass
@@ -244,7 +249,8 @@ def generate(loaded, session: Session, request: GenerationRequest,
             reason = "stop"
             break
         if steps >= request.max_tokens:
-            break
+            if not _finish_call(constraint, steps - request.max_tokens, request.max_tokens):
+                break
         if context is not None and len(session.tokens) >= context:
             reason = "context"  # the next token would sit past the last position the model knows
             break
@@ -270,6 +276,9 @@ def generate(loaded, session: Session, request: GenerationRequest,
             rows = clock.rows(stats) if request.timing == "layer" else rows_from(loaded.num_layers, stats)
             yield LayerTimings(steps - 1, request.timing, rows)
         step_start = now
+    if steps > request.max_tokens:
+        log.info("flashmoe: a tool call open at max_tokens (%d) was finished under its grammar, %d tokens "
+                 "past it", request.max_tokens, steps - request.max_tokens)
     # The first token comes from the prefill's logits: decode speed counts the forward passes
     # after it, over the time they took.
     fed = max(0, steps - 1)
@@ -288,6 +297,23 @@ def generate(loaded, session: Session, request: GenerationRequest,
         top_k=loaded.top_k, bits=model_bits(loaded.config), cache_state="cold" if cold else "warm",
         text=text, tail=tail, prefetch_hit_rate=prefetch_used / prefetched if prefetched else 0.0,
         truncated_prompt_tokens=dropped)
+
+
+def _finish_call(constraint, past: int, max_tokens: int) -> bool:
+    """At or past max_tokens: whether to go on to close a call that is under way (see
+    FINISH_CALL_TOKENS). The reply then ends with the call, longer than max_tokens: its
+    GenerationFinished says so by generation_tokens > max_tokens, with the reason "length"
+    ("stop" in required mode, where the complete call is the whole reply)."""
+    finish = getattr(constraint, "finish", None)
+    if finish is None or not getattr(constraint, "in_call", False):
+        return False
+    if past >= FINISH_CALL_TOKENS:
+        log.warning("flashmoe: warning: a tool call open at max_tokens (%d) did not close within %d more "
+                    "tokens; it is cut", max_tokens, FINISH_CALL_TOKENS)
+        return False
+    if past == 0:
+        finish()
+    return True
 
 
 def model_bits(config: dict) -> int | None:

@@ -381,3 +381,95 @@ def test_required_mode_50_sampled_calls_from_a_tiny_random_model(model_factory):
     calls in a row all parse and validate."""
     calls = sampled_calls(model_factory, range(50))
     assert {name for name, _ in calls} == {"edit", "now"}
+
+
+
+# -- a call open at max_tokens is closed, not cut (engine/generate.py FINISH_CALL_TOKENS) -----
+
+def finish_after(constraint, rng, tricky, cut: int, limit: int = 2000) -> tuple[list[int], int]:
+    """The fake model writes a call; after `cut` tokens comes finish() (what the generation loop
+    does at max_tokens inside a call) and the call runs on until it is complete. Returns the
+    tokens and how many came after the cut."""
+    out: list[int] = []
+    while not constraint.done():
+        assert len(out) < limit, "the call did not finish"
+        if len(out) == cut:
+            constraint.finish()
+        token = fake_model(rng, constraint.allowed(), tricky)
+        constraint.accept(token)
+        out.append(token)
+    return out, max(0, len(out) - cut)
+
+
+@pytest.mark.parametrize("fmt", ["json", "xml"])
+@pytest.mark.parametrize("vocab", ["tiny", "qwen3"])
+def test_a_call_cut_at_any_point_is_finished_validly_and_soon(request, fmt, vocab):
+    """The bench's last invalid calls were cut by max_tokens. Cut at every point of random
+    calls (in strings, between keys, just before the end marker), finish() closes each one
+    into a call that parses and validates, in a few tokens."""
+    tok = request.getfixturevalue(vocab)
+    factory = tool_call_constraint(TOOLS, "required", fmt=fmt)
+    rng, tricky = random.Random(7), tricky_ids(tok)
+    parse = parse_json_call if fmt == "json" else parse_xml_call
+    worst = 0
+    for seed in range(12 if vocab == "tiny" else 6):
+        full = drive(factory(tok), random.Random(seed), tricky)
+        for cut in range(1, len(full), max(1, len(full) // 15)):
+            out, extra = finish_after(factory(tok), rng, tricky, cut)
+            check(*parse(tok.decode(out)))
+            worst = max(worst, extra)
+    # A cut at the call's start still needs all of edit_file's required scaffolding (path with
+    # minLength 1, mode, opts.depth, opts.inner.note/level), plus the optional keys this
+    # uniform fake model opens on the way: measured 75 (json) / 90 (xml) Qwen3 tokens, 150 / 222
+    # of the near character-level tiny vocabulary. FINISH_CALL_TOKENS (256) is above both.
+    from engine.generate import FINISH_CALL_TOKENS
+    assert worst < (120 if vocab == "qwen3" else FINISH_CALL_TOKENS), worst
+
+
+def test_finish_in_tools_mode_closes_the_call_and_frees_the_text(tiny):
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+    constraint = tool_call_constraint(tools, "tools")(tiny)
+    constraint.finish()  # outside a call: nothing to close, nothing changes
+    for t in tiny.encode('Sure. <tool_call>\n{"name": "read_file", "arguments": {"path": "notes', add_special_tokens=False):
+        assert constraint.allowed() is None or constraint.allowed()[t]
+        constraint.accept(t)
+    assert constraint.in_call
+    constraint.finish()
+    out = []
+    while constraint.in_call:
+        assert len(out) < 20
+        mask = constraint.allowed()
+        assert mask.sum() == 1  # every token of this close is forced
+        out.append(int(np.flatnonzero(mask)[0]))
+        constraint.accept(out[-1])
+    assert tiny.decode(out) == '"}}\n</tool_call>'
+    assert constraint.allowed() is None and not constraint.done()  # free text again
+
+
+def test_a_call_open_at_max_tokens_finishes_through_the_generation_loop(model_factory, caplog):
+    """A tiny random model under the constraint, with max_tokens far below a call's length:
+    the call still parses and validates, past max_tokens by at most FINISH_CALL_TOKENS, and
+    the log says so."""
+    from engine.events import GenerationFinished, TokenGenerated
+    from engine.generate import FINISH_CALL_TOKENS, GenerationRequest, Session, generate
+    from engine.loader import load
+    from engine.sampling import SamplingParams
+
+    loaded = load(model_factory("qwen3_moe", 4, converted=True))
+    factory = tool_call_constraint(E2E_TOOLS, "required")
+    validators = {t["function"]["name"]: Draft202012Validator(t["function"]["parameters"]) for t in E2E_TOOLS}
+    session = Session(loaded)
+    for seed, max_tokens in [(1, 1), (2, 5), (3, 12), (4, 25), (5, 40)]:
+        req = GenerationRequest(messages=[{"role": "user", "content": "Edit the file please."}], tools=E2E_TOOLS,
+                                max_tokens=max_tokens, timing="off", constraint=factory,
+                                sampling=SamplingParams(temperature=1.0, seed=seed))
+        with caplog.at_level("INFO", logger="flashmoe"):
+            events = list(generate(loaded, session, req))
+        done = events[-1]
+        assert isinstance(done, GenerationFinished) and done.reason == "stop"
+        text = "".join(e.text for e in events if isinstance(e, TokenGenerated)) + done.tail
+        name, args = parse_json_call(text)
+        assert not list(validators[name].iter_errors(args)), text
+        assert max_tokens < done.generation_tokens <= max_tokens + FINISH_CALL_TOKENS
+    assert "finished under its grammar" in caplog.text
