@@ -113,6 +113,9 @@ def run_suite(args, model: str, constrain: str) -> dict:
         "hit_rate": sum(s.hit_rate for s in decode) / len(decode) if decode else 0.0,
         "cache_state": "warm after the first prompt",
         "generated_tokens": sum(s.generation_tokens for s in speeds),
+        # replies whose call was open at max_tokens and was finished under the grammar past it
+        # (engine/generate.py FINISH_CALL_TOKENS), rather than cut into an invalid call
+        "finished_past_max_tokens": sum(s.generation_tokens > args.max_tokens for s in speeds),
         "rows": rows,
     }
 
@@ -151,7 +154,8 @@ def cmd_bench_tools(args) -> int:
                   f"repaired {r['repair_rate']:.0%}  valid after repair {r['valid_after_repair_rate']:.0%}  "
                   f"failures: {kinds} | decode {r['decode_tps']:.2f} tok/s, prefill {r['prefill_tps']:.1f} tok/s, "
                   f"{human_bytes(r['bytes_per_token'])}/token read, hit rate {r['hit_rate']:.0%}, "
-                  f"{r['generated_tokens']} tokens generated, expert cache {r['cache_state']} "
+                  f"{r['generated_tokens']} tokens generated, {r['finished_past_max_tokens']} call(s) finished past "
+                  f"--max-tokens, expert cache {r['cache_state']} "
                   f"[{r['model']}]")
     if args.out:
         out = Path(args.out)
