@@ -1,23 +1,15 @@
 """Reasoning ("thinking") blocks: the marker pairs models write them in, and whether a rendered
 prompt leaves one open (templates that open `<think>` themselves when thinking is on).
 
-Plain Python, no MLX: the front ends and the text state machine (tools/textstate.py) use it too.
+Plain Python, no MLX. The marker pairs are template vocabulary the text state machine
+(tools/textstate.py) needs too, and tools must not import the engine: they live in
+prompts/reasoning.py.
 """
 from __future__ import annotations
 
 import re
 
-# (open, close). <think> is Qwen3 / Qwen3.5 / Qwen3-Next / QwQ / DeepSeek-R1 / V3.1 / GLM;
-# [THINK] is Mistral's Magistral; the rest are the pairs mlx-lm 0.32's tokenizer_utils knows
-# (_infer_thinking): LongCat, <|think:start|>, Gemma's thought channel, and the xtml vocabulary.
-REASONING_MARKERS: tuple[tuple[str, str], ...] = (
-    ("<think>", "</think>"),
-    ("[THINK]", "[/THINK]"),
-    ("<longcat_think>", "</longcat_think>"),
-    ("<|think:start|>", "<|think:end|>"),
-    ("<|channel>thought", "<channel|>"),
-    ("<|open|>think<|sep|>", "<|close|>think<|sep|>"),
-)
+from prompts.reasoning import REASONING_MARKERS
 
 
 def close_marker(open_marker: str) -> str:

@@ -4,7 +4,7 @@ Feed it text chunks as they arrive; it returns segments in order:
 
     Segment("text", ...)             visible answer text (incremental)
     Segment("reasoning", ...)        text inside <think>...</think>, [THINK]...[/THINK] or another
-                                     pair of engine.reasoning.REASONING_MARKERS (incremental,
+                                     pair of prompts.reasoning.REASONING_MARKERS (incremental,
                                      markers removed)
     Segment("tool_call_begin", m)    a tool-call marker opened (a UI can show "calling a tool...")
     Segment("tool_call", raw)        one complete tool-call block, markers included, verbatim
@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
-from engine.reasoning import REASONING_MARKERS
+from prompts.reasoning import REASONING_MARKERS
 from tools.parsers import parse_calls, plain_json
 
 SegmentKind = Literal["text", "reasoning", "tool_call_begin", "tool_call"]
