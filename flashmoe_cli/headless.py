@@ -121,55 +121,57 @@ def _stream(args, loaded, session, handle, deadline: float | None = None) -> int
     shown_reasoning = getattr(args, "show_reasoning", False)
     in_think: list[bool] = [False]
     while True:
+        # Ctrl-C (and SIGTERM / SIGHUP, raised as KeyboardInterrupt by signals.py) may arrive while
+        # an event is being handled, not only while waiting: either way the reply stops, what was
+        # shown is kept and the summary still prints.
         try:
-            wait = SAVE_EVERY_S
-            if deadline is not None and not timed_out:
-                wait = min(wait, max(0.0, deadline - time.monotonic()))
-            ev = handle.get(timeout=wait)
-        except queue.Empty:
-            session.save_draft()  # what was shown is saved even while the model stalls
-            if deadline is not None and not timed_out and time.monotonic() >= deadline:
-                handle.cancel()  # past the deadline: stop, keep what we have, exit 4
-                timed_out = True
-            continue
+            try:
+                wait = SAVE_EVERY_S
+                if deadline is not None and not timed_out:
+                    wait = min(wait, max(0.0, deadline - time.monotonic()))
+                ev = handle.get(timeout=wait)
+            except queue.Empty:
+                session.save_draft()  # what was shown is saved even while the model stalls
+                if deadline is not None and not timed_out and time.monotonic() >= deadline:
+                    handle.cancel()  # past the deadline: stop, keep what we have, exit 4
+                    timed_out = True
+                continue
+            if isinstance(ev, TokenGenerated):
+                session.stream(ev.text)
+                segments = split.feed(ev.text)
+                if args.json:  # reasoning text as its own events; the token event carries the answer's
+                    for seg in segments:
+                        if seg.kind == "reasoning":
+                            emit_json({"event": "reasoning", "id": ev.id, "text": seg.text, "step": ev.step})
+                    answer = "".join(s.text for s in segments if s.kind == "text")
+                    if answer or not segments:
+                        emit_json(ev.to_dict() | {"text": answer})
+                else:
+                    write(shown(show_segments(segments, shown_reasoning, in_think)))
+            elif isinstance(ev, PrefillProgress):
+                split.prefill(ev.reasoning)
+                if args.json:
+                    emit_json(ev.to_dict())
+            elif isinstance(ev, LayerTimings):
+                steps += 1
+                for r in ev.rows:
+                    acc = rows_sum.setdefault(r.layer, [0.0] * 8)
+                    for j, v in enumerate((r.attn_ms, r.route_ms, r.expert_io_ms, r.expert_compute_ms, r.other_ms,
+                                           r.hits, r.misses, r.bytes_read)):
+                        acc[j] += v
+                if args.json and args.timing == "layer":  # a row per layer per token: only when asked
+                    emit_json(ev.to_dict())
+            elif isinstance(ev, EngineFailed):
+                session.abandon_reply()  # a partial reply is kept, marked; none: the turn is undone
+                error(ev.message.splitlines()[0])
+                return ev.exit_code
+            elif isinstance(ev, GenerationFinished):
+                break
+            elif args.json:
+                emit_json(ev.to_dict())
         except KeyboardInterrupt:
-            # Ctrl-C: stop generating, keep what we have, report it, exit 130.
             handle.cancel()
             interrupted = True
-            continue
-        if isinstance(ev, TokenGenerated):
-            session.stream(ev.text)
-            segments = split.feed(ev.text)
-            if args.json:  # reasoning text as its own events; the token event carries the answer's
-                for seg in segments:
-                    if seg.kind == "reasoning":
-                        emit_json({"event": "reasoning", "id": ev.id, "text": seg.text, "step": ev.step})
-                answer = "".join(s.text for s in segments if s.kind == "text")
-                if answer or not segments:
-                    emit_json(ev.to_dict() | {"text": answer})
-            else:
-                write(shown(show_segments(segments, shown_reasoning, in_think)))
-        elif isinstance(ev, PrefillProgress):
-            split.prefill(ev.reasoning)
-            if args.json:
-                emit_json(ev.to_dict())
-        elif isinstance(ev, LayerTimings):
-            steps += 1
-            for r in ev.rows:
-                acc = rows_sum.setdefault(r.layer, [0.0] * 8)
-                for j, v in enumerate((r.attn_ms, r.route_ms, r.expert_io_ms, r.expert_compute_ms, r.other_ms,
-                                       r.hits, r.misses, r.bytes_read)):
-                    acc[j] += v
-            if args.json and args.timing == "layer":  # a row per layer per token: only when asked
-                emit_json(ev.to_dict())
-        elif isinstance(ev, EngineFailed):
-            session.abandon_reply()  # a partial reply is kept, marked; none: the turn is undone
-            error(ev.message.splitlines()[0])
-            return ev.exit_code
-        elif isinstance(ev, GenerationFinished):
-            break
-        elif args.json:
-            emit_json(ev.to_dict())
     done = ev
     session.finish(done.text, done, interrupted=done.reason == "cancelled")
     segments = split.finish(done.tail)
