@@ -42,7 +42,9 @@ Grammar choices, for a model that may not know JSON at all:
   command lines and queries (COMMAND_NAMES), and LONG_TEXT_BOUND (65,536) to parameters that
   carry file text (LONG_TEXT_NAMES: content, old_string, new_string, ...), which write_file and
   edit_file take legitimately long (a runaway there is left to max_tokens). An int bounds every string alike; None leaves them unbounded. Numbers,
-  arrays without maxItems and free-form objects are unbounded; max_tokens is the backstop.
+  arrays without maxItems and free-form objects are unbounded. A call still open at
+  max_tokens is closed by ToolCallConstraint.finish() (the generation loop runs on at most
+  FINISH_CALL_TOKENS past it).
 
 Limits: a tool whose schema uses keywords llguidance does not implement (uniqueItems, not,
 if/then/else, contains, dependentRequired, ...) falls back to llguidance's "lenient" mode, where
