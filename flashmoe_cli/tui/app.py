@@ -23,6 +23,7 @@ from rich.text import Text
 from textual.actions import SkipAction
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.containers import Horizontal
 from textual.widgets import Markdown, Static
 from textual.worker import get_current_worker
@@ -653,6 +654,14 @@ class ChatApp(App[int]):
     # -- the timer -----------------------------------------------------------------------
     def redraw(self) -> None:
         """At most 10 times a second: the latest layer timings, the live figures, memory."""
+        # The timer can fire once more while the app shuts down and its widgets go away (seen in
+        # full test runs: NoMatches for the status bar at teardown): nothing is left to draw then.
+        try:
+            self._redraw()
+        except NoMatches:
+            pass
+
+    def _redraw(self) -> None:
         ev = self._layer_slot  # only the worker writes the slot, so no update is ever lost
         if ev is not None and ev is not self._drawn:
             self._drawn = ev

@@ -494,3 +494,4 @@ async def test_the_demo_says_it_is_a_toy_not_to_be_trusted():
         plain = boxes(other, Note)[0].text
     assert DEMO_NOTE in welcome and "135M" in DEMO_NOTE and "do not trust" in DEMO_NOTE
     assert "tool use" in DEMO_NOTE and DEMO_NOTE not in plain
+
