@@ -33,8 +33,14 @@ CASES: list[dict[str, Any]] = [c for p in CORPUS for c in json.loads(p.read_text
 MIN_RATE = 0.95
 
 
+_REGISTRIES: dict[str, ToolRegistry] = {}
+
+
 def _registry(case: dict[str, Any]) -> ToolRegistry:
-    reg = ToolRegistry()
+    """The case's tools, built once per case (checking each schema is most of a run's cost)."""
+    if case["id"] in _REGISTRIES:
+        return _REGISTRIES[case["id"]]
+    reg = _REGISTRIES[case["id"]] = ToolRegistry()
     for t in case.get("tools") or []:
         f = t["function"]
         reg.add(Tool(f["name"], f.get("description", ""), f.get("parameters") or {}, lambda **kw: None))
