@@ -243,23 +243,16 @@ def coerce(value: str, schema: dict[str, Any] | None, untyped: str = "string") -
     if "string" in types:
         return value
     for t in types:
-        if t == "integer":
+        if t in ("integer", "number"):
             if _INT.match(s):
                 return int(s)
             try:
                 f = float(s)
             except ValueError:
                 continue
-            if f.is_integer():
+            if t == "integer" and f.is_integer():
                 return int(f)
-        elif t == "number":
-            if _INT.match(s):
-                return int(s)
-            try:
-                f = float(s)
-            except ValueError:
-                continue
-            if math.isfinite(f):
+            if t == "number" and math.isfinite(f):
                 return f
         elif t == "boolean" and s.lower() in ("true", "false"):
             return s.lower() == "true"
