@@ -64,7 +64,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     """Options shared by run, chat and agent; their defaults come from config.py."""
     p.add_argument("-m", "--model", metavar="MODEL", default=S,
-                   help="model folder (flashmoe or mlx-lm); default: the built-in demo model, built on first use")
+                   help="model folder (flashmoe or mlx-lm), or org/name[@revision] from the Hugging Face cache "
+                        "(see `flashmoe pull`); default: the built-in demo model, built on first use")
     p.add_argument("-s", "--system", default=S, help="system prompt")
     p.add_argument("--max-tokens", type=at_least(1), default=S, metavar="N", help="default 512")
     p.add_argument("--temp", type=argtypes.temperature, default=S, metavar="T",
@@ -217,7 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", metavar="WHAT", required=True)
     bt = bench_sub.add_parser("tools", help="tool-call reliability per model and constrained-decoding mode")
     bt.add_argument("-m", "--model", dest="models", action="append", metavar="MODEL",
-                    help="model folder (repeat for several bit widths; default: the demo model)")
+                    help="model folder or org/name[@revision] in the Hugging Face cache (repeat for several "
+                         "bit widths; default: the demo model)")
     bt.add_argument("--constrain-modes", default="tools", metavar="MODES",
                     help="comma-separated: off, tools, required (default tools, as --constrain)")
     bt.add_argument("--out", type=output_file, metavar="FILE", help="write the results as JSON")
@@ -231,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--engine", choices=("real", "fake"), default="real", help=argparse.SUPPRESS)
 
     bs = bench_sub.add_parser("speed", help="prefill and decode speed, warm and cold, against the disk's limit")
-    bs.add_argument("-m", "--model", metavar="MODEL", default=S, help="model folder (default: the demo model)")
+    bs.add_argument("-m", "--model", metavar="MODEL", default=S,
+                    help="model folder or org/name[@revision] in the Hugging Face cache (default: the demo model)")
     bs.add_argument("--prompt-tokens", type=at_least(1), default=64, metavar="N",
                     help="prompt length in tokens (default 64)")
     bs.add_argument("--tokens", type=at_least(1), default=32, metavar="N", help="generated per run (default 32)")
@@ -252,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--json", action="store_true", help="print as JSON")
 
     conv = sub.add_parser("convert", help="convert a model (mlx-lm or Hugging Face folder, or .gguf) into a flashmoe folder")
-    conv.add_argument("src", metavar="SRC", help="mlx-lm / Hugging Face model folder, or a .gguf file")
+    conv.add_argument("src", metavar="SRC", help="mlx-lm / Hugging Face model folder, org/name[@revision] in the "
+                                                 "Hugging Face cache, or a .gguf file")
     conv.add_argument("out", metavar="OUT", help="the flashmoe folder to write (a new path; one already "
                                                  "converted is left as it is)")
     conv.add_argument("--bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None,
@@ -269,12 +273,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="describe a model folder")
     info.add_argument("model", metavar="MODEL", nargs="?",
-                      help="model folder (flashmoe or mlx-lm); default: the demo model, built on first use")
+                      help="model folder (flashmoe or mlx-lm) or org/name[@revision] in the Hugging Face cache; "
+                           "default: the demo model, built on first use")
+    info.add_argument("-m", "--model", dest="model_flag", metavar="MODEL", help="the same as MODEL")
     info.add_argument("--json", action="store_true", help="print the description as JSON")
 
     ver = sub.add_parser("verify", help="check every expert block against the manifest's checksums")
     ver.add_argument("model", metavar="MODEL", nargs="?",
-                     help="model folder (flashmoe or mlx-lm); default: the demo model, built on first use")
+                     help="model folder (flashmoe or mlx-lm) or org/name[@revision] in the Hugging Face cache; "
+                          "default: the demo model, built on first use")
+    ver.add_argument("-m", "--model", dest="model_flag", metavar="MODEL", help="the same as MODEL")
+
+    pull = sub.add_parser("pull", help="download a model from the Hugging Face Hub into its cache (for -m org/name)")
+    pull.add_argument("repo", metavar="ORG/NAME[@REVISION]",
+                      help="the model's Hub id, optionally @branch, tag or commit (default: main)")
 
     demo = sub.add_parser("demo", help="build the demo model (SmolLM2-135M as an 8-expert MoE) and print its path")
     demo.add_argument("--rebuild", action="store_true", help="build it again from the GGUF")
@@ -309,9 +321,12 @@ def is_demo(model: str | None) -> bool:
 
 
 def resolve_model(model: str | None) -> str:
-    """The model folder to use: the one given, or the demo model (built on first use)."""
+    """The model folder to use: the one given (a folder, or org/name[@revision] in the Hugging Face
+    cache: engine/hf_cache.py), or the demo model (built on first use)."""
     if model:
-        return model
+        from engine.hf_cache import resolve
+
+        return resolve(model)
     from engine.demo import ensure_demo
 
     from .paths import ensure_home
@@ -408,6 +423,10 @@ def _main(argv: list[str] | None = None) -> int:
             return cmd_verify(args)
         if args.command == "demo":
             return cmd_demo(args)
+        if args.command == "pull":
+            from .pull import cmd_pull
+
+            return cmd_pull(args)
     except UsageError as e:
         error(str(e))
         return ExitCode.USAGE
@@ -468,17 +487,25 @@ class Progress:
 
 def cmd_convert(args) -> int:
     from engine.convert import convert
+    from engine.hf_cache import resolve
 
-    out = convert(args.src, args.out, bits=args.bits, group_size=args.group_size, expert_bits=args.expert_bits,
-                  layer_bits=args.layer_bits, dtype=args.dtype, progress=Progress())
+    out = convert(resolve(args.src), args.out, bits=args.bits, group_size=args.group_size,  # org/name: the cache's
+                  expert_bits=args.expert_bits, layer_bits=args.layer_bits, dtype=args.dtype, progress=Progress())
     print(f"flashmoe: wrote {out}", file=sys.stderr)
     return ExitCode.OK
+
+
+def model_arg(args) -> str | None:
+    """info / verify take the model as MODEL or as -m MODEL, like the other commands."""
+    if args.model and args.model_flag and args.model != args.model_flag:
+        raise UsageError(f"two models given: {args.model} and -m {args.model_flag}; give one")
+    return args.model_flag or args.model
 
 
 def cmd_info(args) -> int:
     from engine.info import describe, expert_bits_summary
 
-    d = describe(resolve_model(args.model))  # no MODEL: the demo, as `run` uses it
+    d = describe(resolve_model(model_arg(args)))  # no MODEL: the demo, as `run` uses it
     if args.json:
         print(json.dumps(d, indent=2))
         return ExitCode.OK
@@ -503,7 +530,7 @@ def cmd_verify(args) -> int:
     from engine.experts.layout import read_manifest, verify
     from engine.loader import EXPERTS_DIR, read_config
 
-    root = Path(resolve_model(args.model))  # no MODEL: the demo, as `run` uses it
+    root = Path(resolve_model(model_arg(args)))  # no MODEL: the demo, as `run` uses it
     read_config(root)
     if not (root / EXPERTS_DIR).exists():
         from engine.info import describe
