@@ -24,8 +24,9 @@ from mlx.utils import tree_flatten, tree_map
 
 from .errors import ConvertError, ModelLoadError
 from .experts.layout import MANIFEST, LayerExperts, Part, layer_file_name, write_layer, write_manifest
-from .loader import (EXPERTS_DIR, RESIDENT, _mx_load, _safetensors_files, build_model, direct_headers, layer_index,
-                     quantize_like_checkpoint, read_config, switch_modules, text_config)
+from .experts.blocks import block_of, declared_experts, no_blocks_reason, resident_expert_modules
+from .loader import (EXPERTS_DIR, RESIDENT, _mx_load, _safetensors_files, build_model, check_expert_counts,
+                     direct_headers, layer_index, quantize_like_checkpoint, read_config, switch_modules, text_config)
 from .jsonfile import read_json
 from .safetensors_io import write_streaming
 
@@ -129,8 +130,13 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
         plan.check(src)
         layer_bits = plan.layer_bits
     files = _safetensors_files(src)
-    direct_headers(config, src, files)  # the config against the tensors, before building from it
+    headers = direct_headers(config, src, files)  # the config against the tensors, before building from it
     model = build_model(config, src)
+    experts = switch_modules(model)
+    check_expert_counts(config, src, headers, experts)
+    reason = no_blocks_reason(model, config)
+    if reason:  # never write a folder that silently keeps every expert resident
+        raise ConvertError(src / "config.json", reason)
     weights = {}
     for f in files:
         weights.update(_mx_load(f))
@@ -162,7 +168,9 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
     if plan.active:
         model, config = _quantize(model, config, plan)
 
-    experts = switch_modules(model)
+    left = resident_expert_modules(model, declared_experts(config) or 0)
+    if left:
+        raise ConvertError(src, f"{left[0]} holds experts that would not stream (not one of mlx-lm's switch layers)")
     params = tree_flatten(model.parameters())
     model.update(tree_map(lambda _: mx.array([]), model.parameters()))  # drop the model's references
     del model
@@ -170,7 +178,7 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
     by_module: dict[str, list[tuple[str, mx.array]]] = {m: [] for m in experts}
     resident = []
     for name, a in params:
-        module = next((m for m in experts if name.startswith(m + ".")), None)
+        module = block_of(name, experts)
         if module is None:
             resident.append((name, a))
         else:
@@ -306,11 +314,11 @@ FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfl
 
 
 def module_quantization(config: dict, module: str) -> dict | None:
-    """Bits and group size of a switch module's experts (its gate_proj), from the config."""
+    """Bits and group size of an expert block's experts (its first projection), from the config."""
     q = config.get("quantization")
     if not q:
         return None
-    per = q.get(f"{module}.gate_proj")
+    per = next((v for k, v in q.items() if k.startswith(module + ".")), None)
     if per is False:
         return None
     if isinstance(per, dict):
@@ -327,7 +335,7 @@ def _quantize(model, config: dict, plan: QuantPlan):
     base_bits = plan.bits if plan.bits is not None else plan.expert_bits
 
     def predicate(path, module):
-        switch = next((m for m in experts if path.startswith(m + ".")), None)
+        switch = block_of(path, experts)
         if switch is None:
             if plan.bits is None:
                 return False  # only the experts were asked for

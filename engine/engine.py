@@ -52,7 +52,7 @@ class Engine:
     def __init__(self, model_path, *, expert_cache: int | None = None, io_threads: int = 8,
                  direct_io: bool = False, dtype: str | None = None, kernels: str = "auto",
                  prefetch: bool | str = False, cache_policy: str = "lfu", verify_reads: bool = True,
-                 truncate_prompt: str = "off"):
+                 truncate_prompt: str = "off", allow_resident_experts: bool = False):
         """truncate_prompt: for requests that do not say, what to do with a prompt longer than the
         model's context (generate.TRUNCATE_MODES). The rest are loader.load's options."""
         if truncate_prompt not in TRUNCATE_MODES:
@@ -61,7 +61,7 @@ class Engine:
         self.truncate_prompt = truncate_prompt
         self._load_args = dict(expert_cache=expert_cache, io_threads=io_threads, direct_io=direct_io, dtype=dtype,
                                kernels=kernels, prefetch=prefetch, cache_policy=cache_policy,
-                               verify_reads=verify_reads)
+                               verify_reads=verify_reads, allow_resident_experts=allow_resident_experts)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loaded_event = threading.Event()
         self._stopped = threading.Event()
@@ -114,7 +114,7 @@ class Engine:
                 bits=model_bits(lm.config), cache_bytes=lm.store.capacity_bytes if lm.store else 0,
                 load_s=perf_counter() - t0, chat_template=lm.tokenizer.template_source if lm.tokenizer else "",
                 kernels=lm.kernels, cache_policy=lm.store.policy if lm.store else "",
-                context=context_length(lm.config))
+                context=context_length(lm.config), resident_experts=lm.resident_experts)
         except BaseException as e:  # reported to the caller by wait_loaded
             self.load_error = e
         self._loaded_event.set()

@@ -30,6 +30,7 @@ class ModelLoaded(Event):
     kernels: str = "mlx"  # quantized matmul kernels in use: "mlx" or "cpu"
     cache_policy: str = ""  # which cached expert a miss evicts: "lfu" or "lru" ("" without experts)
     context: int | None = None  # the model's context in tokens (config_check.context_length), None: unknown
+    resident_experts: str | None = None  # why every expert is in memory (--allow-resident-experts), or None
 
 
 @dataclass(frozen=True, slots=True)

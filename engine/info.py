@@ -1,22 +1,21 @@
 """What a model folder holds, read from its config, manifest and safetensors headers only."""
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from pathlib import Path
 
 from .experts.layout import read_manifest
-from .loader import EXPERTS_DIR, RESIDENT, _safetensors_files, read_config, text_config, top_k_of
+from .experts.blocks import block_of, cpu_kernels_reason, expert_blocks, kind, layer_index, no_blocks_reason
+from .loader import EXPERTS_DIR, RESIDENT, _safetensors_files, build_model, read_config, text_config, top_k_of
 from .safetensors_io import read_header
-
-_SWITCH = re.compile(r"^(.*\.switch_mlp)\.")
-
 
 def describe(path: str | Path) -> dict:
     path = Path(path)
     config = read_config(path)
     c = text_config(config)
     packed = (path / RESIDENT).exists()
+    model = build_model(config, path)  # lazy: nothing is computed, it only says where the experts are
+    blocks = expert_blocks(model)
     if packed:
         resident = sum(t.nbytes for t in read_header(path / RESIDENT).values())
         manifest = read_manifest(path / EXPERTS_DIR)
@@ -26,23 +25,29 @@ def describe(path: str | Path) -> dict:
         headers = {}
         for f in _safetensors_files(path):
             headers.update(read_header(f))
-        resident = sum(t.nbytes for k, t in headers.items() if not _SWITCH.match(k))
+        resident = sum(t.nbytes for k, t in headers.items() if not block_of(k, blocks))
         per_module = defaultdict(lambda: [0, 0])
         for k, t in headers.items():
-            m = _SWITCH.match(k)
-            if m:
-                per_module[m.group(1)][0] = t.shape[0]
-                per_module[m.group(1)][1] += t.nbytes // t.shape[0]
-        layers = sorted((int(re.search(r"layers\.(\d+)\.", m).group(1)), e, b) for m, (e, b) in per_module.items())
-        modules = {int(re.search(r"layers\.(\d+)\.", m).group(1)): m for m in per_module}
+            b = block_of(k, blocks)
+            if b and t.shape:
+                per_module[b][0] = t.shape[0]
+                per_module[b][1] += t.nbytes // t.shape[0]
+        layers = sorted((layer_index(m), e, b) for m, (e, b) in per_module.items())
+        modules = {layer_index(m): m for m in per_module}
     from .convert import module_quantization
 
     q = config.get("quantization") or {}
     k = top_k_of(config)
     expert_bits: dict = {}
+    compute: dict = {}
     for layer, _, _ in layers:
         mq = module_quantization(config, modules[layer])
         expert_bits.setdefault(mq["bits"] if mq else None, []).append(layer)
+        block = blocks.get(modules[layer])
+        if block is not None:
+            why = cpu_kernels_reason(block, quantized=mq is not None)
+            how = "CPU kernels" if why is None else f"MLX (the CPU kernels do not run {why})"
+            compute.setdefault(f"{kind(block)} on {how}", []).append(layer)
     expert_total = sum(e * b for _, e, b in layers)
     return {
         "path": str(path),
@@ -61,6 +66,9 @@ def describe(path: str | Path) -> dict:
         "expert_block_bytes": layers[0][2] if layers else 0,
         "bytes_per_token_cold": sum(min(k, e) * b for _, e, b in layers),
         "expert_bits": {str(b): ls for b, ls in expert_bits.items()},
+        # which code computes the experts under --kernels cpu: the numba kernels or MLX's own
+        "expert_compute": compute,
+        "not_streamable": None if blocks else no_blocks_reason(model, config),
     }
 
 

@@ -7,7 +7,6 @@ Two kinds of folder load the same way:
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +17,8 @@ from mlx.utils import tree_flatten
 
 from .config_check import check_values, check_against_weights
 from .errors import ModelLoadError
+from .experts.blocks import block_of, declared_experts, expert_blocks, kind, layer_index, no_blocks_reason, \
+    resident_expert_modules
 from .experts.layout import LayerExperts, Part, read_manifest
 from .experts.store import ExpertStore
 from .experts.switch import StreamingSwitchGLU
@@ -26,7 +27,6 @@ from .safetensors_io import read_header
 
 RESIDENT = "resident.safetensors"
 EXPERTS_DIR = "experts"
-_LAYER_RE = re.compile(r"layers\.(\d+)\.")
 
 
 @dataclass
@@ -42,6 +42,8 @@ class LoadedModel:
     kernels: str = "mlx"  # which matmul kernels run: "mlx" or "cpu"
     clock: object = None  # timing.LayerClock, installed on the first --timing layer request
     fused: dict = field(default_factory=dict)  # cpu kernels: attention / MLP blocks fused (cpu_fused)
+    block_kinds: dict = field(default_factory=dict)  # expert block path -> its class and activation
+    resident_experts: str | None = None  # why the experts are in memory (--allow-resident-experts)
 
     @property
     def top_k(self) -> int:
@@ -145,19 +147,8 @@ def build_model(config: dict, path: Path) -> nn.Module:
 
 
 def switch_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Every routed-expert block (SwitchGLU-like: stacked gate/up/down) by module path."""
-    out = {}
-    for name, m in model.named_modules():
-        if name.endswith("switch_mlp") and all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj")):
-            out[name] = m
-    return out
-
-
-def layer_index(module_path: str) -> int:
-    m = _LAYER_RE.search(module_path)
-    if not m:
-        raise ValueError(f"cannot tell the layer of {module_path}")
-    return int(m.group(1))
+    """Every routed-expert block (SwitchGLU / SwitchMLP, whatever its attribute name) by path."""
+    return expert_blocks(model)
 
 
 def _shape_proxy(shape, dtype):
@@ -208,29 +199,43 @@ def _mx_load(f: Path) -> dict:
         raise ModelLoadError(f, f"cannot load safetensors ({e})") from None
 
 
-# Hugging Face names of the expert projections, for per-expert checkpoints (mixtral: w1/w3/w2).
-_EXPERT_ALIASES = {"gate_proj": ("gate_proj", "w1"), "up_proj": ("up_proj", "w3"), "down_proj": ("down_proj", "w2")}
+# Hugging Face names of one expert's projections in per-expert checkpoints: mlx-lm's name first,
+# then what the originals call it (Mixtral w1/w3/w2; nemotron_h's up/down for fc1/fc2).
+_EXPERT_ALIASES = {"gate_proj": ("gate_proj", "w1"), "up_proj": ("up_proj", "w3"), "down_proj": ("down_proj", "w2"),
+                   "fc1": ("fc1", "up_proj"), "fc2": ("fc2", "down_proj")}
+# Where the originals keep expert e beside the block: `experts.e` (most), `mlp.e` (phixtral).
+_EXPERT_LISTS = ("experts", "mlp")
+
+
+def _original_bases(module: str) -> set[str]:
+    """The block's parent path as the original checkpoint may spell it."""
+    base = module.rpartition(".")[0]
+    return {base, base.replace("language_model.model.", "model.language_model.")}
 
 
 def _per_expert_keys(module: str, part: str, expert: int) -> list[str]:
     """Candidate names of one expert's tensor in an unsanitized (per-expert) checkpoint."""
-    base = module[: -len(".switch_mlp")]
     proj, _, leaf = part.partition(".")
-    bases = {base, base.replace("language_model.model.", "model.language_model.")}
-    return [f"{b}.experts.{expert}.{alias}.{leaf}" for b in bases for alias in _EXPERT_ALIASES.get(proj, (proj,))]
+    return [f"{b}.{lst}.{expert}.{alias}.{leaf}" for b in _original_bases(module) for lst in _EXPERT_LISTS
+            for alias in _EXPERT_ALIASES.get(proj, (proj,))]
 
 
-def _fused_slices(module: str, part: str, num_experts: int, headers: dict):
-    """Qwen3.5 originals fuse gate and up as experts.gate_up_proj [E, 2I, H]: each half of an
-    expert's block is contiguous, so it streams without a repack."""
+# Model types whose originals fuse gate and up as gate_up_proj [E, 2I, H], gate rows first (their
+# sanitize splits axis -2 in halves): each half of an expert is contiguous, so it streams in
+# place. Others fuse differently (gpt_oss interleaves the rows, llama4 and qwen3_vl_moe store
+# them transposed): those go through `flashmoe convert`.
+FUSED_IN_PLACE = ("qwen3_5_moe", "qwen3_5_moe_text", "mistral4", "gemma4", "gemma4_text")
+
+
+def _fused_slices(module: str, part: str, num_experts: int, headers: dict, model_type: str):
+    """One part's slices in a fused gate_up_proj / down_proj original, or None."""
     proj, _, leaf = part.partition(".")
-    if leaf != "weight" or proj not in ("gate_proj", "up_proj", "down_proj"):
+    if leaf != "weight" or proj not in ("gate_proj", "up_proj", "down_proj") or model_type not in FUSED_IN_PLACE:
         return None
-    base = module[: -len(".switch_mlp")]
-    for b in {base, base.replace("language_model.model.", "model.language_model.")}:
-        key = f"{b}.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
-        t = headers.get(key)
-        if t is None or t.shape[0] != num_experts:
+    name = "down_proj" if proj == "down_proj" else "gate_up_proj"
+    for b in _original_bases(module):
+        t = next((headers[k] for k in (f"{b}.experts.{name}", f"{b}.{name}") if k in headers), None)
+        if t is None or t.shape[0] != num_experts or len(t.shape) != 3:
             continue
         per = t.nbytes // num_experts
         if proj == "down_proj":
@@ -244,13 +249,17 @@ def _fused_slices(module: str, part: str, num_experts: int, headers: dict):
 
 
 def router_weights(model: nn.Module, layers: list[LayerExperts]) -> dict:
-    """Each MoE layer's router as a float32 matrix [E, H] (the `gate` beside its switch_mlp)."""
+    """Each MoE layer's router as a float32 matrix [E, H]: the `gate` (or `router`) beside its
+    expert block, or beside the block's parent (gemma4's experts.switch_glu)."""
     import numpy as np
 
     modules = dict(model.named_modules())
     out = {}
     for l in layers:
-        gate = modules.get(l.module.rpartition(".")[0] + ".gate")
+        parent = l.module.rpartition(".")[0]
+        near = [parent, parent.rpartition(".")[0]]
+        gate = next((modules[k] for p in near for k in (f"{p}.gate", f"{p}.router", f"{p}.router.proj")
+                     if isinstance(modules.get(k), nn.Linear) or "weight" in modules.get(k, {})), None)
         if gate is None or "weight" not in gate:
             continue
         w = gate["weight"]
@@ -268,18 +277,29 @@ def _exists(p: Path) -> bool:
 
 
 def direct_headers(config: dict, path: Path, files: list[Path]) -> dict:
-    """Every tensor header of an mlx-lm / Hugging Face folder, the config checked against them."""
+    """Every tensor header of an mlx-lm / Hugging Face folder, the config checked against them
+    (the expert counts are checked once the model says where its expert blocks are)."""
     headers = {k: v for f in files for k, v in read_header(f).items()}
-    stacked = {k.split(".switch_mlp.")[0]: t.shape[0] for k, t in headers.items() if ".switch_mlp." in k and t.shape}
-    check_against_weights(config, path / "config.json", {k: t.shape for k, t in headers.items()}, stacked)
+    check_against_weights(config, path / "config.json", {k: t.shape for k, t in headers.items()}, {})
     return headers
 
 
-def _direct_layers(path: Path, model: nn.Module, headers: dict) -> list[LayerExperts]:
+def check_expert_counts(config: dict, path: Path, headers: dict, blocks) -> None:
+    """How many experts the files hold for each block (stacked or fused tensors), against the config."""
+    counts = {}
+    for b in blocks:
+        t = next((t for k, t in headers.items() if k.startswith(b + ".") and t.shape), None)
+        if t is not None:
+            counts[b] = t.shape[0]
+    if counts:
+        check_against_weights(config, path / "config.json", {k: t.shape for k, t in headers.items()}, counts)
+
+
+def _direct_layers(path: Path, blocks: dict, headers: dict, model_type: str) -> list[LayerExperts]:
     """Locate every expert slice in the checkpoint's own files: stacked [E, ...] tensors
-    (mlx-lm layout) or one tensor per expert (Hugging Face layout)."""
+    (mlx-lm layout), one tensor per expert (Hugging Face layout) or fused gate_up halves."""
     layers = []
-    for module, m in switch_modules(model).items():
+    for module, m in blocks.items():
         parts, sources = [], []
         for name, arr in tree_flatten(m.parameters()):
             num_experts = arr.shape[0]
@@ -292,7 +312,7 @@ def _direct_layers(path: Path, model: nn.Module, headers: dict) -> list[LayerExp
                 parts.append(Part(name, info.dtype, tuple(info.shape[1:])))
                 sources.append([(str(info.path), info.offset + e * per) for e in range(num_experts)])
                 continue
-            fused = _fused_slices(module, name, num_experts, headers)
+            fused = _fused_slices(module, name, num_experts, headers, model_type)
             if fused is not None:
                 part, srcs = fused
                 parts.append(part)
@@ -302,8 +322,7 @@ def _direct_layers(path: Path, model: nn.Module, headers: dict) -> list[LayerExp
             for e in range(num_experts):
                 found = next((headers[k] for k in _per_expert_keys(module, name, e) if k in headers), None)
                 if found is None:
-                    raise ModelLoadError(path, f"no expert tensor for {key} (expert {e}): direct mode reads "
-                                         "stacked or per-expert checkpoints; run `flashmoe convert` on this folder")
+                    raise ModelLoadError(path, _no_expert_tensor(module, key, e, headers, model_type))
                 if e and (found.dtype, found.shape) != (slices[0].dtype, slices[0].shape):
                     raise ModelLoadError(found.path, f"{found.name} differs in shape or dtype from expert 0")
                 slices.append(found)
@@ -311,6 +330,16 @@ def _direct_layers(path: Path, model: nn.Module, headers: dict) -> list[LayerExp
             sources.append([(str(t.path), t.offset) for t in slices])
         layers.append(LayerExperts(layer_index(module), module, num_experts, tuple(parts), sources=sources))
     return layers
+
+
+def _no_expert_tensor(module: str, key: str, expert: int, headers: dict, model_type: str) -> str:
+    near = sorted(k for k in headers if any(k.startswith(b + ".") for b in _original_bases(module)) and
+                  not k.startswith(module + ".") and len(headers[k].shape) == 3)
+    if near:
+        return (f"{near[0]} holds {model_type}'s experts in a layout direct mode cannot read in place "
+                "(fused or transposed); run `flashmoe convert` on this folder")
+    return (f"no expert tensor for {key} (expert {expert}): direct mode reads stacked or per-expert "
+            "checkpoints; run `flashmoe convert` on this folder")
 
 
 def _check_layer_shapes(layers, modules, where: Path) -> None:
@@ -325,13 +354,38 @@ def _check_layer_shapes(layers, modules, where: Path) -> None:
                                  f"the model config, which wants {want}")
 
 
+def _check_blocks(model, config: dict, blocks: dict, manifest, where: Path, allow_resident: bool) -> None:
+    """A model that declares experts must have blocks that stream, and a packed folder must have
+    streamed all of them (one converted by a flashmoe that kept some resident did not)."""
+    if not blocks:
+        reason = no_blocks_reason(model, config)
+        if reason and not allow_resident:
+            raise ModelLoadError(where if manifest is not None else where / "config.json",
+                                 f"{reason}; load with --allow-resident-experts to keep them in memory")
+        return
+    if manifest is not None and not manifest:
+        raise ModelLoadError(where, f"this folder holds no streamed experts, but the model has {len(blocks)} "
+                             f"expert blocks ({next(iter(blocks))}, ...): it was converted by an older flashmoe "
+                             "that kept them resident; convert the source again")
+
+
+def _replace(model, modules: dict, path: str, new) -> None:
+    """Put `new` where the module at `path` is (an attribute, or an item of a list of layers)."""
+    parent_path, _, attr = path.rpartition(".")
+    parent = modules[parent_path] if parent_path else model
+    if isinstance(parent, list):
+        parent[int(attr)] = new
+    else:
+        setattr(parent, attr, new)
+
+
 PREFETCH_MODES = ("off", "hint", "slots")
 
 
 def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = 8,
          direct_io: bool = False, load_tokenizer: bool = True, dtype: str | None = None,
          kernels: str = "mlx", prefetch: bool | str = False, cache_policy: str = "lfu",
-         verify_reads: bool = True) -> LoadedModel:
+         verify_reads: bool = True, allow_resident_experts: bool = False) -> LoadedModel:
     """Build the model for `path` with streamed experts. Resident weights are loaded here.
 
     dtype "float32" widens 16-bit float tensors (weights, quantization scales and biases, and
@@ -350,6 +404,9 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
 
     verify_reads: check each expert block against the manifest's CRC-32 the first time it is read
     (packed folders only: direct mode has no checksums); a mismatch raises ModelLoadError.
+
+    allow_resident_experts: load a model whose experts cannot stream (no switch-layer block)
+    with them in memory, and say why in `resident_experts`; without it, such a model fails.
     """
     from .cpu_path import resolve
 
@@ -375,19 +432,22 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         files = _safetensors_files(path)
         headers = direct_headers(config, path, files)
     model = build_model(config, path)
+    blocks = expert_blocks(model)
+    _check_blocks(model, config, blocks, layers if packed else None, where, allow_resident_experts)
     if packed:
         weights = _mx_load(path / RESIDENT)
         expert_shapes = {f"{l.module}.{p.name}": _shape_proxy((l.num_experts, *p.shape), p.mx_dtype)
                          for l in layers for p in l.parts}
     else:
+        check_expert_counts(config, path, headers, blocks)
         weights = {k: v for f in files for k, v in _mx_load(f).items()}
     if hasattr(model, "sanitize"):
         # sanitize sees the experts too (some checks depend on them); stacking them stays lazy
         # and is never evaluated, because the expert tensors are dropped right after.
         weights = model.sanitize(weights)
-    if not packed:
-        expert_shapes = {k: _shape_proxy(v.shape, v.dtype) for k, v in weights.items() if ".switch_mlp." in k}
-        weights = {k: v for k, v in weights.items() if ".switch_mlp." not in k}
+    if not packed:  # drop exactly the tensors of the blocks that stream
+        expert_shapes = {k: _shape_proxy(v.shape, v.dtype) for k, v in weights.items() if block_of(k, blocks)}
+        weights = {k: v for k, v in weights.items() if not block_of(k, blocks)}
 
     try:
         quantize_like_checkpoint(model, config, {**{k: _shape_proxy(v.shape, v.dtype) for k, v in weights.items()},
@@ -395,12 +455,11 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     except (KeyError, ValueError) as e:
         raise ModelLoadError(path / "config.json", f"quantization does not match the weights ({e})") from None
 
-    modules = switch_modules(model)
     if not packed:
-        layers = _direct_layers(path, model, headers)
-    _check_layer_shapes(layers, modules, where)
-    if len(layers) != len(modules):
-        missing = sorted(set(modules) - {l.module for l in layers})
+        layers = _direct_layers(path, blocks, headers, text_config(config).get("model_type", config["model_type"]))
+    _check_layer_shapes(layers, blocks, where)
+    if len(layers) != len(blocks):
+        missing = sorted(set(blocks) - {l.module for l in layers})
         raise ModelLoadError(where, f"no experts for {missing[0]}")
 
     store = ExpertStore(path / EXPERTS_DIR if packed else path, layers, top_k_of(config),
@@ -408,12 +467,12 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
                         upcast=dtype == "float32", cpu_kernels=kernels == "cpu", policy=cache_policy,
                         verify_reads=verify_reads) if layers else None
     loaded = LoadedModel(model, config, path, "packed" if packed else "direct", store, layers)
+    loaded.block_kinds = {l.module: kind(blocks[l.module]) for l in layers}
+    loaded.resident_experts = None if layers else no_blocks_reason(model, config)
     parents = dict(model.named_modules())
     for l in layers:
-        parent_path, _, attr = l.module.rpartition(".")
-        setattr(parents[parent_path] if parent_path else model, attr,
-                StreamingSwitchGLU(modules[l.module], l.layer, store, loaded.timing))
-    del parents, modules  # they name every original module; the CPU path below replaces some
+        _replace(model, parents, l.module, StreamingSwitchGLU(blocks[l.module], l.layer, store, loaded.timing))
+    del parents, blocks  # they name every original module; the CPU path below replaces some
 
     model.eval()
     if dtype == "float32":
@@ -426,6 +485,11 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     except RuntimeError as e:
         raise ModelLoadError(path, f"cannot read the resident weights ({e})") from None
     del weights  # the model holds what it needs; the CPU path below replaces some of it
+    n = declared_experts(config)
+    left = resident_expert_modules(model, n) if n and n > 1 else []
+    if left and not allow_resident_experts:  # experts some other code computes: never silently resident
+        raise ModelLoadError(where, f"{left[0]} holds {n} experts that do not stream (not one of mlx-lm's "
+                             "switch layers); load with --allow-resident-experts to keep them in memory")
     loaded.kernels = kernels
     prefetch = {True: "slots", False: "off", None: "off"}.get(prefetch, prefetch)
     if prefetch not in PREFETCH_MODES:

@@ -21,7 +21,8 @@ def cmd_bench_speed(args) -> int:
     model = resolve_model(args.model)
     loaded = load(model, expert_cache=args.expert_cache, io_threads=args.io_threads, direct_io=args.direct_io,
                   dtype=resolve_dtype(args.dtype), kernels=args.kernels, prefetch=args.prefetch,
-                  cache_policy=args.cache_policy, verify_reads=args.verify_reads != "off")
+                  cache_policy=args.cache_policy, verify_reads=args.verify_reads != "off",
+                  allow_resident_experts=args.allow_resident_experts)
     bits = model_bits(loaded.config)
     expert = (sum(l.expert_bytes for l in loaded.layers) / len(loaded.layers)) if loaded.layers else 0
     machine = f"{os.cpu_count()}x {cpu_model()}, {platform.system()} {platform.release()}"
@@ -30,7 +31,8 @@ def cmd_bench_speed(args) -> int:
                   f"{bits or 'float'}{'-bit' if bits else ''}, "
                   f"K={loaded.top_k}, {len(loaded.layers)} MoE layers of {loaded.num_layers}, "
                   f"expert {human_bytes(expert)}, expert cache {human_bytes(loaded.store.capacity_bytes if loaded.store else 0)}"
-                  + (f" ({loaded.store.policy})" if loaded.store else ""))
+                  + (f" ({loaded.store.policy})" if loaded.store else "")
+                  + (f", EXPERTS RESIDENT, NOT STREAMED ({loaded.resident_experts})" if loaded.resident_experts else ""))
     print(f"model   : {model}\n          {model_line}\nmachine : {machine}", flush=True)
     result = {"model": str(model), "model_line": model_line, "machine": machine,
               "date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": []}

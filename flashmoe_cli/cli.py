@@ -59,6 +59,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verify-reads", dest="verify_reads", action="store_const", const="off", default=S,
                    help="do not check each expert against the manifest's CRC-32 the first time it is read "
                         "(setting verify_reads = on|off; default on; cost: `flashmoe bench speed`)")
+    p.add_argument("--allow-resident-experts", action="store_true",
+                   help="load a model whose experts cannot stream (its expert blocks are not mlx-lm switch "
+                        "layers) with every expert in memory; without it such a model fails to load")
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -135,6 +138,7 @@ def make_engine(args):
                   direct_io=args.direct_io, dtype=resolve_dtype(args.dtype), kernels=args.kernels,
                   prefetch=args.prefetch, cache_policy=args.cache_policy,
                   verify_reads=getattr(args, "verify_reads", "on") != "off",
+                  allow_resident_experts=getattr(args, "allow_resident_experts", False),
                   truncate_prompt=getattr(args, "truncate_prompt", "off"))
 
 
@@ -519,6 +523,10 @@ def cmd_info(args) -> int:
         ("expert bytes", f"{human_bytes(d['expert_bytes'])} ({human_bytes(d['expert_block_bytes'])} per expert)"),
         ("read per token at 0% hits", human_bytes(d["bytes_per_token_cold"])),
     ]
+    for i, (how, layers) in enumerate(d["expert_compute"].items()):
+        rows.append(("expert compute" if i == 0 else "", f"{how} (layers {', '.join(map(str, layers))})"))
+    if d["not_streamable"]:
+        rows.append(("streaming", f"no: {d['not_streamable']}"))
     for k, v in rows:
         print(f"{k:>26}: {v}")
     return ExitCode.OK

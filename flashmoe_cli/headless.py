@@ -48,6 +48,8 @@ def summary(done, loaded) -> str:
         + (f" {human_bytes(loaded.cache_bytes)} {loaded.cache_policy}" if loaded.cache_policy else ""),
         f"{loaded.model_type} ({loaded.mode}, {loaded.kernels} kernels)",
     ]
+    if loaded.resident_experts:  # --allow-resident-experts: never a line that looks like streaming
+        parts.append("experts resident, not streamed")
     return " | ".join(parts)
 
 

@@ -1,6 +1,7 @@
-"""StreamingSwitchGLU: a drop-in for mlx-lm's SwitchGLU whose experts come from the store.
+"""StreamingSwitchGLU: a drop-in for mlx-lm's switch layers (SwitchGLU, SwitchMLP) whose experts
+come from the store.
 
-It keeps mlx-lm's own (quantized) SwitchGLU as the compute, with its stacked [E, ...] parameters
+It keeps mlx-lm's own (quantized) block as the compute, with its stacked [E, ...] parameters
 replaced by the store's slot bank [S, ...]; only the expert ids change, mapped to slot ids. The
 arithmetic is the resident model's, which is why the streamed logits match it exactly.
 """
@@ -132,7 +133,7 @@ class _CpuExperts:
         from mlx_lm.models.switch_layers import SwiGLU
 
         projs = [getattr(inner, p, None) for p in _CpuExperts.PROJS]
-        return (isinstance(getattr(inner, "activation", None), SwiGLU)
+        return (type(getattr(inner, "activation", None)) is SwiGLU  # not a clamped or scaled variant
                 and all(getattr(p, "mode", None) == "affine" and "bias" not in p and "biases" in p for p in projs)
                 and all(pool.arrays[f"{n}.scales"].dtype == mx.float32 for n in _CpuExperts.PROJS))
 

@@ -281,13 +281,16 @@ class ChatApp(App[int]):
     async def on_engine_loaded(self, m: EngineLoaded) -> None:
         info = self.loaded = m.info
         name = Path(info.model).name or info.model
-        self.status.set(model=f"{name} ({info.model_type})", bits=info.bits, top_k=info.top_k,
+        resident = getattr(info, "resident_experts", None)
+        self.status.set(model=f"{name} ({info.model_type}{', experts resident' if resident else ''})",
+                        bits=info.bits, top_k=info.top_k,
                         context_max=getattr(info, "context", None))
         bits = f"{info.bits}-bit" if info.bits else "unquantized"
         self.note(f"{name}: {info.model_type}, {info.mode} experts, {info.layers} layers "
                   f"({info.moe_layers} with experts), {info.experts} experts, top-{info.top_k}, {bits}, "
                   f"expert cache {human_bytes(info.cache_bytes)}"
                   + (f" ({info.cache_policy})" if info.cache_policy else "") + f", loaded in {info.load_s:.1f} s\n"
+                  + (f"Experts resident, not streamed (--allow-resident-experts): {resident}\n" if resident else "")
                   + (DEMO_NOTE + "\n" if is_demo(info.model) else "")
                   + "Type a message and press Enter. /help lists the commands, F1 the keys.", title="model",
                   before=self._queued)
