@@ -8,13 +8,17 @@ Supported GGUF architectures and the mlx-lm model each becomes:
   olmoe                        -> olmoe
   deepseek2                    -> deepseek_v2 (softmax routing) or deepseek_v3 (sigmoid routing
                                   with the exp_probs_b correction bias)
+  gpt-oss                      -> gpt_oss
+  glm4moe                      -> glm4_moe (GLM-4.5 / 4.6; the MTP layer is left out)
+  llama4                       -> llama4 (text model)
 
-The folder holds config.json, model.safetensors (Hugging Face tensor names, routed experts one
-tensor per expert as in the original checkpoints), tokenizer.json (rebuilt from the GGUF
-vocabulary with the `tokenizers` library), tokenizer_config.json (with the chat template) and
-generation_config.json. With `upcycle_experts=E` a dense llama MLP is copied into E identical
-Mixtral experts behind a random router, which gives a real MoE checkpoint whose output equals
-the dense model's.
+The folder holds config.json, model.safetensors (Hugging Face tensor names; routed experts one
+tensor per expert as in the original checkpoints, or stacked where those are, as in gpt-oss
+and Llama 4), tokenizer.json (rebuilt from the GGUF vocabulary with the `tokenizers` library:
+byte-level BPE, or SentencePiece as in Llama 2 / Mistral / Mixtral), tokenizer_config.json
+(with the chat template) and generation_config.json. With `upcycle_experts=E` a dense llama
+MLP is copied into E identical Mixtral experts behind a random router, which gives a real MoE
+checkpoint whose output equals the dense model's.
 
 Tensors are dequantized one at a time (a stacked expert tensor one expert at a time) and
 written as soon as they are ready, so memory stays bounded by the largest single matrix.
@@ -36,11 +40,13 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor, TokenType
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-# Types whose dequantization in the `gguf` package we rely on (and test where we can).
+# Types whose dequantization in the `gguf` package we rely on (and test where we can); MXFP4
+# is what gpt-oss experts ship in. Anything else (the IQ* types, TQ*, NVFP4, ...) is refused,
+# naming the tensor and its type.
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[name]
     for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 )
 
 # GGUF general.architecture -> the mlx-lm model_type(s) it becomes.
@@ -50,6 +56,9 @@ SUPPORTED_ARCHITECTURES = {
     "qwen3moe": "qwen3_moe",
     "olmoe": "olmoe",
     "deepseek2": "deepseek_v2 or deepseek_v3",
+    "gpt-oss": "gpt_oss",
+    "glm4moe": "glm4_moe",
+    "llama4": "llama4",
 }
 
 # The Llama 3 pre-tokenizer split (as in its tokenizer.json): digits in runs of up to three.
@@ -66,6 +75,22 @@ _DEEPSEEK3_PATTERNS = (
     r"[!" + '"' + r"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
     r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
 )
+
+# GPT-4o's "o200k" split (gpt-oss, Llama 4): upper/lower-case runs with contractions, digits in
+# threes. The original regex of their tokenizer.json, quoted in llama.cpp's llama-vocab.cpp
+# (LLAMA_VOCAB_PRE_TYPE_GPT4O, which "gpt-4o" and "llama4" select).
+_O200K_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> the regex splits before byte-level BPE (llama-vocab.cpp: "glm4" is
+# LLAMA_VOCAB_PRE_TYPE_CHATGLM4, whose regex is Llama 3's).
+_PRE_PATTERNS = {
+    "llama-bpe": (_LLAMA3_PATTERN,), "llama3": (_LLAMA3_PATTERN,), "glm4": (_LLAMA3_PATTERN,),
+    "qwen2": (_QWEN2_PATTERN,), "deepseek-v3": _DEEPSEEK3_PATTERNS,
+    "gpt-4o": (_O200K_PATTERN,), "llama4": (_O200K_PATTERN,),
+}
 
 # llama.cpp's expert gating functions (gguf.ExpertGatingFuncType).
 _GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
@@ -113,7 +138,8 @@ def gguf_to_hf_folder(gguf_path, out_dir, *, upcycle_experts: int = 0,
         config = _llama(m, plan, vocab_size, gguf_path.name, upcycle_experts, experts_per_token, seed)
     else:
         config = {"qwen2moe": _qwen2moe, "qwen3moe": _qwen3moe, "olmoe": _olmoe,
-                  "deepseek2": _deepseek2}[arch](m, plan, vocab_size)
+                  "deepseek2": _deepseek2, "gpt-oss": _gpt_oss, "glm4moe": _glm4moe,
+                  "llama4": _llama4}[arch](m, plan, vocab_size)
     entries = plan.finish()
 
     tokenizer, special = _build_tokenizer(reader, tokens)
@@ -122,7 +148,8 @@ def gguf_to_hf_folder(gguf_path, out_dir, *, upcycle_experts: int = 0,
     if special.get("eos") is not None:
         config["eos_token_id"] = special["eos"]
     config["torch_dtype"] = "float32"
-    tok_config = _tokenizer_config(reader, tokens, special, config["max_position_embeddings"])
+    max_length = config.get("max_position_embeddings") or config["text_config"]["max_position_embeddings"]
+    tok_config = _tokenizer_config(reader, tokens, special, max_length)
     gen_config = {k: v for k, v in (("bos_token_id", special.get("bos")),
                                     ("eos_token_id", _eos_ids(special))) if v is not None}
 
@@ -302,7 +329,8 @@ def _expert_ff(m: _Meta, plan: "_Planner", layer: int) -> int:
 class _Entry:
     name: str
     shape: tuple[int, ...]
-    make: Callable[[], np.ndarray]
+    make: Callable[[], Any]  # the array, or (stacked) an iterator of its shape[0] slices
+    stacked: bool = False
 
 
 def _numpy_shape(t: ReaderTensor) -> tuple[int, ...]:
@@ -356,6 +384,30 @@ class _Planner:
         for e in range(experts):
             self.entries.append(_Entry(hf_pattern.format(e=e), shape, functools.partial(dequantize_expert, t, e)))
 
+    def add_stacked(self, hf_name: str, gname: str, gshape: tuple[int, ...],
+                    pick: Callable[[np.ndarray], np.ndarray] | None = None,
+                    shape: tuple[int, ...] | None = None) -> None:
+        """A stacked [experts, ...] GGUF tensor as one stacked HF tensor (models whose checkpoints
+        keep experts stacked: gpt-oss, Llama 4), still dequantized and written one expert at a
+        time. `pick` takes each expert's part (e.g. the gate half of a fused gate/up tensor)."""
+        t = self.take(gname, gshape)
+        shape = shape or gshape
+
+        def parts():
+            for e in range(gshape[0]):
+                a = dequantize_expert(t, e)
+                yield pick(a) if pick else a
+
+        self.entries.append(_Entry(hf_name, shape, parts, stacked=True))
+
+    def skip(self, prefix: str, why: str) -> None:
+        """Claim every tensor under `prefix` without writing it (`why` says why that is right)."""
+        del why  # documentation at the call site
+        for name in self.tensors:
+            if name.startswith(prefix):
+                _check_type(self.tensors[name])
+                self.used.add(name)
+
     def finish(self) -> list[_Entry]:
         extra = sorted(set(self.tensors) - self.used)
         if extra:
@@ -365,27 +417,30 @@ class _Planner:
         return self.entries
 
 
-def _add_embeddings(plan: _Planner, vocab: int, hidden: int) -> None:
-    plan.add("model.embed_tokens.weight", "token_embd.weight", (vocab, hidden))
+def _add_embeddings(plan: _Planner, vocab: int, hidden: int, prefix: str = "") -> None:
+    plan.add(f"{prefix}model.embed_tokens.weight", "token_embd.weight", (vocab, hidden))
 
 
-def _add_head(plan: _Planner, vocab: int, hidden: int, *, always_lm_head: bool) -> bool:
+def _add_head(plan: _Planner, vocab: int, hidden: int, *, always_lm_head: bool, prefix: str = "") -> bool:
     """Final norm and output projection; returns tie_word_embeddings. Models whose mlx-lm class
     always has an lm_head get a copy of the embedding when the file ties them."""
-    plan.add("model.norm.weight", "output_norm.weight", (hidden,))
+    plan.add(f"{prefix}model.norm.weight", "output_norm.weight", (hidden,))
     if plan.has("output.weight"):
-        plan.add("lm_head.weight", "output.weight", (vocab, hidden))
+        plan.add(f"{prefix}lm_head.weight", "output.weight", (vocab, hidden))
         return False
     if always_lm_head:
-        plan.add("lm_head.weight", "token_embd.weight", (vocab, hidden))
+        plan.add(f"{prefix}lm_head.weight", "token_embd.weight", (vocab, hidden))
         return False
     return True
 
 
 def _add_attention(plan: _Planner, i: int, hp: dict, *, permuted: bool, bias: bool = False,
-                   qk_norm: str | None = None) -> None:
-    """Norms and q/k/v/o of layer i. qk_norm: None, "head" (per head, Qwen3) or "full" (OLMoE)."""
-    blk, hf = f"blk.{i}", f"model.layers.{i}"
+                   qk_norm: str | None = None, post_norm: str = "ffn_norm", out_bias: bool = False,
+                   prefix: str = "") -> None:
+    """Norms and q/k/v/o of layer i. qk_norm: None, "head" (per head, Qwen3) or "full" (OLMoE).
+    post_norm: the GGUF name of the norm before the FFN (ffn_norm, or post_attention_norm in
+    gpt-oss and GLM-4.5); prefix: before HF's "model." (Llama 4's "language_model.")."""
+    blk, hf = f"blk.{i}", f"{prefix}model.layers.{i}"
     hidden, hd = hp["hidden_size"], hp["head_dim"]
     heads, kv_heads = hp["num_attention_heads"], hp["num_key_value_heads"]
     q_rows, kv_rows = heads * hd, kv_heads * hd
@@ -406,7 +461,9 @@ def _add_attention(plan: _Planner, i: int, hp: dict, *, permuted: bool, bias: bo
         plan.add(f"{hf}.self_attn.q_norm.weight", f"{blk}.attn_q_norm.weight", (q_rows,))
         plan.add(f"{hf}.self_attn.k_norm.weight", f"{blk}.attn_k_norm.weight", (kv_rows,))
     plan.add(f"{hf}.self_attn.o_proj.weight", f"{blk}.attn_output.weight", (hidden, q_rows))
-    plan.add(f"{hf}.post_attention_layernorm.weight", f"{blk}.ffn_norm.weight", (hidden,))
+    if out_bias:
+        plan.add(f"{hf}.self_attn.o_proj.bias", f"{blk}.attn_output.bias", (hidden,))
+    plan.add(f"{hf}.post_attention_layernorm.weight", f"{blk}.{post_norm}.weight", (hidden,))
 
 
 _MLP = (("gate", "gate_proj", "w1"), ("up", "up_proj", "w3"), ("down", "down_proj", "w2"))
@@ -440,10 +497,11 @@ def _add_routed_experts(plan: _Planner, i: int, prefix: str, moe: dict, hidden: 
 
 # --- llama (dense, upcycled or Mixtral) -------------------------------------------------------
 
-def _llama_hparams(m: _Meta) -> dict:
+def _llama_hparams(m: _Meta, plan: _Planner) -> dict:
     hp = _attention_hparams(m, eps_default=1e-5)
     hp = {"hidden_size": hp.pop("hidden_size"), "intermediate_size": m.int("feed_forward_length"), **hp}
-    scaling = _rope_scaling(m, "llama", allowed=("linear",))
+    scaling = _llama3_scaling(plan, m, hp["head_dim"], hp["rope_theta"]) or \
+        _rope_scaling(m, "llama", allowed=("linear",))
     if scaling:
         hp["rope_scaling"] = scaling
     return hp
@@ -451,7 +509,7 @@ def _llama_hparams(m: _Meta) -> dict:
 
 def _llama(m: _Meta, plan: _Planner, vocab: int, name: str, upcycle: int, per_token: int,
            seed: int) -> dict:
-    hp = _llama_hparams(m)
+    hp = _llama_hparams(m, plan)
     hp["vocab_size"] = vocab
     moe = _moe_hparams(m, plan) if m.int("expert_count", 0) > 0 else None
     if moe and upcycle:
@@ -703,6 +761,293 @@ def _add_kv_b(plan: _Planner, blk: str, hf_name: str, heads: int, nope: int, v_h
     plan.add_array(hf_name, make, shape)
 
 
+# --- Llama 3 rope scaling, stored by llama.cpp as rope_freqs.weight --------------------------------
+
+def _llama3_scaling(plan: _Planner, m: _Meta, head_dim: int, base: float) -> dict | None:
+    """The "llama3" rope_scaling that rope_freqs.weight came from, or None without one.
+
+    llama.cpp's converter (LlamaModel.generate_extra_tensors) turns Llama 3's rope_scaling into
+    one factor per rotated pair, dividing the pair's frequency: 1 for short wavelengths
+    (< original_context / high_freq_factor), `factor` for long ones (> original_context /
+    low_freq_factor) and 1 / ((1 - s) / factor + s) in between, s = (original_context /
+    wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor). The factors depend on
+    original_context only through the two ratios, so any context length rebuilds them; the
+    file's own (rope.scaling.original_context_length, else the converter's default 8192) is used.
+    """
+    if not plan.has("rope_freqs.weight"):
+        return None
+    t = plan.take("rope_freqs.weight", (head_dim // 2,))
+    f = dequantize_tensor(t).astype(np.float64)
+    if np.allclose(f, 1.0, rtol=0, atol=1e-6):
+        return None
+    factor = float(f.max())
+    old = m.int("rope.scaling.original_context_length", 8192)
+    wavelen = 2 * math.pi * base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    short = np.isclose(f, 1.0, rtol=1e-5)
+    long = np.isclose(f, factor, rtol=1e-5)
+    mid = ~(short | long)
+    n_short, n_mid = int(short.sum()), int(mid.sum())
+    # Wavelengths grow with the pair index: short pairs first, then the blend, then long ones.
+    if not (short[:n_short].all() and mid[n_short:n_short + n_mid].all()):
+        raise ValueError("GGUF rope_freqs.weight does not follow Llama 3 rope scaling")
+    blend = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)  # s of the blended pairs
+    # In x = original_context / wavelength (falling with the pair index) the thresholds are
+    # x = high_freq_factor and x = low_freq_factor, and s = (x - low) / (high - low).
+    x = old / wavelen
+    first = n_short  # the first pair that is not short
+    x_prev = x[first - 1] if first else 2 * x[0]
+    if n_mid >= 2:  # s is linear in x: the fit gives both factors
+        slope, icept = np.polyfit(x[mid], blend, 1)
+        low = -icept / slope
+        high = low + 1 / slope
+    elif n_mid == 0:  # both thresholds between the last short pair and the first long one
+        low = high = math.sqrt(x_prev * x[first])
+    else:  # one blended pair fixes s there; pick low between it and the next pair, then high
+        xm, sm = x[first], blend[0]
+        low = (xm + x[first + 1]) / 2
+        for _ in range(60):
+            high = low + (xm - low) / sm
+            if high < x_prev:
+                break
+            low = (low + xm) / 2
+    for digits in (6, 17):  # round trips like 1.0000001 -> 1.0 when that still fits
+        scaling = {"rope_type": "llama3", "factor": float(f"{factor:.{digits}g}"),
+                   "low_freq_factor": float(f"{low:.{digits}g}"), "high_freq_factor": float(f"{high:.{digits}g}"),
+                   "original_max_position_embeddings": old}
+        if np.allclose(_llama3_factors(scaling, wavelen), f, rtol=1e-5, atol=0):
+            return scaling
+    raise ValueError("GGUF rope_freqs.weight does not follow Llama 3 rope scaling")
+
+
+def _llama3_factors(scaling: dict, wavelen: np.ndarray) -> np.ndarray:
+    """Per-pair divisors of the Llama 3 rope scaling (the formula in _llama3_scaling)."""
+    factor, old = scaling["factor"], scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    out = np.ones_like(wavelen)
+    out[wavelen > old / low] = factor
+    mid = (wavelen >= old / high) & (wavelen <= old / low)
+    if high != low and mid.any():
+        s = (old / wavelen[mid] - low) / (high - low)
+        out[mid] = 1 / ((1 - s) / factor + s)
+    return out
+
+
+# --- gpt-oss ---------------------------------------------------------------------------------------
+
+# llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT (llama-hparams.h): softmax over the
+# chosen experts' logits, which is what gpt-oss does.
+_GATING_SOFTMAX_WEIGHT = 3
+
+
+def _gpt_oss(m: _Meta, plan: _Planner, vocab: int) -> dict:
+    """gpt-oss (llama.cpp arch "gpt-oss", LLM_ARCH_OPENAI_MOE) -> mlx-lm gpt_oss.
+
+    llama.cpp's converter (GptOssModel) splits HF's interleaved gate_up_proj (gate rows even,
+    up rows odd) into ffn_gate_exps / ffn_up_exps and their biases (or, with
+    --fuse-gate-up-exps, stores them gate-then-up as ffn_gate_up_exps), writes the attention
+    sinks as attn_sinks.weight and leaves q/k unpermuted (NEOX RoPE). mlx-lm keeps experts
+    stacked (mlp.experts.{gate,up,down}_proj), which its sanitize() accepts as they are.
+    Sliding-window attention alternates: even layers use the window (llama.cpp: swa pattern 2).
+    """
+    hp = _attention_hparams(m, eps_default=1e-5)
+    hidden, layers = hp["hidden_size"], hp["num_hidden_layers"]
+    if layers < 2:
+        raise ValueError("GGUF gpt-oss needs at least 2 layers (one sliding, one full attention)")
+    experts = m.int("expert_count", 0)
+    if experts <= 0:
+        raise ValueError("GGUF gpt-oss file has no experts (gpt-oss.expert_count)")
+    gating = m.int("expert_gating_func", _GATING_SOFTMAX_WEIGHT)
+    if gating != _GATING_SOFTMAX_WEIGHT:
+        raise ValueError(f"GGUF expert gating function {gating} is not supported for gpt-oss "
+                         "(only softmax over the chosen experts)")
+    clamp = m.get("swiglu_clamp_exp", None)
+    if clamp is not None and any(abs(float(c) - 7.0) > 1e-6 for c in np.atleast_1d(clamp) if c):
+        raise ValueError("GGUF gpt-oss clamps its SwiGLU at other than 7.0; mlx-lm's gpt_oss uses 7.0")
+    ff = m.opt_int("expert_feed_forward_length") or m.int("feed_forward_length")
+    window = m.int("attention.sliding_window")
+    scaling = _gpt_oss_rope_scaling(m)
+
+    _add_embeddings(plan, vocab, hidden)
+    q_heads = hp["num_attention_heads"]
+    for i in range(layers):
+        blk, hf = f"blk.{i}", f"model.layers.{i}"
+        _add_attention(plan, i, hp, permuted=False, bias=True, out_bias=True, post_norm="post_attention_norm")
+        plan.add(f"{hf}.self_attn.sinks", f"{blk}.attn_sinks.weight", (q_heads,))
+        plan.add(f"{hf}.mlp.router.weight", f"{blk}.ffn_gate_inp.weight", (experts, hidden))
+        plan.add(f"{hf}.mlp.router.bias", f"{blk}.ffn_gate_inp.bias", (experts,))
+        _add_stacked_experts(plan, blk, f"{hf}.mlp.experts", experts, ff, hidden, bias=True)
+    _add_head(plan, vocab, hidden, always_lm_head=True)
+    return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **hp, "vocab_size": vocab,
+            "intermediate_size": ff, "num_local_experts": experts,
+            "num_experts_per_tok": m.int("expert_used_count"), "experts_per_token": m.int("expert_used_count"),
+            "sliding_window": window,
+            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            "rope_scaling": scaling, "tie_word_embeddings": False, "attention_bias": True,
+            "swiglu_limit": 7.0, "hidden_act": "silu"}
+
+
+def _gpt_oss_rope_scaling(m: _Meta) -> dict | None:
+    scaling = m.get("rope.scaling.type", "none")
+    if scaling == "none":
+        return None
+    if scaling != "yarn":
+        raise ValueError(f"GGUF rope scaling type {scaling!r} is not supported for gpt_oss")
+    for key in ("rope.scaling.yarn_attn_factor", "rope.scaling.yarn_ext_factor"):
+        if m.get(key, None) is not None:
+            raise ValueError(f"GGUF sets {m.arch}.{key}; mlx-lm's YaRN RoPE has no such setting")
+    # HF's gpt-oss config also says "truncate": false; llama.cpp keeps no such key.
+    return {"rope_type": "yarn", "factor": m.float("rope.scaling.factor"),
+            "original_max_position_embeddings": m.int("rope.scaling.original_context_length"),
+            "beta_fast": m.float("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": m.float("rope.scaling.yarn_beta_slow", 1.0), "truncate": False}
+
+
+def _add_stacked_experts(plan: _Planner, blk: str, prefix: str, experts: int, ff: int, hidden: int,
+                         bias: bool = False) -> None:
+    """{prefix}.{gate,up,down}_proj.weight (and .bias) stacked over experts, from the GGUF's
+    ffn_{gate,up,down}_exps, or from a fused ffn_gate_up_exps (gate rows, then up rows)."""
+    kinds = ("weight", "bias") if bias else ("weight",)
+    fused = f"{blk}.ffn_gate_up_exps.weight"
+    for kind in kinds:
+        def gshape(g: str) -> tuple[int, ...]:
+            shape = (experts, *_mlp_shape(g, ff, hidden))
+            return shape if kind == "weight" else shape[:2]
+        if plan.has(fused):
+            both = f"{blk}.ffn_gate_up_exps.{kind}"
+            full = (experts, 2 * ff, hidden)[:3 if kind == "weight" else 2]
+            plan.add_stacked(f"{prefix}.gate_proj.{kind}", both, full, lambda a: a[:ff], gshape("gate"))
+            plan.add_stacked(f"{prefix}.up_proj.{kind}", both, full, lambda a: a[ff:], gshape("up"))
+        else:
+            for g in ("gate", "up"):
+                plan.add_stacked(f"{prefix}.{g}_proj.{kind}", f"{blk}.ffn_{g}_exps.{kind}", gshape(g))
+        plan.add_stacked(f"{prefix}.down_proj.{kind}", f"{blk}.ffn_down_exps.{kind}", gshape("down"))
+
+
+# --- GLM-4.5 (glm4moe) -------------------------------------------------------------------------------
+
+def _glm4moe(m: _Meta, plan: _Planner, vocab: int) -> dict:
+    """GLM-4.5 / 4.6 (llama.cpp arch "glm4moe") -> mlx-lm glm4_moe.
+
+    llama.cpp's converter (Glm4MoeModel) counts the multi-token-prediction layers in
+    block_count (nextn_predict_layers of them, after the main ones), stacks the experts, keeps
+    q/k unpermuted (NEOX RoPE over the first rope.dimension_count dims of each head) and routes
+    with sigmoid scores plus the exp_probs_b correction bias. mlx-lm's sanitize drops the MTP
+    layers, so they are not written here.
+    """
+    total = m.int("block_count")
+    nextn = m.int("nextn_predict_layers", 0)
+    layers = total - nextn
+    hidden = m.int("embedding_length")
+    heads = m.int("attention.head_count")
+    head_dim = m.int("attention.key_length", hidden // heads)
+    if m.int("attention.value_length", head_dim) != head_dim:
+        raise ValueError("GGUF has different key and value head sizes; glm4_moe needs them equal")
+    rope_dim = m.int("rope.dimension_count", head_dim // 2)
+    if not 0 < rope_dim <= head_dim or rope_dim % 2:
+        raise ValueError(f"GGUF glm4moe rotates {rope_dim} of {head_dim} head dims")
+    _rope_scaling(m, "glm4_moe")  # mlx-lm's glm4_moe has plain RoPE only
+    hp = {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+          "num_key_value_heads": m.int("attention.head_count_kv", heads), "head_dim": head_dim}
+    experts = m.int("expert_count", 0)
+    if experts <= 0:
+        raise ValueError("GGUF glm4moe file has no experts (glm4moe.expert_count)")
+    gating = m.int("expert_gating_func", _GATING_SIGMOID)
+    if gating != _GATING_SIGMOID:
+        raise ValueError(f"GGUF expert gating function {gating} is not supported for glm4moe (only sigmoid)")
+    dense = m.int("leading_dense_block_count", 0)
+    ff, shared = m.int("feed_forward_length"), m.int("expert_shared_count", 0)
+    moe = {"experts": experts, "used": m.int("expert_used_count"), "ff": _expert_ff(m, plan, dense)}
+    qk_norm = plan.has("blk.0.attn_q_norm.weight")
+    bias = plan.has("blk.0.attn_q.bias")
+
+    _add_embeddings(plan, vocab, hidden)
+    for i in range(layers):
+        blk, hf = f"blk.{i}", f"model.layers.{i}"
+        _add_attention(plan, i, hp, permuted=False, bias=bias, qk_norm="head" if qk_norm else None,
+                       post_norm="post_attention_norm")
+        if i < dense:
+            _add_dense_mlp(plan, blk, f"{hf}.mlp", ff, hidden)
+            continue
+        _add_routed_experts(plan, i, f"{hf}.mlp", moe, hidden)
+        corr = f"{hf}.mlp.gate.e_score_correction_bias"
+        if plan.has(f"{blk}.exp_probs_b.bias"):
+            plan.add(corr, f"{blk}.exp_probs_b.bias", (experts,))
+        else:
+            plan.add_array(corr, lambda: np.zeros(experts, np.float32), (experts,))
+        if shared:
+            _add_dense_mlp(plan, blk, f"{hf}.mlp.shared_experts", moe["ff"] * shared, hidden, "_shexp")
+    for i in range(layers, total):
+        plan.skip(f"blk.{i}.", "multi-token-prediction layer: mlx-lm's glm4_moe drops it")
+    _add_head(plan, vocab, hidden, always_lm_head=True)
+    return {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", **hp, "vocab_size": vocab,
+            "intermediate_size": ff, "moe_intermediate_size": moe["ff"],
+            "max_position_embeddings": m.int("context_length", 4096),
+            "rms_norm_eps": m.float("attention.layer_norm_rms_epsilon", 1e-5),
+            "rope_theta": m.float("rope.freq_base", 10000.0), "rope_scaling": None,
+            "partial_rotary_factor": rope_dim / head_dim, "use_qk_norm": qk_norm, "attention_bias": bias,
+            "n_routed_experts": experts, "n_shared_experts": shared or None,
+            "num_experts_per_tok": moe["used"], "first_k_dense_replace": dense,
+            "norm_topk_prob": m.flag("expert_weights_norm", False),
+            "routed_scaling_factor": m.float("expert_weights_scale", 1.0),
+            "n_group": m.int("expert_group_count", 1), "topk_group": m.int("expert_group_used_count", 1),
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": nextn,
+            "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+# --- Llama 4 -------------------------------------------------------------------------------------------
+
+def _llama4(m: _Meta, plan: _Planner, vocab: int) -> dict:
+    """Llama 4 Scout / Maverick (llama.cpp arch "llama4") -> mlx-lm llama4.
+
+    llama.cpp's converter (Llama4Model) writes q/k unpermuted (undo_permute = False), splits
+    HF's stacked gate_up_proj [experts, hidden, 2 * ff] into ffn_gate_exps / ffn_up_exps and
+    transposes down_proj, keeps the dense FFN size (intermediate_size_mlp) as
+    feed_forward_length and the expert size as expert_feed_forward_length, and every
+    interleave_moe_layer_step-th layer is MoE (a routed top-1 expert plus a shared one).
+    llama.cpp fixes the rest for "llama4" (llama-model.cpp), as mlx-lm's llama4 does: chunked
+    attention in 8192-token chunks on three of every four layers, the fourth without RoPE and
+    with attention temperature tuning (floor 8192, scale 0.1), and a weightless q/k RMS norm
+    unless the model has 128 experts (Maverick).
+    """
+    hp = _attention_hparams(m, eps_default=1e-5)
+    hidden, layers = hp["hidden_size"], hp["num_hidden_layers"]
+    experts = m.int("expert_count", 0)
+    if experts <= 0:
+        raise ValueError("GGUF llama4 file has no experts (a dense MobileLLM); mlx-lm's llama4 needs them")
+    used = m.int("expert_used_count")
+    if used != 1:
+        raise ValueError(f"GGUF llama4 routes {used} experts per token; mlx-lm's llama4 supports 1")
+    window = m.opt_int("attention.sliding_window")
+    if window == 0:
+        raise ValueError("GGUF llama4 turns chunked attention off (sliding_window 0); mlx-lm's llama4 cannot")
+    step = m.int("interleave_moe_layer_step", 1)
+    ff_moe = _expert_ff(m, plan, step - 1)
+    ff = m.int("feed_forward_length")
+    scaling = _llama3_scaling(plan, m, hp["head_dim"], hp["rope_theta"]) or \
+        _rope_scaling(m, "llama4", allowed=("linear",))
+    bias = plan.has("blk.0.attn_q.bias")
+    lm = "language_model."
+    _add_embeddings(plan, vocab, hidden, prefix=lm)
+    for i in range(layers):
+        blk, hf = f"blk.{i}", f"{lm}model.layers.{i}.feed_forward"
+        _add_attention(plan, i, hp, permuted=False, bias=bias, out_bias=bias, prefix=lm)
+        if (i + 1) % step:
+            _add_dense_mlp(plan, blk, hf, ff, hidden)
+            continue
+        plan.add(f"{hf}.router.weight", f"{blk}.ffn_gate_inp.weight", (experts, hidden))
+        _add_stacked_experts(plan, blk, f"{hf}.experts", experts, ff_moe, hidden)
+        _add_dense_mlp(plan, blk, f"{hf}.shared_expert", ff_moe, hidden, "_shexp")
+    _add_head(plan, vocab, hidden, always_lm_head=True, prefix=lm)
+    text = {"model_type": "llama4_text", **hp, "vocab_size": vocab, "intermediate_size": ff_moe,
+            "intermediate_size_mlp": ff, "num_local_experts": experts, "num_experts_per_tok": used,
+            "interleave_moe_layer_step": step, "attention_chunk_size": 8192, "attention_bias": bias,
+            "use_qk_norm": experts != 128, "attn_temperature_tuning": True, "floor_scale": 8192,
+            "attn_scale": 0.1, "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(layers)],
+            "rope_scaling": scaling, "tie_word_embeddings": False, "hidden_act": "silu"}
+    return {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+            "text_config": text, "tie_word_embeddings": False}
+
+
 def _write_safetensors(path: Path, entries: list[_Entry]) -> None:
     """Stream float32 tensors into one safetensors file without holding them all in memory."""
     header: dict = {"__metadata__": {"format": "pt"}}
@@ -717,10 +1062,18 @@ def _write_safetensors(path: Path, entries: list[_Entry]) -> None:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for e in entries:
-            arr = np.ascontiguousarray(e.make(), dtype="<f4")
-            if arr.shape != e.shape:
-                raise ValueError(f"{e.name}: produced shape {arr.shape}, expected {e.shape}")
-            arr.tofile(f)
+            made = e.make()
+            parts = made if e.stacked else (made,)
+            n = 0
+            for part in parts:
+                arr = np.ascontiguousarray(part, dtype="<f4")
+                want = e.shape[1:] if e.stacked else e.shape
+                if arr.shape != want:
+                    raise ValueError(f"{e.name}: produced shape {arr.shape}, expected {want}")
+                arr.tofile(f)
+                n += 1
+            if e.stacked and n != e.shape[0]:
+                raise ValueError(f"{e.name}: produced {n} slices, expected {e.shape[0]}")
 
 
 # --- tokenizer ------------------------------------------------------------------------------
@@ -732,38 +1085,45 @@ def _pre_tokenizer(pre: str):
     if pre == "smollm":
         # SmolLM splits every digit on its own before the GPT-2 split.
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    patterns = {"llama-bpe": (_LLAMA3_PATTERN,), "llama3": (_LLAMA3_PATTERN,),
-                "qwen2": (_QWEN2_PATTERN,), "deepseek-v3": _DEEPSEEK3_PATTERNS}.get(pre)
+    patterns = _PRE_PATTERNS.get(pre)
     if patterns is None:
         raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported "
-                         "(supported: 'gpt2', 'olmo', 'smollm', 'llama-bpe', 'qwen2', 'deepseek-v3')")
+                         f"(supported: {', '.join(repr(p) for p in ('gpt2', 'olmo', 'smollm', *_PRE_PATTERNS))})")
     return pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def _build_tokenizer(reader: GGUFReader, tokens: list[str]) -> tuple[Tokenizer, dict]:
-    """Rebuild a byte-level BPE tokenizer.json from tokenizer.ggml.* metadata."""
+    """Rebuild tokenizer.json from tokenizer.ggml.* metadata: byte-level BPE ("gpt2") or
+    SentencePiece ("llama")."""
     model = _meta(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {model!r} is not supported (only 'gpt2' byte-level BPE)")
-    pre = _meta(reader, "tokenizer.ggml.pre", "default")
-    pre_tokenizer = _pre_tokenizer(pre)
-    merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges")]
     types = _meta(reader, "tokenizer.ggml.token_type", [TokenType.NORMAL] * len(tokens))
+    if len(types) != len(tokens):
+        raise ValueError(f"GGUF lists {len(tokens)} tokens but {len(types)} token types")
+    special = {}
+    for name in ("bos", "eos", "unknown", "padding", "eot", "eom"):
+        value = _meta(reader, f"tokenizer.ggml.{name}_token_id", None)
+        if value is not None and 0 <= int(value) < len(tokens):
+            special[name] = int(value)
 
-    vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)  # a duplicate string keeps its first id
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False,
-                                     byte_fallback=False, ignore_merges=pre in ("llama-bpe", "llama3")))
-    if pre == "qwen2":
-        tokenizer.normalizer = normalizers.NFC()  # as in Qwen's own tokenizer.json
-    tokenizer.pre_tokenizer = pre_tokenizer
-    tokenizer.decoder = decoders.ByteLevel()
+    if model == "gpt2":
+        pre = _meta(reader, "tokenizer.ggml.pre", "default")
+        tokenizer = _bpe_tokenizer(reader, tokens, pre)
+        if pre in ("glm4", "chatglm-bpe"):
+            special.pop("bos", None)  # llama.cpp drops the BOS of GLM-4 vocabularies
+    elif model == "llama":
+        # llama.cpp's defaults for SentencePiece vocabularies that do not name them.
+        for name, default in (("bos", 1), ("eos", 2), ("unknown", 0)):
+            if _meta(reader, f"tokenizer.ggml.{name}_token_id", None) is None and default < len(tokens):
+                special[name] = default
+        tokenizer = _spm_tokenizer(reader, tokens, types, special.get("unknown"))
+    else:
+        raise ValueError(f"GGUF tokenizer model {model!r} is not supported "
+                         "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
 
     # Control/unknown tokens are special (skipped when decoding); user-defined ones are plain
-    # added tokens. Both match as whole strings before BPE runs.
+    # added tokens. Both match as whole strings before the model runs.
     added = []
     for tok, kind in zip(tokens, types):
         if kind in (TokenType.CONTROL, TokenType.UNKNOWN):
@@ -772,14 +1132,10 @@ def _build_tokenizer(reader: GGUFReader, tokens: list[str]) -> tuple[Tokenizer, 
             added.append(AddedToken(tok, special=False, normalized=False))
     tokenizer.add_tokens(added)
 
-    special = {}
-    for name in ("bos", "eos", "unknown", "padding", "eot", "eom"):
-        value = _meta(reader, f"tokenizer.ggml.{name}_token_id", None)
-        if value is not None and 0 <= int(value) < len(tokens):
-            special[name] = int(value)
-
     # BOS/EOS insertion when the GGUF asks for it (Llama 3 style); SmolLM2 asks for neither.
-    bos = [special["bos"]] if _meta(reader, "tokenizer.ggml.add_bos_token", False) and "bos" in special else []
+    # SentencePiece vocabularies add BOS unless told otherwise (llama.cpp's default for them).
+    add_bos = _meta(reader, "tokenizer.ggml.add_bos_token", model == "llama")
+    bos = [special["bos"]] if add_bos and "bos" in special else []
     eos = [special["eos"]] if _meta(reader, "tokenizer.ggml.add_eos_token", False) and "eos" in special else []
     if bos or eos:
         def piece(ids: list[int], seq: int) -> list[str]:
@@ -788,7 +1144,72 @@ def _build_tokenizer(reader: GGUFReader, tokens: list[str]) -> tuple[Tokenizer, 
         tokenizer.post_processor = processors.TemplateProcessing(
             single=single, pair=single + piece(bos, 1) + ["$B:1"] + piece(eos, 1),
             special_tokens=[(tokens[i], i) for i in dict.fromkeys(bos + eos)])
+    special["add_bos"], special["add_eos"] = bool(bos), bool(eos)
     return tokenizer, special
+
+
+def _vocab(tokens: list[str]) -> dict[str, int]:
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)  # a duplicate string keeps its first id
+    return vocab
+
+
+def _bpe_tokenizer(reader: GGUFReader, tokens: list[str], pre: str) -> Tokenizer:
+    """GPT-2 style byte-level BPE: the GGUF's merges, split first by the named pre-tokenizer."""
+    pre_tokenizer = _pre_tokenizer(pre)
+    merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges")]
+    tokenizer = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=merges, unk_token=None, fuse_unk=False,
+                                     byte_fallback=False, ignore_merges=pre in ("llama-bpe", "llama3")))
+    if pre == "qwen2":
+        tokenizer.normalizer = normalizers.NFC()  # as in Qwen's own tokenizer.json
+    tokenizer.pre_tokenizer = pre_tokenizer
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _spm_tokenizer(reader: GGUFReader, tokens: list[str], types: list[int], unk: int | None) -> Tokenizer:
+    """A SentencePiece vocabulary (Llama 2, Mistral, Mixtral) as a BPE with byte fallback.
+
+    llama.cpp's SPM tokenizer splits the text into characters and keeps merging the adjacent
+    pair whose concatenation is the highest-scoring token; characters no token covers become
+    <0xXX> byte tokens. A BPE whose merges are every (left, right) split of each token, ranked
+    by that token's score, makes the same choices; this is also how Hugging Face's
+    LlamaTokenizerFast is built from a SentencePiece model. (The two can differ only when
+    different tokens have the same score: llama.cpp then takes the leftmost pair, a BPE the
+    lower-ranked merge.) Spaces become "▁", and a "▁" starts the text and every piece of it
+    that follows an added token, as in llama.cpp (tokenizer.ggml.add_space_prefix, default on).
+    """
+    scores = _meta(reader, "tokenizer.ggml.scores", None)
+    if scores is None:
+        raise ValueError("GGUF SentencePiece vocabulary has no tokenizer.ggml.scores; its merge order is unknown")
+    if len(scores) != len(tokens):
+        raise ValueError(f"GGUF lists {len(tokens)} tokens but {len(scores)} token scores")
+    vocab = _vocab(tokens)
+    # Pieces a merge may produce or use: ordinary ones (llama.cpp also merges into unused ones).
+    # Control, unknown and byte tokens never come out of merging characters, and user-defined
+    # tokens are matched as whole strings before the model runs.
+    mergeable = {t: i for i, t in enumerate(tokens)
+                 if types[i] in (TokenType.NORMAL, TokenType.UNUSED) and vocab[t] == i}
+    ranked = []
+    for piece, i in mergeable.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in mergeable and right in mergeable:
+                ranked.append((-float(scores[i]), i, mergeable[left], mergeable[right], left, right))
+    ranked.sort()
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[(l, r) for *_, l, r in ranked],
+                                     unk_token=tokens[unk] if unk is not None else None,
+                                     fuse_unk=True, byte_fallback=True))
+    space_prefix = bool(_meta(reader, "tokenizer.ggml.add_space_prefix", True))
+    replace = normalizers.Replace(" ", "\u2581")
+    tokenizer.normalizer = (normalizers.Sequence([normalizers.Prepend("\u2581"), replace])
+                            if space_prefix else replace)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))  # the "▁" added in front of the text
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer
 
 
 def _tokenizer_config(reader: GGUFReader, tokens: list[str], special: dict, max_length: int) -> dict:
@@ -797,8 +1218,8 @@ def _tokenizer_config(reader: GGUFReader, tokens: list[str], special: dict, max_
                       ("unk_token", "unknown"), ("pad_token", "padding")):
         if name in special:
             config[key] = tokens[special[name]]
-    config["add_bos_token"] = bool(_meta(reader, "tokenizer.ggml.add_bos_token", False))
-    config["add_eos_token"] = bool(_meta(reader, "tokenizer.ggml.add_eos_token", False))
+    config["add_bos_token"] = special["add_bos"]
+    config["add_eos_token"] = special["add_eos"]
     config["clean_up_tokenization_spaces"] = False
     config["model_max_length"] = max_length
     template = _meta(reader, "tokenizer.chat_template", None)

@@ -2,8 +2,9 @@
 
 The files are written the way llama.cpp's converter writes them: GGUF tensor names, llama q/k
 rows permuted for interleaved RoPE, stacked experts, DeepSeek's kv_b split, some tensors
-quantized with gguf.quants.quantize. Dense llama first, then the mixture-of-experts architectures
-(qwen3moe, qwen2moe, Mixtral, olmoe, deepseek2) checked against mlx-lm's own models.
+quantized with gguf.quants.quantize. Dense llama first, SentencePiece vocabularies (checked
+against sentencepiece itself), then the mixture-of-experts architectures (qwen3moe, qwen2moe,
+Mixtral, olmoe, deepseek2, gpt-oss, glm4moe, llama4) checked against mlx-lm's own models.
 """
 from __future__ import annotations
 
@@ -42,14 +43,14 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_weights(seed: int = 0, untied: bool = False) -> dict[str, np.ndarray]:
+def hf_weights(seed: int = 0, untied: bool = False, vocab: int = VOCAB) -> dict[str, np.ndarray]:
     """Random float32 weights of the tiny llama, in Hugging Face names and layout."""
     rng = np.random.default_rng(seed)
 
     def rand(*shape, scale=0.1):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    w = {"model.embed_tokens.weight": rand(VOCAB, HIDDEN),
+    w = {"model.embed_tokens.weight": rand(vocab, HIDDEN),
          "model.norm.weight": 1 + rand(HIDDEN)}
     for i in range(LAYERS):
         p = f"model.layers.{i}"
@@ -65,7 +66,7 @@ def hf_weights(seed: int = 0, untied: bool = False) -> dict[str, np.ndarray]:
             f"{p}.mlp.down_proj.weight": rand(HIDDEN, FFN),
         })
     if untied:
-        w["lm_head.weight"] = rand(VOCAB, HIDDEN)
+        w["lm_head.weight"] = rand(vocab, HIDDEN)
     return w
 
 
@@ -83,9 +84,10 @@ def gguf_name(hf: str) -> str:
 
 def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray], *, qtypes: dict[str, Q] | None = None,
                     override: dict[str, tuple[np.ndarray, Q | None]] | None = None,
-                    pre: str = "smollm", tok_model: str = "gpt2") -> Path:
+                    pre: str = "smollm", tok_model: str = "gpt2", vocab=None) -> Path:
     """Write `weights` (HF names) as a llama GGUF; `qtypes` quantizes by GGUF name,
-    `override` writes raw (array, raw_dtype) pairs instead or in addition."""
+    `override` writes raw (array, raw_dtype) pairs instead or in addition; `vocab(writer)`
+    writes another vocabulary than the byte-level BPE one."""
     qtypes, override = qtypes or {}, dict(override or {})
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(LAYERS)
@@ -97,14 +99,17 @@ def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray], *, qtypes: dict[
     w.add_rope_freq_base(100000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(HEAD_DIM)
-    w.add_vocab_size(VOCAB)
-    w.add_tokenizer_model(tok_model)
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(TOKENS)
-    w.add_token_types(TYPES)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w.add_vocab_size(weights["model.embed_tokens.weight"].shape[0])
+    if vocab is not None:
+        vocab(w)
+    else:
+        w.add_tokenizer_model(tok_model)
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(TOKENS)
+        w.add_token_types(TYPES)
+        w.add_token_merges(MERGES)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
     w.add_chat_template(TEMPLATE)
     for hf, arr in weights.items():
         name = gguf_name(hf)
@@ -337,20 +342,208 @@ def test_failed_write_leaves_no_partial_files(tmp_path, monkeypatch):
 
 
 def test_unknown_tensor_raises(tmp_path):
-    extra = {"rope_freqs.weight": (np.ones(HEAD_DIM // 2, dtype=np.float32), None)}
+    extra = {"blk.0.attn_rot_embd.weight": (np.ones(HEAD_DIM // 2, dtype=np.float32), None)}
     src = write_tiny_gguf(tmp_path / "bad.gguf", hf_weights(), override=extra)
-    with pytest.raises(ValueError, match="rope_freqs.weight"):
+    with pytest.raises(ValueError, match=r"blk\.0\.attn_rot_embd\.weight"):
+        gguf_to_hf_folder(src, tmp_path / "out")
+    # rope_freqs.weight that no Llama 3 rope scaling gives
+    extra = {"rope_freqs.weight": (np.linspace(1, 3, HEAD_DIM // 2)[::-1].astype(np.float32), None)}
+    src = write_tiny_gguf(tmp_path / "bad2.gguf", hf_weights(), override=extra)
+    with pytest.raises(ValueError, match="rope_freqs.weight does not follow Llama 3 rope scaling"):
         gguf_to_hf_folder(src, tmp_path / "out")
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"pre": "default"}, "pre-tokenizer 'default'"),
-    ({"tok_model": "llama"}, "tokenizer model 'llama'"),
+    ({"tok_model": "bert"}, "tokenizer model 'bert' is not supported"),
+    ({"tok_model": "llama"}, "SentencePiece vocabulary has no tokenizer.ggml.scores"),
 ])
 def test_unsupported_tokenizer_raises(tmp_path, kwargs, message):
     src = write_tiny_gguf(tmp_path / "bad.gguf", hf_weights(), **kwargs)
     with pytest.raises(ValueError, match=message):
         gguf_to_hf_folder(src, tmp_path / "out")
+
+
+# --- SentencePiece vocabularies (Llama 2, Mistral, Mixtral) -------------------------------------
+#
+# A tiny SentencePiece BPE model is trained here, then written into a GGUF the way llama.cpp's
+# converter writes one (_create_vocab_sentencepiece: each piece with its score and its type
+# from IsUnknown / IsControl / IsUnused / IsByte, added tokens from tokenizer_config.json as
+# USER_DEFINED with score -1000, the vocabulary padded to vocab_size with UNUSED "[PAD{i}]"
+# pieces; tokenizer.ggml.model "llama", pre "default"). The rebuilt tokenizer must give
+# sentencepiece's own ids.
+
+_SPM_WORDS = ("the quick brown fox jumps over the lazy dog hello world tokenizer piece merge "
+              "score byte fallback unknown digits 12345 67890 naïve café").split()
+SPM_TEXTS = ["hello world", " hello  world", "   leading spaces", "trailing spaces  ", "12345 67890",
+             "3.14159", "naïve café 😀", "日本語", "tab\there\nnewline", "the lazy dog jumps",
+             "ÿ is rare", "x", " ", "zebra quiz"]
+
+
+def train_spm(byte_fallback: bool = True):
+    """A SentencePiece BPE model configured like Llama 2's (identity normalization, dummy
+    prefix, digits split, byte fallback), with <tool> as a user-defined piece."""
+    import io
+    import random
+
+    spm = pytest.importorskip("sentencepiece")
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(_SPM_WORDS) for _ in range(12)) for _ in range(400)]
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_writer=model, model_type="bpe",
+        vocab_size=400 if byte_fallback else 120, byte_fallback=byte_fallback,
+        normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=False,
+        split_digits=True, character_coverage=0.99, user_defined_symbols=["<tool>"],
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+@pytest.fixture(scope="module")
+def spm_model():
+    return train_spm()
+
+
+def spm_vocab(sp, pad: int = 2):
+    """(tokens, scores, types) as llama.cpp's converter lists them for `sp`."""
+    tokens, scores, types = [], [], []
+    for i in range(sp.get_piece_size()):
+        kind = TokenType.NORMAL
+        if sp.is_unknown(i):
+            kind = TokenType.UNKNOWN
+        elif sp.is_control(i):
+            kind = TokenType.CONTROL
+        elif sp.is_unused(i):
+            kind = TokenType.UNUSED
+        elif sp.is_byte(i):
+            kind = TokenType.BYTE
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        types.append(kind)
+    # tokenizer_config.json's added_tokens_decoder marks <tool> as a non-special added token.
+    tool = tokens.index("<tool>")
+    scores[tool], types[tool] = -1000.0, TokenType.USER_DEFINED
+    for i in range(1, pad + 1):  # config.json's vocab_size is larger than the model's
+        tokens.append(f"[PAD{i}]")
+        scores.append(-1000.0)
+        types.append(TokenType.UNUSED)
+    return tokens, scores, types
+
+
+def spm_writer(sp, *, add_bos: bool | None = True, space_prefix: bool | None = None):
+    """(number of tokens, a function writing `sp`'s vocabulary into a GGUFWriter)."""
+    tokens, scores, types = spm_vocab(sp)
+
+    def vocab(w):
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(sp.bos_id())
+        w.add_eos_token_id(sp.eos_id())
+        w.add_unk_token_id(sp.unk_id())
+        if add_bos is not None:
+            w.add_add_bos_token(add_bos)
+            w.add_add_eos_token(False)
+        if space_prefix is not None:
+            w.add_add_space_prefix(space_prefix)
+
+    return len(tokens), vocab
+
+
+def write_spm_gguf(path: Path, sp, **flags) -> Path:
+    n, vocab = spm_writer(sp, **flags)
+    return write_tiny_gguf(path, hf_weights(vocab=n), vocab=vocab)
+
+
+def test_sentencepiece_vocabulary_tokenizes_like_sentencepiece(tmp_path, spm_model):
+    import random
+
+    sp = spm_model
+    folder = gguf_to_hf_folder(write_spm_gguf(tmp_path / "spm.gguf", sp), tmp_path / "out")
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    rng = random.Random(1)
+    alphabet = list("abcdefghijklmnopqrstuvwxyz   0123456789 ïé日😀\t\n.,")
+    texts = SPM_TEXTS + ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 24))) for _ in range(300)]
+    texts += [" ".join(rng.choice(_SPM_WORDS) for _ in range(6)) for _ in range(100)]
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert ids == sp.encode(text), text
+        assert tok.decode(ids) == text == sp.decode(ids)
+
+    # A few exact sequences, as pieces: the "▁" word marker, single digits, byte fallback.
+    def pieces(text):
+        return [sp.id_to_piece(i) for i in tok.encode(text, add_special_tokens=False).ids]
+    assert pieces("hello world") == ["▁hello", "▁world"]
+    assert pieces(" hello") == ["▁", "▁hello"]
+    assert pieces("12345") == ["▁", "1", "2", "3", "4", "5"]
+    assert pieces("日") == ["▁", "<0xE6>", "<0x97>", "<0xA5>"]
+
+    # BOS is added (add_bos_token), control tokens are special, <tool> is a whole token, and
+    # text after an added token starts with "▁" again, as llama.cpp tokenizes it.
+    assert tok.encode("hello", add_special_tokens=True).ids == [sp.bos_id()] + sp.encode("hello")
+    ids = tok.encode("the<tool>fox</s>", add_special_tokens=False).ids
+    assert [sp.id_to_piece(i) for i in ids] == ["▁the", "<tool>", "▁fox", "</s>"]
+    assert tok.decode(ids) == "the<tool> fox"
+
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["vocab_size"]) == (1, 2, sp.get_piece_size() + 2)
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert {k: tok_config[k] for k in ("bos_token", "eos_token", "unk_token", "add_bos_token", "add_eos_token")} == {
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False}
+
+
+def test_sentencepiece_without_byte_fallback_and_flags(tmp_path):
+    """Without byte pieces an unknown character is <unk> (runs fused, as sentencepiece does);
+    a file without add_bos_token gets llama.cpp's SentencePiece default (add BOS); a file with
+    add_space_prefix off gets no leading "▁"."""
+    sp = train_spm(byte_fallback=False)
+    folder = gguf_to_hf_folder(write_spm_gguf(tmp_path / "spm.gguf", sp, add_bos=None), tmp_path / "out")
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    for text in SPM_TEXTS + ["日本 and 😀😀 ÿÿ"]:
+        assert tok.encode(text, add_special_tokens=False).ids == sp.encode(text), text
+    assert 0 in tok.encode("日本", add_special_tokens=False).ids  # <unk>
+    assert tok.encode("hello", add_special_tokens=True).ids[0] == sp.bos_id()
+    assert json.loads((folder / "tokenizer_config.json").read_text())["add_bos_token"] is True
+
+    folder = gguf_to_hf_folder(write_spm_gguf(tmp_path / "np.gguf", sp, add_bos=False, space_prefix=False),
+                               tmp_path / "np")
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    ids = tok.encode("hello world", add_special_tokens=True).ids  # no BOS either
+    assert ids[0] != sp.bos_id() and not sp.id_to_piece(ids[0]).startswith("▁")
+    assert sp.id_to_piece(ids[-1]) == "▁world"
+    assert tok.decode(ids) == "hello world"
+
+
+def test_mixtral_with_sentencepiece_vocabulary(tmp_path, spm_model):
+    """What real Mixtral GGUFs are: llama arch, stacked experts, a SentencePiece vocabulary."""
+    from mlx_lm.utils import load_model
+
+    n, vocab = spm_writer(spm_model)
+    model, config, params = make_model(dict(MOE_CONFIGS["mixtral"], vocab_size=n))
+    src = write_moe_gguf(tmp_path / "mixtral.gguf", config, to_gguf_tensors(params, config), {}, vocab=vocab)
+    folder = gguf_to_hf_folder(src, tmp_path / "out")
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "mixtral"
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    ids = tok.encode("the quick brown fox 123", add_special_tokens=True).ids
+    assert ids == [spm_model.bos_id()] + spm_model.encode("the quick brown fox 123")
+    model.load_weights([(k, mx.array(v)) for k, v in params.items()])
+    converted, _ = load_model(folder)
+    np.testing.assert_allclose(np.array(converted(mx.array([ids]))), np.array(model(mx.array([ids]))), atol=1e-4)
+
+
+def test_sentencepiece_tokenizer_loads_in_the_engine(tmp_path, spm_model):
+    """The engine's own tokenizer class (what `flashmoe run` uses) reads the folder."""
+    from engine.tokenizer import Tokenizer as EngineTokenizer
+
+    folder = gguf_to_hf_folder(write_spm_gguf(tmp_path / "spm.gguf", spm_model), tmp_path / "out")
+    tok = EngineTokenizer.from_folder(folder)
+    assert tok.encode("hello world") == spm_model.encode("hello world")
+    assert tok.bos_token == "<s>" and tok.eos_token_ids == frozenset({2})
+    det = tok.detokenizer()
+    text = "".join(det.add(i) for i in spm_model.encode("naïve café 😀")) + det.flush()
+    assert text == "naïve café 😀"
 
 
 # --- demo_source ------------------------------------------------------------------------------
@@ -505,7 +698,7 @@ def to_gguf_tensors(params: dict[str, np.ndarray], config: dict, *, kv_b: str = 
 
 
 def write_moe_gguf(path: Path, config: dict, tensors: dict[str, np.ndarray], qtypes: dict[str, Q], *,
-                   kv_b: str = "split", pre: str = "qwen2", meta=None) -> Path:
+                   kv_b: str = "split", pre: str = "qwen2", meta=None, vocab=None) -> Path:
     """Write a GGUF with the metadata llama.cpp's converter writes for `config`'s architecture."""
     arch = GGUF_ARCH[config["model_type"]]
     w = gguf.GGUFWriter(str(path), arch)
@@ -518,7 +711,7 @@ def write_moe_gguf(path: Path, config: dict, tensors: dict[str, np.ndarray], qty
     w.add_head_count_kv(1 if arch == "deepseek2" and kv_b == "split" else config["num_key_value_heads"])
     w.add_rope_freq_base(config["rope_theta"])
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_vocab_size(VOCAB)
+    w.add_vocab_size(config["vocab_size"])
     w.add_expert_count(EXPERTS)
     w.add_expert_used_count(TOP_K)
     if "moe_intermediate_size" in config:
@@ -560,13 +753,16 @@ def write_moe_gguf(path: Path, config: dict, tensors: dict[str, np.ndarray], qty
             w.add_rope_scaling_yarn_log_mul(0.1 * scaling["mscale_all_dim"])
     if meta:
         meta(w)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(TOKENS)
-    w.add_token_types(TYPES)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    if vocab is not None:
+        vocab(w)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(TOKENS)
+        w.add_token_types(TYPES)
+        w.add_token_merges(MERGES)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
     w.add_chat_template(TEMPLATE)
     for name, arr in tensors.items():
         qtype = qtypes.get(name, Q.F32)
@@ -663,6 +859,434 @@ def test_moe_gguf_matches_mlx_lm_model(tmp_path, case):
     assert np.array(got).std(axis=1).mean() > 0.1
 
 
+# --- gpt-oss, GLM-4.5, Llama 4 ------------------------------------------------------------------
+#
+# As above: a tiny random model in mlx-lm's classes, its weights laid out and named the way
+# llama.cpp's converter writes them (names from gguf's own TensorNameMap for the architecture,
+# HF's fused tensors split as GptOssModel / Llama4Model split them), some tensors quantized
+# (gpt-oss experts in MXFP4 as the real files ship them), then `flashmoe convert` on the GGUF,
+# loaded with engine.loader.load and compared with the mlx-lm model holding the GGUF's values.
+
+_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64}
+NEW_CONFIGS = {
+    "gpt_oss": dict(model_type="gpt_oss", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+                    num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                    intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                    rms_norm_eps=1e-5, rope_theta=150000.0, sliding_window=4, max_position_embeddings=256,
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                  "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}),
+    "glm4_moe": dict(model_type="glm4_moe", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+                     num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                     intermediate_size=FFN, moe_intermediate_size=32, max_position_embeddings=256,
+                     n_routed_experts=EXPERTS, n_shared_experts=1, num_experts_per_tok=TOP_K, n_group=2,
+                     topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5, first_k_dense_replace=1,
+                     rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, use_qk_norm=True,
+                     attention_bias=True, partial_rotary_factor=0.5, tie_word_embeddings=False,
+                     num_nextn_predict_layers=1),
+    "llama4": dict(model_type="llama4", text_config=dict(
+        model_type="llama4_text", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=4,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=32,
+        intermediate_size_mlp=FFN, num_local_experts=EXPERTS, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, attention_chunk_size=8192, attention_bias=False, use_qk_norm=True,
+        max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING)),
+}
+NEW_ARCH = {"gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "llama4": "llama4"}
+NEW_PRE = {"gpt_oss": "gpt-4o", "glm4_moe": "glm4", "llama4": "llama4"}
+
+
+def make_model(config: dict, seed: int = 0):
+    """A tiny random mlx-lm model for `config`, its parameters spread so that routing varies."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    config = json.loads(json.dumps(config))
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    rng = np.random.default_rng(seed)
+    params = {}
+    for name, p in tree_flatten(model.parameters()):
+        if p.ndim >= 2:
+            w = rng.standard_normal(p.shape) / np.sqrt(p.shape[-1])
+            if name.endswith(("gate.weight", "router.weight")) and "proj" not in name:
+                w *= 4.0
+            if "embed_tokens" in name:
+                w *= 8.0
+        elif name.endswith("norm.weight"):
+            w = 1 + 0.2 * rng.standard_normal(p.shape)
+        else:  # biases, sinks, e_score_correction_bias
+            w = 0.2 * rng.standard_normal(p.shape)
+        params[name] = w.astype(np.float32)
+    return model, config, params
+
+
+def _hf_to_gguf_name(arch: str, layers: int, name: str) -> str:
+    """The GGUF name llama.cpp's converter gives a Hugging Face tensor name."""
+    from gguf.constants import MODEL_ARCH_NAMES
+
+    arch_enum = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch)
+    out = gguf.get_tensor_name_map(arch_enum, layers).get_name(name, try_suffixes=(".weight", ".bias"))
+    assert out is not None, name
+    return out
+
+
+def llama_cpp_tensors(model_type: str, params: dict[str, np.ndarray], config: dict, *,
+                      fused: bool = False) -> dict[str, np.ndarray]:
+    """mlx-lm parameters -> the GGUF tensors llama.cpp's converter writes for the HF checkpoint.
+
+    Pure reshapes, transposes and slices (it also runs on index arrays). Each branch first
+    rebuilds the HF tensor and then applies the converter's own transformation to it."""
+    tc = config.get("text_config", config)
+    arch, layers = NEW_ARCH[model_type], tc["num_hidden_layers"]
+    out: dict[str, np.ndarray] = {}
+
+    def put(hf_name, arr):
+        out[_hf_to_gguf_name(arch, layers, hf_name)] = arr
+
+    for name, arr in params.items():
+        hf = name.removeprefix("language_model.")  # Llama4Model strips it first
+        if model_type == "gpt_oss" and ".mlp.experts." in hf:
+            # HF (transformers) keeps gate_up_proj [E, hidden, 2 * ff] with gate and up
+            # interleaved; GptOssModel transposes it and takes rows 0::2 (gate) and 1::2 (up),
+            # or with --fuse-gate-up-exps concatenates them as ffn_gate_up_exps. down_proj
+            # [E, ff, hidden] is transposed. Biases: [E, 2 * ff] split the same way.
+            base, proj, kind = hf.rsplit(".", 2)
+            if proj == "up_proj":
+                continue
+            if proj == "gate_proj":
+                up = params[name.replace("gate_proj", "up_proj")]
+                gate_up = np.stack([arr, up], axis=2).reshape(arr.shape[0], -1, *arr.shape[2:])  # interleave
+                if kind == "weight":
+                    gate_up = gate_up.transpose(0, 2, 1)  # HF [E, hidden, 2 * ff]
+                    rows = gate_up.transpose(0, 2, 1)  # the converter's transpose(-1, -2)
+                else:
+                    rows = gate_up
+                gate, up = rows[:, 0::2], rows[:, 1::2]
+                if fused:
+                    blk = _hf_to_gguf_name(arch, layers, f"{base}.gate_proj.{kind}").split(".")[1]
+                    out[f"blk.{blk}.ffn_gate_up_exps.{kind}"] = np.concatenate([gate, up], axis=1)
+                else:
+                    put(f"{base}.gate_proj.{kind}", gate)
+                    put(f"{base}.up_proj.{kind}", up)
+                continue
+            if kind == "weight":
+                arr = arr.transpose(0, 2, 1).transpose(0, 2, 1)  # HF [E, ff, hidden], converter transposes
+            put(hf, arr)
+            continue
+        if model_type == "gpt_oss" and hf.endswith("self_attn.sinks"):
+            put(hf + ".weight", arr)  # GptOssModel.filter_tensors appends ".weight"
+            continue
+        if model_type == "llama4" and ".feed_forward.experts." in hf:
+            # HF: gate_up_proj [E, hidden, 2 * ff] (gate half first), down_proj [E, ff, hidden];
+            # Llama4Model transposes both and splits gate_up in halves.
+            base, proj, _ = hf.rsplit(".", 2)
+            if proj == "up_proj":
+                continue
+            if proj == "gate_proj":
+                up = params[name.replace("gate_proj", "up_proj")]
+                gate_up = np.concatenate([arr.transpose(0, 2, 1), up.transpose(0, 2, 1)], axis=2)
+                half = gate_up.shape[-1] // 2
+                gate_t = gate_up.transpose(0, 2, 1)
+                put(f"{base}.gate_proj.weight", gate_t[:, :half])
+                put(f"{base}.up_proj.weight", gate_t[:, half:])
+                continue
+            put(hf, arr.transpose(0, 2, 1).transpose(0, 2, 1))
+            continue
+        if model_type == "glm4_moe" and ".mlp.switch_mlp." in hf:
+            # HF keeps one tensor per expert; Glm4MoeModel stacks them (what switch_mlp holds).
+            put(hf.replace(".switch_mlp.", ".experts."), arr)
+            continue
+        if hf.endswith("e_score_correction_bias"):
+            put(hf.replace("e_score_correction_bias", "e_score_correction.bias"), arr)
+            continue
+        put(hf, arr)
+    if model_type == "llama4" and (scaling := tc.get("rope_scaling")):
+        # LlamaModel.generate_extra_tensors: Llama 3 rope scaling as one factor per pair.
+        dim, base = tc["head_dim"], tc["rope_theta"]
+        wavelen = 2 * np.pi * base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        old, low, high = (scaling[k] for k in ("original_max_position_embeddings", "low_freq_factor",
+                                               "high_freq_factor"))
+        smooth = (old / wavelen - low) / (high - low)
+        out["rope_freqs.weight"] = np.where(
+            wavelen < old / high, 1.0, np.where(wavelen > old / low, scaling["factor"],
+                                                1 / ((1 - smooth) / scaling["factor"] + smooth))).astype(np.float32)
+    if model_type == "glm4_moe":
+        # The multi-token-prediction layer after the main ones (block_count counts it).
+        rng = np.random.default_rng(7)
+        mtp = layers
+        for name, shape in [("nextn.eh_proj.weight", (HIDDEN, 2 * HIDDEN)), ("nextn.enorm.weight", (HIDDEN,)),
+                            ("nextn.hnorm.weight", (HIDDEN,)), ("nextn.shared_head_norm.weight", (HIDDEN,)),
+                            ("attn_norm.weight", (HIDDEN,)), ("attn_q.weight", (HEADS * HEAD_DIM, HIDDEN)),
+                            ("ffn_gate_exps.weight", (EXPERTS, 32, HIDDEN))]:
+            out[f"blk.{mtp}.{name}"] = rng.standard_normal(shape).astype(np.float32)
+    return out
+
+
+def write_arch_gguf(path: Path, model_type: str, config: dict, tensors: dict[str, np.ndarray],
+                    qtypes: dict[str, Q], meta=None) -> Path:
+    """The metadata llama.cpp's converter writes for these architectures (TextModel's common
+    keys plus GptOssModel / Glm4MoeModel / Llama4Model's own)."""
+    tc = config.get("text_config", config)
+    w = gguf.GGUFWriter(str(path), NEW_ARCH[model_type])
+    extra = 1 if model_type == "glm4_moe" else 0  # Glm4MoeModel: block_count includes the MTP layer
+    w.add_block_count(tc["num_hidden_layers"] + extra)
+    w.add_context_length(tc["max_position_embeddings"])
+    w.add_embedding_length(tc["hidden_size"])
+    w.add_head_count(tc["num_attention_heads"])
+    w.add_head_count_kv(tc["num_key_value_heads"])
+    w.add_rope_freq_base(tc["rope_theta"])
+    w.add_layer_norm_rms_eps(tc["rms_norm_eps"])
+    w.add_key_length(tc["head_dim"])
+    w.add_value_length(tc["head_dim"])
+    w.add_vocab_size(tc["vocab_size"])
+    w.add_expert_used_count(tc["num_experts_per_tok"])
+    if model_type == "gpt_oss":
+        w.add_feed_forward_length(tc["intermediate_size"])
+        w.add_expert_count(tc["num_local_experts"])
+        w.add_sliding_window(tc["sliding_window"])
+        w.add_expert_feed_forward_length(tc["intermediate_size"])
+        s = tc["rope_scaling"]
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(s["factor"])
+        w.add_rope_scaling_orig_ctx_len(s["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(s["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(s["beta_slow"])
+    elif model_type == "glm4_moe":
+        w.add_feed_forward_length(tc["intermediate_size"])
+        w.add_rope_dimension_count(int(tc["head_dim"] * tc["partial_rotary_factor"]))
+        w.add_expert_count(tc["n_routed_experts"])
+        w.add_expert_feed_forward_length(tc["moe_intermediate_size"])
+        w.add_expert_shared_count(tc["n_shared_experts"])
+        w.add_leading_dense_block_count(tc["first_k_dense_replace"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(tc["routed_scaling_factor"])
+        w.add_expert_weights_norm(tc["norm_topk_prob"])
+        w.add_expert_group_count(tc["n_group"])
+        w.add_expert_group_used_count(tc["topk_group"])
+        w.add_nextn_predict_layers(tc["num_nextn_predict_layers"])
+    else:
+        w.add_feed_forward_length(tc["intermediate_size_mlp"])  # Llama4Model swaps the two sizes
+        w.add_expert_count(tc["num_local_experts"])
+        w.add_rope_dimension_count(tc["head_dim"])
+        w.add_interleave_moe_layer_step(tc["interleave_moe_layer_step"])
+        w.add_expert_feed_forward_length(tc["intermediate_size"])
+    if meta:
+        meta(w)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(NEW_PRE[model_type])
+    w.add_token_list(TOKENS)
+    w.add_token_types(TYPES)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(TEMPLATE)
+    for name, arr in tensors.items():
+        qtype = qtypes.get(name, Q.F32)
+        if qtype == Q.F32:
+            w.add_tensor(name, arr)
+        elif qtype == Q.F16:
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def new_arch_qtypes(model_type: str, tensors: dict[str, np.ndarray]) -> dict[str, Q]:
+    """gpt-oss experts in MXFP4 (layer 1) and BF16 (layer 0); elsewhere Q8_0 for layer 1 and the
+    embedding, F16 for layer 0's experts; norms, biases, sinks and the rest F32."""
+    qtypes = {}
+    for name, arr in tensors.items():
+        if arr.ndim < 2 or arr.shape[-1] % 32:
+            continue
+        experts = "_exps" in name
+        if model_type == "gpt_oss" and experts:
+            qtypes[name] = Q.MXFP4 if name.startswith("blk.1.") else Q.BF16
+        elif name == "token_embd.weight" or name.startswith("blk.1."):
+            qtypes[name] = Q.Q8_0
+        elif name.startswith("blk.0.") and experts:
+            qtypes[name] = Q.F16
+    return qtypes
+
+
+def _stored(arr: np.ndarray, qtype: Q | None) -> np.ndarray:
+    if qtype is None:
+        return arr
+    if qtype == Q.F16:
+        return arr.astype(np.float16).astype(np.float32)
+    return gguf.quants.dequantize(gguf.quants.quantize(arr, qtype), qtype).reshape(arr.shape)
+
+
+NEW_CASES = {
+    "gpt_oss": dict(model_type="gpt_oss"),
+    "gpt_oss-fused-gate-up": dict(model_type="gpt_oss", fused=True),
+    "glm4_moe": dict(model_type="glm4_moe"),
+    "llama4": dict(model_type="llama4"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEW_CASES))
+def test_new_moe_architecture_converts_and_streams(tmp_path, case):
+    from mlx_lm.utils import load_model
+
+    from engine.convert import convert
+    from engine.loader import load
+
+    spec = dict(NEW_CASES[case])
+    model_type = spec.pop("model_type")
+    model, config, params = make_model(NEW_CONFIGS[model_type], seed=len(case))
+    tc = config.get("text_config", config)
+    tensors = llama_cpp_tensors(model_type, params, config, **spec)
+    qtypes = new_arch_qtypes(model_type, tensors)
+    src = write_arch_gguf(tmp_path / f"{case}.gguf", model_type, config, tensors, qtypes)
+
+    # The reference: the mlx-lm model holding exactly what the GGUF holds (see the MoE test above).
+    offsets = np.cumsum([0] + [a.size for a in params.values()])
+    ids = {n: np.arange(o, o + a.size).reshape(a.shape) for (n, a), o in zip(params.items(), offsets)}
+    flat = np.full(offsets[-1], np.nan, dtype=np.float32)
+    for name, id_arr in llama_cpp_tensors(model_type, ids, config, **spec).items():
+        if id_arr.dtype.kind == "i":
+            flat[id_arr.ravel()] = _stored(tensors[name], qtypes.get(name)).ravel()
+    reference = {n: flat[i].reshape(params[n].shape) for n, i in ids.items()}
+    assert not any(np.isnan(v).any() for v in reference.values())
+    assert {Q.Q8_0} <= set(qtypes.values()) and (model_type != "gpt_oss" or Q.MXFP4 in qtypes.values())
+    model.load_weights([(n, mx.array(v)) for n, v in reference.items()])
+    tokens = mx.array([MOE_TOKENS])
+    expected = np.array(model(tokens))
+
+    folder = gguf_to_hf_folder(src, tmp_path / "hf")
+    written = json.loads((folder / "config.json").read_text())
+    written_tc = written.get("text_config", written)
+    for key, value in tc.items():
+        if key != "rope_scaling" or model_type != "llama4":
+            assert written_tc[key] == value, key
+    if model_type == "llama4":  # rebuilt from rope_freqs.weight: other thresholds, same frequencies
+        assert (written_tc["rope_scaling"]["rope_type"], written_tc["rope_scaling"]["factor"]) == ("llama3", 8.0)
+    ref_model, _ = load_model(folder)  # mlx-lm itself takes the folder (its sanitize included)
+    np.testing.assert_allclose(np.array(ref_model(tokens)), expected, atol=1e-4)
+
+    out = convert(src, tmp_path / "out")
+    lm = load(out)
+    try:
+        # gpt-oss: every layer; GLM-4.5: all but the first_k_dense_replace; Llama 4: every 2nd.
+        moe_layers = {"gpt_oss": 2, "glm4_moe": 1, "llama4": 2}[model_type]
+        assert lm.mode == "packed" and len(lm.layers) == moe_layers  # every MoE layer streams
+        got = np.array(lm.model(tokens))
+    finally:
+        lm.close()
+    assert np.abs(got - expected).max() <= 1e-4
+    assert got.std(axis=1).mean() > 0.1  # not a degenerate model
+
+
+def test_llama3_rope_freqs_rebuild_the_scaling(monkeypatch):
+    """rope_freqs.weight (llama.cpp's form of Llama 3 rope scaling) gives back a rope_scaling
+    whose frequencies in mlx-lm are those of the original, with 0, 1 or many blended pairs."""
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    from engine.gguf_import import _llama3_factors, _llama3_scaling
+
+    class Plan:  # the two _Planner methods _llama3_scaling uses
+        def __init__(self, factors):
+            self.factors = factors
+
+        def has(self, name):
+            return name == "rope_freqs.weight"
+
+        def take(self, name, shape):
+            assert shape == self.factors.shape
+            return self.factors
+
+    class Meta:
+        def int(self, key, default):
+            return default
+
+    import engine.gguf_import as gi
+
+    monkeypatch.setattr(gi, "dequantize_tensor", lambda t: t)  # Plan.take hands back the array
+    cases = [(128, 500000.0, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                  original_max_position_embeddings=8192)),  # Llama 3.1
+             (128, 500000.0, dict(factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0,
+                                  original_max_position_embeddings=8192)),  # Llama 4 Scout
+             (16, 500000.0, _LLAMA3_SCALING)]
+    for dim, base, scaling in cases:
+        scaling = {"rope_type": "llama3", **scaling}
+        wavelen = 2 * np.pi * base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        factors = _llama3_factors(scaling, wavelen).astype(np.float32)
+        got = _llama3_scaling(Plan(factors), Meta(), dim, base)
+        want = Llama3RoPE(dim, base=base, scaling_config=scaling)._freqs
+        np.testing.assert_allclose(np.array(Llama3RoPE(dim, base=base, scaling_config=got)._freqs),
+                                   np.array(want), rtol=1e-5)
+
+
+def test_dense_llama_with_rope_freqs_matches_mlx_lm(tmp_path):
+    """A Llama 3.1 style dense GGUF (rope_freqs.weight) converts to llama with rope_scaling."""
+    weights = hf_weights()
+    dim, base = HEAD_DIM, 100000.0
+    scaling = {"rope_type": "llama3", **_LLAMA3_SCALING}
+    wavelen = 2 * np.pi * base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    from engine.gguf_import import _llama3_factors
+
+    factors = _llama3_factors(scaling, wavelen).astype(np.float32)
+    assert 1 < len(set(factors.tolist())) < len(factors)
+    src = write_tiny_gguf(tmp_path / "l31.gguf", weights, override={"rope_freqs.weight": (factors, None)})
+    folder = gguf_to_hf_folder(src, tmp_path / "out")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["rope_scaling"]["rope_type"] == "llama3"
+    reference = tmp_path / "ref"
+    reference.mkdir()
+    (reference / "config.json").write_text(json.dumps(config | {"rope_scaling": scaling}))
+    mx.save_safetensors(str(reference / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
+    tokens = [1, 20, 5, 9, 26, 2, 11, 27]
+    np.testing.assert_allclose(model_logits(folder, tokens), model_logits(reference, tokens), atol=1e-5)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "rope_scaling"}))
+    (plain / "model.safetensors").symlink_to(folder / "model.safetensors")
+    assert not np.allclose(model_logits(plain, tokens), model_logits(folder, tokens), atol=1e-3)
+
+
+@pytest.mark.parametrize("model_type, meta, message", [
+    ("gpt_oss", lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID),
+     "gating function 2 is not supported for gpt-oss"),
+    ("gpt_oss", lambda w: w.add_float32("gpt-oss.rope.scaling.yarn_attn_factor", 2.0), "yarn_attn_factor"),
+    ("glm4_moe", lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX),
+     "gating function 1 is not supported for glm4moe"),
+    ("llama4", lambda w: w.add_sliding_window(0), "chunked attention off"),
+    ("llama4", lambda w: w.add_uint32("llama4.expert_used_count", 2), "routes 2 experts per token"),
+])
+def test_new_architecture_settings_mlx_lm_cannot_express_raise(tmp_path, model_type, meta, message):
+    _, config, params = make_model(NEW_CONFIGS[model_type])
+    if model_type == "llama4" and "expert_used_count" in message:
+        config["text_config"]["num_experts_per_tok"] = 2  # the writer writes the key once
+        meta = None
+    src = write_arch_gguf(tmp_path / "bad.gguf", model_type, config,
+                          llama_cpp_tensors(model_type, params, config), {}, meta=meta)
+    with pytest.raises(ValueError, match=message):
+        gguf_to_hf_folder(src, tmp_path / "out")
+
+
+def test_mxfp4_dequantizes_like_gguf(tmp_path):
+    """MXFP4 (gpt-oss's expert format) is dequantized by gguf's own code, per expert too."""
+    from engine.gguf_import import dequantize_expert
+
+    rng = np.random.default_rng(3)
+    data = gguf.quants.quantize(rng.standard_normal((4, 8, 64)).astype(np.float32), Q.MXFP4)
+    w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "gpt-oss")
+    w.add_tensor("t", data, raw_dtype=Q.MXFP4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t = gguf.GGUFReader(tmp_path / "t.gguf").tensors[0]
+    whole = dequantize_tensor(t)
+    np.testing.assert_array_equal(whole, gguf.quants.dequantize(data, Q.MXFP4).reshape(4, 8, 64))
+    np.testing.assert_array_equal(dequantize_expert(t, 2), whole[2])
+
+
 def _moe_source(tmp_path, model_type="qwen3_moe", meta=None, drop=(), extra=None) -> Path:
     _, config, params = make_moe_model(model_type)
     tensors = to_gguf_tensors(params, config)
@@ -701,7 +1325,7 @@ def test_moe_missing_or_extra_tensors_raise(tmp_path):
         gguf_to_hf_folder(_moe_source(tmp_path, extra=extra), tmp_path / "out2")
 
 
-def test_unsupported_architecture_and_upcycle_of_moe_raise(tmp_path):
+def _gemma3_source(tmp_path) -> Path:
     w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gemma3")
     w.add_tokenizer_model("gpt2")
     w.add_token_list(TOKENS)
@@ -710,8 +1334,15 @@ def test_unsupported_architecture_and_upcycle_of_moe_raise(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="architecture 'gemma3' is not supported"):
+    return tmp_path / "g.gguf"
+
+
+def test_unsupported_architecture_and_upcycle_of_moe_raise(tmp_path):
+    _gemma3_source(tmp_path)
+    with pytest.raises(ValueError, match="architecture 'gemma3' is not supported") as err:
         gguf_to_hf_folder(tmp_path / "g.gguf", tmp_path / "out")
+    listed = "'llama', 'qwen2moe', 'qwen3moe', 'olmoe', 'deepseek2', 'gpt-oss', 'glm4moe', 'llama4'"
+    assert str(err.value) == f"GGUF architecture 'gemma3' is not supported (supported: {listed})"
     with pytest.raises(ValueError, match="upcycle_experts needs a dense llama GGUF"):
         gguf_to_hf_folder(_moe_source(tmp_path, "mixtral"), tmp_path / "out", upcycle_experts=4)
     with pytest.raises(ValueError, match="upcycle_experts needs a dense llama GGUF"):
@@ -758,11 +1389,18 @@ def test_flashmoe_convert_gguf_end_to_end(tmp_path, bits):
     assert mx.abs(lm.model(tokens) - ref(tokens)).max().item() <= 1e-5
 
 
-def test_unsupported_gguf_is_one_line_error(tmp_path):
+@pytest.mark.parametrize("what", ["gating", "architecture"])
+def test_unsupported_gguf_is_one_line_error(tmp_path, what):
     from tests.conftest import run_cli
 
-    src = _moe_source(tmp_path, meta=lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID))
+    if what == "gating":
+        src = _moe_source(tmp_path, meta=lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID))
+        expected = "gating function"
+    else:
+        src = _gemma3_source(tmp_path)
+        expected = "GGUF architecture 'gemma3' is not supported (supported: 'llama', "
     r = run_cli("convert", src, tmp_path / "out")
     assert r.returncode == 3 and "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("flashmoe: error: ") and "gating function" in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("flashmoe: error: ") and expected in lines[-1]
     assert not (tmp_path / "out").exists()
