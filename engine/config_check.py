@@ -26,7 +26,10 @@ POSITIVE = (
 )
 NON_NEGATIVE = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")
 MAX_DIM = 2**31 - 1  # MLX shapes are 32-bit
-EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+# Keys a config names its routed-expert count under (ernie4_5_moe: moe_num_experts).
+EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+# Keys that may also be a per-layer list of whole numbers (mimo_v2_flash: moe_layer_freq [0, 1, ...]).
+PER_LAYER_LISTS = ("moe_layer_freq",)
 TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -50,6 +53,10 @@ def check_values(config: dict, cfg: Path) -> None:
         for key, low in [(k, 1) for k in POSITIVE] + [(k, 0) for k in NON_NEGATIVE]:
             v = where.get(key)
             if v is None:
+                continue
+            if key in PER_LAYER_LISTS and isinstance(v, list):
+                if not all(_is_int(x) and 0 <= x <= MAX_DIM for x in v):
+                    raise ModelLoadError(cfg, f"{prefix}{key} = {v!r} is not a list of whole numbers")
                 continue
             if not _is_int(v):
                 raise ModelLoadError(cfg, f"{prefix}{key} = {v!r} is not a whole number")

@@ -24,7 +24,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from .errors import ConvertError, ModelLoadError
 from .experts.layout import MANIFEST, LayerExperts, Part, layer_file_name, write_layer, write_manifest
-from .experts.blocks import block_of, declared_experts, no_blocks_reason, resident_expert_modules
+from .experts.blocks import declared_experts, expert_tensor_of, no_blocks_reason, resident_expert_modules
 from .loader import (EXPERTS_DIR, RESIDENT, _mx_load, _safetensors_files, build_model, check_expert_counts,
                      direct_headers, layer_index, quantize_like_checkpoint, read_config, switch_modules, text_config)
 from .jsonfile import read_json
@@ -178,7 +178,7 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
     by_module: dict[str, list[tuple[str, mx.array]]] = {m: [] for m in experts}
     resident = []
     for name, a in params:
-        module = block_of(name, experts)
+        module = expert_tensor_of(name, experts)
         if module is None:
             resident.append((name, a))
         else:
@@ -331,11 +331,11 @@ def _quantize(model, config: dict, plan: QuantPlan):
     from mlx_lm.utils import quantize_model
 
     own = getattr(model, "quant_predicate", None)
-    experts = list(switch_modules(model))
+    experts = switch_modules(model)
     base_bits = plan.bits if plan.bits is not None else plan.expert_bits
 
     def predicate(path, module):
-        switch = block_of(path, experts)
+        switch = expert_tensor_of(path, experts)
         if switch is None:
             if plan.bits is None:
                 return False  # only the experts were asked for

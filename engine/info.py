@@ -5,7 +5,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .experts.layout import read_manifest
-from .experts.blocks import block_of, cpu_kernels_reason, expert_blocks, kind, layer_index, no_blocks_reason
+from .experts.blocks import cpu_kernels_reason, expert_blocks, expert_tensor_of, kind, layer_index, no_blocks_reason
 from .loader import EXPERTS_DIR, RESIDENT, _safetensors_files, build_model, read_config, text_config, top_k_of
 from .safetensors_io import read_header
 
@@ -25,10 +25,10 @@ def describe(path: str | Path) -> dict:
         headers = {}
         for f in _safetensors_files(path):
             headers.update(read_header(f))
-        resident = sum(t.nbytes for k, t in headers.items() if not block_of(k, blocks))
+        resident = sum(t.nbytes for k, t in headers.items() if not expert_tensor_of(k, blocks))
         per_module = defaultdict(lambda: [0, 0])
         for k, t in headers.items():
-            b = block_of(k, blocks)
+            b = expert_tensor_of(k, blocks)
             if b and t.shape:
                 per_module[b][0] = t.shape[0]
                 per_module[b][1] += t.nbytes // t.shape[0]

@@ -13,12 +13,11 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from .config_check import check_values, check_against_weights
 from .errors import ModelLoadError
-from .experts.blocks import block_of, declared_experts, expert_blocks, kind, layer_index, no_blocks_reason, \
-    resident_expert_modules
+from .experts.blocks import declared_experts, expert_blocks, expert_params, expert_tensor_of, kind, layer_index, \
+    no_blocks_reason, resident_expert_modules
 from .experts.layout import LayerExperts, Part, read_manifest
 from .experts.store import ExpertStore
 from .experts.switch import StreamingSwitchGLU
@@ -43,6 +42,8 @@ class LoadedModel:
     clock: object = None  # timing.LayerClock, installed on the first --timing layer request
     fused: dict = field(default_factory=dict)  # cpu kernels: attention / MLP blocks fused (cpu_fused)
     block_kinds: dict = field(default_factory=dict)  # expert block path -> its class and activation
+    switches: dict = field(default_factory=dict)  # expert block path -> its StreamingSwitchGLU (the fused
+    # CPU blocks hold them too, out of the module tree)
     resident_experts: str | None = None  # why the experts are in memory (--allow-resident-experts)
 
     @property
@@ -301,7 +302,7 @@ def _direct_layers(path: Path, blocks: dict, headers: dict, model_type: str) -> 
     layers = []
     for module, m in blocks.items():
         parts, sources = [], []
-        for name, arr in tree_flatten(m.parameters()):
+        for name, arr in expert_params(m):
             num_experts = arr.shape[0]
             key = f"{module}.{name}"
             info = headers.get(key)
@@ -347,7 +348,7 @@ def _check_layer_shapes(layers, modules, where: Path) -> None:
         m = modules.get(l.module)
         if m is None:
             raise ModelLoadError(where, f"layer {l.layer}: module {l.module} does not exist in this model")
-        want = {n: tuple(a.shape[1:]) for n, a in tree_flatten(m.parameters())}
+        want = {n: tuple(a.shape[1:]) for n, a in expert_params(m)}
         have = {p.name: p.shape for p in l.parts}
         if want != have:
             raise ModelLoadError(where, f"layer {l.layer}: expert tensors {have} do not match "
@@ -446,8 +447,8 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         # and is never evaluated, because the expert tensors are dropped right after.
         weights = model.sanitize(weights)
     if not packed:  # drop exactly the tensors of the blocks that stream
-        expert_shapes = {k: _shape_proxy(v.shape, v.dtype) for k, v in weights.items() if block_of(k, blocks)}
-        weights = {k: v for k, v in weights.items() if not block_of(k, blocks)}
+        expert_shapes = {k: _shape_proxy(v.shape, v.dtype) for k, v in weights.items() if expert_tensor_of(k, blocks)}
+        weights = {k: v for k, v in weights.items() if not expert_tensor_of(k, blocks)}
 
     try:
         quantize_like_checkpoint(model, config, {**{k: _shape_proxy(v.shape, v.dtype) for k, v in weights.items()},
@@ -471,7 +472,8 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     loaded.resident_experts = None if layers else no_blocks_reason(model, config)
     parents = dict(model.named_modules())
     for l in layers:
-        _replace(model, parents, l.module, StreamingSwitchGLU(blocks[l.module], l.layer, store, loaded.timing))
+        loaded.switches[l.module] = StreamingSwitchGLU(blocks[l.module], l.layer, store, loaded.timing)
+        _replace(model, parents, l.module, loaded.switches[l.module])
     del parents, blocks  # they name every original module; the CPU path below replaces some
 
     model.eval()

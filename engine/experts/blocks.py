@@ -13,9 +13,8 @@ import re
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-# Keys a config names its routed-expert count under (text_config merged in first).
-EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts",
-                     "num_experts_routed", "n_experts")
+from ..config_check import EXPERT_COUNT_KEYS
+
 
 # Layer containers as mlx-lm names them: model.layers.N, transformer.h.N (phixtral), blocks.N.
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")
@@ -28,9 +27,15 @@ def switch_classes() -> tuple[type, ...]:
 
 
 def expert_blocks(model: nn.Module) -> dict[str, nn.Module]:
-    """Every routed-expert block (a SwitchGLU or SwitchMLP) by module path, in model order."""
+    """Every routed-expert block (a SwitchGLU or SwitchMLP) by module path, in layer order."""
     classes = switch_classes()
-    return {name: m for name, m in model.named_modules() if isinstance(m, classes)}
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, classes)]
+    return dict(sorted(found, key=lambda nm: (_layer_or_none(nm[0]) or 0, nm[0])))
+
+
+def _layer_or_none(path: str) -> int | None:
+    m = _LAYER.search(path)
+    return int(m.group(1)) if m else None
 
 
 def layer_index(module_path: str) -> int:
@@ -44,6 +49,28 @@ def layer_index(module_path: str) -> int:
 def block_of(name: str, blocks) -> str | None:
     """The block path a parameter name lies under, if any."""
     return next((b for b in blocks if name.startswith(b + ".")), None)
+
+
+def expert_children(block: nn.Module) -> list[str]:
+    """The block's stacked projections (SwitchLinear / QuantizedSwitchLinear children): what
+    streams. Anything else a model hangs on the block (muse_spark's post_expert_norm) stays
+    resident."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    return [n for n, c in block.children().items() if isinstance(c, (SwitchLinear, QuantizedSwitchLinear))]
+
+
+def expert_params(block: nn.Module) -> list[tuple[str, object]]:
+    """(name inside the block, array) of every streamed tensor: gate_proj.weight, fc1.scales, ..."""
+    return [(f"{c}.{k}", v) for c in expert_children(block) for k, v in tree_flatten(getattr(block, c).parameters())]
+
+
+def expert_tensor_of(name: str, blocks: dict) -> str | None:
+    """The block whose streamed tensors include `name` (a full parameter name), if any."""
+    b = block_of(name, blocks)
+    if b is None:
+        return None
+    return b if name[len(b) + 1:].split(".")[0] in expert_children(blocks[b]) else None
 
 
 def kind(module: nn.Module) -> str:
@@ -64,18 +91,27 @@ def declared_experts(config: dict) -> int | None:
 
 
 def resident_expert_modules(model: nn.Module, num_experts: int) -> list[str]:
-    """Modules outside any switch block whose weights are stacked over `num_experts` experts
-    ([E, out, in]): experts some other code computes, which would stay resident. The router
-    ([E, H]) and per-expert biases ([E, out]) are two-dimensional and do not count."""
+    """Modules outside any switch block that compute experts some other way, and would stay
+    resident: their own weights are stacked over the experts ([E, out, in]) and a router
+    (a linear layer with E outputs) sits in them or beside them. Stacks without a router (an
+    attention's per-head MultiLinear) are not experts."""
     blocks = expert_blocks(model)
+    modules = dict(model.named_modules())
     out = []
-    for name, m in model.named_modules():
+    for name, m in modules.items():
         if name in blocks or block_of(name, blocks):
             continue
         own = [p for k, p in tree_flatten(m.parameters()) if "." not in k]  # m's own, not its children's
-        if any(p.ndim == 3 and p.shape[0] == num_experts for p in own):
+        if any(p.ndim == 3 and p.shape[0] == num_experts for p in own) and \
+                (_has_router(m, num_experts) or _has_router(modules.get(name.rpartition(".")[0]), num_experts)):
             out.append(f"{name} ({type(m).__name__})")
     return out
+
+
+def _has_router(m, num_experts: int) -> bool:
+    return isinstance(m, nn.Module) and any(
+        isinstance(c, (nn.Linear, nn.QuantizedLinear)) and c.weight.shape[0] == num_experts
+        for c in m.children().values() if isinstance(c, nn.Module))
 
 
 def no_blocks_reason(model: nn.Module, config: dict) -> str | None:

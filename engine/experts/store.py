@@ -490,9 +490,14 @@ class ExpertStore:
     def note_output(self, y: mx.array) -> None:
         """Remember a lazy result that reads the slots, so a later eviction evaluates it first.
 
-        Only the latest is kept: the next layer's expert ids can only be known after every earlier
-        layer's output has been evaluated, so older results are never pending (and holding them
-        would keep every layer's activations alive in a loop that calls the model directly)."""
+        Only the latest is kept, and the one it replaces is evaluated first. Within a forward
+        pass that costs nothing (the next layer's expert ids depend on it, so it was computed
+        when they were read); across calls it matters: the last layer's output of one call feeds
+        only that call's logits, which a caller may leave unevaluated (scoring forced tokens)
+        while the next call evicts the slots it reads. Holding every result instead would keep
+        each layer's activations alive in a loop that calls the model directly."""
+        if self.pending:
+            mx.eval(self.pending)
         self.pending[:] = [y]
 
     # -- reading -------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from .blocks import expert_children
 from .store import ExpertStore
 
 
@@ -30,6 +31,8 @@ class StreamingSwitchGLU(nn.Module):
         pool = store.pool(layer)
         inner.update(tree_unflatten(list(pool.arrays.items())))
         self._inner = _Hidden(inner)
+        for name in set(inner.children()) - set(expert_children(inner)):
+            setattr(self, name, getattr(inner, name))  # resident parts a model keeps on the block
         self._layer = layer
         self._store = store
         self._timing = timing  # shared one-item list: the engine's current timing mode
