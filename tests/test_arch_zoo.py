@@ -25,7 +25,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from tests.arch_zoo import (ARCH_TYPES, COLLAPSING_GREEDY, CONFIGS, FLOAT_ONLY, METAL_FORWARD, TWO_BIT,
                             coverage_table, save_folder)
-from tests.test_streaming_exact import greedy
+from tests.test_streaming_exact import greedy, small_budget
 from tests.tiny_models import reference_model
 
 PROMPT = [3, 17, 250, 42, 9, 101, 77, 5, 64, 200, 13, 8]
@@ -63,13 +63,6 @@ def zoo(tmp_path_factory):
     return get
 
 
-def _budget_under_one_layer(lm) -> int:
-    """Room for K+1 experts: fewer than a layer holds, more than one token needs."""
-    l = lm.layers[0]
-    assert lm.top_k + 1 < l.num_experts
-    return (lm.top_k + 1) * l.expert_bytes
-
-
 @pytest.mark.parametrize("model_type,bits", FULL, ids=[f"{t}-{b or 'f32'}" for t, b in FULL])
 def test_streams_exactly(zoo, model_type, bits):
     src, packed = zoo(model_type, bits)
@@ -87,7 +80,7 @@ def test_streams_exactly(zoo, model_type, bits):
     variants = {
         "packed, all cached": (packed, None),
         "packed, cache 0": (packed, 0),
-        "packed, budget < one layer": (packed, _budget_under_one_layer(probe)),
+        "packed, budget < one layer": (packed, small_budget(probe)),
         "direct": (src, None),
         "direct, cache 0": (src, 0),
     }
