@@ -6,6 +6,9 @@ policy), and in direct mode.
 """
 from __future__ import annotations
 
+import os
+from collections import Counter
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -87,3 +90,25 @@ def test_o_direct_reads_give_the_same_logits(model_factory, path_kind):
     assert mx.abs(lm.model(mx.array([PROMPT])) - ref).max().item() <= 1e-5
     assert sum(s.bytes_read for s in lm.store.take_stats().values()) > 0
     lm.close()
+
+
+def _open_fds() -> list[str]:
+    return [os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{f}")]
+
+
+@pytest.mark.parametrize("path_kind", ["packed", "direct"])
+def test_reader_threads_open_each_file_once_and_close_frees_them(model_factory, path_kind):
+    """Reader threads open expert files lazily; racing opens of one file leaked a descriptor
+    each (a server or a long suite ran out of them). Closing must give back every one."""
+    packed = model_factory("qwen3_moe", 4, converted=True)
+    path = packed if path_kind == "packed" else model_factory("qwen3_moe", 4)
+    before = Counter(_open_fds())
+    lm = load(path, expert_cache=0, load_tokenizer=False)
+    greedy(lm.model, PROMPT, 8)
+    opened = Counter(_open_fds()) - before
+    expert_files = {p for p in opened if p.startswith(str(path))}
+    assert expert_files, "no expert file was read"
+    assert all(opened[p] == 1 for p in expert_files), opened
+    lm.close()
+    assert not {p for p in Counter(_open_fds()) - before if p.startswith(str(path))}

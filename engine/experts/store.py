@@ -173,6 +173,7 @@ class ExpertStore:
         self.stats: dict[int, LayerStats] = {l.layer: LayerStats() for l in layers}
         self.pending: list[mx.array] = []
         self._fds: dict[str, int] = {}
+        self._fds_lock = threading.Lock()  # reader threads open files lazily: one fd per file
         self._local = threading.local()
         self._pool_of: dict[int, SlotPool] = {}
         self.upcast = upcast
@@ -503,8 +504,13 @@ class ExpertStore:
     # -- reading -------------------------------------------------------------------------
     def _fd(self, path: str) -> int:
         fd = self._fds.get(path)
-        if fd is None:
-            flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if self.direct_io else 0)
+        if fd is not None:
+            return fd
+        with self._fds_lock:
+            fd = self._fds.get(path)
+            if fd is not None:
+                return fd
+            flags = os.O_RDONLY | os.O_CLOEXEC | (getattr(os, "O_DIRECT", 0) if self.direct_io else 0)
             try:
                 fd = os.open(path, flags)
             except OSError as e:
