@@ -45,6 +45,26 @@ def private_flashmoe_home(tmp_path_factory):
     mp.undo()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def close_expert_stores():
+    """Tests load models and mostly leave closing to the garbage collector, which keeps their
+    expert files open until a full collection. Close every store a test module opened when the
+    module ends, so open descriptors do not pile up past CI's limit (EMFILE at 1024)."""
+    from engine.experts.store import ExpertStore
+
+    opened, init = [], ExpertStore.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        opened.append(self)
+
+    ExpertStore.__init__ = recording_init
+    yield
+    ExpertStore.__init__ = init
+    for store in opened:
+        store.close()
+
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """Builds (once per session) tiny mlx-lm folders and their flashmoe conversions."""
