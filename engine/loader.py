@@ -89,6 +89,8 @@ def read_config(path: Path) -> dict:
             normalize_config(config["text_config"])
     except ValueError as e:
         raise ModelLoadError(cfg, str(e)) from None
+    except RecursionError:
+        raise ModelLoadError(cfg, "not valid JSON for a model (nested too deeply)") from None
     check_values(config, cfg)
     gen = path / "generation_config.json"
     if gen.exists():
@@ -98,13 +100,38 @@ def read_config(path: Path) -> dict:
     return config
 
 
+# Model types whose originals name their layer kinds the old way, as mlx-lm reads them, where
+# transformers 5 writes its new names (its _LEGACY_LAYER_TYPE_REMAP, reversed).
+_LEGACY_LAYER_TYPES = {"granitemoehybrid": {"linear_attention": "mamba", "full_attention": "attention"}}
+
+
+def _json_floats(v):
+    """transformers 5 writes a non-finite float as {"__float__": "Infinity"}; the originals as Infinity."""
+    if isinstance(v, dict):
+        if len(v) == 1 and isinstance(v.get("__float__"), str):
+            try:
+                return float(v["__float__"])
+            except ValueError:
+                return v
+        return {k: _json_floats(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_json_floats(x) for x in v]
+    return v
+
+
 def normalize_config(c: dict) -> None:
     """Add the classic key names mlx-lm reads where a config has only the new ones.
 
-    transformers 5 nests rope settings under `rope_parameters`, calls the expert count
-    `num_local_experts` for Qwen3-MoE, and lists `layer_types` instead of an attention interval.
-    Without this, some models fail to load and others silently use a default rope_theta.
+    transformers 5 nests rope settings under `rope_parameters` (and drops `rope_scaling`: null
+    where there is none), calls the expert count `num_local_experts` for Qwen3-MoE, lists
+    `layer_types` instead of an attention interval (and under its new names: granitemoehybrid's
+    "mamba" layers are "linear_attention"; exaone_moe's is_moe_layer is mlp_layer_types), folds
+    Gemma 4's global_head_dim into per_layer_config, and writes a non-finite float as
+    {"__float__": "Infinity"}. Without this, some models fail to load and others silently use a
+    default rope_theta.
     """
+    for key, v in c.items():
+        c[key] = _json_floats(v)
     rope = c.get("rope_parameters")
     if isinstance(rope, dict):
         for key in ("rope_theta", "partial_rotary_factor"):
@@ -113,9 +140,24 @@ def normalize_config(c: dict) -> None:
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default" and not c.get("rope_scaling"):
             c["rope_scaling"] = {**rope, "type": kind, "rope_type": kind}
+        c.setdefault("rope_scaling", None)  # classic configs say null (some mlx-lm models require the key)
     if "num_experts" not in c and "num_local_experts" in c and c.get("model_type") != "mixtral":
         c["num_experts"] = c["num_local_experts"]
     kinds = c.get("layer_types")
+    per_layer = c.get("per_layer_config")
+    if c.get("model_type") in ("gemma4", "gemma4_text") and isinstance(per_layer, dict) and isinstance(kinds, list):
+        # transformers 5.24 folds Gemma 4's global_head_dim / num_global_key_value_heads into
+        # per_layer_config overrides of its full-attention layers
+        full = [per_layer.get(str(i), per_layer.get(i)) for i, k in enumerate(kinds) if k == "full_attention"]
+        for key, classic in (("head_dim", "global_head_dim"), ("num_key_value_heads", "num_global_key_value_heads")):
+            values = {o.get(key) if isinstance(o, dict) else None for o in full}
+            if classic not in c and len(values) == 1 and None not in values:
+                c[classic] = values.pop()
+    mlp_kinds = c.get("mlp_layer_types")
+    if c.get("model_type") == "exaone_moe" and "is_moe_layer" not in c and isinstance(mlp_kinds, list):
+        c["is_moe_layer"] = [k == "sparse" for k in mlp_kinds]  # transformers 5's name for K-EXAONE's list
+    if c.get("model_type") in _LEGACY_LAYER_TYPES and isinstance(kinds, list):
+        c["layer_types"] = kinds = [_LEGACY_LAYER_TYPES[c["model_type"]].get(k, k) for k in kinds]
     if "full_attention_interval" not in c and isinstance(kinds, list) and "linear_attention" in kinds:
         full = [i for i, k in enumerate(kinds) if k == "full_attention"]
         if full:
@@ -221,11 +263,15 @@ def _per_expert_keys(module: str, part: str, expert: int) -> list[str]:
             for alias in _EXPERT_ALIASES.get(proj, (proj,))]
 
 
-# Model types whose originals fuse gate and up as gate_up_proj [E, 2I, H], gate rows first (their
-# sanitize splits axis -2 in halves): each half of an expert is contiguous, so it streams in
+# Model types whose originals fuse gate and up as gate_up_proj [E, 2I, H] (granitemoe's
+# input_linear.weight), gate rows first (their sanitize splits axis -2 in halves), with down_proj
+# [E, H, I] (output_linear.weight): each half of an expert is contiguous, so it streams in
 # place. Others fuse differently (gpt_oss interleaves the rows, llama4 and qwen3_vl_moe store
 # them transposed): those go through `flashmoe convert`.
-FUSED_IN_PLACE = ("qwen3_5_moe", "qwen3_5_moe_text", "mistral4", "gemma4", "gemma4_text")
+FUSED_IN_PLACE = ("qwen3_5_moe", "qwen3_5_moe_text", "mistral4", "gemma4", "gemma4_text",
+                  "granitemoe", "granitemoehybrid")
+_FUSED_NAMES = {"granitemoe": ("input_linear.weight", "output_linear.weight"),
+                "granitemoehybrid": ("input_linear.weight", "output_linear.weight")}
 
 
 def _fused_slices(module: str, part: str, num_experts: int, headers: dict, model_type: str):
@@ -233,7 +279,8 @@ def _fused_slices(module: str, part: str, num_experts: int, headers: dict, model
     proj, _, leaf = part.partition(".")
     if leaf != "weight" or proj not in ("gate_proj", "up_proj", "down_proj") or model_type not in FUSED_IN_PLACE:
         return None
-    name = "down_proj" if proj == "down_proj" else "gate_up_proj"
+    gate_up, down = _FUSED_NAMES.get(model_type, ("gate_up_proj", "down_proj"))
+    name = down if proj == "down_proj" else gate_up
     for b in _original_bases(module):
         t = next((headers[k] for k in (f"{b}.experts.{name}", f"{b}.{name}") if k in headers), None)
         if t is None or t.shape[0] != num_experts or len(t.shape) != 3:
@@ -286,10 +333,14 @@ def direct_headers(config: dict, path: Path, files: list[Path]) -> dict:
 
 
 def check_expert_counts(config: dict, path: Path, headers: dict, blocks) -> None:
-    """How many experts the files hold for each block (stacked or fused tensors), against the config."""
+    """How many experts the files hold for each block (stacked or fused tensors), against the config.
+
+    Per-expert tensors under the block's own path (`mlp.experts.0.gate_proj.weight` where the
+    block is `mlp.experts`) are one expert each: their first axis is a width, not a count."""
     counts = {}
     for b in blocks:
-        t = next((t for k, t in headers.items() if k.startswith(b + ".") and t.shape), None)
+        t = next((t for k, t in headers.items()
+                  if k.startswith(b + ".") and t.shape and not k[len(b) + 1:].split(".")[0].isdigit()), None)
         if t is not None:
             counts[b] = t.shape[0]
     if counts:
@@ -333,9 +384,17 @@ def _direct_layers(path: Path, blocks: dict, headers: dict, model_type: str) -> 
     return layers
 
 
+def _stacked_name(k: str, module: str) -> bool:
+    """k is one of the block's own stacked tensors as mlx-lm names them (module.gate_proj.weight)."""
+    rest = k[len(module) + 1:].split(".") if k.startswith(module + ".") else []
+    return len(rest) == 2 and rest[0] in _EXPERT_ALIASES
+
+
 def _no_expert_tensor(module: str, key: str, expert: int, headers: dict, model_type: str) -> str:
+    # A 3-d tensor beside or under the block that is not mlx-lm's stacked layout: the original's
+    # fused or transposed experts (gpt_oss's and llama4's experts.gate_up_proj / down_proj).
     near = sorted(k for k in headers if any(k.startswith(b + ".") for b in _original_bases(module)) and
-                  not k.startswith(module + ".") and len(headers[k].shape) == 3)
+                  not _stacked_name(k, module) and len(headers[k].shape) == 3)
     if near:
         return (f"{near[0]} holds {model_type}'s experts in a layout direct mode cannot read in place "
                 "(fused or transposed); run `flashmoe convert` on this folder")
