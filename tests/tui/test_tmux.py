@@ -47,7 +47,8 @@ def test_chat_tui_end_to_end(model_factory, tmp_path):
     model = model_factory("qwen3_moe", 4, converted=True)
     rc_file = tmp_path / "rc"
     env = dict(os.environ, FLASHMOE_HOME=str(tmp_path / "home"), TERM="xterm-256color")
-    for var in ("FORCE_COLOR", "NO_COLOR", "TEXTUAL_DRIVER", "TMUX"):
+    # COLUMNS and LINES (pytest-xdist workers export 80x24) would override the pane's size in Textual
+    for var in ("FORCE_COLOR", "NO_COLOR", "TEXTUAL_DRIVER", "TMUX", "COLUMNS", "LINES"):
         env.pop(var, None)
     chat = [sys.executable, "-m", "flashmoe_cli", "chat", "-m", str(model), "--max-tokens", "12", "--temp", "0"]
     shell = f"cd {shlex.quote(str(ROOT))} && {shlex.join(chat)}; echo $? > {shlex.quote(str(rc_file))}; sleep 30"
