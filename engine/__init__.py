@@ -7,7 +7,7 @@ from __future__ import annotations
 from .errors import ConvertError, FlashMoEError, ModelLoadError
 from .events import (EngineFailed, GenerationFinished, LayerRow, LayerTimings, ModelLoaded,
                      PrefillProgress, StepFinished, TokenGenerated)
-from .sampling import SamplingParams
+from .options import SamplingParams
 
 __all__ = [
     "load", "convert", "Engine", "GenerationRequest", "Session", "generate", "SamplingParams",

@@ -12,8 +12,8 @@ import mlx.nn as nn
 import numpy as np
 
 from .experts.switch import _Hidden  # holds a module outside the parameter tree
+from .options import KERNELS
 
-KERNELS = ("auto", "mlx", "cpu")
 
 
 def resolve(kernels: str) -> str:

@@ -18,13 +18,11 @@ from .config_check import context_length
 from .constrain import apply_mask
 from .errors import ContextLengthError
 from .events import GenerationFinished, LayerTimings, PrefillProgress, StepFinished, TokenGenerated
+from .options import TIMING_MODES, TRUNCATE_MODES
 from .reasoning import open_reasoning, prompt_reasoning
 from .sampling import Sampler, SamplingParams
 from .timing import LayerClock, rows_from
 
-TIMING_MODES = ("off", "step", "layer")
-# What to do with a prompt longer than the model's context: refuse it, or drop its oldest tokens.
-TRUNCATE_MODES = ("off", "left")
 log = logging.getLogger("flashmoe")
 # A call under a constraint that is still open at max_tokens is closed (Constraint.finish(),
 # engine/constrain_json.py) rather than cut: generation runs on for at most this many tokens

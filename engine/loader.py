@@ -22,6 +22,7 @@ from .experts.layout import LayerExperts, Part, read_manifest
 from .experts.store import ExpertStore
 from .experts.switch import StreamingSwitchGLU
 from .jsonfile import read_json
+from .options import PREFETCH_MODES
 from .safetensors_io import read_header
 
 RESIDENT = "resident.safetensors"
@@ -439,7 +440,6 @@ def _replace(model, modules: dict, path: str, new) -> None:
         setattr(parent, attr, new)
 
 
-PREFETCH_MODES = ("off", "hint", "slots")
 
 
 def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = 8,

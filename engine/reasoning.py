@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import re
 
-from prompts.reasoning import REASONING_MARKERS
+from flashmoe.prompts.reasoning import REASONING_MARKERS
+
+from .options import THINKING_CHOICES
 
 
 def close_marker(open_marker: str) -> str:
@@ -51,9 +53,6 @@ def thinking_switch(template: str) -> str | None:
     if _BARE_THINKING.search(template or ""):
         return "thinking"
     return None
-
-
-THINKING_CHOICES = ("on", "off")
 
 
 def thinking_kwargs(thinking: str | None, template: str) -> dict:

@@ -6,43 +6,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import mlx.core as mx
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0         # <= 0 means greedy
-    top_p: float = 1.0               # 1 disables
-    top_k: int = 0                   # 0 disables
-    min_p: float = 0.0               # 0 disables
-    repetition_penalty: float = 1.0  # 1 disables
-    repetition_context: int = 64     # how many recent ids the penalty looks at
-    seed: int | None = None          # None: a fresh random seed per Sampler
-
-    def __post_init__(self):
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be a finite number, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not is_int(self.repetition_context) or self.repetition_context < 0:
-            raise ValueError(f"repetition_context must be an integer >= 0, got {self.repetition_context}")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
-            raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {self.seed}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0
+from .options import SamplingParams  # noqa: F401  (re-exported: it lives with the other options)
 
 
 class Sampler:

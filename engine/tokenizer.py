@@ -17,8 +17,8 @@ import jinja2.ext
 import jinja2.sandbox
 import tokenizers
 
-from engine.errors import FlashMoEError, ModelLoadError
-from engine.jsonfile import read_bytes
+from flashmoe.engine.errors import FlashMoEError, ModelLoadError
+from flashmoe.engine.jsonfile import read_bytes
 
 log = logging.getLogger("flashmoe")
 # Stands in for control-token text inside messages when finding the template's own markers

@@ -14,12 +14,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from engine.events import EngineFailed, GenerationFinished, PrefillProgress, TokenGenerated
-from tools.calls import ToolCall
-from tools.executor import ToolExecutor
-from tools.parsers import parse_reply
-from tools.textstate import TextState
-from tools.validate import check_call
+from flashmoe.engine.events import EngineFailed, GenerationFinished, PrefillProgress, TokenGenerated
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.executor import ToolExecutor
+from flashmoe.tools.parsers import parse_reply
+from flashmoe.tools.textstate import TextState
+from flashmoe.tools.validate import check_call
 
 from .reasoning import reasoning_cut_note
 
@@ -87,7 +87,7 @@ JSON_CALL_FORMAT = ("For each function call, return a json object with function 
 def tool_instructions(tools: list[dict], parser=None, *, native_results: bool = False) -> str:
     """For chat templates that render no tools: how to call them, in the parser's own format
     (Qwen / Hermes JSON unless the parser has one of its own)."""
-    text = resources.files("prompts").joinpath("tool_instructions.md").read_text()
+    text = resources.files("flashmoe.prompts").joinpath("tool_instructions.md").read_text()
     results = ("Tool results come back to you in the next turn." if native_results else
                "Tool results come back to you inside <tool_response></tool_response> tags.")
     return (text.replace("{call_format}", CALL_FORMATS.get(getattr(parser, "name", ""), JSON_CALL_FORMAT))
@@ -97,7 +97,7 @@ def tool_instructions(tools: list[dict], parser=None, *, native_results: bool = 
 
 @dataclass
 class AgentLoop:
-    session: object  # flashmoe_cli.chat.ChatSession
+    session: object  # flashmoe.cli.chat.ChatSession
     executor: ToolExecutor
     parser: object  # a tools.parsers module
     template: str = ""  # the chat template's text ("" when unknown)
@@ -132,7 +132,7 @@ class AgentLoop:
             return None
         mode = "required" if self.constrain == "required" and first_round else "tools"
         if mode not in self._factories:
-            from engine.constrain_json import tool_call_constraint
+            from flashmoe.engine.constrain_json import tool_call_constraint
 
             fmt = "xml" if getattr(self.parser, "name", "") == "qwen3_coder" else "json"
             self._factories[mode] = tool_call_constraint(
@@ -254,9 +254,9 @@ class AgentLoop:
 
 def load_tools(specs: list[str], policy, runner):
     """--tools SPEC...: 'builtin' (all), a built-in's name, or a .py / .json / .yaml tools file."""
-    from tools.builtin import builtin_tools
-    from tools.registry import ToolRegistry
-    from tools.user_tools import load_python_tools, load_tool_file
+    from flashmoe.tools.builtin import builtin_tools
+    from flashmoe.tools.registry import ToolRegistry
+    from flashmoe.tools.user_tools import load_python_tools, load_tool_file
 
     registry = ToolRegistry()
     builtins = {t.name: t for t in builtin_tools(policy, runner)}

@@ -39,14 +39,14 @@ def add_tool_options(p: argparse.ArgumentParser) -> None:
 
 def make_agent(args, session, template: str, approver, on_event):
     """An AgentLoop for these options, or a UsageError naming the bad option."""
-    from tools.errors import ToolError
-    from tools.executor import ToolExecutor
-    from tools.parsers import json_tools, parser_for_template
-    from tools.policy import Policy
-    from tools.runner import CommandRunner, seal_environment
+    from flashmoe.tools.errors import ToolError
+    from flashmoe.tools.executor import ToolExecutor
+    from flashmoe.tools.parsers import json_tools, parser_for_template
+    from flashmoe.tools.policy import Policy
+    from flashmoe.tools.runner import CommandRunner, seal_environment
 
     from .agent import AgentLoop, load_tools
-    from .cli import UsageError
+    from .errors import UsageError
 
     workspace = Path(args.workspace).expanduser()
     if not workspace.is_dir():
@@ -204,11 +204,11 @@ def run_with_tools(args, session, loaded, text: str, deadline: float | None = No
     import threading
     import time
 
-    from engine.events import GenerationFinished
-    from tools.policy import NonInteractiveApprover
+    from flashmoe.engine.events import GenerationFinished
+    from flashmoe.tools.policy import NonInteractiveApprover
 
     from .agent import TextChunk
-    from .headless import summary
+    from .summaries import summary
     from .term_safe import is_tty, json_line
 
     out = sys.stdout
@@ -272,7 +272,7 @@ def run_with_tools(args, session, loaded, text: str, deadline: float | None = No
 
 def read_script(path: str) -> list[dict]:
     """session.jsonl: one {"role": "user"|"system", "content": ...} per line ('-' reads stdin)."""
-    from .cli import UsageError
+    from .errors import UsageError
 
     from .utf8 import decode_bytes, decode_text
 
@@ -324,10 +324,11 @@ class Transcript:
 
 def cmd_agent(args) -> int:
     """`flashmoe agent`: user turns from a script, every event to the transcript."""
-    from tools.policy import NonInteractiveApprover
+    from flashmoe.tools.policy import NonInteractiveApprover
 
     from .agent import TextChunk
-    from .cli import UsageError, make_engine, open_conversation
+    from .errors import UsageError
+    from .startup import make_engine, open_conversation
 
     if not args.tools:
         raise UsageError("agent needs --tools (e.g. --tools builtin)")

@@ -12,11 +12,15 @@ from .exit_codes import ExitCode
 
 
 def cmd_bench_speed(args) -> int:
-    from engine.benchmark import cpu_model, expert_files, measure_disk, prompt_of, run_generation
-    from engine.generate import model_bits
-    from engine.loader import load
+    from flashmoe.engine.benchmark import cpu_model, expert_files, measure_disk, prompt_of, run_generation
+    from flashmoe.engine.generate import model_bits
+    from flashmoe.engine.loader import load
 
-    from .cli import human_bytes, resolve_dtype, resolve_model
+    from flashmoe.engine.options import resolve_dtype
+
+    from .models import resolve_model
+
+    from .units import human_bytes
 
     model = resolve_model(args.model)
     loaded = load(model, expert_cache=args.expert_cache, io_threads=args.io_threads, direct_io=args.direct_io,

@@ -43,8 +43,8 @@ def run_suite(args, model: str, constrain: str) -> dict:
 
     from .agent import RepairEvent, ToolCallEvent, ToolResultEvent
     from .agent_cli import AutoApprover, make_agent
-    from .cli import make_engine, open_conversation
-    from engine.events import GenerationFinished
+    from .startup import make_engine, open_conversation
+    from flashmoe.engine.events import GenerationFinished
 
     ns = Namespace(**{**vars(args), "model": model, "constrain": constrain, "tools": [TOOLS], "no_log": True,
                       "continue_": False, "cid": None, "mode": "workspace-write", "allow": [], "ask": [],
@@ -132,7 +132,8 @@ def _strings(value) -> list[str]:
 
 
 def cmd_bench_tools(args) -> int:
-    from .cli import UsageError, human_bytes
+    from .errors import UsageError
+    from .units import human_bytes
 
     modes = [m.strip() for m in args.constrain_modes.split(",")]
     if any(m not in ("off", "tools", "required") for m in modes):

@@ -1,11 +1,12 @@
-"""`flashmoe`: argument parsing, and the mapping from failures to one-line errors and exit codes.
+"""`flashmoe`: argument parsing, dispatch to the command's module, and the mapping from
+failures to one-line errors and exit codes. Nothing else lives here: no front-end module
+imports this one back.
 
 Heavy imports (MLX, the engine) happen inside the commands, so `--help` and usage errors are fast.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -14,23 +15,12 @@ from .agent_cli import add_tool_options
 from .argtypes import at_least, output_file, parse_size
 from .config import (CACHE_POLICY_CHOICES, DTYPE_CHOICES, KERNEL_CHOICES, PREFETCH_CHOICES, THINKING_CHOICES,
                      TIMING_CHOICES, TRUNCATE_CHOICES, ConfigError)
+from .errors import UsageError, error, quiet_broken_pipe
 from .exit_codes import ExitCode
 from .store import StoreError
 
 EPILOG = """exit codes: 0 ok, 1 generation failure, 2 usage, 3 model load or I/O, 4 timeout,
 5 a tool call needed approval and did not get it, 130 interrupted, 143 / 129 stopped by SIGTERM / SIGHUP"""
-
-
-class UsageError(Exception):
-    """Bad arguments: exit code 2."""
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
 
 
 S = argparse.SUPPRESS  # settings flags default to "not given", so config and env can fill them
@@ -120,64 +110,6 @@ def apply_settings(args) -> None:
     explicit = {k: getattr(args, k) for k in SETTINGS if hasattr(args, k)}
     for k, v in load_settings(explicit).items():
         setattr(args, k, v)
-
-
-def make_engine(args):
-    """The engine for run/chat: the real one, or (tests, hidden flag) a scripted fake."""
-    if args.engine == "fake":
-        from engine.fake import FakeEngine
-
-        replies = json.loads(os.environ.get("FLASHMOE_FAKE_REPLIES", "null"))
-        delay = float(os.environ.get("FLASHMOE_FAKE_DELAY", "0"))
-        template = os.environ.get("FLASHMOE_FAKE_TEMPLATE")  # a chat template file the fake renders with
-        return FakeEngine(replies, token_delay=delay, fail=os.environ.get("FLASHMOE_FAKE_FAIL") or None,
-                          chat_template=open(template, encoding="utf-8").read() if template else "")
-    from engine.engine import Engine
-
-    return Engine(resolve_model(args.model), expert_cache=args.expert_cache, io_threads=args.io_threads,
-                  direct_io=args.direct_io, dtype=resolve_dtype(args.dtype), kernels=args.kernels,
-                  prefetch=args.prefetch, cache_policy=args.cache_policy,
-                  verify_reads=getattr(args, "verify_reads", "on") != "off",
-                  allow_resident_experts=getattr(args, "allow_resident_experts", False),
-                  truncate_prompt=getattr(args, "truncate_prompt", "off"))
-
-
-def open_conversation(args, engine, model_name: str):
-    """A ChatSession, resumed (-c / --cid) or new; saved unless -n."""
-    from engine.sampling import SamplingParams
-
-    from .chat import ChatOptions, ChatSession
-    from .store import logging_disabled, open_store
-
-    try:
-        sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                  repetition_penalty=args.repetition_penalty, seed=args.seed)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    if args.max_tokens < 1:
-        raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    options = ChatOptions(max_tokens=args.max_tokens, sampling=sampling, timing=args.timing,
-                          system=args.system, stop=tuple(args.stop), thinking=getattr(args, "thinking", None))
-    resume = args.continue_ or args.cid
-    try:
-        store = None if (args.no_log or logging_disabled()) and not resume else open_store()
-    except StoreError as e:  # resuming needs it (exit 3); a new conversation goes on unsaved
-        if resume:
-            raise
-        print(f"flashmoe: warning: the conversation is not saved ({e})", file=sys.stderr)
-        store = None
-    cid = args.cid
-    if args.continue_ and cid is None:
-        cid = store.latest()
-        if cid is None:
-            raise UsageError("--continue: there is no saved conversation yet")
-    try:
-        session = ChatSession(engine, store, options, cid=cid, model_name=model_name)
-    except KeyError:
-        raise UsageError(f"--cid {cid}: no such conversation (see `flashmoe logs`)") from None
-    if args.no_log:
-        session.store = None  # resumed, but this turn is not saved
-    return session
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -297,48 +229,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_dtype(choice: str) -> str | None:
-    if choice == "auto":
-        import mlx.core as mx
-
-        return "float32" if mx.default_device() == mx.cpu else None
-    return None if choice == "keep" else choice
-
-
-DEMO_NOTE = ("This is the demo model: SmolLM2-135M, a 135M-parameter toy made into an 8-expert MoE to show "
-             "expert streaming. Its answers are often wrong and its tool use is unreliable: do not trust "
-             "either. For real work give a real model with -m (README: Models).")
-
-
-def is_demo(model: str | None) -> bool:
-    """Is this folder the built-in demo (what `-m` defaults to)?"""
-    if not model:
-        return False
-    from pathlib import Path
-
-    from engine.demo import demo_path
-
-    try:
-        return Path(model).resolve() == demo_path().resolve()
-    except (OSError, RuntimeError):
-        return False
-
-
-def resolve_model(model: str | None) -> str:
-    """The model folder to use: the one given (a folder, or org/name[@revision] in the Hugging Face
-    cache: engine/hf_cache.py), or the demo model (built on first use)."""
-    if model:
-        from engine.hf_cache import resolve
-
-        return resolve(model)
-    from engine.demo import ensure_demo
-
-    from .paths import ensure_home
-
-    ensure_home()  # the demo is built in it: a bad FLASHMOE_HOME is one line, not a traceback
-    return str(ensure_demo(progress=Progress()))
-
-
 def main(argv: list[str] | None = None) -> int:
     from . import signals
 
@@ -418,15 +308,13 @@ def _main(argv: list[str] | None = None) -> int:
         if args.command == "chat":
             return cmd_chat(args)
         if args.command == "logs":
+            from .logs_cli import cmd_logs
+
             return cmd_logs(args)
-        if args.command == "convert":
-            return cmd_convert(args)
-        if args.command == "info":
-            return cmd_info(args)
-        if args.command == "verify":
-            return cmd_verify(args)
-        if args.command == "demo":
-            return cmd_demo(args)
+        if args.command in ("convert", "info", "verify", "demo"):
+            from . import model_commands
+
+            return getattr(model_commands, f"cmd_{args.command}")(args)
         if args.command == "pull":
             from .pull import cmd_pull
 
@@ -447,7 +335,7 @@ def _main(argv: list[str] | None = None) -> int:
         quiet_broken_pipe()
         return ExitCode.OK
     except Exception as e:
-        from engine.errors import FlashMoEError, ModelLoadError
+        from flashmoe.engine.errors import FlashMoEError, ModelLoadError
 
         if isinstance(e, ModelLoadError):
             error(str(e))
@@ -457,113 +345,6 @@ def _main(argv: list[str] | None = None) -> int:
             return e.exit_code  # 1, or 2 for a prompt longer than the context
         raise
     return ExitCode.USAGE
-
-
-def error(message: str) -> None:
-    from .term_safe import safe
-
-    print(f"flashmoe: error: {safe(message)}", file=sys.stderr)  # it may quote the model or a file name
-
-
-def quiet_broken_pipe() -> None:
-    # The reader went away (`| head`): point stdout at /dev/null so the final flush is silent.
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-
-
-class Progress:
-    """A one-line progress bar on a terminal; a line per update otherwise."""
-
-    def __init__(self, stream=sys.stderr):
-        self.stream = stream
-        self.tty = stream.isatty()
-
-    def __call__(self, what: str, done: int, total: int) -> None:
-        width = 30
-        fill = int(width * done / max(total, 1))
-        line = f"[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {what}"
-        if self.tty:
-            self.stream.write("\r\033[K" + line + ("\n" if done >= total else ""))
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
-
-
-def cmd_convert(args) -> int:
-    from engine.convert import convert
-    from engine.hf_cache import resolve
-
-    out = convert(resolve(args.src), args.out, bits=args.bits, group_size=args.group_size,  # org/name: the cache's
-                  expert_bits=args.expert_bits, layer_bits=args.layer_bits, dtype=args.dtype, progress=Progress())
-    print(f"flashmoe: wrote {out}", file=sys.stderr)
-    return ExitCode.OK
-
-
-def model_arg(args) -> str | None:
-    """info / verify take the model as MODEL or as -m MODEL, like the other commands."""
-    if args.model and args.model_flag and args.model != args.model_flag:
-        raise UsageError(f"two models given: {args.model} and -m {args.model_flag}; give one")
-    return args.model_flag or args.model
-
-
-def cmd_info(args) -> int:
-    from engine.info import describe, expert_bits_summary
-
-    d = describe(resolve_model(model_arg(args)))  # no MODEL: the demo, as `run` uses it
-    if args.json:
-        print(json.dumps(d, indent=2))
-        return ExitCode.OK
-    rows = [
-        ("model", d["path"]), ("format", d["format"]), ("architecture", d["model_type"]),
-        ("layers", f"{d['layers']} ({d['moe_layers']} with routed experts)"),
-        ("experts", f"{d['experts']} per layer, top-{d['top_k']} routed per token"),
-        ("bits", f"{d['bits']} (group size {d['group_size']})" if d["bits"] else "unquantized"),
-        ("resident bytes", human_bytes(d["resident_bytes"])),
-        ("expert bits", expert_bits_summary(d["expert_bits"])),
-        ("expert bytes", f"{human_bytes(d['expert_bytes'])} ({human_bytes(d['expert_block_bytes'])} per expert)"),
-        ("read per token at 0% hits", human_bytes(d["bytes_per_token_cold"])),
-    ]
-    for i, (how, layers) in enumerate(d["expert_compute"].items()):
-        rows.append(("expert compute" if i == 0 else "", f"{how} (layers {', '.join(map(str, layers))})"))
-    if d["not_streamable"]:
-        rows.append(("streaming", f"no: {d['not_streamable']}"))
-    for k, v in rows:
-        print(f"{k:>26}: {v}")
-    return ExitCode.OK
-
-
-def cmd_verify(args) -> int:
-    from pathlib import Path
-
-    from engine.experts.layout import read_manifest, verify
-    from engine.loader import EXPERTS_DIR, read_config
-
-    root = Path(resolve_model(model_arg(args)))  # no MODEL: the demo, as `run` uses it
-    read_config(root)
-    if not (root / EXPERTS_DIR).exists():
-        from engine.info import describe
-
-        describe(root)  # checks every safetensors header
-        print(f"{root}: direct-mode folder (no checksums); headers and sizes are consistent", file=sys.stderr)
-        return ExitCode.OK
-    layers = read_manifest(root / EXPERTS_DIR)
-    bad = verify(root / EXPERTS_DIR, layers, progress=lambda l: Progress()(f"layer {l.layer}", layers.index(l) + 1, len(layers)))
-    for layer, expert, path in bad:
-        error(f"{path}: layer {layer} expert {expert}: checksum mismatch (corrupted)")
-    if bad:
-        return ExitCode.MODEL
-    n = sum(l.num_experts for l in layers)
-    print(f"{root}: all {n} experts in {len(layers)} layers match the manifest", file=sys.stderr)
-    return ExitCode.OK
-
-
-def cmd_demo(args) -> int:
-    from engine.demo import remove_demo
-
-    if args.rebuild:
-        remove_demo()
-    print(resolve_model(None))
-    return ExitCode.OK
 
 
 def cmd_chat(args) -> int:
@@ -580,9 +361,3 @@ def cmd_chat(args) -> int:
     from .tui.app import run_tui
 
     return run_tui(args)
-
-
-def cmd_logs(args) -> int:
-    from .logs_cli import cmd_logs
-
-    return cmd_logs(args)

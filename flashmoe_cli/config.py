@@ -13,6 +13,9 @@ from __future__ import annotations
 import os
 import sys
 
+from flashmoe.engine import options
+
+from .errors import ConfigError
 from .paths import config_file
 
 if sys.version_info >= (3, 11):
@@ -20,13 +23,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-TIMING_CHOICES = ("off", "step", "layer")
-DTYPE_CHOICES = ("auto", "float32", "keep")
-KERNEL_CHOICES = ("auto", "mlx", "cpu")
-PREFETCH_CHOICES = ("off", "hint", "slots")
-CACHE_POLICY_CHOICES = ("lfu", "lru")  # engine.experts.store.CACHE_POLICIES, without importing MLX
-TRUNCATE_CHOICES = ("off", "left")  # engine.generate.TRUNCATE_MODES
-THINKING_CHOICES = ("on", "off")  # engine.reasoning.THINKING_CHOICES; unset: the chat template's default
+# The engine's own lists (flashmoe.engine.options imports no MLX), under the names the flags use.
+TIMING_CHOICES = options.TIMING_MODES
+DTYPE_CHOICES = options.DTYPES
+KERNEL_CHOICES = options.KERNELS
+PREFETCH_CHOICES = options.PREFETCH_MODES
+CACHE_POLICY_CHOICES = options.CACHE_POLICIES
+TRUNCATE_CHOICES = options.TRUNCATE_MODES
+THINKING_CHOICES = options.THINKING_CHOICES  # unset: the chat template's default
 
 # name -> (default, parser from text: a type, "size", "count" (an integer >= 1), a tuple of words, or
 # the name of a range-checked number in argtypes.py, the flag's own type: "temperature", "top_p", ...)
@@ -51,10 +55,6 @@ SETTINGS = {
     "truncate_prompt": ("off", TRUNCATE_CHOICES),
     "thinking": (None, THINKING_CHOICES),
 }
-
-
-class ConfigError(Exception):
-    """A bad config file or FLASHMOE_* variable (exit code 2)."""
 
 
 def _parse(name: str, value, where: str):

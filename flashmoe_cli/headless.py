@@ -8,13 +8,14 @@ import time
 
 from .chat import SAVE_EVERY_S
 from .exit_codes import ExitCode
+from .summaries import layer_table, summary
 from .term_safe import is_tty, json_line, safe
 from .utf8 import decode_bytes, decode_text
 
 
 def read_prompt(arg: str | None, stdin=None, command: str = "run") -> str:
     """Piped stdin, a blank line, then the argument (either alone is fine)."""
-    from .cli import UsageError
+    from .errors import UsageError
 
     stdin = stdin or sys.stdin
     piped = None
@@ -33,38 +34,8 @@ def read_prompt(arg: str | None, stdin=None, command: str = "run") -> str:
     return "\n\n".join(parts)
 
 
-def summary(done, loaded) -> str:
-    """The one-line summary on stderr: every speed with its conditions."""
-    from .cli import human_bytes
-
-    bits = f"{done.bits}-bit" if done.bits else "float"
-    parts = [
-        f"prefill {done.prompt_tokens - done.reused_prompt_tokens} tok {done.prompt_tps:.1f} tok/s",
-        f"decode {done.generation_tokens} tok {done.generation_tps:.2f} tok/s",
-        f"{human_bytes(done.bytes_per_token)}/token read",
-        f"hit rate {done.hit_rate:.0%}",
-        f"io wait {done.io_wait_s / done.decode_s:.0%}" if done.decode_s > 0 else "io wait -",
-        f"K={done.top_k}", bits, f"{done.cache_state} expert cache"
-        + (f" {human_bytes(loaded.cache_bytes)} {loaded.cache_policy}" if loaded.cache_policy else ""),
-        f"{loaded.model_type} ({loaded.mode}, {loaded.kernels} kernels)",
-    ]
-    if loaded.resident_experts:  # --allow-resident-experts: never a line that looks like streaming
-        parts.append("experts resident, not streamed")
-    return " | ".join(parts)
-
-
-def layer_table(rows_sum: dict, steps: int) -> str:
-    head = f"{'layer':>5} {'attn':>8} {'route':>8} {'io':>8} {'compute':>8} {'other':>8} {'hits':>6} {'miss':>6} {'read':>10}"
-    lines = [f"per layer over {steps} decode steps: mean ms per step; hits, misses and bytes read in total", head]
-    for i in sorted(rows_sum):
-        r = rows_sum[i]
-        lines.append(f"{i:>5} {r[0] / steps:8.2f} {r[1] / steps:8.2f} {r[2] / steps:8.2f} {r[3] / steps:8.2f} "
-                     f"{r[4] / steps:8.2f} {r[5]:>6.0f} {r[6]:>6.0f} {r[7]:>10.0f}")
-    return "\n".join(lines)
-
-
 def run(args) -> int:
-    from .cli import make_engine, open_conversation
+    from .startup import make_engine, open_conversation
 
     text = read_prompt(args.prompt, command=getattr(args, "command", "run"))
     session = open_conversation(args, None, model_name=str(args.model or "demo"))  # checks the flags first
@@ -74,7 +45,7 @@ def run(args) -> int:
     try:
         loaded = engine.wait_loaded(timeout)
         if loaded is None:
-            from .cli import error
+            from .errors import error
 
             error(f"timed out after {timeout:g} s while loading the model")
             return ExitCode.TIMEOUT
@@ -90,9 +61,9 @@ def run(args) -> int:
 
 def _stream(args, loaded, session, handle, deadline: float | None = None) -> int:
     """Write the reply as it comes; record it; the summary goes to stderr."""
-    from engine import EngineFailed, GenerationFinished, LayerTimings, PrefillProgress, TokenGenerated
+    from flashmoe.engine import EngineFailed, GenerationFinished, LayerTimings, PrefillProgress, TokenGenerated
 
-    from .cli import error
+    from .errors import error
     from .reasoning import ReplySplitter, reasoning_cut_note, show_segments
 
     out = sys.stdout

@@ -14,7 +14,7 @@ from .term_safe import is_tty, safe
 
 
 def cmd_logs(args) -> int:
-    from .cli import UsageError
+    from .errors import UsageError
     from .paths import logs_db
     from .store import open_store
 

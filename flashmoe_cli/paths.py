@@ -5,7 +5,7 @@ import os
 import sys
 from pathlib import Path
 
-from engine.demo import flashmoe_home
+from flashmoe.engine.demo import flashmoe_home
 
 
 def home() -> Path:
@@ -15,7 +15,7 @@ def home() -> Path:
 def ensure_home() -> Path:
     """The state folder, created if missing (said once on stderr). One that is a file, cannot be
     created or cannot be written is a configuration mistake: ConfigError, one line, exit 2."""
-    from .config import ConfigError
+    from .errors import ConfigError
 
     h = home()
     name = f"FLASHMOE_HOME {h}" if os.environ.get("FLASHMOE_HOME") else f"flashmoe's data folder {h}"

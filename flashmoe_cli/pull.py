@@ -13,8 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from engine.errors import FlashMoEError
-from engine.hf_cache import hub_cache_dir, split_spec
+from flashmoe.engine.errors import FlashMoEError
+from flashmoe.engine.hf_cache import hub_cache_dir, split_spec
 
 from .exit_codes import ExitCode
 
@@ -38,7 +38,7 @@ def cmd_pull(args) -> int:
     spec = args.repo
     parsed = split_spec(spec)
     if parsed is None:
-        from .cli import UsageError
+        from .errors import UsageError
 
         raise UsageError(f"pull {spec}: give a Hugging Face model id, org/name or org/name@revision "
                          f"(e.g. mlx-community/Qwen3-30B-A3B-4bit)")
@@ -83,7 +83,7 @@ def _cached(e: BaseException, repo_id: str, revision: str | None, cache: Path) -
     hash prefix): -m finds it, so pull has nothing to do."""
     from huggingface_hub import errors as hf
 
-    from engine.hf_cache import snapshot_path
+    from flashmoe.engine.hf_cache import snapshot_path
 
     incomplete = getattr(hf, "IncompleteSnapshotError", ())
     if not isinstance(e, hf.LocalEntryNotFoundError) or isinstance(e, incomplete):

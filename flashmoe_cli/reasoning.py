@@ -2,7 +2,7 @@
 so that every face (headless, line REPL, TUI) agrees on what is reasoning and what is the answer."""
 from __future__ import annotations
 
-from tools.textstate import Segment, TextState
+from flashmoe.tools.textstate import Segment, TextState
 
 # How `run --show-reasoning` (and the line REPL) set reasoning apart from the answer.
 SHOW_OPEN, SHOW_CLOSE = "<think>\n", "\n</think>\n\n"

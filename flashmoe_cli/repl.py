@@ -34,7 +34,7 @@ from prompt_toolkit.filters import has_focus
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
-from engine.events import EngineFailed, GenerationFinished, LayerTimings, PrefillProgress, TokenGenerated
+from flashmoe.engine.events import EngineFailed, GenerationFinished, LayerTimings, PrefillProgress, TokenGenerated
 
 from . import signals
 from .chat import resume_hint
@@ -199,7 +199,7 @@ class LineRepl:
         model = getattr(ld, "model", "") or "model"
         mode = f" ({ld.model_type}, {ld.mode})" if getattr(ld, "model_type", None) else ""
         self.say(f"flashmoe chat: {model}{mode}. /help lists the commands; Ctrl-D quits.")
-        from .cli import DEMO_NOTE, is_demo
+        from .models import DEMO_NOTE, is_demo
 
         if is_demo(getattr(ld, "model", None)):
             self.say(DEMO_NOTE)
@@ -302,7 +302,7 @@ class LineRepl:
         if not arg:
             self.say(f"timing: {s.options.timing} (/timing off|step|layer sets it)")
             if self.last_layers:
-                from .headless import layer_table
+                from .summaries import layer_table
 
                 self.say(layer_table(*self.last_layers))
             return
@@ -382,7 +382,7 @@ class LineRepl:
         self.last_layers = (rows_sum, steps) if steps else None
         timing = self.session.options.timing
         if done is not None and timing != "off":
-            from .headless import layer_table, summary
+            from .summaries import layer_table, summary
 
             self.say(summary(done, self.loaded))
             if timing == "layer" and steps:
@@ -425,7 +425,7 @@ class LineRepl:
             first = (ev.content.strip().splitlines() or [""])[0][:100]
             self.say(f"<- {ev.status}: {first}")
         elif isinstance(ev, GenerationFinished) and self.session.options.timing != "off":
-            from .headless import summary
+            from .summaries import summary
 
             self.say(summary(ev, self.loaded))
 
@@ -444,7 +444,7 @@ class LineRepl:
 def run_repl(args, *, engine=None, input=None, output=None, stdout=None, stderr=None,
              history: History | None = None, clock=time.monotonic) -> int:
     """`flashmoe chat` as a line REPL. The keyword arguments are for tests (pipe input, DummyOutput)."""
-    from .cli import make_engine, open_conversation
+    from .startup import make_engine, open_conversation
 
     err = stderr or sys.stderr
     # The flags are checked (UsageError -> exit 2 in cli.main) before any model is loaded.
@@ -456,7 +456,7 @@ def run_repl(args, *, engine=None, input=None, output=None, stdout=None, stderr=
         session.engine = engine
         loaded = engine.wait_loaded()
     except Exception as e:  # noqa: BLE001  (any load failure is one line and exit 3)
-        from engine.errors import FlashMoEError
+        from flashmoe.engine.errors import FlashMoEError
 
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if not isinstance(e, (FlashMoEError, OSError)):

@@ -115,7 +115,7 @@ README_END = "<!-- end of architecture table -->"
 def coverage_table(cases) -> str:
     """README's table of what tests/test_arch_zoo.py proves, from its cases and the blocks each
     model type builds (its class, activation, and whether the CPU kernels compute it)."""
-    from engine.experts.blocks import cpu_kernels_reason, expert_blocks, kind
+    from flashmoe.engine.experts.blocks import cpu_kernels_reason, expert_blocks, kind
 
     bits: dict[str, list[str]] = {}
     for t, b in cases:

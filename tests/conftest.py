@@ -30,8 +30,8 @@ def private_flashmoe_home(tmp_path_factory):
     """Every test runs with a FLASHMOE_HOME of its own, so `flashmoe logs` after pytest shows nothing
     the user did not do. The user's demo model (and the wheel it was built from) are linked in
     when they exist, so the demo is not rebuilt; otherwise it is built once, here."""
-    from engine.convert import is_converted
-    from engine.demo import DEMO_NAME
+    from flashmoe.engine.convert import is_converted
+    from flashmoe.engine.demo import DEMO_NAME
 
     home = tmp_path_factory.mktemp("flashmoe-home")
     demo = f"models/{DEMO_NAME}"
@@ -50,7 +50,7 @@ def close_expert_stores():
     """Tests load models and mostly leave closing to the garbage collector, which keeps their
     expert files open until a full collection. Close every store a test module opened when the
     module ends, so open descriptors do not pile up past CI's limit (EMFILE at 1024)."""
-    from engine.experts.store import ExpertStore
+    from flashmoe.engine.experts.store import ExpertStore
 
     opened, init = [], ExpertStore.__init__
 
@@ -80,7 +80,7 @@ def model_factory(tmp_path_factory):
             return src
         out = src.with_name(src.name + "-fm")
         if not out.exists():
-            from engine.convert import convert
+            from flashmoe.engine.convert import convert
 
             convert(src, out)
         return out
@@ -89,8 +89,8 @@ def model_factory(tmp_path_factory):
 
 
 def run_cli(*args, input: str | None = None, timeout: float = 120, env: dict | None = None):
-    """Run `python -m flashmoe_cli ARGS` the way a user's shell would."""
+    """Run `python -m flashmoe.cli ARGS` the way a user's shell would."""
     e = dict(os.environ, **(env or {}))
     e.pop("FORCE_COLOR", None)
-    return subprocess.run([sys.executable, "-m", "flashmoe_cli", *map(str, args)], input=input,
+    return subprocess.run([sys.executable, "-m", "flashmoe.cli", *map(str, args)], input=input,
                           capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)

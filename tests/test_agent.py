@@ -96,7 +96,7 @@ def test_declined_and_failed_calls_are_never_reported_ok(tmp_path, workspace):
 
 
 def test_constrain_defaults_to_tools_when_tools_are_given():
-    from flashmoe_cli.cli import build_parser
+    from flashmoe.cli.cli import build_parser
 
     for cmd in (["run", "--tools", "builtin", "x"], ["agent", "--tools", "builtin", "--script", "s"],
                 ["chat", "--tools", "builtin"]):

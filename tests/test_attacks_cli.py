@@ -39,12 +39,12 @@ def ws(tmp_path):
 
 def test_option_injection_through_a_command_tool(tmp_path, ws):
     out = tmp_path / "outside" / "x"
-    (tmp_path / "tools.json").write_text(json.dumps([{
+    (tmp_path / "flashmoe.tools.json").write_text(json.dumps([{
         "name": "sort_file", "parameters": {"type": "object", "properties": {"file": {"type": "string"}},
                                             "required": ["file"]},
         "command": ["sort", "{file}"], "paths": ["file"]}]))
     r, results = agent(tmp_path, ws, [call("sort_file", file=f"-o{out}"), call("sort_file", file="notes.txt"), "ok"],
-                       "--tools", tmp_path / "tools.json", "--allow", "sort_file")
+                       "--tools", tmp_path / "flashmoe.tools.json", "--allow", "sort_file")
     assert r.returncode == 0, r.stderr
     assert not out.exists()
     assert "would be read as an option by sort" in results[0]["content"]

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from flashmoe_cli.cli import parse_size
-from flashmoe_cli.headless import read_prompt
+from flashmoe.cli.argtypes import parse_size
+from flashmoe.cli.headless import read_prompt
 from tests.conftest import ROOT, run_cli
 
 
@@ -69,14 +69,14 @@ def test_same_greedy_answer_with_and_without_raw_argument_order(model):
 
 
 def test_head_closes_the_pipe_quietly(model):
-    cmd = f"{sys.executable} -m flashmoe_cli run -m {model} --max-tokens 300 --timing off 'go' | head -c 5"
+    cmd = f"{sys.executable} -m flashmoe.cli run -m {model} --max-tokens 300 --timing off 'go' | head -c 5"
     r = subprocess.run(["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert "Traceback" not in r.stderr and "BrokenPipe" not in r.stderr, r.stderr
     assert len(r.stdout.encode()) <= 5
 
 
 def test_ctrl_c_stops_cleanly_with_130(model):
-    p = subprocess.Popen([sys.executable, "-m", "flashmoe_cli", "run", "-m", str(model), "--max-tokens", "100000",
+    p = subprocess.Popen([sys.executable, "-m", "flashmoe.cli", "run", "-m", str(model), "--max-tokens", "100000",
                           "go"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     os.set_blocking(p.stdout.fileno(), False)
     deadline = time.time() + 60

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("numba")
 
-from engine.loader import load  # noqa: E402
+from flashmoe.engine.loader import load  # noqa: E402
 from tests.test_streaming_exact import CASES, PROMPT, greedy, small_budget  # noqa: E402
 
 QUANTIZED = [(a, b) for a, b in CASES if b is not None]
@@ -39,7 +39,7 @@ def test_cpu_kernels_match_mlx_kernels(model_factory, arch, bits):
 
 
 def test_cpu_kernels_really_replace_the_matmuls(model_factory):
-    from engine.cpu_path import CpuQuantizedLinear
+    from flashmoe.engine.cpu_path import CpuQuantizedLinear
 
     lm = load(model_factory("qwen3_moe", 4, converted=True), kernels="cpu", load_tokenizer=False)
     layer = lm.model.model.layers[0]
@@ -68,7 +68,7 @@ def test_overlap_reads_land_while_computing(model_factory):
 
 @pytest.mark.parametrize("kernels,mode", [("mlx", True), ("cpu", "slots"), ("cpu", "hint")])
 def test_prefetch_changes_no_token_and_keeps_the_budget(model_factory, kernels, mode):
-    from engine.generate import GenerationRequest, Session, generate
+    from flashmoe.engine.generate import GenerationRequest, Session, generate
 
     path = model_factory("qwen3_moe", 4, converted=True)
     ref = load(path, load_tokenizer=False)
@@ -89,7 +89,7 @@ def test_prefetch_hint_asks_the_kernel_and_takes_no_slot(model_factory, monkeypa
     not touched, and with O_DIRECT (no page cache) nothing is hinted."""
     import os
 
-    from engine.experts import store as store_mod
+    from flashmoe.engine.experts import store as store_mod
 
     calls = []
     real = os.posix_fadvise
@@ -117,8 +117,8 @@ def test_prefetch_hint_asks_the_kernel_and_takes_no_slot(model_factory, monkeypa
 
 
 def test_pieces_cover_the_read_exactly():
-    from engine.experts.layout import Extent
-    from engine.experts.store import pieces
+    from flashmoe.engine.experts.layout import Extent
+    from flashmoe.engine.experts.store import pieces
 
     bufs = [bytearray(n) for n in (700, 300, 1500)]
     views = [memoryview(b) for b in bufs]
@@ -139,7 +139,7 @@ def test_pieces_cover_the_read_exactly():
 def test_misses_read_in_pieces_change_no_token(model_factory, monkeypatch, kernels):
     """Pieces far smaller than an expert, of an odd size: each expert is computed once all of
     its pieces have landed, and the tokens are the resident model's."""
-    from engine.experts import store as store_mod
+    from flashmoe.engine.experts import store as store_mod
 
     path = model_factory("qwen3_moe", 4, converted=True)
     ref = load(path, load_tokenizer=False)
@@ -156,7 +156,7 @@ def test_misses_read_in_pieces_change_no_token(model_factory, monkeypatch, kerne
 
 
 def test_an_expert_is_ready_once_all_its_pieces_landed(model_factory, monkeypatch):
-    from engine.experts import store as store_mod
+    from flashmoe.engine.experts import store as store_mod
 
     monkeypatch.setattr(store_mod, "READ_PIECE", 777)
     path = model_factory("qwen3_moe", 4, converted=True)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine import EngineFailed, GenerationFinished, LayerTimings, PrefillProgress, TokenGenerated
-from engine.engine import Engine
-from engine.generate import GenerationRequest, Session, StopMatcher, generate
-from engine.loader import load
+from flashmoe.engine import EngineFailed, GenerationFinished, LayerTimings, PrefillProgress, TokenGenerated
+from flashmoe.engine.engine import Engine
+from flashmoe.engine.generate import GenerationRequest, Session, StopMatcher, generate
+from flashmoe.engine.loader import load
 from tests.test_streaming_exact import greedy
 from tests.tiny_models import reference_model
 

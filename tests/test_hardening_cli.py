@@ -17,8 +17,8 @@ import tty
 
 import pytest
 
-from flashmoe_cli.store import Store
-from flashmoe_cli.term_safe import safe
+from flashmoe.cli.store import Store
+from flashmoe.cli.term_safe import safe
 from tests.conftest import ROOT, run_cli
 
 # What a hostile model writes: a clipboard write (OSC 52), a title change (OSC 0), a screen clear,
@@ -40,7 +40,7 @@ def spawn_on_pty(args, env, *, stdin=subprocess.DEVNULL):
     tty.setraw(slave)
     e = dict(os.environ, **env)
     e.pop("FORCE_COLOR", None)
-    p = subprocess.Popen([sys.executable, "-m", "flashmoe_cli", *map(str, args)], stdin=stdin, stdout=slave,
+    p = subprocess.Popen([sys.executable, "-m", "flashmoe.cli", *map(str, args)], stdin=stdin, stdout=slave,
                          stderr=subprocess.PIPE, env=e, cwd=ROOT)
     os.close(slave)
     return p, master
@@ -50,7 +50,7 @@ def run_bytes(args, env) -> subprocess.CompletedProcess:
     """The CLI with stdout piped, read as bytes (run_cli's text mode would turn \\r into \\n)."""
     e = dict(os.environ, **env)
     e.pop("FORCE_COLOR", None)
-    return subprocess.run([sys.executable, "-m", "flashmoe_cli", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "flashmoe.cli", *map(str, args)], capture_output=True,
                           stdin=subprocess.DEVNULL, env=e, cwd=ROOT, timeout=60)
 
 
@@ -127,7 +127,7 @@ def test_repl_escapes_replies_and_tool_questions(tmp_path, monkeypatch):
     from tests.test_repl import CTRL_D, ENTER, drive
 
     monkeypatch.setenv("FLASHMOE_HOME", str(tmp_path / "home"))
-    from engine.fake import FakeEngine
+    from flashmoe.engine.fake import FakeEngine
 
     t = drive("hi" + ENTER + CTRL_D, FakeEngine([ATTACK]))
     assert t.code == 0, t
@@ -137,7 +137,7 @@ def test_repl_escapes_replies_and_tool_questions(tmp_path, monkeypatch):
 
 def test_repl_approval_question_is_escaped(tmp_path, monkeypatch):
 
-    from flashmoe_cli.repl import LineRepl
+    from flashmoe.cli.repl import LineRepl
 
     captured = {}
 
@@ -149,7 +149,7 @@ def test_repl_approval_question_is_escaped(tmp_path, monkeypatch):
             captured["message"] = message
             return "n"
 
-    monkeypatch.setattr("flashmoe_cli.repl.PromptSession", Prompt)
+    monkeypatch.setattr("flashmoe.cli.repl.PromptSession", Prompt)
     repl = LineRepl.__new__(LineRepl)
     repl.out, repl._input, repl._output = sys.stdout, None, None
 
@@ -198,8 +198,8 @@ async def test_tui_transcript_shows_control_sequences_escaped():
 
 @pytest.mark.asyncio
 async def test_tui_tool_blocks_and_approval_show_control_sequences_escaped(tmp_path):
-    from flashmoe_cli.tui.screens import ApproveScreen
-    from flashmoe_cli.tui.widgets import ToolBlock
+    from flashmoe.cli.tui.screens import ApproveScreen
+    from flashmoe.cli.tui.widgets import ToolBlock
     from tests.tui.conftest import make_app, send, tool_args, wait_for, wait_idle
 
     ws = tmp_path / "ws"
@@ -233,7 +233,7 @@ def spawn_with_terminal(args, env):
     pid, master = pty.fork()
     if pid == 0:  # the child: stdin, stdout and stderr are the pty
         os.chdir(ROOT)
-        os.execve(sys.executable, [sys.executable, "-m", "flashmoe_cli", *map(str, args)], e)
+        os.execve(sys.executable, [sys.executable, "-m", "flashmoe.cli", *map(str, args)], e)
     return pid, master
 
 
@@ -291,7 +291,7 @@ def test_agent_approve_ask_without_a_terminal_says_so(tmp_path):
     (tmp_path / "s.jsonl").write_text(json.dumps({"role": "user", "content": "make a todo"}) + "\n")
     env = fake_env(tmp_path, [tui_call("write_file", path="todo.txt", content="x"), "Done."])
     e = dict(os.environ, **env)
-    r = subprocess.run([sys.executable, "-m", "flashmoe_cli", "agent", "--engine", "fake", "--tools", "builtin",
+    r = subprocess.run([sys.executable, "-m", "flashmoe.cli", "agent", "--engine", "fake", "--tools", "builtin",
                         "--workspace", str(ws), "--script", str(tmp_path / "s.jsonl"), "--approve", "ask"],
                        capture_output=True, text=True, env=e, cwd=ROOT, timeout=60, start_new_session=True,
                        stdin=subprocess.DEVNULL)
@@ -332,7 +332,7 @@ def saved(tmp_path):
 
 def start_run(tmp_path, *extra):
     e = dict(os.environ, **stream_env(tmp_path))
-    return subprocess.Popen([sys.executable, "-m", "flashmoe_cli", "run", "--engine", "fake", *extra, "count"],
+    return subprocess.Popen([sys.executable, "-m", "flashmoe.cli", "run", "--engine", "fake", *extra, "count"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=e,
                             cwd=ROOT)
 
@@ -393,7 +393,7 @@ def test_terminal_closing_saves_the_reply_and_exits_129(tmp_path):
 
 
 def test_resumed_history_never_has_two_user_turns_in_a_row(tmp_path):
-    from flashmoe_cli.chat import NO_REPLY, ChatSession
+    from flashmoe.cli.chat import NO_REPLY, ChatSession
 
     store = Store(tmp_path / "logs.db")
     cid = store.new_conversation("m")
@@ -416,7 +416,7 @@ def test_a_failed_reply_leaves_no_lonely_user_turn(tmp_path):
 
 def test_streaming_saves_are_throttled(tmp_path):
     """Every token goes through stream(); the database is written at most every SAVE_EVERY_S."""
-    from flashmoe_cli.chat import SAVE_EVERY_S, ChatSession
+    from flashmoe.cli.chat import SAVE_EVERY_S, ChatSession
 
     store = Store(tmp_path / "logs.db")
     writes = []
@@ -438,8 +438,8 @@ def test_streaming_saves_are_throttled(tmp_path):
 
 @pytest.mark.asyncio
 async def test_tui_saves_the_reply_as_it_streams_and_when_quitting_mid_reply(tmp_path):
-    from flashmoe_cli.chat import ChatOptions, ChatSession
-    from flashmoe_cli.tui.app import ChatApp
+    from flashmoe.cli.chat import ChatOptions, ChatSession
+    from flashmoe.cli.tui.app import ChatApp
     from tests.tui.conftest import StableFakeEngine, send, wait_for
 
     store = Store(tmp_path / "logs.db")
@@ -457,7 +457,7 @@ async def test_tui_saves_the_reply_as_it_streams_and_when_quitting_mid_reply(tmp
         await pilot.pause(0.2)
     user, reply = store.messages(session.cid)
     assert reply.complete and reply.interrupted and reply.content.split() == LONG.split()[:30]
-    from flashmoe_cli import signals
+    from flashmoe.cli import signals
 
     assert signals.received == signal.SIGTERM
     signals.received = None
@@ -505,7 +505,7 @@ def test_a_missing_flashmoe_home_is_created_and_said(tmp_path):
 def test_non_utf8_stdin_and_arguments_are_replaced_and_said_once(tmp_path):
     env = fake_env(tmp_path, ["ok"])
     e = dict(os.environ, **env)
-    r = subprocess.run([sys.executable, "-m", "flashmoe_cli", "run", "--engine", "fake", "caf\xe9".encode("latin-1")],
+    r = subprocess.run([sys.executable, "-m", "flashmoe.cli", "run", "--engine", "fake", "caf\xe9".encode("latin-1")],
                        input=b"na\xefve \xff\xfe text\n", capture_output=True, env=e, cwd=ROOT, timeout=60)
     err = r.stderr.decode()
     assert r.returncode == 0 and r.stdout == b"ok\n", err
@@ -599,7 +599,7 @@ def test_repl_mid_reply_saves_what_was_shown_and_exits_on_sigterm_and_sighup(tmp
 def run_argv_bytes(args, env, stdin=b""):
     e = dict(os.environ, **env)
     e.pop("FORCE_COLOR", None)
-    r = subprocess.run([sys.executable, "-m", "flashmoe_cli", *args], input=stdin, capture_output=True, env=e,
+    r = subprocess.run([sys.executable, "-m", "flashmoe.cli", *args], input=stdin, capture_output=True, env=e,
                        cwd=ROOT, timeout=60)
     return r, r.stderr.decode()
 

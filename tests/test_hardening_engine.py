@@ -16,9 +16,9 @@ import sys
 
 import pytest
 
-from engine import EngineFailed, GenerationFinished
-from engine.errors import ConvertError, ModelLoadError
-from engine.generate import GenerationRequest
+from flashmoe.engine import EngineFailed, GenerationFinished
+from flashmoe.engine.errors import ConvertError, ModelLoadError
+from flashmoe.engine.generate import GenerationRequest
 from tests.conftest import ROOT, run_cli
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 4
@@ -120,8 +120,8 @@ def test_prompt_truncated_on_request_says_so(packed):
 
 
 def test_generation_stops_at_the_context(packed):
-    from engine.generate import Session, generate
-    from engine.loader import load
+    from flashmoe.engine.generate import Session, generate
+    from flashmoe.engine.loader import load
 
     edit_config(packed, max_position_embeddings=20)
     loaded = load(packed)
@@ -179,7 +179,7 @@ def _full_disk_after(n_calls, real):
 
 
 def test_full_disk_during_convert_keeps_the_partial_and_resumes(model_factory, tmp_path, monkeypatch):
-    import engine.convert as conv
+    import flashmoe.engine.convert as conv
 
     src = model_factory("qwen3_moe", 4)
     out = tmp_path / "o"
@@ -201,7 +201,7 @@ def test_full_disk_during_convert_keeps_the_partial_and_resumes(model_factory, t
 
 
 def test_full_disk_while_writing_the_resident_weights(model_factory, tmp_path, monkeypatch):
-    import engine.convert as conv
+    import flashmoe.engine.convert as conv
 
     def full(path, *a, **k):
         with open(path, "wb") as f:
@@ -231,7 +231,7 @@ def test_full_disk_through_the_cli(tmp_path):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
-    cmd = [sys.executable, "-m", "flashmoe_cli", "convert", str(src), str(out)]
+    cmd = [sys.executable, "-m", "flashmoe.cli", "convert", str(src), str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, preexec_fn=small_disk)
     assert r.returncode == 3, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
@@ -257,7 +257,7 @@ def test_convert_never_deletes_a_partial_it_did_not_make(model_factory, tmp_path
 
 
 def test_convert_still_replaces_its_own_partial_with_other_options(model_factory, tmp_path):
-    import engine.convert as conv
+    import flashmoe.engine.convert as conv
 
     src = model_factory("qwen3_moe")
     with pytest.raises(RuntimeError, match="injected"):
@@ -282,8 +282,8 @@ def flip_byte(folder, layer: int, expert: int, at: int = 10):
 
 def used_experts(folder, prompt: str) -> dict[int, set[int]]:
     """Which experts of each layer a generation reads (a spy on the store)."""
-    from engine.generate import Session, generate
-    from engine.loader import load
+    from flashmoe.engine.generate import Session, generate
+    from flashmoe.engine.loader import load
 
     loaded = load(folder)
     seen: dict[int, set[int]] = {}
@@ -315,7 +315,7 @@ def test_clean_model_runs_with_verification(packed):
 
 
 def _engine_fails_on(folder, **load_args):
-    from engine.engine import Engine
+    from flashmoe.engine.engine import Engine
 
     eng = Engine(folder, **load_args)
     eng.wait_loaded()
@@ -344,14 +344,14 @@ def test_every_read_path_checks_the_checksum(packed, load_args):
 
 def test_checksum_over_pieces(packed, monkeypatch):
     """Misses are read in pieces that land in any order: the check runs once all have landed."""
-    import engine.experts.store as store
+    import flashmoe.engine.experts.store as store
 
     monkeypatch.setattr(store, "READ_PIECE", 4096)
     test_every_read_path_checks_the_checksum(packed, dict(kernels="cpu"))
 
 
 def test_checksum_of_16_bit_experts_widened_on_read(model_factory, tmp_path):
-    from engine.convert import convert
+    from flashmoe.engine.convert import convert
 
     out = convert(model_factory("qwen3_moe"), tmp_path / "bf16", bits=4, dtype="bfloat16")  # bf16 scales
     seen = used_experts(out, LONG_PROMPT)
@@ -362,7 +362,7 @@ def test_checksum_of_16_bit_experts_widened_on_read(model_factory, tmp_path):
 
 
 def test_each_expert_is_checked_once_per_process(packed):
-    from engine.loader import load
+    from flashmoe.engine.loader import load
 
     loaded = load(packed, expert_cache=0)
     store = loaded.store
@@ -381,7 +381,7 @@ def test_each_expert_is_checked_once_per_process(packed):
 
 
 def test_no_verify_reads_setting(packed):
-    from engine.loader import load
+    from flashmoe.engine.loader import load
 
     loaded = load(packed, verify_reads=False)
     try:

@@ -19,8 +19,8 @@ import pytest
 from huggingface_hub import constants, scan_cache_dir
 from huggingface_hub.file_download import repo_folder_name
 
-from engine import hf_cache
-from engine.hf_cache import ModelNotFoundError, hub_cache_dir, resolve, snapshot_path, split_spec
+from flashmoe.engine import hf_cache
+from flashmoe.engine.hf_cache import ModelNotFoundError, hub_cache_dir, resolve, snapshot_path, split_spec
 from tests.conftest import ROOT, run_cli
 
 REPO = "tiny-org/tiny-moe"
@@ -151,9 +151,7 @@ def test_cache_folder_is_huggingface_hubs_and_no_mlx_is_imported(tmp_path):
              {"HUGGINGFACE_HUB_CACHE": "/legacy", "HF_HOME": "/h"}, {"HF_HOME": "~/hf"}]
     code = f"""
 import importlib, json, os, sys, types
-pkg = types.ModuleType("engine"); pkg.__path__ = [os.path.join({str(ROOT)!r}, "engine")]
-sys.modules["engine"] = pkg  # engine/__init__ would import MLX itself: load only the module
-import engine.hf_cache as h
+import flashmoe.engine.hf_cache as h
 heavy = [m for m in sys.modules if m.split(".")[0] in ("mlx", "mlx_lm", "huggingface_hub", "numpy")]
 import huggingface_hub.constants as c
 out = []
@@ -211,7 +209,7 @@ def test_no_snapshot_is_one_line_naming_what_is_there(cache):
 # --- the commands ---------------------------------------------------------------------------------
 
 def test_info_and_run_from_the_cache(cache, tiny):
-    from engine.tokenizer import Tokenizer
+    from flashmoe.engine.tokenizer import Tokenizer
     from tests.test_streaming_exact import greedy
     from tests.tiny_models import reference_model
 
@@ -234,7 +232,7 @@ def test_info_and_run_from_the_cache(cache, tiny):
 
 
 def test_convert_from_the_cache(cache, tiny, tmp_path):
-    from engine.convert import is_converted
+    from flashmoe.engine.convert import is_converted
 
     add_snapshot(cache, C1, tiny, refs=["main"])
     add_snapshot(cache, C2, {"config.json": b"{}"}, refs=["broken"])  # @broken would fail to convert
@@ -257,9 +255,9 @@ def test_every_model_command_resolves_through_the_cache(cache, tmp_path, monkeyp
     (in-process: each fails with the same one line for a model that is not there)."""
     import signal
 
-    from flashmoe_cli import cli
+    from flashmoe.cli import cli, models, startup
 
-    monkeypatch.setattr(cli, "make_engine", lambda args: cli.resolve_model(args.model) and None)
+    monkeypatch.setattr(startup, "make_engine", lambda args: models.resolve_model(args.model) and None)
     script = tmp_path / "session.jsonl"
     script.write_text('{"role": "user", "content": "hi"}\n')
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
@@ -308,7 +306,7 @@ def test_pull_fetches_only_what_a_model_needs(cache, monkeypatch, capsys):
     import huggingface_hub
     from huggingface_hub.utils import filter_repo_objects
 
-    from flashmoe_cli import cli
+    from flashmoe.cli import cli
 
     calls = []
 
@@ -335,7 +333,7 @@ def test_pull_offline_of_a_cached_commit_prefix_is_the_snapshot(cache, monkeypat
     import huggingface_hub
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from flashmoe_cli import cli
+    from flashmoe.cli import cli
 
     def offline(repo_id, **kw):
         raise LocalEntryNotFoundError("Cannot find an appropriate cached snapshot folder ...")

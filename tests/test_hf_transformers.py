@@ -42,9 +42,9 @@ transformers = pytest.importorskip("transformers")
 
 import mlx.core as mx  # noqa: E402
 
-from engine.convert import convert  # noqa: E402
-from engine.errors import ModelLoadError  # noqa: E402
-from engine.loader import load  # noqa: E402
+from flashmoe.engine.convert import convert  # noqa: E402
+from flashmoe.engine.errors import ModelLoadError  # noqa: E402
+from flashmoe.engine.loader import load  # noqa: E402
 
 pytestmark = pytest.mark.hf
 

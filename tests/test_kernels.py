@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("numba")
 mx = pytest.importorskip("mlx.core")
 
-from engine.kernels import cpu_qmm as K  # (imported after the importorskip above)
+from flashmoe.engine.kernels import cpu_qmm as K  # (imported after the importorskip above)
 
 RNG = np.random.default_rng(1234)
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from flashmoe_cli.store import Store
+from flashmoe.cli.store import Store
 from tests.conftest import ROOT, run_cli
 
 REPLY = "one two three four five six"
@@ -118,7 +118,7 @@ def test_engine_never_imports_ui_packages():
 
 def test_headless_start_up_does_not_import_textual(model_factory, tmp_path):
     model = model_factory("qwen3_moe", 4, converted=True)
-    code = ("import sys; from flashmoe_cli.cli import main; "
+    code = ("import sys; from flashmoe.cli.cli import main; "
             f"rc = main(['run', '-n', '-m', {str(model)!r}, '--max-tokens', '2', 'hi']); "
             "print('UI:', [m for m in ('textual', 'prompt_toolkit') if m in sys.modules]); sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
@@ -128,11 +128,12 @@ def test_headless_start_up_does_not_import_textual(model_factory, tmp_path):
 
 
 def test_the_front_end_offers_what_the_engine_takes():
-    """config.py keeps its own copies of the engine's choices so that --help and usage errors
-    never import MLX: they must not drift apart."""
-    from engine.experts.store import CACHE_POLICIES
-    from engine.loader import PREFETCH_MODES
-    from flashmoe_cli.config import CACHE_POLICY_CHOICES, PREFETCH_CHOICES
+    """The flags offer the engine's own lists (flashmoe.engine.options, which --help and usage
+    errors import without MLX), not copies that could drift apart."""
+    from flashmoe.engine.experts.store import CACHE_POLICIES
+    from flashmoe.engine.loader import PREFETCH_MODES
+    from flashmoe.cli.config import CACHE_POLICY_CHOICES, PREFETCH_CHOICES
 
     assert set(CACHE_POLICY_CHOICES) == set(CACHE_POLICIES)
     assert set(PREFETCH_CHOICES) == set(PREFETCH_MODES)
+    assert CACHE_POLICY_CHOICES is CACHE_POLICIES and PREFETCH_CHOICES is PREFETCH_MODES

@@ -17,8 +17,8 @@ from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 import numpy as np
 from safetensors.numpy import save_file
 
-from engine.convert import convert
-from engine.loader import load, normalize_config
+from flashmoe.engine.convert import convert
+from flashmoe.engine.loader import load, normalize_config
 from tests.tiny_tokenizer import write_tiny_tokenizer
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"
@@ -128,7 +128,7 @@ def test_layer_types_must_be_periodic(tmp_path):
     raw.pop("full_attention_interval")
     raw["layer_types"] = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    from engine.errors import ModelLoadError
+    from flashmoe.engine.errors import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="not periodic"):
         load(tmp_path)

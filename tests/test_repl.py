@@ -20,10 +20,10 @@ from prompt_toolkit.document import Document
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from engine.fake import FakeEngine
-from flashmoe_cli import cli
-from flashmoe_cli.exit_codes import ExitCode
-from flashmoe_cli.repl import LineRepl, SlashCompleter, run_repl
+from flashmoe.engine.fake import FakeEngine
+from flashmoe.cli import cli, startup
+from flashmoe.cli.exit_codes import ExitCode
+from flashmoe.cli.repl import LineRepl, SlashCompleter, run_repl
 from tests.conftest import ROOT
 
 ENTER, ALT_ENTER, CTRL_C, CTRL_D, CTRL_R, RIGHT = "\r", "\x1b\r", "\x03", "\x04", "\x12", "\x1b[C"
@@ -79,7 +79,7 @@ def user_messages(request):
 
 
 def latest_messages():
-    from flashmoe_cli.store import open_store
+    from flashmoe.cli.store import open_store
 
     store = open_store()
     return store.messages(store.latest())
@@ -292,7 +292,7 @@ def test_ctrl_c_while_streaming_keeps_the_partial_reply():
 
 def test_line_repl_on_its_own():
     """LineRepl needs only a ChatSession and the loaded-model info; nothing is saved without a store."""
-    from flashmoe_cli.chat import ChatSession
+    from flashmoe.cli.chat import ChatSession
 
     engine = FakeEngine(["a reply"])
     session = ChatSession(engine)
@@ -323,7 +323,7 @@ def test_a_failed_reply_is_one_line_and_the_chat_goes_on():
 
 
 def test_load_error_exits_3():
-    from engine.errors import ModelLoadError
+    from flashmoe.engine.errors import ModelLoadError
 
     class Broken(FakeEngine):
         closed = False
@@ -345,7 +345,7 @@ def test_load_error_through_make_engine_exits_3(monkeypatch):
     def boom(args):
         raise RuntimeError("mlx is not installed right")
 
-    monkeypatch.setattr(cli, "make_engine", boom)
+    monkeypatch.setattr(startup, "make_engine", boom)
     err = io.StringIO()
     code = run_repl(chat_args(), input=None, output=DummyOutput(), stdout=io.StringIO(), stderr=err)
     assert code == 3
@@ -368,17 +368,17 @@ def test_bad_flags_are_a_usage_error_before_loading():
 def test_chat_picks_the_repl_on_a_dumb_terminal_or_with_no_tui(monkeypatch, term, flags, face):
     import types
 
-    from flashmoe_cli import repl
+    from flashmoe.cli import repl
 
     monkeypatch.setenv("TERM", term)
     monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(isatty=lambda: True))
     monkeypatch.setattr(sys, "stdout", types.SimpleNamespace(isatty=lambda: True))
     picked = []
     monkeypatch.setattr(repl, "run_repl", lambda args: picked.append("repl") or 0)
-    tui = types.ModuleType("flashmoe_cli.tui.app")
+    tui = types.ModuleType("flashmoe.cli.tui.app")
     tui.run_tui = lambda args: picked.append("tui") or 0
-    monkeypatch.setitem(sys.modules, "flashmoe_cli.tui", types.ModuleType("flashmoe_cli.tui"))
-    monkeypatch.setitem(sys.modules, "flashmoe_cli.tui.app", tui)
+    monkeypatch.setitem(sys.modules, "flashmoe.cli.tui", types.ModuleType("flashmoe.cli.tui"))
+    monkeypatch.setitem(sys.modules, "flashmoe.cli.tui.app", tui)
     args = cli.build_parser().parse_args(["chat", "--engine", "fake", *flags])
     assert cli.cmd_chat(args) == 0 and picked == [face]
 
@@ -397,7 +397,7 @@ def test_under_a_pseudo_terminal(home, term, flags):
     master, slave = pty.openpty()
     # In its own session the child makes the pty its controlling terminal, so ^C is its SIGINT.
     child = ("import fcntl, runpy, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-             "sys.argv[0] = 'flashmoe'; runpy.run_module('flashmoe_cli', run_name='__main__')")
+             "sys.argv[0] = 'flashmoe'; runpy.run_module('flashmoe.cli', run_name='__main__')")
     proc = subprocess.Popen([sys.executable, "-c", child, "chat", "--engine", "fake", *flags],
                             stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT, start_new_session=True)
     os.close(slave)
@@ -477,7 +477,7 @@ def test_non_utf8_bytes_typed_in_a_line_or_system_are_replaced_and_said(home):
         "flashmoe: warning: the message is not UTF-8: undecodable bytes are replaced with U+FFFD"]
     assert engine.requests[0].messages == [{"role": "system", "content": "be \ufffd brief"},
                                            {"role": "user", "content": "caf\ufffd"}]
-    from flashmoe_cli.store import open_store
+    from flashmoe.cli.store import open_store
 
     store = open_store()
     assert store.get(store.latest()).system == "be \ufffd brief"
@@ -495,7 +495,7 @@ class Pty:
         env.pop("FORCE_COLOR", None)
         self.master, slave = pty.openpty()
         child = ("import fcntl, runpy, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-                 "sys.argv[0] = 'flashmoe'; runpy.run_module('flashmoe_cli', run_name='__main__')")
+                 "sys.argv[0] = 'flashmoe'; runpy.run_module('flashmoe.cli', run_name='__main__')")
         self.proc = subprocess.Popen([sys.executable, "-c", child, "chat", "--engine", "fake", "--no-tui"],
                                      stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT,
                                      start_new_session=True)
@@ -529,8 +529,8 @@ class Pty:
 
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
 def test_text_typed_during_a_reply_is_not_echoed_into_it_and_waits_for_the_prompt(home):
-    from flashmoe_cli.paths import logs_db
-    from flashmoe_cli.store import Store
+    from flashmoe.cli.paths import logs_db
+    from flashmoe.cli.store import Store
 
     words = " ".join(f"w{i}" for i in range(60))
     t = Pty(home, [words, "second answer"])
@@ -569,8 +569,8 @@ def test_help_describes_timing_as_the_repl_has_it_no_panel():
 
 
 def test_quitting_says_how_to_resume_the_conversation(home):
-    from flashmoe_cli.paths import logs_db
-    from flashmoe_cli.store import Store
+    from flashmoe.cli.paths import logs_db
+    from flashmoe.cli.store import Store
 
     t = drive("hi" + ENTER + CTRL_D)
     assert t.code == 0, t

@@ -14,10 +14,10 @@ import pytest
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.utils import save_config, save_model
 
-from engine.convert import convert
-from engine.errors import ConvertError, ModelLoadError
-from engine.experts.blocks import resident_expert_modules
-from engine.loader import load
+from flashmoe.engine.convert import convert
+from flashmoe.engine.errors import ConvertError, ModelLoadError
+from flashmoe.engine.experts.blocks import resident_expert_modules
+from flashmoe.engine.loader import load
 from tests.conftest import run_cli
 from tests.tiny_tokenizer import write_tiny_tokenizer
 
@@ -137,10 +137,10 @@ def test_cli_one_line_exit_3_then_allowed(dense_declaring_experts):
 
 
 def test_every_summary_says_the_experts_are_resident(hand_rolled):
-    from engine.engine import Engine
-    from engine.events import GenerationFinished
-    from engine.generate import GenerationRequest
-    from flashmoe_cli.headless import summary
+    from flashmoe.engine.engine import Engine
+    from flashmoe.engine.events import GenerationFinished
+    from flashmoe.engine.generate import GenerationRequest
+    from flashmoe.cli.summaries import summary
 
     folder, _ = hand_rolled
     engine = Engine(folder, kernels="mlx", allow_resident_experts=True)

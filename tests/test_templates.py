@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine.tokenizer import Tokenizer
-from flashmoe_cli.agent import AgentLoop
-from tools.calls import ToolCall
-from tools.parsers import parser_for_template
+from flashmoe.engine.tokenizer import Tokenizer
+from flashmoe.cli.agent import AgentLoop
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.parsers import parser_for_template
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared/reference"
 TEMPLATES = REFERENCE / "chat_templates"
@@ -93,7 +93,7 @@ def agent_messages(template: str, reply: str, calls: list[ToolCall], results: li
     code path: native templates get `tool_calls` and `tool` messages), and whether it hands the
     template `tools`."""
     session = RecordingSession()
-    from tools.textstate import TextState
+    from flashmoe.tools.textstate import TextState
 
     parser = parser_for_template(template)
     loop = AgentLoop(session, Executor(), parser, template=template)
@@ -181,7 +181,7 @@ def test_deepseek_gets_its_arguments_as_a_json_string_and_qwen_as_an_object(tmp_
 def test_deepseek_system_prompt_and_parser_agree(tmp_path):
     """DeepSeek's template renders no tool definitions, so the agent describes the tools in the
     system prompt: in the format its parser reads (DeepSeek's markers), not Qwen's <tool_call>."""
-    from flashmoe_cli.agent import tool_instructions
+    from flashmoe.cli.agent import tool_instructions
 
     ds = Tokenizer.from_folder(folder_for(tmp_path, "deepseek_v3"))
     parser = parser_for_template(ds.template_source)

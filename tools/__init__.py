@@ -16,20 +16,19 @@ from __future__ import annotations
 
 from typing import Any
 
-_EXPORTS = {
-    "Tool": "tools.registry", "ToolRegistry": "tools.registry", "ToolCall": "tools.calls",
-    "ToolExecutor": "tools.executor", "ToolResult": "tools.runner", "Policy": "tools.policy",
-    "NonInteractiveApprover": "tools.policy", "TextState": "tools.textstate", "check_call": "tools.validate",
-    "parser_for_template": "tools.parsers", "ToolError": "tools.errors",
+_EXPORTS = {  # name -> the module of this package that defines it
+    "Tool": "registry", "ToolRegistry": "registry", "ToolCall": "calls", "ToolExecutor": "executor",
+    "ToolResult": "runner", "Policy": "policy", "NonInteractiveApprover": "policy", "TextState": "textstate",
+    "check_call": "validate", "parser_for_template": "parsers", "ToolError": "errors",
 }
 
 
-def __getattr__(name: str) -> Any:  # lazy, so `import tools.parsers` stays light
+def __getattr__(name: str) -> Any:  # lazy, so `import flashmoe.tools.parsers` stays light
     if name in _EXPORTS:
         import importlib
 
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'tools' has no attribute {name!r}")
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = sorted(_EXPORTS)

@@ -15,11 +15,11 @@ from typing import Any
 # (a+)+$ written by the model stops at the tool's time limit instead of hanging the agent.
 import regex
 
-from tools import safe_fs
-from tools.errors import PathRefused, ToolRunError
-from tools.policy import Policy, Sandbox, glob_regex
-from tools.registry import Tool, ToolRegistry
-from tools.runner import DEFAULT_MAX_OUTPUT, CommandRunner, ToolResult
+from flashmoe.tools import safe_fs
+from flashmoe.tools.errors import PathRefused, ToolRunError
+from flashmoe.tools.policy import Policy, Sandbox, glob_regex
+from flashmoe.tools.registry import Tool, ToolRegistry
+from flashmoe.tools.runner import DEFAULT_MAX_OUTPUT, CommandRunner, ToolResult
 
 MAX_SEARCH_FILE_BYTES = 4 * 1024 * 1024
 MAX_READ_FILE_BYTES = 64 * 1024 * 1024

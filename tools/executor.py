@@ -13,12 +13,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tools.calls import ToolCall
-from tools.errors import ToolError
-from tools.policy import Approver, Decision, NonInteractiveApprover, Policy
-from tools.registry import Tool, ToolRegistry
-from tools.runner import DEFAULT_MAX_OUTPUT, ToolResult, cap_text
-from tools.validate import RejectedCall, RepairLoop, check_call
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.errors import ToolError
+from flashmoe.tools.policy import Approver, Decision, NonInteractiveApprover, Policy
+from flashmoe.tools.registry import Tool, ToolRegistry
+from flashmoe.tools.runner import DEFAULT_MAX_OUTPUT, ToolResult, cap_text
+from flashmoe.tools.validate import RejectedCall, RepairLoop, check_call
 
 DEFAULT_TOOL_TIME_LIMIT_S = 120.0
 
@@ -175,7 +175,7 @@ class ToolExecutor:
             return None, "ask:granted"
         reason = decision.reason
         if getattr(tool.fn, "risk_undeclared", False):  # a Python tool that said nothing: exec
-            from tools.user_tools import DECLARE_RISK_HINT
+            from flashmoe.tools.user_tools import DECLARE_RISK_HINT
 
             reason = f"{reason}; {tool.name} {DECLARE_RISK_HINT}"
         try:

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from tools import shellwords
-from tools.calls import ToolCall
-from tools.errors import PathRefused, PolicyError
-from tools.gitguard import git_metadata_write
-from tools.registry import Tool
-from tools.side_effects import side_effect_option
+from flashmoe.tools import shellwords
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.errors import PathRefused, PolicyError
+from flashmoe.tools.gitguard import git_metadata_write
+from flashmoe.tools.registry import Tool
+from flashmoe.tools.side_effects import side_effect_option
 
 Mode = Literal["read-only", "ask", "workspace-write", "yolo"]
 MODES: tuple[str, ...] = ("read-only", "ask", "workspace-write", "yolo")

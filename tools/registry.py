@@ -13,7 +13,7 @@ from typing import Any, Literal
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
-from tools.errors import ToolDefinitionError
+from flashmoe.tools.errors import ToolDefinitionError
 
 Risk = Literal["read", "write", "exec"]
 RISKS: tuple[str, ...] = ("read", "write", "exec")

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tools.errors import PathRefused
+from flashmoe.tools.errors import PathRefused
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)

@@ -47,8 +47,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Literal
 
-from prompts.reasoning import REASONING_MARKERS
-from tools.parsers import parse_calls, plain_json
+from flashmoe.prompts.reasoning import REASONING_MARKERS
+from flashmoe.tools.parsers import parse_calls, plain_json
 
 SegmentKind = Literal["text", "reasoning", "tool_call_begin", "tool_call"]
 
@@ -143,8 +143,8 @@ def _maybe_bare_calls(s: str, several: bool = True) -> bool:
 def _one_json_call(text: str, tools: Any) -> bool:
     """The near-miss rule (see the module docstring): text is exactly one JSON call object, bare or
     alone in a ``` fence, naming a known tool with object arguments that fit its schema."""
-    from tools.calls import ToolsInfo
-    from tools.parsers._common import strip_fence
+    from flashmoe.tools.calls import ToolsInfo
+    from flashmoe.tools.parsers._common import strip_fence
 
     s = text.strip()
     if s.startswith("```"):

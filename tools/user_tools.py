@@ -42,9 +42,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Union
 
-from tools.errors import ToolDefinitionError, ToolFileError
-from tools.registry import RISKS, Tool
-from tools.runner import CommandRunner, ToolResult
+from flashmoe.tools.errors import ToolDefinitionError, ToolFileError
+from flashmoe.tools.registry import RISKS, Tool
+from flashmoe.tools.runner import CommandRunner, ToolResult
 
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
 

@@ -13,8 +13,8 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import best_match
 
-from tools.calls import MAX_ARGUMENT_CHARS, ToolCall, argument_problem
-from tools.registry import Tool, ToolRegistry
+from flashmoe.tools.calls import MAX_ARGUMENT_CHARS, ToolCall, argument_problem
+from flashmoe.tools.registry import Tool, ToolRegistry
 
 BACKSLASH_QUOTES = ("the arguments use backslashes where JSON needs double quotes "
                     "(a known low-bit quantization failure)")

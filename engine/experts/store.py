@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelLoadError
+from ..options import CACHE_POLICIES
 from .layout import Extent, LayerExperts, Part
 
 PAGE = 4096
@@ -35,7 +36,6 @@ READ_PIECE = 1 << 20
 # LFU_HALF_LIFE tokens); "lru": the least recently used, which a cache smaller than one pass
 # over the layers turns into no hits at all (each layer's experts are evicted just before the
 # next token asks for them again). Measured in benchmarks/RESULTS.md.
-CACHE_POLICIES = ("lfu", "lru")
 LFU_HALF_LIFE = 128
 _HALF = ("BF16", "F16")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, InvalidStateError
 
-from engine.events import (
+from flashmoe.engine.events import (
     EngineFailed,
     GenerationFinished,
     LayerTimings,

@@ -28,7 +28,7 @@ from textual.containers import Horizontal
 from textual.widgets import Markdown, Static
 from textual.worker import get_current_worker
 
-from engine.events import (
+from flashmoe.engine.events import (
     EngineFailed,
     GenerationFinished,
     LayerTimings,
@@ -38,7 +38,8 @@ from engine.events import (
 )
 
 from ..chat import mark_of, resume_hint
-from ..cli import DEMO_NOTE, human_bytes, is_demo
+from ..models import DEMO_NOTE, is_demo
+from ..units import human_bytes
 from ..commands import CommandError, help_text, parse
 from ..exit_codes import ExitCode
 from ..term_safe import safe
@@ -872,7 +873,7 @@ def teach_alt_enter() -> None:
 
 def run_tui(args) -> int:
     """`flashmoe chat` on a terminal; returns the exit code."""
-    from ..cli import make_engine, open_conversation
+    from ..startup import make_engine, open_conversation
 
     teach_alt_enter()
 

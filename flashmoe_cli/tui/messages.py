@@ -98,8 +98,8 @@ class ReplyTool(Message):
     def __init__(self, reply_id: int, call, result) -> None:
         super().__init__()
         self.reply_id = reply_id
-        self.call = call  # flashmoe_cli.agent.ToolCallEvent (None if none came before the result)
-        self.result = result  # flashmoe_cli.agent.ToolResultEvent
+        self.call = call  # flashmoe.cli.agent.ToolCallEvent (None if none came before the result)
+        self.result = result  # flashmoe.cli.agent.ToolResultEvent
 
 
 class ReplyTurnEnd(Message):
@@ -108,7 +108,7 @@ class ReplyTurnEnd(Message):
     def __init__(self, reply_id: int, end, failed=None) -> None:
         super().__init__()
         self.reply_id = reply_id
-        self.end = end  # flashmoe_cli.agent.TurnFinished
+        self.end = end  # flashmoe.cli.agent.TurnFinished
         self.failed = failed  # engine.events.EngineFailed, when the engine failed
 
 

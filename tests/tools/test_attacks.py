@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tools.builtin import Builtins, builtin_tools
-from tools.calls import ToolCall
-from tools.errors import PathRefused, ToolRunError
-from tools.executor import ToolExecutor
-from tools.parsers import get_parser, parse_calls
-from tools.policy import Policy, ScriptedApprover
-from tools.registry import Tool, ToolRegistry
-from tools.runner import CommandRunner, run_command, scrub_env
-from tools.user_tools import load_tool_file
+from flashmoe.tools.builtin import Builtins, builtin_tools
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.errors import PathRefused, ToolRunError
+from flashmoe.tools.executor import ToolExecutor
+from flashmoe.tools.parsers import get_parser, parse_calls
+from flashmoe.tools.policy import Policy, ScriptedApprover
+from flashmoe.tools.registry import Tool, ToolRegistry
+from flashmoe.tools.runner import CommandRunner, run_command, scrub_env
+from flashmoe.tools.user_tools import load_tool_file
 
 from tests.tools.test_runner import wait_gone
 
@@ -53,9 +53,9 @@ SORT_TOOL = [{"type": "function", "function": {
 @pytest.mark.parametrize("value", ["-o{out}", "--output={out}", "--files0-from={out}", "-o", "--", "-"])
 def test_option_injection_into_a_path_placeholder_is_refused(tmp_path, ws, value):
     out = tmp_path / "outside" / "x"
-    (tmp_path / "tools.json").write_text(json.dumps(SORT_TOOL))
+    (tmp_path / "flashmoe.tools.json").write_text(json.dumps(SORT_TOOL))
     policy = Policy(ws, "yolo", dangerously_skip_approvals=True)
-    tools = load_tool_file(tmp_path / "tools.json", CommandRunner(cwd=ws))
+    tools = load_tool_file(tmp_path / "flashmoe.tools.json", CommandRunner(cwd=ws))
     res = executor_for(policy, tools).execute(ToolCall("sort_file", {"file": value.format(out=out)}, "raw"))
     assert not res.ok and res.status == "denied", res.content
     assert "would be read as an option" in res.content
@@ -67,9 +67,9 @@ def test_option_injection_into_a_string_placeholder_is_refused(tmp_path, ws):
     tool = [{"name": "grep_word", "parameters": {"type": "object", "properties": {"word": {"type": "string"}},
                                                   "required": ["word"]},
              "command": ["grep", "-r", "{word}", "."]}]
-    (tmp_path / "tools.json").write_text(json.dumps(tool))
+    (tmp_path / "flashmoe.tools.json").write_text(json.dumps(tool))
     policy = Policy(ws, "yolo", dangerously_skip_approvals=True)
-    tools = load_tool_file(tmp_path / "tools.json", CommandRunner(cwd=ws))
+    tools = load_tool_file(tmp_path / "flashmoe.tools.json", CommandRunner(cwd=ws))
     res = executor_for(policy, tools).execute(ToolCall("grep_word", {"word": f"--file={out}"}, "raw"))
     assert res.status == "denied" and "would be read as an option" in res.content
 
@@ -79,9 +79,9 @@ def test_values_after_a_literal_double_dash_may_start_with_a_dash(tmp_path, ws):
     tool = [{"name": "sort_file", "parameters": {"type": "object", "properties": {"file": {"type": "string"}},
                                                   "required": ["file"]},
              "command": ["sort", "--", "{file}"], "paths": ["file"]}]
-    (tmp_path / "tools.json").write_text(json.dumps(tool))
+    (tmp_path / "flashmoe.tools.json").write_text(json.dumps(tool))
     policy = Policy(ws, "yolo", dangerously_skip_approvals=True)
-    tools = load_tool_file(tmp_path / "tools.json", CommandRunner(cwd=ws))
+    tools = load_tool_file(tmp_path / "flashmoe.tools.json", CommandRunner(cwd=ws))
     res = executor_for(policy, tools).execute(ToolCall("sort_file", {"file": "-odd.txt"}, "raw"))
     assert res.ok, res.content
     assert res.content == "y\nz\n"
@@ -93,9 +93,9 @@ def test_the_command_gets_the_path_that_was_checked(tmp_path, ws, monkeypatch):
     monkeypatch.setenv("HOME", str(ws))
     (ws / "~").mkdir()
     (ws / "~" / "notes.txt").write_text("decoy\n")
-    (tmp_path / "tools.json").write_text(json.dumps(SORT_TOOL))
+    (tmp_path / "flashmoe.tools.json").write_text(json.dumps(SORT_TOOL))
     policy = Policy(ws, "yolo", dangerously_skip_approvals=True)
-    tools = load_tool_file(tmp_path / "tools.json", CommandRunner(cwd=ws))
+    tools = load_tool_file(tmp_path / "flashmoe.tools.json", CommandRunner(cwd=ws))
     res = executor_for(policy, tools).execute(ToolCall("sort_file", {"file": "~/notes.txt"}, "raw"))
     assert res.ok and res.content == "a\nb\n", res.content
 
@@ -144,7 +144,7 @@ def test_writes_that_would_make_a_git_directory_are_refused(tmp_path, ws, order)
     refused = [r for r in results if not r.ok]
     assert refused, [r.content for r in results]
     assert "git repository" in refused[0].content
-    from tools.gitguard import looks_like_git_dir
+    from flashmoe.tools.gitguard import looks_like_git_dir
 
     assert not looks_like_git_dir(ws) and not looks_like_git_dir(ws / "sub")
 
@@ -471,9 +471,9 @@ def test_allow_prefixes_match_whole_words_and_not_side_effect_options(ws, comman
 
 @pytest.mark.parametrize("kind", ["json", "yaml", "fifo", "huge"])
 def test_a_tool_file_that_cannot_be_read_is_one_line(tmp_path, kind):
-    from tools.errors import ToolFileError
+    from flashmoe.tools.errors import ToolFileError
 
-    path = tmp_path / ("tools.yaml" if kind == "yaml" else "tools.json")
+    path = tmp_path / ("flashmoe.tools.yaml" if kind == "yaml" else "flashmoe.tools.json")
     if kind in ("json", "yaml"):
         path.write_text("[" * 100_000 + "]" * 100_000)
     elif kind == "fifo":

@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from tools.parsers import PARSERS, parse_reply
-from tools.registry import Tool, ToolRegistry
-from tools.textstate import TextState
-from tools.validate import check_call
+from flashmoe.tools.parsers import PARSERS, parse_reply
+from flashmoe.tools.registry import Tool, ToolRegistry
+from flashmoe.tools.textstate import TextState
+from flashmoe.tools.validate import check_call
 
 CORPUS = sorted((Path(__file__).parent / "corpus").glob("*.json"))
 CASES: list[dict[str, Any]] = [c for p in CORPUS for c in json.loads(p.read_text(encoding="utf-8"))]

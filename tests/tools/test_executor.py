@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import pytest
 
-from tools.builtin import register_builtins
-from tools.calls import ToolCall
-from tools.errors import ToolRunError
-from tools.executor import ToolExecutor
-from tools.parsers import json_tools
-from tools.policy import NonInteractiveApprover, Policy, ScriptedApprover
-from tools.registry import Tool, ToolRegistry
+from flashmoe.tools.builtin import register_builtins
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.errors import ToolRunError
+from flashmoe.tools.executor import ToolExecutor
+from flashmoe.tools.parsers import json_tools
+from flashmoe.tools.policy import NonInteractiveApprover, Policy, ScriptedApprover
+from flashmoe.tools.registry import Tool, ToolRegistry
 
 
 @pytest.fixture

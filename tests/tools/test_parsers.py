@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.calls import ToolCall
-from tools.parsers import (
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.parsers import (
     deepseek_v3,
     PARSERS,
     get_parser,
@@ -146,7 +146,7 @@ def test_qwen3_coder(text, expected):
 
 
 def test_qwen3_coder_accepts_registry():
-    from tools.registry import Tool, ToolRegistry
+    from flashmoe.tools.registry import Tool, ToolRegistry
 
     reg = ToolRegistry([Tool("t", "", {"type": "object", "properties": {"n": {"type": "integer"}}}, lambda n: n)])
     assert qwen3_coder.parse_tool_call(xml("t", n="5"), reg)[0].arguments == {"n": 5}
@@ -285,7 +285,7 @@ def test_module_surface(module):
 
 # ---- the formats added for issue 13 ---------------------------------------------------------------
 
-from tools.parsers import (  # noqa: E402
+from flashmoe.tools.parsers import (  # noqa: E402
     function_gemma, gemma4, glm47, kimi_k2, kimi_k3, longcat, minicpm5, minimax_m2, muse_spark, parse_reply,
     pythonic)
 

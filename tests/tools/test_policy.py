@@ -5,11 +5,11 @@ import os
 
 import pytest
 
-from tools.builtin import builtin_tools
-from tools.calls import ToolCall
-from tools.errors import PathRefused, PolicyError
-from tools.policy import NonInteractiveApprover, Policy, Rule, Sandbox, ScriptedApprover, glob_regex
-from tools.registry import ToolRegistry
+from flashmoe.tools.builtin import builtin_tools
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.errors import PathRefused, PolicyError
+from flashmoe.tools.policy import NonInteractiveApprover, Policy, Rule, Sandbox, ScriptedApprover, glob_regex
+from flashmoe.tools.registry import ToolRegistry
 
 
 @pytest.fixture

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from tools.builtin import builtin_tools, register_builtins
-from tools.errors import ToolDefinitionError, ToolRunError
-from tools.policy import Policy, Sandbox
-from tools.registry import Tool, ToolRegistry
+from flashmoe.tools.builtin import builtin_tools, register_builtins
+from flashmoe.tools.errors import ToolDefinitionError, ToolRunError
+from flashmoe.tools.policy import Policy, Sandbox
+from flashmoe.tools.registry import Tool, ToolRegistry
 
 OBJ = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
 
@@ -125,7 +125,7 @@ def test_write_and_edit(b):
 
 
 def test_builtins_check_the_sandbox_themselves(b):
-    from tools.errors import PathRefused
+    from flashmoe.tools.errors import PathRefused
 
     fns, _ = b
     with pytest.raises(PathRefused):

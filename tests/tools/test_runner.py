@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tools.runner import CommandRunner, cap_text, is_secret_name, run_command, scrub_env
+from flashmoe.tools.runner import CommandRunner, cap_text, is_secret_name, run_command, scrub_env
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX process groups")
 

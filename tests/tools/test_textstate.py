@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from tools.parsers import deepseek_v3, json_tools, mistral, plain_json, qwen3_coder
-from tools.textstate import Segment, TextState, split_reply
+from flashmoe.tools.parsers import deepseek_v3, json_tools, mistral, plain_json, qwen3_coder
+from flashmoe.tools.textstate import Segment, TextState, split_reply
 
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"

@@ -6,9 +6,9 @@ import textwrap
 
 import pytest
 
-from tools.errors import ToolError, ToolFileError
-from tools.runner import CommandRunner
-from tools.user_tools import load_python_tools, load_tool_file, parse_docstring, schema_for_type
+from flashmoe.tools.errors import ToolError, ToolFileError
+from flashmoe.tools.runner import CommandRunner
+from flashmoe.tools.user_tools import load_python_tools, load_tool_file, parse_docstring, schema_for_type
 
 PY_TOOLS = '''
 from __future__ import annotations
@@ -211,7 +211,7 @@ def test_missing_tool_file(tmp_path):
 
 
 RISK_TOOLS = '''
-from tools.user_tools import risk
+from flashmoe.tools.user_tools import risk
 
 
 @risk("read")
@@ -248,7 +248,7 @@ def test_python_tools_declare_their_risk_by_decorator_or_docstring(tmp_path):
 
 
 def test_bad_declared_risks_are_refused(tmp_path):
-    from tools.user_tools import risk
+    from flashmoe.tools.user_tools import risk
 
     with pytest.raises(ValueError, match="risk must be one of read, write, exec"):
         risk("network")
@@ -258,10 +258,10 @@ def test_bad_declared_risks_are_refused(tmp_path):
 
 
 def test_approval_for_an_undeclared_python_tool_says_how_to_declare_it(tmp_path):
-    from tools.executor import ToolExecutor
-    from tools.calls import ToolCall
-    from tools.policy import Policy
-    from tools.registry import ToolRegistry
+    from flashmoe.tools.executor import ToolExecutor
+    from flashmoe.tools.calls import ToolCall
+    from flashmoe.tools.policy import Policy
+    from flashmoe.tools.registry import ToolRegistry
 
     (tmp_path / "r.py").write_text(RISK_TOOLS)
     registry = ToolRegistry()

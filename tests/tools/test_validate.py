@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from tools.calls import ToolCall
-from tools.parsers import json_tools, mistral, qwen3_coder
-from tools.registry import Tool, ToolRegistry
-from tools.validate import (
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.parsers import json_tools, mistral, qwen3_coder
+from flashmoe.tools.registry import Tool, ToolRegistry
+from flashmoe.tools.validate import (
     RepairLoop,
     Verdict,
     check_call,

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from engine.events import GenerationFinished, TokenGenerated
-from engine.fake import FakeEngine
-from flashmoe_cli.chat import ChatOptions, ChatSession
+from flashmoe.engine.events import GenerationFinished, TokenGenerated
+from flashmoe.engine.fake import FakeEngine
+from flashmoe.cli.chat import ChatOptions, ChatSession
 
 REPLY = ("A **mixture of experts** sends each token to a few of its experts.\n\n"
          "- the router picks the *top-k* experts per layer\n"
@@ -80,7 +80,7 @@ class StableFakeEngine(FakeEngine):
 
 
 def make_app(replies=None, *, timing: str = "layer", system: str | None = None, args=None, **engine_kw):
-    from flashmoe_cli.tui.app import ChatApp
+    from flashmoe.cli.tui.app import ChatApp
 
     engine = StableFakeEngine(replies or [REPLY], **engine_kw)
     session = ChatSession(engine, None, ChatOptions(timing=timing, system=system), model_name="fake")
@@ -90,7 +90,7 @@ def make_app(replies=None, *, timing: str = "layer", system: str | None = None, 
 
 def tool_args(workspace, *extra: str):
     """`flashmoe chat --tools builtin --workspace DIR ...` as the app gets it."""
-    from flashmoe_cli.cli import build_parser
+    from flashmoe.cli.cli import build_parser
 
     return build_parser().parse_args(["chat", "--tools", "builtin", "--workspace", str(workspace), *extra])
 

@@ -5,11 +5,11 @@ import threading
 
 import pytest
 
-from engine.errors import ModelLoadError
-from flashmoe_cli.tui.app import ChatApp
-from flashmoe_cli.tui.messages import ReplyText
-from flashmoe_cli.tui.screens import HelpScreen
-from flashmoe_cli.tui.widgets import AssistantMessage, Note, UserMessage
+from flashmoe.engine.errors import ModelLoadError
+from flashmoe.cli.tui.app import ChatApp
+from flashmoe.cli.tui.messages import ReplyText
+from flashmoe.cli.tui.screens import HelpScreen
+from flashmoe.cli.tui.widgets import AssistantMessage, Note, UserMessage
 
 from .conftest import REPLY, make_app, send, wait_for, wait_idle
 
@@ -105,7 +105,7 @@ def step_rows(engine, compute: bool = False):
     CPU kernels)."""
     import dataclasses
 
-    from engine.events import LayerTimings
+    from flashmoe.engine.events import LayerTimings
 
     hook = engine._hook
 
@@ -399,8 +399,8 @@ async def test_raw_html_and_unknown_tags_in_a_reply_are_shown_as_text():
 
 
 async def test_a_resumed_interrupted_reply_keeps_its_mark(tmp_path):
-    from flashmoe_cli.chat import ChatOptions, ChatSession
-    from flashmoe_cli.store import Store
+    from flashmoe.cli.chat import ChatOptions, ChatSession
+    from flashmoe.cli.store import Store
 
     store = Store(tmp_path / "logs.db")
     cid = store.new_conversation("fake")
@@ -479,9 +479,9 @@ async def test_few_layers_that_fit_need_no_row_count():
 async def test_the_demo_says_it_is_a_toy_not_to_be_trusted():
     import dataclasses
 
-    from engine.demo import demo_path
+    from flashmoe.engine.demo import demo_path
 
-    from flashmoe_cli.cli import DEMO_NOTE
+    from flashmoe.cli.models import DEMO_NOTE
 
     app, engine, session = make_app()
     engine.loaded_info = dataclasses.replace(engine.loaded_info, model=str(demo_path()))

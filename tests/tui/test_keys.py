@@ -4,7 +4,7 @@ from __future__ import annotations
 from textual._parser import ParseError
 from textual._xterm_parser import XTermParser
 
-from flashmoe_cli.tui.app import teach_alt_enter
+from flashmoe.cli.tui.app import teach_alt_enter
 
 
 def keys(data: str) -> list[str]:

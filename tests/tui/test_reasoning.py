@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from flashmoe_cli.tui.widgets import AssistantMessage, ToolBlock
-from flashmoe_cli.tui.widgets.transcript import ReasoningBlock
+from flashmoe.cli.tui.widgets import AssistantMessage, ToolBlock
+from flashmoe.cli.tui.widgets.transcript import ReasoningBlock
 from tests.test_reasoning import XML_READ, XML_WRITE, qwen35_template
 
 from .conftest import make_app, send, tool_args, wait_for, wait_idle

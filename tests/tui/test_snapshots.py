@@ -91,8 +91,8 @@ def test_tool_call_and_approval(snap_compare, tmp_path, monkeypatch):
     """A read ran (a collapsed block), and the write after it asks."""
     import json
 
-    import tools.executor
-    from flashmoe_cli.tui.screens import ApproveScreen
+    import flashmoe.tools.executor
+    from flashmoe.cli.tui.screens import ApproveScreen
 
     from .conftest import tool_args
 
@@ -100,7 +100,7 @@ def test_tool_call_and_approval(snap_compare, tmp_path, monkeypatch):
     ws.mkdir()
     (ws / "todo.txt").write_text("- eggs\n- bread\n")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(tools.executor, "time", _Clock())
+    monkeypatch.setattr(flashmoe.tools.executor, "time", _Clock())
 
     def call(name, **arguments):
         return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"

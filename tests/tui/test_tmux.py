@@ -50,7 +50,7 @@ def test_chat_tui_end_to_end(model_factory, tmp_path):
     # COLUMNS and LINES (pytest-xdist workers export 80x24) would override the pane's size in Textual
     for var in ("FORCE_COLOR", "NO_COLOR", "TEXTUAL_DRIVER", "TMUX", "COLUMNS", "LINES"):
         env.pop(var, None)
-    chat = [sys.executable, "-m", "flashmoe_cli", "chat", "-m", str(model), "--max-tokens", "12", "--temp", "0"]
+    chat = [sys.executable, "-m", "flashmoe.cli", "chat", "-m", str(model), "--max-tokens", "12", "--temp", "0"]
     shell = f"cd {shlex.quote(str(ROOT))} && {shlex.join(chat)}; echo $? > {shlex.quote(str(rc_file))}; sleep 30"
     tmux = Tmux(tmp_path / "sock", env)
     tmux("-f", "/dev/null", "new-session", "-d", "-s", "main", "-x", "100", "-y", "30", shell)

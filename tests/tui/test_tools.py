@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from flashmoe_cli.tui.messages import ReplyText
-from flashmoe_cli.tui.screens import ApproveScreen
-from flashmoe_cli.tui.widgets import AssistantMessage, Note, ToolBlock
+from flashmoe.cli.tui.messages import ReplyText
+from flashmoe.cli.tui.screens import ApproveScreen
+from flashmoe.cli.tui.widgets import AssistantMessage, Note, ToolBlock
 
 from .conftest import make_app, send, tool_args, wait_for, wait_idle
 
@@ -233,8 +233,8 @@ async def test_a_resumed_tool_conversation_shows_results_as_blocks(ws):
 
 
 async def test_run_tui_checks_the_tool_options_before_loading(tmp_path, monkeypatch):
-    from flashmoe_cli.cli import UsageError, apply_settings, build_parser
-    from flashmoe_cli.tui.app import run_tui
+    from flashmoe.cli.cli import UsageError, apply_settings, build_parser
+    from flashmoe.cli.tui.app import run_tui
 
     monkeypatch.setenv("FLASHMOE_HOME", str(tmp_path / "home"))
     args = build_parser().parse_args(["chat", "--engine", "fake", "-n", "--tools", "builtin",

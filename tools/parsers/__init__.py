@@ -17,9 +17,9 @@ import dataclasses
 import re
 from typing import Any
 
-from tools.calls import MAX_ARGUMENT_CHARS, ToolCall, argument_problem
-from tools.errors import ToolError
-from tools.parsers import (
+from flashmoe.tools.calls import MAX_ARGUMENT_CHARS, ToolCall, argument_problem
+from flashmoe.tools.errors import ToolError
+from flashmoe.tools.parsers import (
     deepseek_v3,
     function_gemma,
     gemma4,

@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from tools.calls import ToolCall
+from flashmoe.tools.calls import ToolCall
 
 _DECODER = json.JSONDecoder()
 _FENCE = re.compile(r"^```[A-Za-z0-9_-]*[ \t]*\n?(.*?)\n?[ \t]*```\s*$", re.DOTALL)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tools.calls import ToolCall
-from tools.parsers._common import blocks, strip_fence
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.parsers._common import blocks, strip_fence
 
 name = "deepseek_v3"
 tool_call_start = "<｜tool▁calls▁begin｜>"

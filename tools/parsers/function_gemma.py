@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.calls import ToolCall
-from tools.parsers._common import blocks
-from tools.parsers.gemma4 import brace_calls
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.parsers._common import blocks
+from flashmoe.tools.parsers.gemma4 import brace_calls
 
 name = "function_gemma"
 tool_call_start = "<start_function_call>"

@@ -8,8 +8,8 @@ import json
 import re
 from typing import Any
 
-from tools.calls import ToolCall
-from tools.parsers._common import blocks
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.parsers._common import blocks
 
 name = "gemma4"
 tool_call_start = "<|tool_call>"

@@ -16,8 +16,8 @@ import re
 import shlex
 from typing import Any
 
-from tools.calls import ToolCall, ToolsInfo
-from tools.parsers._common import blocks, call_from_object, coerce, guess
+from flashmoe.tools.calls import ToolCall, ToolsInfo
+from flashmoe.tools.parsers._common import blocks, call_from_object, coerce, guess
 
 name = "glm47"
 tool_call_start = "<tool_call>"

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.calls import ToolCall
-from tools.parsers._common import blocks, json_calls
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.parsers._common import blocks, json_calls
 
 name = "json_tools"
 tool_call_start = "<tool_call>"

@@ -12,8 +12,8 @@ import json
 import re
 from typing import Any
 
-from tools.calls import ToolCall
-from tools.parsers._common import blocks, literal
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.parsers._common import blocks, literal
 
 name = "kimi_k2"
 tool_call_start = "<|tool_calls_section_begin|>"

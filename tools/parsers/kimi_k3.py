@@ -14,8 +14,8 @@ import json
 import re
 from typing import Any
 
-from tools.calls import ToolCall
-from tools.parsers._common import blocks
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.parsers._common import blocks
 
 name = "kimi_k3"
 tool_call_start = "<|open|>tools<|sep|>"

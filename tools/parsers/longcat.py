@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.calls import ToolCall, ToolsInfo
-from tools.parsers._common import blocks
-from tools.parsers.glm47 import kv_call
+from flashmoe.tools.calls import ToolCall, ToolsInfo
+from flashmoe.tools.parsers._common import blocks
+from flashmoe.tools.parsers.glm47 import kv_call
 
 name = "longcat"
 tool_call_start = "<longcat_tool_call>"

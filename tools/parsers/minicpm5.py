@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tools.calls import ToolCall, ToolsInfo
-from tools.parsers._common import blocks
-from tools.parsers.minimax_m2 import xml_calls
+from flashmoe.tools.calls import ToolCall, ToolsInfo
+from flashmoe.tools.parsers._common import blocks
+from flashmoe.tools.parsers.minimax_m2 import xml_calls
 
 name = "minicpm5"
 tool_call_start = "<function name="

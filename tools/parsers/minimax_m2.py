@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tools.calls import ToolCall, ToolsInfo
-from tools.parsers._common import blocks, coerce
+from flashmoe.tools.calls import ToolCall, ToolsInfo
+from flashmoe.tools.parsers._common import blocks, coerce
 
 name = "minimax_m2"
 tool_call_start = "<minimax:tool_call>"

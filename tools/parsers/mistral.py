@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tools.calls import ToolCall
-from tools.parsers._common import _DECODER, json_calls
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.parsers._common import _DECODER, json_calls
 
 name = "mistral"
 tool_call_start = "[TOOL_CALLS]"

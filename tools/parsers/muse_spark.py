@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tools.calls import ToolCall, ToolsInfo
-from tools.parsers._common import blocks
-from tools.parsers.minimax_m2 import xml_calls
+from flashmoe.tools.calls import ToolCall, ToolsInfo
+from flashmoe.tools.parsers._common import blocks
+from flashmoe.tools.parsers.minimax_m2 import xml_calls
 
 name = "muse_spark"
 tool_call_start = "<atem:function_calls>"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tools.calls import ToolCall, ToolsInfo
-from tools.parsers._common import _ARGS_KEY, _NAME_KEY, json_calls, strip_fence
+from flashmoe.tools.calls import ToolCall, ToolsInfo
+from flashmoe.tools.parsers._common import _ARGS_KEY, _NAME_KEY, json_calls, strip_fence
 
 name = "plain_json"
 tool_call_start = ""

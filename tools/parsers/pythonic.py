@@ -7,8 +7,8 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from tools.calls import ToolCall
-from tools.parsers._common import blocks, literal
+from flashmoe.tools.calls import ToolCall
+from flashmoe.tools.parsers._common import blocks, literal
 
 name = "pythonic"
 tool_call_start = "<|tool_call_start|>"

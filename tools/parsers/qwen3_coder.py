@@ -25,8 +25,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tools.calls import ToolCall, ToolsInfo
-from tools.parsers._common import blocks, coerce, json_calls
+from flashmoe.tools.calls import ToolCall, ToolsInfo
+from flashmoe.tools.parsers._common import blocks, coerce, json_calls
 
 name = "qwen3_coder"
 tool_call_start = "<tool_call>"

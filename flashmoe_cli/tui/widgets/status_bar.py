@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from rich.text import Text
 from textual.widget import Widget
 
-from ...cli import human_bytes
+from ...units import human_bytes
 
 
 def rss_bytes() -> int | None:

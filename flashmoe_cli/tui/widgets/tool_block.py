@@ -73,8 +73,8 @@ class ToolBlock(Collapsible):
     """One tool call and its result, collapsed by default."""
 
     def __init__(self, call, result, *, title: str | None = None) -> None:
-        self.call = call  # flashmoe_cli.agent.ToolCallEvent or None
-        self.result = result  # flashmoe_cli.agent.ToolResultEvent
+        self.call = call  # flashmoe.cli.agent.ToolCallEvent or None
+        self.result = result  # flashmoe.cli.agent.ToolResultEvent
         self.state = STATE.get(result.status, "error")
         self.title_plain = title or title_text(call, result)
         body = [] if call is None else [Static(Text("arguments", style="bold"), classes="tool-label"),

@@ -1,0 +1,96 @@
+"""What every face does before its first turn: build the engine, open the conversation."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+from flashmoe.engine.options import resolve_dtype
+
+from .errors import UsageError
+from .models import resolve_model
+from .store import StoreError
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What the engine is built with, read once from the parsed flags and settings."""
+    model: str | None = None  # None: the demo
+    engine: str = "mlx"  # "fake": the scripted test double (a hidden flag)
+    expert_cache: int | None = None
+    io_threads: int = 8
+    direct_io: bool = False
+    dtype: str = "auto"  # options.DTYPES
+    kernels: str = "auto"
+    prefetch: str = "off"
+    cache_policy: str = "lfu"
+    verify_reads: bool = True
+    allow_resident_experts: bool = False
+    truncate_prompt: str = "off"
+
+    @classmethod
+    def from_args(cls, args) -> "EngineOptions":
+        return cls(model=args.model, engine=args.engine, expert_cache=args.expert_cache, io_threads=args.io_threads,
+                   direct_io=args.direct_io, dtype=args.dtype, kernels=args.kernels, prefetch=args.prefetch,
+                   cache_policy=args.cache_policy, verify_reads=getattr(args, "verify_reads", "on") != "off",
+                   allow_resident_experts=getattr(args, "allow_resident_experts", False),
+                   truncate_prompt=getattr(args, "truncate_prompt", "off"))
+
+
+def make_engine(args):
+    """The engine for run/chat/agent/bench (parsed flags, or EngineOptions): the real one, or
+    (tests, hidden flag) a scripted fake."""
+    opts = args if isinstance(args, EngineOptions) else EngineOptions.from_args(args)
+    if opts.engine == "fake":
+        from flashmoe.engine.fake import FakeEngine
+
+        replies = json.loads(os.environ.get("FLASHMOE_FAKE_REPLIES", "null"))
+        delay = float(os.environ.get("FLASHMOE_FAKE_DELAY", "0"))
+        template = os.environ.get("FLASHMOE_FAKE_TEMPLATE")  # a chat template file the fake renders with
+        return FakeEngine(replies, token_delay=delay, fail=os.environ.get("FLASHMOE_FAKE_FAIL") or None,
+                          chat_template=open(template, encoding="utf-8").read() if template else "")
+    from flashmoe.engine.engine import Engine
+
+    return Engine(resolve_model(opts.model), expert_cache=opts.expert_cache, io_threads=opts.io_threads,
+                  direct_io=opts.direct_io, dtype=resolve_dtype(opts.dtype), kernels=opts.kernels,
+                  prefetch=opts.prefetch, cache_policy=opts.cache_policy, verify_reads=opts.verify_reads,
+                  allow_resident_experts=opts.allow_resident_experts, truncate_prompt=opts.truncate_prompt)
+
+
+def open_conversation(args, engine, model_name: str):
+    """A ChatSession, resumed (-c / --cid) or new; saved unless -n."""
+    from flashmoe.engine.sampling import SamplingParams
+
+    from .chat import ChatOptions, ChatSession
+    from .store import logging_disabled, open_store
+
+    try:
+        sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                  repetition_penalty=args.repetition_penalty, seed=args.seed)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    options = ChatOptions(max_tokens=args.max_tokens, sampling=sampling, timing=args.timing,
+                          system=args.system, stop=tuple(args.stop), thinking=getattr(args, "thinking", None))
+    resume = args.continue_ or args.cid
+    try:
+        store = None if (args.no_log or logging_disabled()) and not resume else open_store()
+    except StoreError as e:  # resuming needs it (exit 3); a new conversation goes on unsaved
+        if resume:
+            raise
+        print(f"flashmoe: warning: the conversation is not saved ({e})", file=sys.stderr)
+        store = None
+    cid = args.cid
+    if args.continue_ and cid is None:
+        cid = store.latest()
+        if cid is None:
+            raise UsageError("--continue: there is no saved conversation yet")
+    try:
+        session = ChatSession(engine, store, options, cid=cid, model_name=model_name)
+    except KeyError:
+        raise UsageError(f"--cid {cid}: no such conversation (see `flashmoe logs`)") from None
+    if args.no_log:
+        session.store = None  # resumed, but this turn is not saved
+    return session
