@@ -60,7 +60,7 @@ def interleaved(fns: dict, calls: int, min_s: float = 0.0) -> dict:
 
 def forced(fn, parallel: bool):
     """fn with cpu_qmm's serial/parallel choice forced: all of numba's threads, or one."""
-    from engine.kernels import cpu_qmm as K
+    from flashmoe.engine.kernels import cpu_qmm as K
 
     def run():
         saved = K.SERIAL_BELOW, K.SERIAL_BELOW_WITHOUT_TBB
@@ -79,7 +79,7 @@ def us(t: float) -> str:
 def bench_qmm(shapes, bits_list, ms, group_size, calls):
     import mlx.core as mx
 
-    from engine.kernels import cpu_qmm as K
+    from flashmoe.engine.kernels import cpu_qmm as K
 
     print(f"\nqmm: x [M, in] @ dequantize(W [out, in]).T, group size {group_size}, float32 x/scales/biases; "
           "times in us (median, min)")
@@ -125,7 +125,7 @@ def bench_qmm(shapes, bits_list, ms, group_size, calls):
 def bench_gather(group_size, calls, bits=4, n=768, k=2048, experts=16, top=8):
     import mlx.core as mx
 
-    from engine.kernels import cpu_qmm as K
+    from flashmoe.engine.kernels import cpu_qmm as K
 
     print(f"\ngather_qmm: {experts} stacked experts of {n}x{k} (out x in), {bits}-bit, group size {group_size}, "
           f"top-{top}; times in us (median, min); GB/s: packed bytes of the distinct experts used")
@@ -162,7 +162,7 @@ def bench_gather(group_size, calls, bits=4, n=768, k=2048, experts=16, top=8):
 def bench_overhead(calls):
     import mlx.core as mx
 
-    from engine.kernels import cpu_qmm as K
+    from flashmoe.engine.kernels import cpu_qmm as K
 
     print("\nper-call cost, tiny matrix (out 64 x in 64, 4-bit, group 64, M = 1), us (median, min):")
     rng = np.random.default_rng(2)
@@ -192,7 +192,7 @@ STARTUP_SNIPPET = r"""
 import time
 t0 = time.perf_counter()
 import numpy as np
-from engine.kernels import cpu_qmm as K
+from flashmoe.engine.kernels import cpu_qmm as K
 t1 = time.perf_counter()
 rng = np.random.default_rng(0)
 w = rng.integers(0, 2**32, (1024, 512), dtype=np.uint64).astype(np.uint32)
@@ -233,7 +233,7 @@ def main():
     import mlx.core as mx
     import numba
 
-    from engine.kernels import cpu_qmm as K
+    from flashmoe.engine.kernels import cpu_qmm as K
 
     mx.set_default_device(mx.cpu)
     K.warmup(4 if args.quick else (4, 8))

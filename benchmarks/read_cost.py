@@ -96,9 +96,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
 
-    from engine.errors import ModelLoadError
-    from engine.experts.layout import read_manifest
-    from engine.loader import EXPERTS_DIR
+    from flashmoe.engine.errors import ModelLoadError
+    from flashmoe.engine.experts.layout import read_manifest
+    from flashmoe.engine.loader import EXPERTS_DIR
 
     model = Path(args.model)
     try:

@@ -31,10 +31,10 @@ def main() -> int:
     p.add_argument("--kernels", default="auto", choices=("auto", "mlx", "cpu"))
     args = p.parse_args()
 
-    from engine import ModelLoaded, TokenGenerated
-    from engine.demo import ensure_demo
-    from engine.engine import Engine
-    from engine.generate import GenerationRequest
+    from flashmoe.engine import ModelLoaded, TokenGenerated
+    from flashmoe.engine.demo import ensure_demo
+    from flashmoe.engine.engine import Engine
+    from flashmoe.engine.generate import GenerationRequest
 
     model = Path(args.model) if args.model else ensure_demo()
     t0 = time.perf_counter()
