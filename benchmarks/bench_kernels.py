@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""MLX's CPU quantized matmul vs the numba kernels of engine/kernels/cpu_qmm.py.
+"""MLX's CPU quantized matmul vs the numba kernels of engine/cpu/qmm.py.
 
 For each weight shape (out x in), bit width and number of x rows M it times:
 
   mlx      mx.quantized_matmul(x, w, scales, biases, transpose=True) on float32 x / scales /
            biases, then mx.eval (x is evaluated beforehand);
-  ours     engine.kernels.cpu_qmm.qmm_mx: numpy views of the four mx.arrays, the kernel, and
+  ours     flashmoe.engine.cpu.qmm.qmm_mx: numpy views of the four mx.arrays, the kernel, and
            mx.array(out) around the result -- the whole cost of the drop-in -- with the module's
            choice of threads (all of numba's threads with the TBB layer, else one thread for
            all but huge calls; see the cpu_qmm docstring);
@@ -60,7 +60,7 @@ def interleaved(fns: dict, calls: int, min_s: float = 0.0) -> dict:
 
 def forced(fn, parallel: bool):
     """fn with cpu_qmm's serial/parallel choice forced: all of numba's threads, or one."""
-    from flashmoe.engine.kernels import cpu_qmm as K
+    from flashmoe.engine.cpu import qmm as K
 
     def run():
         saved = K.SERIAL_BELOW, K.SERIAL_BELOW_WITHOUT_TBB
@@ -79,7 +79,7 @@ def us(t: float) -> str:
 def bench_qmm(shapes, bits_list, ms, group_size, calls):
     import mlx.core as mx
 
-    from flashmoe.engine.kernels import cpu_qmm as K
+    from flashmoe.engine.cpu import qmm as K
 
     print(f"\nqmm: x [M, in] @ dequantize(W [out, in]).T, group size {group_size}, float32 x/scales/biases; "
           "times in us (median, min)")
@@ -125,7 +125,7 @@ def bench_qmm(shapes, bits_list, ms, group_size, calls):
 def bench_gather(group_size, calls, bits=4, n=768, k=2048, experts=16, top=8):
     import mlx.core as mx
 
-    from flashmoe.engine.kernels import cpu_qmm as K
+    from flashmoe.engine.cpu import qmm as K
 
     print(f"\ngather_qmm: {experts} stacked experts of {n}x{k} (out x in), {bits}-bit, group size {group_size}, "
           f"top-{top}; times in us (median, min); GB/s: packed bytes of the distinct experts used")
@@ -162,7 +162,7 @@ def bench_gather(group_size, calls, bits=4, n=768, k=2048, experts=16, top=8):
 def bench_overhead(calls):
     import mlx.core as mx
 
-    from flashmoe.engine.kernels import cpu_qmm as K
+    from flashmoe.engine.cpu import qmm as K
 
     print("\nper-call cost, tiny matrix (out 64 x in 64, 4-bit, group 64, M = 1), us (median, min):")
     rng = np.random.default_rng(2)
@@ -192,7 +192,7 @@ STARTUP_SNIPPET = r"""
 import time
 t0 = time.perf_counter()
 import numpy as np
-from flashmoe.engine.kernels import cpu_qmm as K
+from flashmoe.engine.cpu import qmm as K
 t1 = time.perf_counter()
 rng = np.random.default_rng(0)
 w = rng.integers(0, 2**32, (1024, 512), dtype=np.uint64).astype(np.uint32)
@@ -208,7 +208,7 @@ print(f"{t1 - t0:.3f} {t2 - t1:.3f} {t3 - t2:.3f}")
 
 def bench_startup():
     print("\nstart-up in fresh processes sharing one new numba cache directory (NUMBA_CACHE_DIR):")
-    print("  import = import of engine.kernels.cpu_qmm (numpy + numba); first call = first 4-bit qmm "
+    print("  import = import of flashmoe.engine.cpu.qmm (numpy + numba); first call = first 4-bit qmm "
           "(compiles, or loads from the cache); other bits = warmup((2, 3, 8))")
     with tempfile.TemporaryDirectory() as d:
         env = dict(os.environ, NUMBA_CACHE_DIR=d)
@@ -233,7 +233,7 @@ def main():
     import mlx.core as mx
     import numba
 
-    from flashmoe.engine.kernels import cpu_qmm as K
+    from flashmoe.engine.cpu import qmm as K
 
     mx.set_default_device(mx.cpu)
     K.warmup(4 if args.quick else (4, 8))

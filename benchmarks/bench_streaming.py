@@ -219,7 +219,7 @@ def build_source(folder: Path, a) -> None:
 
 def prepare_model(workdir: Path, a, log) -> tuple[Path, Path, float]:
     """(mlx-lm folder, flashmoe folder, seconds spent building); reuses a matching earlier build."""
-    from flashmoe.engine.convert import convert
+    from flashmoe.engine.formats.convert import convert
 
     src, packed = workdir / "mlx_lm", workdir / "flashmoe"
     marker = workdir / MARKER
@@ -322,14 +322,14 @@ class EngineSide:
     """The streamed engine through engine.generate, one Session kept across runs."""
 
     def __init__(self, loaded, prompt: str, expert_files: list[Path]):
-        from flashmoe.engine.generate import Session
+        from flashmoe.engine.runtime.generate import Session
 
         self.loaded, self.prompt, self.files = loaded, prompt, expert_files
         self.session = Session(loaded)
 
     def run(self, n: int, timing: str = "step", drop_each_token: bool = False) -> dict:
         from flashmoe.engine.events import GenerationFinished, LayerTimings, StepFinished, TokenGenerated
-        from flashmoe.engine.generate import GenerationRequest, generate
+        from flashmoe.engine.runtime.generate import GenerationRequest, generate
 
         tokens, steps, layer_rows = [], [], []
         drops: dict[int, float] = {}
@@ -386,7 +386,7 @@ class EngineSide:
 
 
 def clock_resets_after_prefill() -> bool:
-    from flashmoe.engine.timing import LayerClock
+    from flashmoe.engine.runtime.timing import LayerClock
 
     return hasattr(LayerClock, "reset")
 
@@ -561,8 +561,8 @@ def bench(a, workdir: Path, log, t_start: float) -> int:
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
-    from flashmoe.engine.generate import GenerationRequest, render_prompt
-    from flashmoe.engine.loader import load
+    from flashmoe.engine.runtime.generate import GenerationRequest, render_prompt
+    from flashmoe.engine.runtime.loader import load
 
     load_start = [round(x, 2) for x in os.getloadavg()]  # before the build: was the machine busy?
     src, packed, build_s = prepare_model(workdir, a, log)

@@ -98,7 +98,7 @@ def main() -> int:
 
     from flashmoe.engine.errors import ModelLoadError
     from flashmoe.engine.experts.layout import read_manifest
-    from flashmoe.engine.loader import EXPERTS_DIR
+    from flashmoe.engine.runtime.loader import EXPERTS_DIR
 
     model = Path(args.model)
     try:

@@ -130,7 +130,7 @@ def _decode_figures(tokens_t: list[float]) -> tuple[float, float]:
 def open_flashmoe(path: str, kernels: str, expert_cache):
     """load() with kernels=..., or, while the kernels argument does not exist yet, the nearest
     thing and a note that says so."""
-    from flashmoe.engine.loader import load
+    from flashmoe.engine.runtime.loader import load
 
     kw = {"dtype": "float32"}
     if expert_cache is not None:
@@ -143,7 +143,7 @@ def open_flashmoe(path: str, kernels: str, expert_cache):
         note = "load() has no kernels argument in this checkout: MLX kernels"
         if kernels == "cpu":
             try:
-                from flashmoe.engine import cpu_path
+                from flashmoe.engine.cpu import install as cpu_path
                 n = cpu_path.install(loaded.model)
                 note = (f"FALLBACK: load() has no kernels argument in this checkout; engine.cpu_path.install() "
                         f"replaced {n} quantized modules after load (streamed experts still on MLX kernels)")
@@ -159,7 +159,7 @@ def open_flashmoe(path: str, kernels: str, expert_cache):
 
 def child_flashmoe(spec: dict) -> dict:
     from flashmoe.engine.events import GenerationFinished, TokenGenerated
-    from flashmoe.engine.generate import GenerationRequest, Session, generate, render_prompt
+    from flashmoe.engine.runtime.generate import GenerationRequest, Session, generate, render_prompt
 
     t0 = time.perf_counter()
     loaded, note, modules = open_flashmoe(spec["path"], spec["kernels"], spec.get("expert_cache"))
@@ -336,14 +336,14 @@ def gguf_copy_fields(reader, writer, skip=()) -> None:
 
 
 def smollm2_gguf(home: Path) -> Path:
-    from flashmoe.engine.demo_source import find_smollm2_gguf
+    from flashmoe.engine.formats.demo_source import find_smollm2_gguf
 
     return find_smollm2_gguf(home / "downloads")
 
 
 def prepare_dense(work: Path, home: Path, log) -> dict:
-    from flashmoe.engine.convert import convert
-    from flashmoe.engine.gguf_import import gguf_to_hf_folder
+    from flashmoe.engine.formats.convert import convert
+    from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
 
     gguf_path = smollm2_gguf(home)
     f32 = work / "smollm2-135m-f32"
@@ -410,8 +410,8 @@ def write_demo_gguf(src_gguf: Path, upcycled: Path, out: Path, experts: int, top
 
 
 def prepare_demo(work: Path, home: Path, log) -> dict:
-    from flashmoe.engine.demo import DEMO_BITS, DEMO_EXPERTS, DEMO_TOP_K, ensure_demo
-    from flashmoe.engine.gguf_import import gguf_to_hf_folder
+    from flashmoe.engine.formats.demo import DEMO_BITS, DEMO_EXPERTS, DEMO_TOP_K, ensure_demo
+    from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
 
     os.environ["FLASHMOE_HOME"] = str(home)
     fm = ensure_demo(lambda what, *a: log(f"demo: {what}"))
@@ -623,7 +623,7 @@ def build_synthetic_gguf(out: Path, cfg: dict, tok_gguf: Path, log) -> None:
 
 
 def prepare_synthetic(work: Path, dense: dict, home: Path, log) -> dict:
-    from flashmoe.engine.convert import convert, is_converted
+    from flashmoe.engine.formats.convert import convert, is_converted
 
     work.mkdir(parents=True, exist_ok=True)
     tok_folder = Path(dense["mlx_float"])
@@ -729,8 +729,8 @@ def configs_for(model: dict, a) -> list[dict]:
 def prompt_ids_for(model: dict) -> list[int]:
     from types import SimpleNamespace
 
-    from flashmoe.engine.generate import GenerationRequest, render_prompt
-    from flashmoe.engine.tokenizer import Tokenizer
+    from flashmoe.engine.runtime.generate import GenerationRequest, render_prompt
+    from flashmoe.engine.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(Path(model["flashmoe"]))
     req = (GenerationRequest(messages=model["messages"]) if model.get("messages")

@@ -32,9 +32,9 @@ def main() -> int:
     args = p.parse_args()
 
     from flashmoe.engine import ModelLoaded, TokenGenerated
-    from flashmoe.engine.demo import ensure_demo
-    from flashmoe.engine.engine import Engine
-    from flashmoe.engine.generate import GenerationRequest
+    from flashmoe.engine.formats.demo import ensure_demo
+    from flashmoe.engine.runtime.engine import Engine
+    from flashmoe.engine.runtime.generate import GenerationRequest
 
     model = Path(args.model) if args.model else ensure_demo()
     t0 = time.perf_counter()

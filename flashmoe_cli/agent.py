@@ -71,7 +71,6 @@ class TurnFinished:
     exit_code: int = 0
 
 
-
 # How a call is written, in the format of the parser that will read it (templates without native
 # tools get these instructions in the system prompt, so what they say must be what is parsed).
 CALL_FORMATS = {
@@ -132,7 +131,7 @@ class AgentLoop:
             return None
         mode = "required" if self.constrain == "required" and first_round else "tools"
         if mode not in self._factories:
-            from flashmoe.engine.constrain_json import tool_call_constraint
+            from flashmoe.tools.grammar import tool_call_constraint
 
             fmt = "xml" if getattr(self.parser, "name", "") == "qwen3_coder" else "json"
             self._factories[mode] = tool_call_constraint(

@@ -12,9 +12,9 @@ from .exit_codes import ExitCode
 
 
 def cmd_bench_speed(args) -> int:
-    from flashmoe.engine.benchmark import cpu_model, expert_files, measure_disk, prompt_of, run_generation
-    from flashmoe.engine.generate import model_bits
-    from flashmoe.engine.loader import load
+    from flashmoe.engine.runtime.benchmark import cpu_model, expert_files, measure_disk, prompt_of, run_generation
+    from flashmoe.engine.runtime.generate import model_bits
+    from flashmoe.engine.runtime.loader import load
 
     from flashmoe.engine.options import resolve_dtype
 

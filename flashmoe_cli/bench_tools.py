@@ -114,7 +114,7 @@ def run_suite(args, model: str, constrain: str) -> dict:
         "cache_state": "warm after the first prompt",
         "generated_tokens": sum(s.generation_tokens for s in speeds),
         # replies whose call was open at max_tokens and was finished under the grammar past it
-        # (engine/generate.py FINISH_CALL_TOKENS), rather than cut into an invalid call
+        # (engine/runtime/generate.py FINISH_CALL_TOKENS), rather than cut into an invalid call
         "finished_past_max_tokens": sum(s.generation_tokens > args.max_tokens for s in speeds),
         "rows": rows,
     }

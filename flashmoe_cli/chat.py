@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashmoe.engine.events import GenerationFinished
-from flashmoe.engine.generate import GenerationRequest
-from flashmoe.engine.sampling import SamplingParams
+from flashmoe.engine.runtime.generate import GenerationRequest
+from flashmoe.engine.runtime.sampling import SamplingParams
 
 
 SAVE_EVERY_S = 0.25
@@ -122,7 +122,7 @@ class ChatSession:
     def template_kwargs(self) -> dict:
         """enable_thinking (or the template's own name for it) from --thinking / /thinking; the
         first request says once (on_note) when the template has no such switch."""
-        from flashmoe.engine.reasoning import thinking_kwargs
+        from flashmoe.engine.runtime.reasoning import thinking_kwargs
 
         note = None if self._noted_thinking else self.thinking_note()
         if note:
@@ -132,7 +132,7 @@ class ChatSession:
 
     def thinking_note(self) -> str | None:
         """One line when --thinking is set but the chat template has no switch for it."""
-        from flashmoe.engine.reasoning import thinking_switch
+        from flashmoe.engine.runtime.reasoning import thinking_switch
 
         if self.options.thinking is None or thinking_switch(self._template()):
             return None

@@ -20,7 +20,7 @@ class CommandError(Exception):
 def set_thinking(session, arg: str) -> str:
     """/thinking [on|off]: set it on the session (from the next reply); the line to show.
     Raises CommandError for any other value."""
-    from flashmoe.engine.reasoning import THINKING_CHOICES
+    from flashmoe.engine.runtime.reasoning import THINKING_CHOICES
 
     value = arg.strip().lower()
     if not value:

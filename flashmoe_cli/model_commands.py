@@ -12,8 +12,8 @@ from .units import human_bytes
 
 
 def cmd_convert(args) -> int:
-    from flashmoe.engine.convert import convert
-    from flashmoe.engine.hf_cache import resolve
+    from flashmoe.engine.formats.convert import convert
+    from flashmoe.engine.formats.hf_cache import resolve
 
     out = convert(resolve(args.src), args.out, bits=args.bits, group_size=args.group_size,  # org/name: the cache's
                   expert_bits=args.expert_bits, layer_bits=args.layer_bits, dtype=args.dtype, progress=Progress())
@@ -22,7 +22,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from flashmoe.engine.info import describe, expert_bits_summary
+    from flashmoe.engine.runtime.info import describe, expert_bits_summary
 
     d = describe(resolve_model(model_arg(args)))  # no MODEL: the demo, as `run` uses it
     if args.json:
@@ -51,12 +51,12 @@ def cmd_verify(args) -> int:
     from pathlib import Path
 
     from flashmoe.engine.experts.layout import read_manifest, verify
-    from flashmoe.engine.loader import EXPERTS_DIR, read_config
+    from flashmoe.engine.runtime.loader import EXPERTS_DIR, read_config
 
     root = Path(resolve_model(model_arg(args)))  # no MODEL: the demo, as `run` uses it
     read_config(root)
     if not (root / EXPERTS_DIR).exists():
-        from flashmoe.engine.info import describe
+        from flashmoe.engine.runtime.info import describe
 
         describe(root)  # checks every safetensors header
         print(f"{root}: direct-mode folder (no checksums); headers and sizes are consistent", file=sys.stderr)
@@ -73,7 +73,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from flashmoe.engine.demo import remove_demo
+    from flashmoe.engine.formats.demo import remove_demo
 
     if args.rebuild:
         remove_demo()

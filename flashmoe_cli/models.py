@@ -17,7 +17,7 @@ def is_demo(model: str | None) -> bool:
         return False
     from pathlib import Path
 
-    from flashmoe.engine.demo import demo_path
+    from flashmoe.engine.formats.demo import demo_path
 
     try:
         return Path(model).resolve() == demo_path().resolve()
@@ -27,12 +27,12 @@ def is_demo(model: str | None) -> bool:
 
 def resolve_model(model: str | None) -> str:
     """The model folder to use: the one given (a folder, or org/name[@revision] in the Hugging Face
-    cache: engine/hf_cache.py), or the demo model (built on first use)."""
+    cache: engine/formats/hf_cache.py), or the demo model (built on first use)."""
     if model:
-        from flashmoe.engine.hf_cache import resolve
+        from flashmoe.engine.formats.hf_cache import resolve
 
         return resolve(model)
-    from flashmoe.engine.demo import ensure_demo
+    from flashmoe.engine.formats.demo import ensure_demo
 
     from .paths import ensure_home
 

@@ -5,7 +5,7 @@ import os
 import sys
 from pathlib import Path
 
-from flashmoe.engine.demo import flashmoe_home
+from flashmoe.engine.formats.demo import flashmoe_home
 
 
 def home() -> Path:

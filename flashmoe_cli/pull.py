@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from flashmoe.engine.errors import FlashMoEError
-from flashmoe.engine.hf_cache import hub_cache_dir, split_spec
+from flashmoe.engine.formats.hf_cache import hub_cache_dir, split_spec
 
 from .exit_codes import ExitCode
 
@@ -83,7 +83,7 @@ def _cached(e: BaseException, repo_id: str, revision: str | None, cache: Path) -
     hash prefix): -m finds it, so pull has nothing to do."""
     from huggingface_hub import errors as hf
 
-    from flashmoe.engine.hf_cache import snapshot_path
+    from flashmoe.engine.formats.hf_cache import snapshot_path
 
     incomplete = getattr(hf, "IncompleteSnapshotError", ())
     if not isinstance(e, hf.LocalEntryNotFoundError) or isinstance(e, incomplete):

@@ -43,14 +43,14 @@ def make_engine(args):
     (tests, hidden flag) a scripted fake."""
     opts = args if isinstance(args, EngineOptions) else EngineOptions.from_args(args)
     if opts.engine == "fake":
-        from flashmoe.engine.fake import FakeEngine
+        from flashmoe.engine.runtime.fake import FakeEngine
 
         replies = json.loads(os.environ.get("FLASHMOE_FAKE_REPLIES", "null"))
         delay = float(os.environ.get("FLASHMOE_FAKE_DELAY", "0"))
         template = os.environ.get("FLASHMOE_FAKE_TEMPLATE")  # a chat template file the fake renders with
         return FakeEngine(replies, token_delay=delay, fail=os.environ.get("FLASHMOE_FAKE_FAIL") or None,
                           chat_template=open(template, encoding="utf-8").read() if template else "")
-    from flashmoe.engine.engine import Engine
+    from flashmoe.engine.runtime.engine import Engine
 
     return Engine(resolve_model(opts.model), expert_cache=opts.expert_cache, io_threads=opts.io_threads,
                   direct_io=opts.direct_io, dtype=resolve_dtype(opts.dtype), kernels=opts.kernels,
@@ -60,7 +60,7 @@ def make_engine(args):
 
 def open_conversation(args, engine, model_name: str):
     """A ChatSession, resumed (-c / --cid) or new; saved unless -n."""
-    from flashmoe.engine.sampling import SamplingParams
+    from flashmoe.engine.runtime.sampling import SamplingParams
 
     from .chat import ChatOptions, ChatSession
     from .store import logging_disabled, open_store

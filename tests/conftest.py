@@ -30,8 +30,8 @@ def private_flashmoe_home(tmp_path_factory):
     """Every test runs with a FLASHMOE_HOME of its own, so `flashmoe logs` after pytest shows nothing
     the user did not do. The user's demo model (and the wheel it was built from) are linked in
     when they exist, so the demo is not rebuilt; otherwise it is built once, here."""
-    from flashmoe.engine.convert import is_converted
-    from flashmoe.engine.demo import DEMO_NAME
+    from flashmoe.engine.formats.convert import is_converted
+    from flashmoe.engine.formats.demo import DEMO_NAME
 
     home = tmp_path_factory.mktemp("flashmoe-home")
     demo = f"models/{DEMO_NAME}"
@@ -80,7 +80,7 @@ def model_factory(tmp_path_factory):
             return src
         out = src.with_name(src.name + "-fm")
         if not out.exists():
-            from flashmoe.engine.convert import convert
+            from flashmoe.engine.formats.convert import convert
 
             convert(src, out)
         return out

@@ -18,9 +18,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from flashmoe.engine.convert import convert
+from flashmoe.engine.formats.convert import convert
 from flashmoe.engine.experts.blocks import cpu_kernels_reason, expert_blocks
-from flashmoe.engine.loader import load
+from flashmoe.engine.runtime.loader import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from tests.arch_zoo import (ARCH_TYPES, COLLAPSING_GREEDY, CONFIGS, FLOAT_ONLY, METAL_FORWARD, TWO_BIT,

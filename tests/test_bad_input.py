@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from flashmoe.engine import EngineFailed
-from flashmoe.engine.generate import GenerationRequest
+from flashmoe.engine.runtime.generate import GenerationRequest
 from tests.conftest import run_cli
 
 
@@ -121,7 +121,7 @@ def test_verify_passes_on_a_good_model(folder):
 
 
 def test_file_truncated_after_loading_fails_the_generation_with_exit_3(folder):
-    from flashmoe.engine.engine import Engine
+    from flashmoe.engine.runtime.engine import Engine
 
     eng = Engine(folder, expert_cache=0)
     eng.wait_loaded()

@@ -60,8 +60,8 @@ def test_page_cache_drop_time_is_left_out_of_decode_speed(model_factory, monkeyp
     engine's, so decode speed must not include it (here each drop is made to take 50 ms)."""
     import time
 
-    from flashmoe.engine import benchmark
-    from flashmoe.engine.loader import load
+    from flashmoe.engine.runtime import benchmark
+    from flashmoe.engine.runtime.loader import load
 
     lm = load(model_factory("qwen3_moe", 4, converted=True), kernels="cpu", expert_cache=1)
     prompt = benchmark.prompt_of(lm.tokenizer, 8)

@@ -1,4 +1,4 @@
-"""Constrained decoding of tool calls (engine/constrain_json.py): every call a model can produce
+"""Constrained decoding of tool calls (tools/grammar.py): every call a model can produce
 under the mask parses and validates against the chosen tool's schema."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import llguidance  # noqa: F401  (a required dependency: missing, these tests fa
 
 from jsonschema import Draft202012Validator
 
-from flashmoe.engine.constrain_json import tool_call_constraint
-from flashmoe.engine.tokenizer import Tokenizer
+from flashmoe.tools.grammar import tool_call_constraint
+from flashmoe.engine.runtime.tokenizer import Tokenizer
 from tests.tiny_tokenizer import write_tiny_tokenizer
 
 QWEN3 = Path(__file__).resolve().parents[2] / "shared/reference/tokenizers/qwen3"
@@ -264,7 +264,7 @@ def test_strings_are_bounded_by_default():
     """Without a maxLength of their own, strings get one: 128 characters, 4,096 for command
     lines, 65,536 for parameters that carry file text (content, old_string, ...); their own
     bound is kept."""
-    from flashmoe.engine.constrain_json import COMMAND_BOUND, LONG_TEXT_BOUND, STRING_BOUND
+    from flashmoe.tools.grammar import COMMAND_BOUND, LONG_TEXT_BOUND, STRING_BOUND
 
     tools = [{"type": "function", "function": {"name": "write_file", "parameters": {
         "type": "object", "properties": {
@@ -346,9 +346,9 @@ def sampled_calls(model_factory, seeds) -> list[tuple[str, dict]]:
     """Calls sampled (temperature 1) through the real generation loop from a tiny random model,
     which has no idea what JSON is."""
     from flashmoe.engine.events import GenerationFinished, TokenGenerated
-    from flashmoe.engine.generate import GenerationRequest, Session, generate
-    from flashmoe.engine.loader import load
-    from flashmoe.engine.sampling import SamplingParams
+    from flashmoe.engine.runtime.generate import GenerationRequest, Session, generate
+    from flashmoe.engine.runtime.loader import load
+    from flashmoe.engine.runtime.sampling import SamplingParams
 
     loaded = load(model_factory("qwen3_moe", 4, converted=True))
     factory = tool_call_constraint(E2E_TOOLS, "required")
@@ -383,8 +383,7 @@ def test_required_mode_50_sampled_calls_from_a_tiny_random_model(model_factory):
     assert {name for name, _ in calls} == {"edit", "now"}
 
 
-
-# -- a call open at max_tokens is closed, not cut (engine/generate.py FINISH_CALL_TOKENS) -----
+# -- a call open at max_tokens is closed, not cut (engine/runtime/generate.py FINISH_CALL_TOKENS) -----
 
 def finish_after(constraint, rng, tricky, cut: int, limit: int = 2000) -> tuple[list[int], int]:
     """The fake model writes a call; after `cut` tokens comes finish() (what the generation loop
@@ -422,7 +421,7 @@ def test_a_call_cut_at_any_point_is_finished_validly_and_soon(request, fmt, voca
     # minLength 1, mode, opts.depth, opts.inner.note/level), plus the optional keys this
     # uniform fake model opens on the way: measured 75 (json) / 90 (xml) Qwen3 tokens, 150 / 222
     # of the near character-level tiny vocabulary. FINISH_CALL_TOKENS (256) is above both.
-    from flashmoe.engine.generate import FINISH_CALL_TOKENS
+    from flashmoe.engine.runtime.generate import FINISH_CALL_TOKENS
     assert worst < (120 if vocab == "qwen3" else FINISH_CALL_TOKENS), worst
 
 
@@ -452,9 +451,9 @@ def test_a_call_open_at_max_tokens_finishes_through_the_generation_loop(model_fa
     the call still parses and validates, past max_tokens by at most FINISH_CALL_TOKENS, and
     the log says so."""
     from flashmoe.engine.events import GenerationFinished, TokenGenerated
-    from flashmoe.engine.generate import FINISH_CALL_TOKENS, GenerationRequest, Session, generate
-    from flashmoe.engine.loader import load
-    from flashmoe.engine.sampling import SamplingParams
+    from flashmoe.engine.runtime.generate import FINISH_CALL_TOKENS, GenerationRequest, Session, generate
+    from flashmoe.engine.runtime.loader import load
+    from flashmoe.engine.runtime.sampling import SamplingParams
 
     loaded = load(model_factory("qwen3_moe", 4, converted=True))
     factory = tool_call_constraint(E2E_TOOLS, "required")

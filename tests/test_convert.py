@@ -13,9 +13,9 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.utils import load_model, quantize_model
 
-from flashmoe.engine.convert import convert
+from flashmoe.engine.formats.convert import convert
 from flashmoe.engine.errors import ConvertError, ModelLoadError
-from flashmoe.engine.loader import load
+from flashmoe.engine.runtime.loader import load
 from tests.conftest import ROOT, run_cli
 
 TOKENS = mx.array([[3, 17, 250, 42, 9, 101, 77, 5]])
@@ -109,7 +109,7 @@ def test_peak_memory_is_about_one_layer(tmp_path):
         save_config(config, Path({str(tmp_path / 'src')!r}) / "config.json")
         del model
         import gc; gc.collect(); mx.clear_cache()
-        from flashmoe.engine.convert import convert
+        from flashmoe.engine.formats.convert import convert
         import os
         def rss():
             with open("/proc/self/statm") as f:
@@ -145,7 +145,7 @@ def test_mixed_precision_experts(model_factory, tmp_path):
     lm = load(out, load_tokenizer=False)
     assert len(lm.store.pools) == 2
     # the same plan through mlx-lm's own quantization is the exact reference
-    from flashmoe.engine.convert import QuantPlan, _quantize
+    from flashmoe.engine.formats.convert import QuantPlan, _quantize
 
     ref, config = load_model(src)
     ref, _ = _quantize(ref, config, QuantPlan(8, 64, 2, ((0, 4), (2, 4))))

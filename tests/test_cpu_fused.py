@@ -1,4 +1,4 @@
-"""The fused CPU decode blocks (engine/cpu_fused.py) and their small kernels (cpu_attn.py): equal
+"""The fused CPU decode blocks (engine/cpu/fused.py) and their small kernels (cpu_attn.py): equal
 to MLX's ops within float32 rounding, installed only where the probe passes, and exact over a
 long decode that grows the KV cache and after the cache is trimmed."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("numba")
 
-from flashmoe.engine.cpu_fused import CpuAttention, CpuMLP, RopeTable  # noqa: E402
-from flashmoe.engine.kernels import cpu_attn  # noqa: E402
-from flashmoe.engine.loader import load  # noqa: E402
+from flashmoe.engine.cpu.fused import CpuAttention, CpuMLP, RopeTable  # noqa: E402
+from flashmoe.engine.cpu import attn as cpu_attn  # noqa: E402
+from flashmoe.engine.runtime.loader import load  # noqa: E402
 from tests.test_streaming_exact import PROMPT, greedy  # noqa: E402
 
 RNG = np.random.default_rng(3)
@@ -152,7 +152,7 @@ def test_probe_tells_the_routings_apart(model_factory, routing):
     """A block whose routing is one of the three is recognised by what it computes (the probe's
     fixed expert outputs make wrong weights or a wrong expert order visible). Renormalised top-k
     probabilities are the softmax of the top-k logits, so that block may match either name."""
-    from flashmoe.engine.cpu_fused import _probe_moe, route
+    from flashmoe.engine.cpu.fused import _probe_moe, route
 
     lm = load(model_factory("qwen3_moe", 4, converted=True), kernels="cpu", load_tokenizer=False)
     block = lm.model.model.layers[0].mlp._orig.module
@@ -164,7 +164,7 @@ def test_probe_tells_the_routings_apart(model_factory, routing):
             self.gate, self.switch_mlp, self.top_k = gate, block.switch_mlp, k
 
         def __call__(self, x):
-            from flashmoe.engine.cpu_fused import _linear_np
+            from flashmoe.engine.cpu.fused import _linear_np
 
             x2 = np.array(x).reshape(-1, x.shape[-1])
             ids, scores = route(_linear_np(gate, x2), k, routing)
@@ -179,7 +179,7 @@ def test_probe_tells_the_routings_apart(model_factory, routing):
 @pytest.mark.parametrize("arch,layers", [("qwen3_moe", "all"), ("mixtral", "all"), ("glm4_moe", "dense only"),
                                          ("deepseek_v3", "none"), ("qwen3_next", "none")])
 def test_decoder_layers_fuse_where_both_blocks_did(model_factory, arch, layers):
-    from flashmoe.engine.cpu_fused import CpuDecoderLayer
+    from flashmoe.engine.cpu.fused import CpuDecoderLayer
 
     lm = load(model_factory(arch, 4, converted=True), kernels="cpu", load_tokenizer=False)
     fused = [isinstance(l, CpuDecoderLayer) for l in lm.model.layers]
@@ -195,8 +195,8 @@ def test_layer_timing_still_splits_fused_layers(model_factory):
     """--timing layer wraps the attention inside a fused layer: it is then called through MLX
     and timed, and the tokens do not change."""
     from flashmoe.engine import GenerationFinished, LayerTimings, TokenGenerated
-    from flashmoe.engine.engine import Engine
-    from flashmoe.engine.generate import GenerationRequest
+    from flashmoe.engine.runtime.engine import Engine
+    from flashmoe.engine.runtime.generate import GenerationRequest
 
     eng = Engine(model_factory("qwen3_moe", 4, converted=True))
     eng.wait_loaded()
@@ -223,7 +223,7 @@ def test_shared_expert_runs_while_the_experts_load(model_factory, arch):
     """With cache 0 every routed expert is read on every step; the shared expert is computed
     while those reads are in flight and handed to the block, once per MoE block and forward pass,
     and the tokens stay those of MLX's kernels."""
-    from flashmoe.engine.cpu_fused import SharedAhead
+    from flashmoe.engine.cpu.fused import SharedAhead
 
     path = model_factory(arch, 4, converted=True)
     want = greedy(load(path, kernels="mlx", load_tokenizer=False).model, PROMPT, 8)

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("numba")
 
-from flashmoe.engine.loader import load  # noqa: E402
+from flashmoe.engine.runtime.loader import load  # noqa: E402
 from tests.test_streaming_exact import CASES, PROMPT, greedy, small_budget  # noqa: E402
 
 QUANTIZED = [(a, b) for a, b in CASES if b is not None]
@@ -39,7 +39,7 @@ def test_cpu_kernels_match_mlx_kernels(model_factory, arch, bits):
 
 
 def test_cpu_kernels_really_replace_the_matmuls(model_factory):
-    from flashmoe.engine.cpu_path import CpuQuantizedLinear
+    from flashmoe.engine.cpu.install import CpuQuantizedLinear
 
     lm = load(model_factory("qwen3_moe", 4, converted=True), kernels="cpu", load_tokenizer=False)
     layer = lm.model.model.layers[0]
@@ -68,7 +68,7 @@ def test_overlap_reads_land_while_computing(model_factory):
 
 @pytest.mark.parametrize("kernels,mode", [("mlx", True), ("cpu", "slots"), ("cpu", "hint")])
 def test_prefetch_changes_no_token_and_keeps_the_budget(model_factory, kernels, mode):
-    from flashmoe.engine.generate import GenerationRequest, Session, generate
+    from flashmoe.engine.runtime.generate import GenerationRequest, Session, generate
 
     path = model_factory("qwen3_moe", 4, converted=True)
     ref = load(path, load_tokenizer=False)

@@ -30,9 +30,9 @@ def home(tmp_path_factory):
 def test_paris_golden_and_identical_to_dense_mlx_lm(home, tmp_path):
     from mlx_lm.utils import load_model, quantize_model
 
-    from flashmoe.engine.demo import DEMO_BITS, dense_reference, ensure_demo
-    from flashmoe.engine.generate import GenerationRequest, Session, generate
-    from flashmoe.engine.loader import load
+    from flashmoe.engine.formats.demo import DEMO_BITS, dense_reference, ensure_demo
+    from flashmoe.engine.runtime.generate import GenerationRequest, Session, generate
+    from flashmoe.engine.runtime.loader import load
     from tests.test_streaming_exact import greedy
 
     lm = load(ensure_demo(), expert_cache=0)  # cache 0: every token really streams its experts

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from flashmoe.engine import EngineFailed, GenerationFinished, LayerTimings, PrefillProgress, TokenGenerated
-from flashmoe.engine.engine import Engine
-from flashmoe.engine.generate import GenerationRequest, Session, StopMatcher, generate
-from flashmoe.engine.loader import load
+from flashmoe.engine.runtime.engine import Engine
+from flashmoe.engine.runtime.generate import GenerationRequest, Session, StopMatcher, generate
+from flashmoe.engine.runtime.loader import load
 from tests.test_streaming_exact import greedy
 from tests.tiny_models import reference_model
 

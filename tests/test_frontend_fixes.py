@@ -115,7 +115,7 @@ def test_json_has_layer_events_only_with_timing_layer(home, timing, layers):
 # -- info and verify without a model use the demo, as run does ---------------------------------
 @pytest.mark.parametrize("command", ["info", "verify"])
 def test_info_and_verify_without_a_model_use_the_demo(home, monkeypatch, model_factory, capsys, command):
-    import flashmoe.engine.demo
+    import flashmoe.engine.formats.demo
 
     model = model_factory("qwen3_moe", 4, converted=True)
     built = []
@@ -124,7 +124,7 @@ def test_info_and_verify_without_a_model_use_the_demo(home, monkeypatch, model_f
         built.append(progress)
         return model
 
-    monkeypatch.setattr(flashmoe.engine.demo, "ensure_demo", fake_demo)
+    monkeypatch.setattr(flashmoe.engine.formats.demo, "ensure_demo", fake_demo)
     assert cli.main([command]) == 0
     out, err = capsys.readouterr()
     assert len(built) == 1 and built[0] is not None, "the demo is built with a progress bar, like run"
@@ -139,7 +139,7 @@ def test_info_and_verify_without_a_model_use_the_demo(home, monkeypatch, model_f
 
 def test_info_without_a_model_describes_the_real_demo():
     """One real call: the session's demo (linked from the user's, else built once, ~30 s)."""
-    from flashmoe.engine.demo import demo_path
+    from flashmoe.engine.formats.demo import demo_path
 
     r = run_cli("info", "--json", timeout=600)
     assert r.returncode == 0, r.stderr
@@ -169,7 +169,7 @@ def test_logs_show_labels_tool_results(home, capsys):
 
 # -- a resumed interrupted reply keeps its mark (/save; the TUI's boxes: tests/tui/test_app.py) ------
 def test_save_of_a_resumed_conversation_keeps_the_marks(tmp_path):
-    from flashmoe.engine.fake import FakeEngine
+    from flashmoe.engine.runtime.fake import FakeEngine
     from flashmoe.cli.chat import ChatSession
 
     store = Store(tmp_path / "logs.db")

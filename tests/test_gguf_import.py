@@ -22,8 +22,8 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import TokenType  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-from flashmoe.engine import demo_source  # noqa: E402
-from flashmoe.engine.gguf_import import dequantize_tensor, gguf_to_hf_folder, undo_rope_permutation  # noqa: E402
+from flashmoe.engine.formats import demo_source  # noqa: E402
+from flashmoe.engine.formats.gguf_import import dequantize_tensor, gguf_to_hf_folder, undo_rope_permutation  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 64, 2, 4, 2, 128
 HEAD_DIM = HIDDEN // HEADS
@@ -325,7 +325,7 @@ def test_unsupported_tensor_type_raises(tmp_path, data, raw, type_name):
 
 
 def test_failed_write_leaves_no_partial_files(tmp_path, monkeypatch):
-    import flashmoe.engine.gguf_import as gi
+    import flashmoe.engine.formats.gguf_import as gi
 
     src = write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights())
     real = gi.dequantize_tensor
@@ -535,7 +535,7 @@ def test_mixtral_with_sentencepiece_vocabulary(tmp_path, spm_model):
 
 def test_sentencepiece_tokenizer_loads_in_the_engine(tmp_path, spm_model):
     """The engine's own tokenizer class (what `flashmoe run` uses) reads the folder."""
-    from flashmoe.engine.tokenizer import Tokenizer as EngineTokenizer
+    from flashmoe.engine.runtime.tokenizer import Tokenizer as EngineTokenizer
 
     folder = gguf_to_hf_folder(write_spm_gguf(tmp_path / "spm.gguf", spm_model), tmp_path / "out")
     tok = EngineTokenizer.from_folder(folder)
@@ -1133,8 +1133,8 @@ NEW_CASES = {
 def test_new_moe_architecture_converts_and_streams(tmp_path, case):
     from mlx_lm.utils import load_model
 
-    from flashmoe.engine.convert import convert
-    from flashmoe.engine.loader import load
+    from flashmoe.engine.formats.convert import convert
+    from flashmoe.engine.runtime.loader import load
 
     spec = dict(NEW_CASES[case])
     model_type = spec.pop("model_type")
@@ -1187,7 +1187,7 @@ def test_llama3_rope_freqs_rebuild_the_scaling(monkeypatch):
     whose frequencies in mlx-lm are those of the original, with 0, 1 or many blended pairs."""
     from mlx_lm.models.rope_utils import Llama3RoPE
 
-    from flashmoe.engine.gguf_import import _llama3_factors, _llama3_scaling
+    from flashmoe.engine.formats.gguf_import import _llama3_factors, _llama3_scaling
 
     class Plan:  # the two _Planner methods _llama3_scaling uses
         def __init__(self, factors):
@@ -1204,7 +1204,7 @@ def test_llama3_rope_freqs_rebuild_the_scaling(monkeypatch):
         def int(self, key, default):
             return default
 
-    import flashmoe.engine.gguf_import as gi
+    import flashmoe.engine.formats.gguf_import as gi
 
     monkeypatch.setattr(gi, "dequantize_tensor", lambda t: t)  # Plan.take hands back the array
     cases = [(128, 500000.0, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -1228,7 +1228,7 @@ def test_dense_llama_with_rope_freqs_matches_mlx_lm(tmp_path):
     dim, base = HEAD_DIM, 100000.0
     scaling = {"rope_type": "llama3", **_LLAMA3_SCALING}
     wavelen = 2 * np.pi * base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    from flashmoe.engine.gguf_import import _llama3_factors
+    from flashmoe.engine.formats.gguf_import import _llama3_factors
 
     factors = _llama3_factors(scaling, wavelen).astype(np.float32)
     assert 1 < len(set(factors.tolist())) < len(factors)
@@ -1271,7 +1271,7 @@ def test_new_architecture_settings_mlx_lm_cannot_express_raise(tmp_path, model_t
 
 def test_mxfp4_dequantizes_like_gguf(tmp_path):
     """MXFP4 (gpt-oss's expert format) is dequantized by gguf's own code, per expert too."""
-    from flashmoe.engine.gguf_import import dequantize_expert
+    from flashmoe.engine.formats.gguf_import import dequantize_expert
 
     rng = np.random.default_rng(3)
     data = gguf.quants.quantize(rng.standard_normal((4, 8, 64)).astype(np.float32), Q.MXFP4)
@@ -1369,7 +1369,7 @@ def test_flashmoe_convert_gguf_end_to_end(tmp_path, bits):
 
     from mlx_lm.utils import load_model, quantize_model
 
-    from flashmoe.engine.loader import load
+    from flashmoe.engine.runtime.loader import load
     from tests.conftest import run_cli
 
     _, config, params = make_moe_model("qwen3_moe")

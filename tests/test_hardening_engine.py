@@ -18,7 +18,7 @@ import pytest
 
 from flashmoe.engine import EngineFailed, GenerationFinished
 from flashmoe.engine.errors import ConvertError, ModelLoadError
-from flashmoe.engine.generate import GenerationRequest
+from flashmoe.engine.runtime.generate import GenerationRequest
 from tests.conftest import ROOT, run_cli
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 4
@@ -120,8 +120,8 @@ def test_prompt_truncated_on_request_says_so(packed):
 
 
 def test_generation_stops_at_the_context(packed):
-    from flashmoe.engine.generate import Session, generate
-    from flashmoe.engine.loader import load
+    from flashmoe.engine.runtime.generate import Session, generate
+    from flashmoe.engine.runtime.loader import load
 
     edit_config(packed, max_position_embeddings=20)
     loaded = load(packed)
@@ -179,7 +179,7 @@ def _full_disk_after(n_calls, real):
 
 
 def test_full_disk_during_convert_keeps_the_partial_and_resumes(model_factory, tmp_path, monkeypatch):
-    import flashmoe.engine.convert as conv
+    import flashmoe.engine.formats.convert as conv
 
     src = model_factory("qwen3_moe", 4)
     out = tmp_path / "o"
@@ -201,7 +201,7 @@ def test_full_disk_during_convert_keeps_the_partial_and_resumes(model_factory, t
 
 
 def test_full_disk_while_writing_the_resident_weights(model_factory, tmp_path, monkeypatch):
-    import flashmoe.engine.convert as conv
+    import flashmoe.engine.formats.convert as conv
 
     def full(path, *a, **k):
         with open(path, "wb") as f:
@@ -257,7 +257,7 @@ def test_convert_never_deletes_a_partial_it_did_not_make(model_factory, tmp_path
 
 
 def test_convert_still_replaces_its_own_partial_with_other_options(model_factory, tmp_path):
-    import flashmoe.engine.convert as conv
+    import flashmoe.engine.formats.convert as conv
 
     src = model_factory("qwen3_moe")
     with pytest.raises(RuntimeError, match="injected"):
@@ -282,8 +282,8 @@ def flip_byte(folder, layer: int, expert: int, at: int = 10):
 
 def used_experts(folder, prompt: str) -> dict[int, set[int]]:
     """Which experts of each layer a generation reads (a spy on the store)."""
-    from flashmoe.engine.generate import Session, generate
-    from flashmoe.engine.loader import load
+    from flashmoe.engine.runtime.generate import Session, generate
+    from flashmoe.engine.runtime.loader import load
 
     loaded = load(folder)
     seen: dict[int, set[int]] = {}
@@ -315,7 +315,7 @@ def test_clean_model_runs_with_verification(packed):
 
 
 def _engine_fails_on(folder, **load_args):
-    from flashmoe.engine.engine import Engine
+    from flashmoe.engine.runtime.engine import Engine
 
     eng = Engine(folder, **load_args)
     eng.wait_loaded()
@@ -351,7 +351,7 @@ def test_checksum_over_pieces(packed, monkeypatch):
 
 
 def test_checksum_of_16_bit_experts_widened_on_read(model_factory, tmp_path):
-    from flashmoe.engine.convert import convert
+    from flashmoe.engine.formats.convert import convert
 
     out = convert(model_factory("qwen3_moe"), tmp_path / "bf16", bits=4, dtype="bfloat16")  # bf16 scales
     seen = used_experts(out, LONG_PROMPT)
@@ -362,7 +362,7 @@ def test_checksum_of_16_bit_experts_widened_on_read(model_factory, tmp_path):
 
 
 def test_each_expert_is_checked_once_per_process(packed):
-    from flashmoe.engine.loader import load
+    from flashmoe.engine.runtime.loader import load
 
     loaded = load(packed, expert_cache=0)
     store = loaded.store
@@ -381,7 +381,7 @@ def test_each_expert_is_checked_once_per_process(packed):
 
 
 def test_no_verify_reads_setting(packed):
-    from flashmoe.engine.loader import load
+    from flashmoe.engine.runtime.loader import load
 
     loaded = load(packed, verify_reads=False)
     try:

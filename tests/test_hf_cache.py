@@ -19,8 +19,8 @@ import pytest
 from huggingface_hub import constants, scan_cache_dir
 from huggingface_hub.file_download import repo_folder_name
 
-from flashmoe.engine import hf_cache
-from flashmoe.engine.hf_cache import ModelNotFoundError, hub_cache_dir, resolve, snapshot_path, split_spec
+from flashmoe.engine.formats import hf_cache
+from flashmoe.engine.formats.hf_cache import ModelNotFoundError, hub_cache_dir, resolve, snapshot_path, split_spec
 from tests.conftest import ROOT, run_cli
 
 REPO = "tiny-org/tiny-moe"
@@ -151,7 +151,7 @@ def test_cache_folder_is_huggingface_hubs_and_no_mlx_is_imported(tmp_path):
              {"HUGGINGFACE_HUB_CACHE": "/legacy", "HF_HOME": "/h"}, {"HF_HOME": "~/hf"}]
     code = f"""
 import importlib, json, os, sys, types
-import flashmoe.engine.hf_cache as h
+import flashmoe.engine.formats.hf_cache as h
 heavy = [m for m in sys.modules if m.split(".")[0] in ("mlx", "mlx_lm", "huggingface_hub", "numpy")]
 import huggingface_hub.constants as c
 out = []
@@ -209,7 +209,7 @@ def test_no_snapshot_is_one_line_naming_what_is_there(cache):
 # --- the commands ---------------------------------------------------------------------------------
 
 def test_info_and_run_from_the_cache(cache, tiny):
-    from flashmoe.engine.tokenizer import Tokenizer
+    from flashmoe.engine.runtime.tokenizer import Tokenizer
     from tests.test_streaming_exact import greedy
     from tests.tiny_models import reference_model
 
@@ -232,7 +232,7 @@ def test_info_and_run_from_the_cache(cache, tiny):
 
 
 def test_convert_from_the_cache(cache, tiny, tmp_path):
-    from flashmoe.engine.convert import is_converted
+    from flashmoe.engine.formats.convert import is_converted
 
     add_snapshot(cache, C1, tiny, refs=["main"])
     add_snapshot(cache, C2, {"config.json": b"{}"}, refs=["broken"])  # @broken would fail to convert

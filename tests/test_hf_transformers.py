@@ -42,9 +42,9 @@ transformers = pytest.importorskip("transformers")
 
 import mlx.core as mx  # noqa: E402
 
-from flashmoe.engine.convert import convert  # noqa: E402
+from flashmoe.engine.formats.convert import convert  # noqa: E402
 from flashmoe.engine.errors import ModelLoadError  # noqa: E402
-from flashmoe.engine.loader import load  # noqa: E402
+from flashmoe.engine.runtime.loader import load  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -476,7 +476,6 @@ def test_sharded_hf_checkpoint_direct(tmp_path):
     assert loaded.mode == "direct"
     assert len({p for l in loaded.layers for part in l.sources for p, _ in part}) > 1
     assert np.abs(logits - ref).max() < ATOL
-
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,4 +1,4 @@
-"""engine/kernels/cpu_qmm.py: the numba kernels against MLX's own quantize / dequantize / matmul.
+"""engine/cpu/qmm.py: the numba kernels against MLX's own quantize / dequantize / matmul.
 
 Bounds. Both sides compute in float32 and sum in different orders. The brief's bound is
 max|ours - ref| <= 1e-4 * (1 + max|ref|), ref = x @ mx.dequantize(W).T in float32. We also check a
@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("numba")
 mx = pytest.importorskip("mlx.core")
 
-from flashmoe.engine.kernels import cpu_qmm as K  # (imported after the importorskip above)
+from flashmoe.engine.cpu import qmm as K  # (imported after the importorskip above)
 
 RNG = np.random.default_rng(1234)
 

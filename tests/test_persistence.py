@@ -109,7 +109,8 @@ def test_flashmoe_home_relocates_state(env, tmp_path):
 
 
 def test_engine_never_imports_ui_packages():
-    code = ("import sys, engine, engine.loader, engine.engine, engine.generate, engine.convert, engine.fake; "
+    code = ("import sys, flashmoe.engine, flashmoe.engine.runtime.loader, flashmoe.engine.runtime.engine, "
+            "flashmoe.engine.runtime.generate, flashmoe.engine.formats.convert, flashmoe.engine.runtime.fake; "
             "bad = [m for m in ('textual', 'prompt_toolkit', 'rich') if m in sys.modules]; "
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
@@ -131,7 +132,7 @@ def test_the_front_end_offers_what_the_engine_takes():
     """The flags offer the engine's own lists (flashmoe.engine.options, which --help and usage
     errors import without MLX), not copies that could drift apart."""
     from flashmoe.engine.experts.store import CACHE_POLICIES
-    from flashmoe.engine.loader import PREFETCH_MODES
+    from flashmoe.engine.runtime.loader import PREFETCH_MODES
     from flashmoe.cli.config import CACHE_POLICY_CHOICES, PREFETCH_CHOICES
 
     assert set(CACHE_POLICY_CHOICES) == set(CACHE_POLICIES)

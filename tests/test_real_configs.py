@@ -17,8 +17,8 @@ from mlx_lm.utils import _get_classes, quantize_model, save_config, save_model
 import numpy as np
 from safetensors.numpy import save_file
 
-from flashmoe.engine.convert import convert
-from flashmoe.engine.loader import load, normalize_config
+from flashmoe.engine.formats.convert import convert
+from flashmoe.engine.runtime.loader import load, normalize_config
 from tests.tiny_tokenizer import write_tiny_tokenizer
 
 CONFIGS = Path(__file__).parent / "fixtures" / "configs"

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flashmoe.engine.reasoning import open_reasoning, prompt_reasoning, thinking_kwargs, thinking_switch
+from flashmoe.engine.runtime.reasoning import open_reasoning, prompt_reasoning, thinking_kwargs, thinking_switch
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def deepseek_r1_template() -> str:
 
 
 def render(template: str, messages, gen: bool, **kw) -> str:
-    from flashmoe.engine.tokenizer import _make_environment
+    from flashmoe.engine.runtime.tokenizer import _make_environment
 
     return _make_environment().from_string(template).render(messages=messages, add_generation_prompt=gen,
                                                             bos_token="", eos_token="", **kw)
@@ -71,8 +71,8 @@ def test_real_templates_open_reasoning_when_thinking_is_on():
 
 def test_engine_reports_the_open_block(tmp_path):
     """engine.generate renders the prompt and says which reasoning block it leaves open."""
-    from flashmoe.engine.generate import GenerationRequest, render_prompt_text
-    from flashmoe.engine.tokenizer import Tokenizer, _make_environment
+    from flashmoe.engine.runtime.generate import GenerationRequest, render_prompt_text
+    from flashmoe.engine.runtime.tokenizer import Tokenizer, _make_environment
     from tests.tiny_tokenizer import build_tiny_tokenizer
 
     tok = Tokenizer(build_tiny_tokenizer(), chat_templates={"default": _make_environment().from_string(qwen35_template())})
@@ -226,7 +226,7 @@ from tests.test_repl import CTRL_D, ENTER, drive, home  # noqa: E402,F401  (home
 
 
 def test_repl_sets_reasoning_apart_and_switches_thinking():
-    from flashmoe.engine.fake import FakeEngine
+    from flashmoe.engine.runtime.fake import FakeEngine
 
     engine = FakeEngine(["weighing</think>Paris.", "Lyon."], chat_template=qwen35_template())
     t = drive("hi" + ENTER + "/thinking off" + ENTER + "again" + ENTER + "/thinking maybe" + ENTER + CTRL_D, engine)

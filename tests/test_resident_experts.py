@@ -14,10 +14,10 @@ import pytest
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.utils import save_config, save_model
 
-from flashmoe.engine.convert import convert
+from flashmoe.engine.formats.convert import convert
 from flashmoe.engine.errors import ConvertError, ModelLoadError
 from flashmoe.engine.experts.blocks import resident_expert_modules
-from flashmoe.engine.loader import load
+from flashmoe.engine.runtime.loader import load
 from tests.conftest import run_cli
 from tests.tiny_tokenizer import write_tiny_tokenizer
 
@@ -137,9 +137,9 @@ def test_cli_one_line_exit_3_then_allowed(dense_declaring_experts):
 
 
 def test_every_summary_says_the_experts_are_resident(hand_rolled):
-    from flashmoe.engine.engine import Engine
+    from flashmoe.engine.runtime.engine import Engine
     from flashmoe.engine.events import GenerationFinished
-    from flashmoe.engine.generate import GenerationRequest
+    from flashmoe.engine.runtime.generate import GenerationRequest
     from flashmoe.cli.summaries import summary
 
     folder, _ = hand_rolled

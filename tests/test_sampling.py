@@ -6,7 +6,7 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 
-from flashmoe.engine.sampling import Sampler, SamplingParams
+from flashmoe.engine.runtime.sampling import Sampler, SamplingParams
 
 
 def logits_from_probs(probs: list[float]) -> mx.array:

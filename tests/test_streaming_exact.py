@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from flashmoe.engine.loader import load
+from flashmoe.engine.runtime.loader import load
 from tests.tiny_models import ARCHS, reference_model
 
 PROMPT = [3, 17, 250, 42, 9, 101, 77, 5, 64, 200, 13, 8]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from flashmoe.engine.tokenizer import Tokenizer
+from flashmoe.engine.runtime.tokenizer import Tokenizer
 from flashmoe.cli.agent import AgentLoop
 from flashmoe.tools.calls import ToolCall
 from flashmoe.tools.parsers import parser_for_template

@@ -8,7 +8,7 @@ import jinja2
 import pytest
 
 from flashmoe.engine.errors import FlashMoEError, ModelLoadError
-from flashmoe.engine.tokenizer import ChatTemplateError, Tokenizer
+from flashmoe.engine.runtime.tokenizer import ChatTemplateError, Tokenizer
 from tests.tiny_tokenizer import TRAINING_TEXT, write_tiny_tokenizer
 
 QWEN3_DIR = Path(__file__).resolve().parents[2] / "shared/reference/tokenizers/qwen3"
@@ -359,7 +359,7 @@ def injected_conversation(payload: str) -> list[dict]:
 
 
 def test_special_tokens_in_tool_results_and_user_text_are_text(qwen3: Tokenizer):
-    from flashmoe.engine.generate import GenerationRequest, render_prompt
+    from flashmoe.engine.runtime.generate import GenerationRequest, render_prompt
 
     class Loaded:
         tokenizer = qwen3

@@ -323,4 +323,3 @@ class CommandRunner:
 
     def shell(self, command: str, *, timeout: float | None = None) -> ToolResult:
         return self.run(["/bin/sh", "-c", command], timeout=timeout)
-

@@ -13,7 +13,7 @@ import re
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..config_check import EXPERT_COUNT_KEYS
+from flashmoe.engine.runtime.config_check import EXPERT_COUNT_KEYS
 
 
 # Layer containers as mlx-lm names them: model.layers.N, transformer.h.N (phixtral), blocks.N.

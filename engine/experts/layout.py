@@ -18,9 +18,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..errors import ModelLoadError
-from ..jsonfile import read_json
-from ..safetensors_io import DTYPES, ITEM_SIZES, array_bytes
+from flashmoe.engine.errors import ModelLoadError
+from flashmoe.engine.runtime.jsonfile import read_json
+from flashmoe.engine.formats.safetensors_io import DTYPES, ITEM_SIZES, array_bytes
 
 FORMAT = "flashmoe-experts"
 VERSION = 1
@@ -105,7 +105,7 @@ def write_layer(folder: Path, layer: int, module: str, tensors: dict[str, mx.arr
     Written under a temporary name and renamed, so a half-written file is never taken for a
     finished one.
     """
-    from ..safetensors_io import DTYPE_NAMES
+    from flashmoe.engine.formats.safetensors_io import DTYPE_NAMES
 
     first = tensors[part_names[0]]
     num_experts = first.shape[0]

@@ -22,9 +22,9 @@ from time import perf_counter
 import mlx.core as mx
 import numpy as np
 
-from ..errors import ModelLoadError
-from ..options import CACHE_POLICIES
-from .layout import Extent, LayerExperts, Part
+from flashmoe.engine.errors import ModelLoadError
+from flashmoe.engine.options import CACHE_POLICIES
+from flashmoe.engine.experts.layout import Extent, LayerExperts, Part
 
 PAGE = 4096
 # Misses are read in pieces of at most this many bytes, each its own request, so that a layer's
@@ -182,7 +182,7 @@ class ExpertStore:
         self.prefetch_mode = "off"  # "slots": read guesses into slots; "hint": into the page cache
         self._hinted: dict[int, set[int]] = {}  # layer -> experts hinted for its next fetch
         self.next_layer = {a.layer: b.layer for a, b in zip(layers, layers[1:])}
-        self.cpu_kernels = cpu_kernels  # experts computed by the numba kernels (engine/cpu_path.py)
+        self.cpu_kernels = cpu_kernels  # experts computed by the numba kernels (engine/cpu/install.py)
         self.pools: list[SlotPool] = []
         self.budget_bytes = self._make_pools(layers, budget_bytes)
         # How often each (layer, expert) was asked for, all halved every LFU_HALF_LIFE tokens'

@@ -14,30 +14,48 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
-from .blocks import expert_children
-from .store import ExpertStore
-
-
-class _Hidden:
-    """Holds a module outside the parent's parameter tree (the slot bank is not a weight)."""
-
-    def __init__(self, module):
-        self.module = module
+from flashmoe.engine.experts.blocks import expert_children
+from flashmoe.engine.experts.store import ExpertStore
+from flashmoe.engine.hidden import Hidden
+from flashmoe.engine.telemetry import Telemetry
 
 
 class StreamingSwitchGLU(nn.Module):
-    def __init__(self, inner: nn.Module, layer: int, store: ExpertStore, timing: list):
+    def __init__(self, inner: nn.Module, layer: int, store: ExpertStore, telemetry: Telemetry):
         super().__init__()
         pool = store.pool(layer)
         inner.update(tree_unflatten(list(pool.arrays.items())))
-        self._inner = _Hidden(inner)
+        self._inner = Hidden(inner)
         for name in set(inner.children()) - set(expert_children(inner)):
             setattr(self, name, getattr(inner, name))  # resident parts a model keeps on the block
         self._layer = layer
         self._store = store
-        self._timing = timing  # shared one-item list: the engine's current timing mode
+        self._telemetry = telemetry  # the engine's: its timing mode, read per call
         self._cpu = _CpuExperts(inner, pool) if store.cpu_kernels and _CpuExperts.supports(inner, pool) else None
-        self._side = None  # _Hidden(shared expert with run_ahead(x, x2)): computed while experts load
+        self._side = None  # Hidden(shared expert with run_ahead(x, x2)): computed while experts load
+
+    # -- what the CPU fast path (engine/cpu/fused.py) asks of a streamed block ----------------
+    @property
+    def on_cpu_kernels(self) -> bool:
+        """Its experts are computed by the numba kernels (as each read lands)."""
+        return self._cpu is not None
+
+    @property
+    def num_experts(self) -> int:
+        return self._store.layers[self._layer].num_experts
+
+    def expert_input_dim(self) -> int:
+        """The width of the hidden state the experts take (from the packed gate projection)."""
+        w, _, _, bits, _ = self._cpu.w["gate_proj"]
+        return w.shape[-1] * 32 // bits
+
+    def compute_beside(self, module) -> None:
+        """Run module.run_ahead(x, x2) (a shared expert) while this block's experts are read."""
+        self._side = Hidden(module)
+
+    def add_route_time(self, seconds: float) -> None:
+        """Routing done outside this block (a fused MoE's router) counts as this layer's."""
+        self._store.stats[self._layer].route_s += seconds
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         store, layer = self._store, self._layer
@@ -47,7 +65,7 @@ class StreamingSwitchGLU(nn.Module):
         ids = np.array(indices)  # the one sync we cannot avoid: we must know what to read
         stats.route_s += perf_counter() - t0
         if self._cpu is not None:
-            from ..kernels.cpu_qmm import to_numpy
+            from flashmoe.engine.cpu.qmm import to_numpy
 
             mx.eval(x)
             x2 = to_numpy(x).reshape(-1, x.shape[-1])
@@ -64,7 +82,7 @@ class StreamingSwitchGLU(nn.Module):
             y = inner(x, mx.array(lut[ids], dtype=indices.dtype))
         else:
             y = self._in_groups(x, ids, wanted, slots, indices.dtype)
-        if self._timing[0] == "layer":
+        if self._telemetry.mode == "layer":
             t1 = perf_counter()
             mx.eval(y)
             stats.compute_s += perf_counter() - t1
@@ -141,7 +159,7 @@ class _CpuExperts:
                 and all(pool.arrays[f"{n}.scales"].dtype == mx.float32 for n in _CpuExperts.PROJS))
 
     def __init__(self, inner, pool):
-        from ..kernels.cpu_qmm import to_numpy
+        from flashmoe.engine.cpu.qmm import to_numpy
 
         self.w = {}
         for n in self.PROJS:
@@ -153,8 +171,8 @@ class _CpuExperts:
     def _swiglu(self, rows, slots):
         """down(silu(gate(x)) * up(x)) of each x row with its slot: rows [R, D] with slots [R]
         (or [R, k]: each row with each of its k slots)."""
-        from ..kernels.cpu_attn import silu_mul
-        from ..kernels.cpu_qmm import gather_qmm, gather_qmm_pair
+        from flashmoe.engine.cpu.attn import silu_mul
+        from flashmoe.engine.cpu.qmm import gather_qmm, gather_qmm_pair
 
         gate, up = self.w["gate_proj"], self.w["up_proj"]
         if gate[3:] == up[3:] and gate[0].shape == up[0].shape:  # one kernel call for both

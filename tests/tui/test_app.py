@@ -479,7 +479,7 @@ async def test_few_layers_that_fit_need_no_row_count():
 async def test_the_demo_says_it_is_a_toy_not_to_be_trusted():
     import dataclasses
 
-    from flashmoe.engine.demo import demo_path
+    from flashmoe.engine.formats.demo import demo_path
 
     from flashmoe.cli.models import DEMO_NOTE
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from .experts.layout import read_manifest
-from .experts.blocks import cpu_kernels_reason, expert_blocks, expert_tensor_of, kind, layer_index, no_blocks_reason
-from .loader import EXPERTS_DIR, RESIDENT, _safetensors_files, build_model, read_config, text_config, top_k_of
-from .safetensors_io import read_header
+from flashmoe.engine.experts.layout import read_manifest
+from flashmoe.engine.experts.blocks import cpu_kernels_reason, expert_blocks, expert_tensor_of, kind, layer_index, no_blocks_reason
+from flashmoe.engine.runtime.loader import EXPERTS_DIR, RESIDENT, _safetensors_files, build_model, read_config, text_config, top_k_of
+from flashmoe.engine.formats.safetensors_io import read_header
 
 def describe(path: str | Path) -> dict:
     path = Path(path)
@@ -34,7 +34,7 @@ def describe(path: str | Path) -> dict:
                 per_module[b][1] += t.nbytes // t.shape[0]
         layers = sorted((layer_index(m), e, b) for m, (e, b) in per_module.items())
         modules = {layer_index(m): m for m in per_module}
-    from .convert import module_quantization
+    from flashmoe.engine.formats.convert import module_quantization
 
     q = config.get("quantization") or {}
     k = top_k_of(config)

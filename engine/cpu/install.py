@@ -1,9 +1,9 @@
 """The CPU kernel path: every affine-quantized matmul the model runs goes through numba kernels
-(engine/kernels/cpu_qmm.py) instead of MLX's scalar CPU loop. Metal and CUDA keep MLX's kernels.
+(engine/cpu/qmm.py) instead of MLX's scalar CPU loop. Metal and CUDA keep MLX's kernels.
 
 Each replaced module evaluates its input (a sync: the kernel runs outside MLX's graph), reads the
 weights through zero-copy numpy views, and hands the result back as an MLX array. Whole attention,
-MLP and MoE blocks are then fused on top of these (engine/cpu_fused.py), one sync per block.
+MLP and MoE blocks are then fused on top of these (engine/cpu/fused.py), one sync per block.
 """
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .experts.switch import _Hidden  # holds a module outside the parameter tree
-from .options import KERNELS
-
+from flashmoe.engine.hidden import Hidden
+from flashmoe.engine.options import KERNELS
 
 
 def resolve(kernels: str) -> str:
@@ -22,13 +21,13 @@ def resolve(kernels: str) -> str:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     if kernels != "auto":
         return kernels
-    from .kernels import cpu_qmm_available
+    from flashmoe.engine.cpu import cpu_qmm_available
 
     return "cpu" if mx.default_device() == mx.cpu and cpu_qmm_available() else "mlx"
 
 
 def _f32_view(a: mx.array) -> np.ndarray:
-    from .kernels.cpu_qmm import to_numpy
+    from flashmoe.engine.cpu.qmm import to_numpy
 
     mx.eval(a)
     return to_numpy(a) if a.dtype != mx.bfloat16 else to_numpy(a.astype(mx.float32))
@@ -44,7 +43,7 @@ class CpuQuantizedLinear(nn.Module):
         self._b = np.ascontiguousarray(_f32_view(ql["biases"]), dtype=np.float32)
         self._bias = _f32_view(ql["bias"]) if "bias" in ql else None
         self._bits, self._gs = ql.bits, ql.group_size
-        self._keep = _Hidden(ql)  # its arrays back the views above
+        self._keep = Hidden(ql)  # its arrays back the views above
 
     def rebind(self, w: np.ndarray, s: np.ndarray, b: np.ndarray) -> None:
         """Use these (equal) arrays instead, e.g. rows of a fused matrix; frees the originals."""
@@ -54,7 +53,7 @@ class CpuQuantizedLinear(nn.Module):
         self._keep = None
 
     def __call__(self, x: mx.array) -> mx.array:
-        from .kernels.cpu_qmm import qmm, to_numpy
+        from flashmoe.engine.cpu.qmm import qmm, to_numpy
 
         mx.eval(x)
         out = qmm(to_numpy(x), self._w, self._s, self._b, self._bits, self._gs)
@@ -68,8 +67,8 @@ class CpuQuantizedEmbedding(nn.Module):
 
     def __init__(self, qe: nn.QuantizedEmbedding):
         super().__init__()
-        self._inner = _Hidden(qe)
-        self._linear = _Hidden(CpuQuantizedLinear(qe))
+        self._inner = Hidden(qe)
+        self._linear = Hidden(CpuQuantizedLinear(qe))
 
     def __call__(self, x):
         return self._inner.module(x)

@@ -18,7 +18,7 @@ import jinja2.sandbox
 import tokenizers
 
 from flashmoe.engine.errors import FlashMoEError, ModelLoadError
-from flashmoe.engine.jsonfile import read_bytes
+from flashmoe.engine.runtime.jsonfile import read_bytes
 
 log = logging.getLogger("flashmoe")
 # Stands in for control-token text inside messages when finding the template's own markers

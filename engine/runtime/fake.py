@@ -10,8 +10,8 @@ import re
 import threading
 import time
 
-from .engine import Handle
-from .events import (EngineFailed, GenerationFinished, LayerRow, LayerTimings, ModelLoaded, PrefillProgress,
+from flashmoe.engine.runtime.engine import Handle
+from flashmoe.engine.events import (EngineFailed, GenerationFinished, LayerRow, LayerTimings, ModelLoaded, PrefillProgress,
                      StepFinished, TokenGenerated)
 
 
@@ -33,7 +33,7 @@ class FakeEngine:
                                        chat_template=chat_template, context=context)
         self._template = None
         if chat_template:
-            from .tokenizer import _make_environment
+            from flashmoe.engine.runtime.tokenizer import _make_environment
 
             self._template = _make_environment().from_string(chat_template)
 
@@ -49,7 +49,7 @@ class FakeEngine:
 
     def _reasoning(self, request) -> str:
         """As engine.generate.render_prompt_text: the reasoning block the rendered prompt leaves open."""
-        from .reasoning import open_reasoning, prompt_reasoning
+        from flashmoe.engine.runtime.reasoning import open_reasoning, prompt_reasoning
 
         if getattr(request, "prompt", None) is not None:
             return open_reasoning(request.prompt)

@@ -11,7 +11,7 @@ import re
 
 from flashmoe.prompts.reasoning import REASONING_MARKERS
 
-from .options import THINKING_CHOICES
+from flashmoe.engine.options import THINKING_CHOICES
 
 
 def close_marker(open_marker: str) -> str:

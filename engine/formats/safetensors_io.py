@@ -15,7 +15,7 @@ from typing import Iterable
 
 import mlx.core as mx
 
-from .errors import ModelLoadError
+from flashmoe.engine.errors import ModelLoadError
 
 # safetensors dtype names <-> MLX dtypes
 DTYPES = {

@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .events import StepFinished, TokenGenerated
-from .generate import GenerationRequest, Session, generate
+from flashmoe.engine.events import StepFinished, TokenGenerated
+from flashmoe.engine.runtime.generate import GenerationRequest, Session, generate
 
 FILLER = ("Mixture-of-experts models route each token to a few experts; the rest stay on the disk "
           "until a token asks for them. We talked about the weather in Paris, the time of day, and "

@@ -22,7 +22,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import ModelLoadError
+from flashmoe.engine.errors import ModelLoadError
 
 DEFAULT_REVISION = "main"  # huggingface_hub.constants.DEFAULT_REVISION
 REPO_ID_SEPARATOR = "--"  # huggingface_hub.constants.REPO_ID_SEPARATOR

@@ -13,7 +13,7 @@ from time import perf_counter
 import mlx.core as mx
 import mlx.nn as nn
 
-from .events import LayerRow
+from flashmoe.engine.events import LayerRow
 
 MIXER_NAMES = ("self_attn", "linear_attn", "attention", "attn", "mixer")
 
@@ -21,10 +21,10 @@ MIXER_NAMES = ("self_attn", "linear_attn", "attention", "attn", "mixer")
 class _Timed(nn.Module):
     """Runs `inner`; in layer mode evaluates its output and adds the time to `sink[index]`."""
 
-    def __init__(self, inner: nn.Module, sink: dict, index: int, mode: list):
+    def __init__(self, inner: nn.Module, sink: dict, index: int, telemetry):
         super().__init__()
         self.inner = inner
-        self._sink, self._index, self._mode = sink, index, mode
+        self._sink, self._index, self._telemetry = sink, index, telemetry
 
     def __getattr__(self, name):
         try:
@@ -35,7 +35,7 @@ class _Timed(nn.Module):
             return getattr(self["inner"], name)
 
     def __call__(self, *args, **kwargs):
-        if self._mode[0] != "layer":
+        if self._telemetry.mode != "layer":
             return self.inner(*args, **kwargs)
         t0 = perf_counter()
         out = self.inner(*args, **kwargs)
@@ -65,14 +65,14 @@ class LayerClock:
     def install(self) -> None:
         if self._installed:
             return
-        mode = self.loaded.timing
+        telemetry = self.loaded.telemetry
         layers = decoder_layers(self.loaded.model)
         for i, layer in enumerate(layers):
             for name in MIXER_NAMES:
                 if name in layer and isinstance(layer[name], nn.Module):
-                    layer[name] = _Timed(layer[name], self.attn, i, mode)
+                    layer[name] = _Timed(layer[name], self.attn, i, telemetry)
                     break
-            layers[i] = _Timed(layer, self.total, i, mode)
+            layers[i] = _Timed(layer, self.total, i, telemetry)
         self._installed = True
 
     def rows(self, store_stats: dict) -> tuple[LayerRow, ...]:

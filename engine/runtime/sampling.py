@@ -9,7 +9,7 @@ import os
 
 import mlx.core as mx
 
-from .options import SamplingParams  # noqa: F401  (re-exported: it lives with the other options)
+from flashmoe.engine.options import SamplingParams  # noqa: F401  (re-exported: it lives with the other options)
 
 
 class Sampler:

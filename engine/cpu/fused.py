@@ -1,7 +1,7 @@
 """Fused CPU modules for the decode step: whole attention, MLP, MoE blocks and decoder layers on
 the numba kernels.
 
-With the matmuls on numba (engine/cpu_path.py) a token still paid for MLX's small ops and syncs:
+With the matmuls on numba (engine/cpu/install.py) a token still paid for MLX's small ops and syncs:
 each of q/k/v/o and gate/up/down evaluated its input (a sync), and the rope, norms, cache update
 and attention between them cost 5-15 us of dispatch apiece, ~0.5 ms per layer in all, more than
 the matmuls of a small model. Here:
@@ -28,8 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cpu_path import CpuQuantizedLinear, set_module
-from .experts.switch import _Hidden
+from flashmoe.engine.cpu.install import CpuQuantizedLinear, set_module
+from flashmoe.engine.hidden import Hidden
 
 PROBE_TOL = 1e-4  # relative to the output's largest magnitude
 
@@ -59,7 +59,7 @@ class Fused:
                 and len({(l._bits, l._gs, l._w.shape[1]) for l in linears}) == 1)
 
     def __call__(self, x2: np.ndarray) -> list[np.ndarray]:
-        from .kernels.cpu_qmm import qmm
+        from flashmoe.engine.cpu.qmm import qmm
 
         out = qmm(x2, self.w, self.s, self.b, self.bits, self.gs)
         if self.bias is not None:
@@ -72,7 +72,7 @@ class Fused:
 
 
 def _linear_np(lin: CpuQuantizedLinear, x2: np.ndarray) -> np.ndarray:
-    from .kernels.cpu_qmm import qmm
+    from flashmoe.engine.cpu.qmm import qmm
 
     out = qmm(x2, lin._w, lin._s, lin._b, lin._bits, lin._gs)
     if lin._bias is not None:
@@ -87,7 +87,7 @@ def _mx(a: np.ndarray) -> mx.array:
 
 
 def _np(a: mx.array) -> np.ndarray:
-    from .kernels.cpu_qmm import to_numpy
+    from flashmoe.engine.cpu.qmm import to_numpy
 
     mx.eval(a)
     return to_numpy(a)
@@ -194,7 +194,7 @@ class CpuAttention(_Wraps):
         if key not in tables:
             tables[key] = RopeTable(attn.rope, self.hd)
         self._rope = tables[key]
-        self._orig = _Hidden(attn)
+        self._orig = Hidden(attn)
         self._qkv = Fused(projs[:3])
         self._o = projs[3]
 
@@ -214,8 +214,8 @@ class CpuAttention(_Wraps):
 
     def decode_np(self, x2: np.ndarray, cache) -> np.ndarray:
         """x2 [1, D] -> [1, D_out]; writes this position's keys and values into the cache."""
-        from .kernels.cpu_attn import attend, rms_norm_rows, rope_rows
-        from .kernels.cpu_qmm import to_numpy
+        from flashmoe.engine.cpu.attn import attend, rms_norm_rows, rope_rows
+        from flashmoe.engine.cpu.qmm import to_numpy
 
         q, k, v = self._qkv(x2)
         H, Hk, hd = self.H, self.Hk, self.hd
@@ -247,7 +247,7 @@ class CpuMLP(_Wraps):
             raise ValueError("projections are not all on the CPU kernels")
         if any(p._bias is not None for p in projs):
             raise ValueError("projections with a bias")
-        self._orig = _Hidden(mlp)
+        self._orig = Hidden(mlp)
         self._gate_up = Fused(projs[:2])
         self._down = projs[2]
 
@@ -255,7 +255,7 @@ class CpuMLP(_Wraps):
         return _mx(self.np(_np(x).reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1))
 
     def np(self, x2: np.ndarray) -> np.ndarray:
-        from .kernels.cpu_attn import silu_mul
+        from flashmoe.engine.cpu.attn import silu_mul
 
         g, u = self._gate_up(x2)
         return _linear_np(self._down, silu_mul(g, u))
@@ -279,7 +279,7 @@ class CpuDecoderLayer(_Wraps):
         norms = [layer.get(n) for n in ("input_layernorm", "post_attention_layernorm")]
         if not all(type(n) is nn.RMSNorm for n in norms):
             raise ValueError("not RMSNorm pre-norms")
-        self._orig = _Hidden(layer)
+        self._orig = Hidden(layer)
         self._ffn = ffn
         for n in ("input_layernorm", "self_attn", "post_attention_layernorm", ffn):
             self[n] = layer[n]
@@ -288,7 +288,7 @@ class CpuDecoderLayer(_Wraps):
     def __call__(self, x, mask=None, cache=None, **kwargs):
         if not CpuAttention.fast(x, mask, cache, kwargs):
             return self._orig.module(x, mask, cache, **kwargs)
-        from .kernels.cpu_attn import rms_norm_rows
+        from flashmoe.engine.cpu.attn import rms_norm_rows
 
         x2 = _np(x).reshape(1, -1)
         (w1, eps1), (w2, eps2) = self._norms
@@ -334,7 +334,7 @@ class SharedAhead(_Wraps):
 
     def __init__(self, mlp: CpuMLP):
         super().__init__()
-        self._orig = _Hidden(mlp)
+        self._orig = Hidden(mlp)
         self._ahead = None  # (the x it was computed for, result)
         self.used = 0  # results handed over (tests)
 
@@ -350,14 +350,14 @@ class SharedAhead(_Wraps):
 
 
 def _install_shared(block: nn.Module) -> bool:
-    from .experts.switch import StreamingSwitchGLU
+    from flashmoe.engine.experts.switch import StreamingSwitchGLU
 
     switch = block.get("switch_mlp")
     name = next((n for n in SHARED_NAMES if isinstance(block.get(n), CpuMLP)), None)
-    if not isinstance(switch, StreamingSwitchGLU) or switch._cpu is None or name is None:
+    if not isinstance(switch, StreamingSwitchGLU) or not switch.on_cpu_kernels or name is None:
         return False
     block[name] = SharedAhead(block[name])
-    switch._side = _Hidden(block[name])
+    switch.compute_beside(block[name])
     return True
 
 
@@ -391,10 +391,10 @@ class CpuMoE(_Wraps):
 
     def __init__(self, block: nn.Module, routing: str):
         super().__init__()
-        from .experts.switch import StreamingSwitchGLU
+        from flashmoe.engine.experts.switch import StreamingSwitchGLU
 
         switch, gate = getattr(block, "switch_mlp", None), getattr(block, "gate", None)
-        if not isinstance(switch, StreamingSwitchGLU) or switch._cpu is None:
+        if not isinstance(switch, StreamingSwitchGLU) or not switch.on_cpu_kernels:
             raise ValueError("experts are not streamed on the CPU kernels")
         if any(hasattr(block, n) for n in ("shared_expert", "shared_experts", "shared_mlp")):
             raise ValueError("shared experts")
@@ -411,7 +411,7 @@ class CpuMoE(_Wraps):
         else:
             raise ValueError("unsupported router")
         self.routing = routing
-        self._orig = _Hidden(block)
+        self._orig = Hidden(block)
         self._switch = switch
 
     def __call__(self, x):
@@ -423,7 +423,7 @@ class CpuMoE(_Wraps):
 
         t0 = perf_counter()
         ids, scores = route(self._router(x2), self.k, self.routing)
-        self._switch._store.stats[self._switch._layer].route_s += perf_counter() - t0
+        self._switch.add_route_time(perf_counter() - t0)
         y = (experts or self._switch.experts_np)(x2, ids)  # [R, k, D]
         return (y * scores[..., None].astype(np.float32)).sum(axis=-2)
 
@@ -453,9 +453,8 @@ def _probe_moe(block: nn.Module) -> str | None:
         new = CpuMoE(block, ROUTINGS[0])
     except ValueError:
         return None
-    w, _, _, bits, _ = switch._cpu.w["gate_proj"]
-    dim = w.shape[-1] * 32 // bits
-    num_experts = switch._store.layers[switch._layer].num_experts
+    dim = switch.expert_input_dim()
+    num_experts = switch.num_experts
     rng = np.random.default_rng(0)
     x = mx.array(rng.standard_normal((1, 3, dim)).astype(np.float32))
     x2 = np.array(x).reshape(3, dim)
@@ -514,9 +513,9 @@ def _input_dim(module: nn.Module, first: str) -> int:
 def install(model: nn.Module) -> dict:
     """Replace the attention, MLP and MoE blocks that pass their probe, put shared experts ahead
     of the routed experts' reads, then fuse the decoder layers whose blocks were all replaced.
-    Returns counts by kind (tried and replaced). Run after cpu_path.install (the projections must
+    Returns counts by kind (tried and replaced). Run after cpu.install.install (the projections must
     already be CpuQuantizedLinear)."""
-    from .kernels.cpu_attn import warmup
+    from flashmoe.engine.cpu.attn import warmup
 
     warmup()
     tables: dict = {}
@@ -577,7 +576,7 @@ def _release_freed_memory() -> None:
 
 
 def _install_layers(model: nn.Module, counts: dict) -> None:
-    from .timing import decoder_layers
+    from flashmoe.engine.runtime.timing import decoder_layers
 
     try:
         layers = decoder_layers(model)
@@ -596,4 +595,3 @@ def _install_layers(model: nn.Module, counts: dict) -> None:
         if ok:
             layers[i] = new
             counts["layer"] += 1
-

@@ -32,13 +32,13 @@ def demo_path() -> Path:
 
 def ensure_demo(progress=None) -> Path:
     """The demo model's folder, building it first if it is not there yet."""
-    from .convert import convert, is_converted
+    from flashmoe.engine.formats.convert import convert, is_converted
 
     out = demo_path()
     if is_converted(out):
         return out
-    from .demo_source import find_smollm2_gguf
-    from .gguf_import import gguf_to_hf_folder
+    from flashmoe.engine.formats.demo_source import find_smollm2_gguf
+    from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
 
     progress = progress or (lambda *a: None)
     home = flashmoe_home()
@@ -57,8 +57,8 @@ def ensure_demo(progress=None) -> Path:
 
 def dense_reference(folder: Path, progress=None) -> Path:
     """The dense SmolLM2 from the same GGUF, as an mlx-lm folder (for the golden test)."""
-    from .demo_source import find_smollm2_gguf
-    from .gguf_import import gguf_to_hf_folder
+    from flashmoe.engine.formats.demo_source import find_smollm2_gguf
+    from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
 
     gguf = find_smollm2_gguf(flashmoe_home() / "downloads")
     if not (folder / "config.json").exists():

@@ -10,7 +10,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import ModelLoadError
+from flashmoe.engine.errors import ModelLoadError
 
 # Far above any real config, manifest or tokenizer file; refuses a runaway file before reading it.
 MAX_JSON_BYTES = 512 * 1024 * 1024

@@ -22,13 +22,13 @@ from typing import Callable
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 
-from .errors import ConvertError, ModelLoadError
-from .experts.layout import MANIFEST, LayerExperts, Part, layer_file_name, write_layer, write_manifest
-from .experts.blocks import declared_experts, expert_tensor_of, no_blocks_reason, resident_expert_modules
-from .loader import (EXPERTS_DIR, RESIDENT, _mx_load, _safetensors_files, build_model, check_expert_counts,
+from flashmoe.engine.errors import ConvertError, ModelLoadError
+from flashmoe.engine.experts.layout import MANIFEST, LayerExperts, Part, layer_file_name, write_layer, write_manifest
+from flashmoe.engine.experts.blocks import declared_experts, expert_tensor_of, no_blocks_reason, resident_expert_modules
+from flashmoe.engine.runtime.loader import (EXPERTS_DIR, RESIDENT, _mx_load, _safetensors_files, build_model, check_expert_counts,
                      direct_headers, layer_index, quantize_like_checkpoint, read_config, switch_modules, text_config)
-from .jsonfile import read_json
-from .safetensors_io import write_streaming
+from flashmoe.engine.runtime.jsonfile import read_json
+from flashmoe.engine.formats.safetensors_io import write_streaming
 
 # Files copied as they are: tokenizer, chat template, generation settings.
 _COPY_SUFFIXES = (".json", ".jinja", ".model", ".txt", ".tiktoken")
@@ -351,7 +351,7 @@ def _quantize(model, config: dict, plan: QuantPlan):
 
 def _convert_gguf(src: Path, out: Path, *, plan: QuantPlan, layer_bits, dtype, progress) -> Path:
     """GGUF: dequantize into a float Hugging Face folder beside OUT, then convert that."""
-    from .gguf_import import gguf_to_hf_folder
+    from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
 
     stage = out.with_name(out.name + ".gguf-src")
     if (stage.exists() or stage.is_symlink()) and not (stage / OWN_MARKER).is_file():

@@ -14,18 +14,18 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from .config_check import context_length
-from .constrain import apply_mask
-from .errors import ContextLengthError
-from .events import GenerationFinished, LayerTimings, PrefillProgress, StepFinished, TokenGenerated
-from .options import TIMING_MODES, TRUNCATE_MODES
-from .reasoning import open_reasoning, prompt_reasoning
-from .sampling import Sampler, SamplingParams
-from .timing import LayerClock, rows_from
+from flashmoe.engine.runtime.config_check import context_length
+from flashmoe.engine.runtime.constrain import apply_mask
+from flashmoe.engine.errors import ContextLengthError
+from flashmoe.engine.events import GenerationFinished, LayerTimings, PrefillProgress, StepFinished, TokenGenerated
+from flashmoe.engine.options import TIMING_MODES, TRUNCATE_MODES
+from flashmoe.engine.runtime.reasoning import open_reasoning, prompt_reasoning
+from flashmoe.engine.runtime.sampling import Sampler, SamplingParams
+from flashmoe.engine.runtime.timing import LayerClock, rows_from
 
 log = logging.getLogger("flashmoe")
 # A call under a constraint that is still open at max_tokens is closed (Constraint.finish(),
-# engine/constrain_json.py) rather than cut: generation runs on for at most this many tokens
+# tools/grammar.py) rather than cut: generation runs on for at most this many tokens
 # more. The forced closers finish a call in a few tokens (tests/test_constrain.py measures the
 # worst case of its schemas); the cap is the backstop for a grammar that needs long values.
 FINISH_CALL_TOKENS = 256
@@ -44,7 +44,7 @@ class GenerationRequest:
     timing: str = "step"
     template_kwargs: dict = field(default_factory=dict)
     prefill_step: int = 256
-    constraint: object = None  # ConstraintFactory: make(tokenizer) -> Constraint (engine/constrain.py)
+    constraint: object = None  # ConstraintFactory: make(tokenizer) -> Constraint (engine/runtime/constrain.py)
     truncate_prompt: str | None = None  # TRUNCATE_MODES; None: as the Engine was told ("off" without one)
 
     def __post_init__(self):
@@ -136,7 +136,7 @@ def render_prompt_text(loaded, request: GenerationRequest) -> tuple[list[int], s
 
 
 def template_reasoning(tok, request: GenerationRequest, text: str) -> str:
-    """Whether the generation prompt the template added opened a reasoning block (engine/reasoning.py)."""
+    """Whether the generation prompt the template added opened a reasoning block (engine/runtime/reasoning.py)."""
     try:
         bare = tok.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=False,
                                        **request.template_kwargs)
@@ -175,7 +175,7 @@ def generate(loaded, session: Session, request: GenerationRequest,
         loaded.clock = LayerClock(loaded)
         loaded.clock.install()
     clock = loaded.clock
-    loaded.timing[0] = request.timing
+    loaded.telemetry.mode = request.timing
     # "cold": the expert slots start empty (first turn after load, or after evict_all).
     cold = store is not None and store.used_bytes == 0
 

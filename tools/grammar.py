@@ -287,7 +287,7 @@ def ll_tokenizer(tokenizer) -> Any:
 
 
 class ToolCallConstraint:
-    """The Constraint (engine/constrain.py) for one generation."""
+    """The Constraint (engine/runtime/constrain.py) for one generation."""
 
     def __init__(self, lt, matchers: dict[str, Any], mode: str, start: str, start_id: int | None,
                  fmt: str = "json", closers: dict[str, list[list[int]]] | None = None):

@@ -14,16 +14,17 @@ from types import SimpleNamespace
 import mlx.core as mx
 import mlx.nn as nn
 
-from .config_check import check_values, check_against_weights
-from .errors import ModelLoadError
-from .experts.blocks import declared_experts, expert_blocks, expert_params, expert_tensor_of, kind, layer_index, \
+from flashmoe.engine.runtime.config_check import check_values, check_against_weights
+from flashmoe.engine.errors import ModelLoadError
+from flashmoe.engine.experts.blocks import declared_experts, expert_blocks, expert_params, expert_tensor_of, kind, layer_index, \
     no_blocks_reason, resident_expert_modules
-from .experts.layout import LayerExperts, Part, read_manifest
-from .experts.store import ExpertStore
-from .experts.switch import StreamingSwitchGLU
-from .jsonfile import read_json
-from .options import PREFETCH_MODES
-from .safetensors_io import read_header
+from flashmoe.engine.experts.layout import LayerExperts, Part, read_manifest
+from flashmoe.engine.experts.store import ExpertStore
+from flashmoe.engine.experts.switch import StreamingSwitchGLU
+from flashmoe.engine.runtime.jsonfile import read_json
+from flashmoe.engine.options import PREFETCH_MODES
+from flashmoe.engine.telemetry import Telemetry
+from flashmoe.engine.formats.safetensors_io import read_header
 
 RESIDENT = "resident.safetensors"
 EXPERTS_DIR = "experts"
@@ -37,11 +38,11 @@ class LoadedModel:
     mode: str  # "packed" or "direct"
     store: ExpertStore | None
     layers: list[LayerExperts]
-    timing: list = field(default_factory=lambda: ["step"])  # shared with the streaming modules
+    telemetry: Telemetry = field(default_factory=Telemetry)  # shared with the streaming modules
     tokenizer: object = None
     kernels: str = "mlx"  # which matmul kernels run: "mlx" or "cpu"
     clock: object = None  # timing.LayerClock, installed on the first --timing layer request
-    fused: dict = field(default_factory=dict)  # cpu kernels: attention / MLP blocks fused (cpu_fused)
+    fused: dict = field(default_factory=dict)  # cpu kernels: attention / MLP blocks fused (engine/cpu/fused.py)
     block_kinds: dict = field(default_factory=dict)  # expert block path -> its class and activation
     switches: dict = field(default_factory=dict)  # expert block path -> its StreamingSwitchGLU (the fused
     # CPU blocks hold them too, out of the module tree)
@@ -440,8 +441,6 @@ def _replace(model, modules: dict, path: str, new) -> None:
         setattr(parent, attr, new)
 
 
-
-
 def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = 8,
          direct_io: bool = False, load_tokenizer: bool = True, dtype: str | None = None,
          kernels: str = "mlx", prefetch: bool | str = False, cache_policy: str = "lfu",
@@ -452,7 +451,7 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     experts as they are read): MLX's CPU kernels are much faster in float32, and its CPU
     gather_mm takes nothing else. None keeps what the checkpoint stores.
 
-    kernels "cpu" runs every affine quantized matmul on the numba CPU kernels (engine/cpu_path.py;
+    kernels "cpu" runs every affine quantized matmul on the numba CPU kernels (engine/cpu/install.py;
     it implies float32), "mlx" on MLX's own, "auto" picks cpu when MLX runs on the CPU.
 
     prefetch: while a layer computes, start reading the experts the next MoE layer's router
@@ -468,7 +467,7 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     allow_resident_experts: load a model whose experts cannot stream (no switch-layer block)
     with them in memory, and say why in `resident_experts`; without it, such a model fails.
     """
-    from .cpu_path import resolve
+    from flashmoe.engine.cpu.install import resolve
 
     kernels = resolve(kernels)
     if kernels == "cpu":
@@ -531,7 +530,7 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     loaded.resident_experts = None if layers else no_blocks_reason(model, config)
     parents = dict(model.named_modules())
     for l in layers:
-        loaded.switches[l.module] = StreamingSwitchGLU(blocks[l.module], l.layer, store, loaded.timing)
+        loaded.switches[l.module] = StreamingSwitchGLU(blocks[l.module], l.layer, store, loaded.telemetry)
         _replace(model, parents, l.module, loaded.switches[l.module])
     del parents, blocks  # they name every original module; the CPU path below replaces some
 
@@ -559,13 +558,13 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         store.routers = router_weights(model, layers)
         store.prefetch_mode = prefetch
     if kernels == "cpu":
-        from . import cpu_fused, cpu_path
+        from flashmoe.engine.cpu import fused as cpu_fused, install as cpu_path
 
         cpu_path.install(model)
         loaded.fused = cpu_fused.install(model)
 
     if load_tokenizer:
-        from .tokenizer import Tokenizer
+        from flashmoe.engine.runtime.tokenizer import Tokenizer
 
         loaded.tokenizer = Tokenizer.from_folder(path)
     return loaded

@@ -12,10 +12,10 @@ import threading
 import traceback
 from time import perf_counter
 
-from .errors import FlashMoEError, ModelLoadError
-from .events import EngineFailed, GenerationFinished, ModelLoaded
-from .config_check import context_length
-from .generate import TRUNCATE_MODES, GenerationRequest, Session, generate, model_bits
+from flashmoe.engine.errors import FlashMoEError, ModelLoadError
+from flashmoe.engine.events import EngineFailed, GenerationFinished, ModelLoaded
+from flashmoe.engine.runtime.config_check import context_length
+from flashmoe.engine.runtime.generate import TRUNCATE_MODES, GenerationRequest, Session, generate, model_bits
 
 _STOP = object()
 
@@ -101,7 +101,7 @@ class Engine:
 
     # -- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        from .loader import load
+        from flashmoe.engine.runtime.loader import load
 
         t0 = perf_counter()
         try:

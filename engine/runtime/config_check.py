@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .errors import ModelLoadError
+from flashmoe.engine.errors import ModelLoadError
 
 # Keys that are sizes or counts wherever they appear (top level or text_config): an integer,
 # at least 1 (or 0 where it counts optional things), or null where the model allows "unset".
