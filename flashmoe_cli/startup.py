@@ -17,7 +17,7 @@ from .store import StoreError
 class EngineOptions:
     """What the engine is built with, read once from the parsed flags and settings."""
     model: str | None = None  # None: the demo
-    engine: str = "mlx"  # "fake": the scripted test double (a hidden flag)
+    engine: str = "real"  # "fake": the scripted test double (the hidden --engine flag)
     expert_cache: int | None = None
     io_threads: int = 8
     direct_io: bool = False
