@@ -328,7 +328,7 @@ def cmd_agent(args) -> int:
 
     from .agent import TextChunk
     from .errors import UsageError
-    from .startup import make_engine, open_conversation
+    from .startup import EngineOptions, make_engine, open_conversation
 
     if not args.tools:
         raise UsageError("agent needs --tools (e.g. --tools builtin)")
@@ -336,7 +336,7 @@ def cmd_agent(args) -> int:
     if turns[0]["role"] == "system":
         args.system = turns.pop(0)["content"]
     session = open_conversation(args, None, model_name=str(args.model or "demo"))
-    engine = session.engine = make_engine(args)
+    engine = session.engine = make_engine(EngineOptions.from_args(args))
     transcript = Transcript(args.transcript)
     try:
         loaded = engine.wait_loaded()

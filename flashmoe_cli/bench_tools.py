@@ -43,13 +43,13 @@ def run_suite(args, model: str, constrain: str) -> dict:
 
     from .agent import RepairEvent, ToolCallEvent, ToolResultEvent
     from .agent_cli import AutoApprover, make_agent
-    from .startup import make_engine, open_conversation
+    from .startup import EngineOptions, make_engine, open_conversation
     from flashmoe.engine.events import GenerationFinished
 
     ns = Namespace(**{**vars(args), "model": model, "constrain": constrain, "tools": [TOOLS], "no_log": True,
                       "continue_": False, "cid": None, "mode": "workspace-write", "allow": [], "ask": [],
                       "deny": [], "dangerously_skip_approvals": False, "chain_limit": 1, "stop": [], "pass_env": []})
-    engine = make_engine(ns)
+    engine = make_engine(EngineOptions.from_args(ns))
     loaded = engine.wait_loaded()
     rows, kinds, speeds = [], Counter(), []
     try:

@@ -444,7 +444,7 @@ class LineRepl:
 def run_repl(args, *, engine=None, input=None, output=None, stdout=None, stderr=None,
              history: History | None = None, clock=time.monotonic) -> int:
     """`flashmoe chat` as a line REPL. The keyword arguments are for tests (pipe input, DummyOutput)."""
-    from .startup import make_engine, open_conversation
+    from .startup import EngineOptions, make_engine, open_conversation
 
     err = stderr or sys.stderr
     # The flags are checked (UsageError -> exit 2 in cli.main) before any model is loaded.
@@ -452,7 +452,7 @@ def run_repl(args, *, engine=None, input=None, output=None, stdout=None, stderr=
     try:
         if engine is None:
             print("flashmoe: loading the model...", file=err, flush=True)
-            engine = make_engine(args)
+            engine = make_engine(EngineOptions.from_args(args))
         session.engine = engine
         loaded = engine.wait_loaded()
     except Exception as e:  # noqa: BLE001  (any load failure is one line and exit 3)

@@ -38,10 +38,8 @@ class EngineOptions:
                    truncate_prompt=getattr(args, "truncate_prompt", "off"))
 
 
-def make_engine(args):
-    """The engine for run/chat/agent/bench (parsed flags, or EngineOptions): the real one, or
-    (tests, hidden flag) a scripted fake."""
-    opts = args if isinstance(args, EngineOptions) else EngineOptions.from_args(args)
+def make_engine(opts: EngineOptions):
+    """The engine for run/chat/agent/bench: the real one, or (tests, hidden flag) a scripted fake."""
     if opts.engine == "fake":
         from flashmoe.engine.runtime.fake import FakeEngine
 

@@ -7,6 +7,7 @@ lands at the top of site-packages, and a tools/ folder in the user's workspace s
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -83,7 +84,7 @@ COMMANDS = [[], ["run"], ["chat"], ["agent"], ["bench"], ["bench", "tools"], ["b
 
 def _no_mlx(args: list[str], home: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", _NO_MLX, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env={**__import__("os").environ, "FLASHMOE_HOME": str(home)})
+                          timeout=60, env={**os.environ, "FLASHMOE_HOME": str(home)})
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "flashmoe")

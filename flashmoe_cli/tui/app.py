@@ -873,7 +873,7 @@ def teach_alt_enter() -> None:
 
 def run_tui(args) -> int:
     """`flashmoe chat` on a terminal; returns the exit code."""
-    from ..startup import make_engine, open_conversation
+    from ..startup import EngineOptions, make_engine, open_conversation
 
     teach_alt_enter()
 
@@ -882,7 +882,7 @@ def run_tui(args) -> int:
         from ..agent_cli import DecliningApprover, make_agent
 
         make_agent(args, session, "", DecliningApprover(), lambda ev: None)
-    session.engine = make_engine(args)
+    session.engine = make_engine(EngineOptions.from_args(args))
     app = ChatApp(session, args=args)
     try:
         app.run()
