@@ -22,7 +22,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from flashmoe.engine.runtime.info import describe, expert_bits_summary
+    from flashmoe.engine.runtime.info import describe, expert_bits_summary, layers_text
 
     d = describe(resolve_model(model_arg(args)))  # no MODEL: the demo, as `run` uses it
     if args.json:
@@ -39,7 +39,7 @@ def cmd_info(args) -> int:
         ("read per token at 0% hits", human_bytes(d["bytes_per_token_cold"])),
     ]
     for i, (how, layers) in enumerate(d["expert_compute"].items()):
-        rows.append(("expert compute" if i == 0 else "", f"{how} (layers {', '.join(map(str, layers))})"))
+        rows.append(("expert compute" if i == 0 else "", f"{how} ({layers_text(layers)})"))
     if d["not_streamable"]:
         rows.append(("streaming", f"no: {d['not_streamable']}"))
     for k, v in rows:

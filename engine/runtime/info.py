@@ -77,9 +77,13 @@ def expert_bits_summary(expert_bits: dict) -> str:
     parts = []
     for bits, layers in sorted(expert_bits.items(), key=lambda kv: (kv[0] == "None", kv[0])):
         name = "float" if bits == "None" else f"{bits}-bit"
-        where = f"layer {layers[0]}" if len(layers) == 1 else f"layers {_ranges(layers)}"
-        parts.append(f"{name} ({where})")
+        parts.append(f"{name} ({layers_text(layers)})")
     return ", ".join(parts)
+
+
+def layers_text(layers: list[int]) -> str:
+    """[1] -> 'layer 1'; [0, 1, 2, 5] -> 'layers 0-2, 5'."""
+    return f"layer {layers[0]}" if len(layers) == 1 else f"layers {_ranges(layers)}"
 
 
 def _ranges(xs: list[int]) -> str:
