@@ -7,9 +7,9 @@ import sys
 class Progress:
     """A one-line progress bar on a terminal; a line per update otherwise."""
 
-    def __init__(self, stream=sys.stderr):
-        self.stream = stream
-        self.tty = stream.isatty()
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr  # looked up now, not at import (tests swap stderr)
+        self.tty = self.stream.isatty()
 
     def __call__(self, what: str, done: int, total: int) -> None:
         width = 30
