@@ -415,8 +415,7 @@ def prewarm_all_experts(loaded) -> None:
         if store.pool(l.layer).slots < l.num_experts:
             raise RuntimeError("the expert cache is too small to hold every expert")
         store.fetch(l.layer, list(range(l.num_experts)))
-    store.take_stats()
-    store.pending.clear()
+    store.step_done()
 
 
 def aggregate(runs: list[dict], ref_runs: list[dict] | None, theory_all_miss: float) -> dict:

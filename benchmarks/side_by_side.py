@@ -180,8 +180,7 @@ def child_flashmoe(spec: dict) -> dict:
     if spec.get("prewarm_all") and store is not None:
         for l in loaded.layers:
             store.fetch(l.layer, list(range(l.num_experts)))
-        store.take_stats()
-        store.pending.clear()
+        store.step_done()
         drop_from_page_cache(files)  # the slots hold everything; the page cache copy is not needed
     runs = []
     for i in range(spec["warmup"] + spec["runs"]):

@@ -198,7 +198,7 @@ def test_layer_timing_still_splits_fused_layers(model_factory):
     from flashmoe.engine.runtime.engine import Engine
     from flashmoe.engine.runtime.generate import GenerationRequest
 
-    eng = Engine(model_factory("qwen3_moe", 4, converted=True))
+    eng = Engine(model_factory("qwen3_moe", 4, converted=True), kernels="auto")
     eng.wait_loaded()
     assert eng.loaded.kernels == "cpu" and eng.loaded.fused["layer"] == eng.loaded.num_layers
     chat = [{"role": "user", "content": "Bonjour"}]

@@ -6,6 +6,7 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 
+from flashmoe.engine.runtime.processors import apply, processors_for
 from flashmoe.engine.runtime.sampling import Sampler, SamplingParams
 
 
@@ -14,8 +15,13 @@ def logits_from_probs(probs: list[float]) -> mx.array:
 
 
 def draw(params: SamplingParams, logits: mx.array, n: int, history: list[int] | None = None) -> list[int]:
-    sampler = Sampler(params)
-    return [sampler(logits, history or []) for _ in range(n)]
+    sampler, processors = Sampler(params), processors_for(params)
+    return [sampler(apply(processors, history or [], logits)) for _ in range(n)]
+
+
+def pick(params: SamplingParams, logits: mx.array, history: list[int]) -> int:
+    """One choice as the token loop makes it: the request's logits processors, then the sampler."""
+    return Sampler(params)(apply(processors_for(params), history, logits))
 
 
 # A known distribution over 6 ids, most likely first is id 2.
@@ -26,16 +32,16 @@ def test_greedy_is_argmax():
     logits = mx.random.normal((1000,), key=mx.random.key(0))
     expected = int(mx.argmax(logits).item())
     sampler = Sampler(SamplingParams())
-    assert sampler(logits, []) == expected
-    assert Sampler(SamplingParams(temperature=-1)).__call__(logits, [1, 2, 3]) == expected
+    assert sampler(logits) == expected
+    assert pick(SamplingParams(temperature=-1), logits, [1, 2, 3]) == expected
     # any float dtype, and a leading batch axis of 1
-    assert sampler(logits.astype(mx.bfloat16), []) == int(mx.argmax(logits.astype(mx.bfloat16)).item())
-    assert sampler(logits[None], []) == expected
+    assert sampler(logits.astype(mx.bfloat16)) == int(mx.argmax(logits.astype(mx.bfloat16)).item())
+    assert sampler(logits[None]) == expected
 
 
 def test_rejects_bad_logit_shapes():
     with pytest.raises(ValueError, match="shape"):
-        Sampler(SamplingParams())(mx.zeros((2, 5)), [])
+        Sampler(SamplingParams())(mx.zeros((2, 5)))
 
 
 def test_same_seed_same_sequence():
@@ -49,7 +55,7 @@ def test_same_seed_same_sequence():
     seq = []
     for _ in range(50):
         mx.random.normal((3,))
-        seq.append(sampler(logits, []))
+        seq.append(sampler(logits))
     assert seq == first
 
 
@@ -114,36 +120,36 @@ def test_high_temperature_does_not_widen_filtered_support():
 
 def test_repetition_penalty_changes_argmax():
     logits = mx.array([1.0, 3.0, 2.5, -1.0])
-    assert Sampler(SamplingParams())(logits, [1]) == 1
+    assert pick(SamplingParams(), logits, [1]) == 1
     # 3.0 / 1.5 = 2.0 < 2.5: the repeated token loses
-    assert Sampler(SamplingParams(repetition_penalty=1.5))(logits, [1]) == 2
+    assert pick(SamplingParams(repetition_penalty=1.5), logits, [1]) == 2
     # not enough to overturn it
-    assert Sampler(SamplingParams(repetition_penalty=1.1))(logits, [1]) == 1
+    assert pick(SamplingParams(repetition_penalty=1.1), logits, [1]) == 1
 
 
 def test_repetition_penalty_on_negative_logits_pushes_down():
     logits = mx.array([-2.0, -1.0, -1.5])
     # -1.0 * 2 = -2.0 < -1.5: id 2 wins
-    assert Sampler(SamplingParams(repetition_penalty=2.0))(logits, [1]) == 2
+    assert pick(SamplingParams(repetition_penalty=2.0), logits, [1]) == 2
 
 
 def test_repetition_penalty_only_looks_at_recent_context():
     logits = mx.array([1.0, 3.0, 2.5])
     params = SamplingParams(repetition_penalty=2.0, repetition_context=2)
-    assert Sampler(params)(logits, [1, 0, 0]) == 1  # id 1 is outside the last 2 ids
-    assert Sampler(params)(logits, [0, 1, 0]) == 2
-    assert Sampler(SamplingParams(repetition_penalty=2.0, repetition_context=0))(logits, [1]) == 1
+    assert pick(params, logits, [1, 0, 0]) == 1  # id 1 is outside the last 2 ids
+    assert pick(params, logits, [0, 1, 0]) == 2
+    assert pick(SamplingParams(repetition_penalty=2.0, repetition_context=0), logits, [1]) == 1
 
 
 def test_repetition_penalty_applies_once_per_id_and_ignores_out_of_range():
     logits = mx.array([1.0, 3.0, 2.2])
     # once: 3 / 1.2 = 2.5 > 2.2 keeps id 1; twice (3 / 1.44 = 2.08) would hand it to id 2
-    assert Sampler(SamplingParams(repetition_penalty=1.2))(logits, [1, 1, 1, 99, -5]) == 1
+    assert pick(SamplingParams(repetition_penalty=1.2), logits, [1, 1, 1, 99, -5]) == 1
 
 
 def test_sampler_does_not_modify_callers_logits():
     logits = mx.array([1.0, 3.0, 2.5, 0.5])
-    Sampler(SamplingParams(temperature=1.0, top_k=2, repetition_penalty=2.0, seed=0))(logits, [1])
+    pick(SamplingParams(temperature=1.0, top_k=2, repetition_penalty=2.0, seed=0), logits, [1])
     assert logits.tolist() == [1.0, 3.0, 2.5, 0.5]
 
 

@@ -574,6 +574,12 @@ class ExpertStore:
         self.stats = {k: LayerStats() for k in out}
         return out
 
+    def step_done(self) -> dict[int, LayerStats]:
+        """A forward pass has been evaluated: no lazy result reads the slots any more (see
+        note_output). Returns its counters, per layer."""
+        self.pending.clear()
+        return self.take_stats()
+
     def evict_all(self) -> None:
         """Forget every cached expert (a cold start for benchmarks): checksums are checked again
         too, so that a cold run costs what the first run of a new process does."""

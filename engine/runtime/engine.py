@@ -50,7 +50,7 @@ class Handle:
 
 class Engine:
     def __init__(self, model_path, *, expert_cache: int | None = None, io_threads: int = 8,
-                 direct_io: bool = False, dtype: str | None = None, kernels: str = "auto",
+                 direct_io: bool = False, dtype: str | None = None, kernels: str = "mlx",
                  prefetch: bool | str = False, cache_policy: str = "lfu", verify_reads: bool = True,
                  truncate_prompt: str = "off", allow_resident_experts: bool = False):
         """truncate_prompt: for requests that do not say, what to do with a prompt longer than the

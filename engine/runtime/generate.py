@@ -1,6 +1,8 @@
-"""Generation as a plain generator of events: prefill, then sample one token at a time.
+"""Generation as a plain generator of events, over the token loop of decode.py.
 
-No threads here (the Engine runs this on its own thread); tests and scripts can iterate it
+Layers, as mlx-lm separates generate_step from stream_generate: decode.py runs the model and
+yields ids (logits processors from processors.py, a Sampler from sampling.py); this module turns
+them into text and events, and decides when a reply ends. No threads here (the Engine runs this on its own thread); tests and scripts can iterate it
 directly. A Session keeps the KV / recurrent cache of one conversation so that the next turn only
 runs the tokens that are new.
 """
@@ -12,13 +14,12 @@ from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Iterator
 
-import mlx.core as mx
-
 from flashmoe.engine.runtime.config_check import context_length
-from flashmoe.engine.runtime.constrain import apply_mask
+from flashmoe.engine.runtime.decode import decode, prefill
 from flashmoe.engine.errors import ContextLengthError
 from flashmoe.engine.events import GenerationFinished, LayerTimings, PrefillProgress, StepFinished, TokenGenerated
 from flashmoe.engine.options import TIMING_MODES, TRUNCATE_MODES
+from flashmoe.engine.runtime.processors import ConstraintMask, processors_for
 from flashmoe.engine.runtime.reasoning import open_reasoning, prompt_reasoning
 from flashmoe.engine.runtime.sampling import Sampler, SamplingParams
 from flashmoe.engine.runtime.timing import LayerClock, rows_from
@@ -166,9 +167,31 @@ def fit_context(ids: list[int], context: int | None, mode: str, max_tokens: int)
     return ids[-keep:], len(ids) - keep
 
 
+class DecodeFigures:
+    """The decode steps' expert-store counters, summed: what GenerationFinished reports."""
+
+    def __init__(self):
+        self.bytes_read = self.hits = self.lookups = self.prefetched = self.prefetch_used = 0
+        self.io_wait_s = 0.0
+
+    def add(self, stats: dict) -> tuple[int, int, int]:
+        """One step's per-layer stats; returns its (bytes read, hits, misses)."""
+        s_bytes = sum(s.bytes_read for s in stats.values())
+        s_hits = sum(s.hits for s in stats.values())
+        s_miss = sum(s.misses for s in stats.values())
+        self.io_wait_s += sum(s.io_wait_s for s in stats.values())
+        self.prefetched += sum(s.prefetched for s in stats.values())
+        self.prefetch_used += sum(s.prefetch_used for s in stats.values())
+        self.bytes_read, self.hits, self.lookups = self.bytes_read + s_bytes, self.hits + s_hits, self.lookups + s_hits + s_miss
+        return s_bytes, s_hits, s_miss
+
+
 def generate(loaded, session: Session, request: GenerationRequest,
              cancel: threading.Event | None = None) -> Iterator:
-    """Yield PrefillProgress, TokenGenerated, StepFinished, LayerTimings and GenerationFinished."""
+    """Yield PrefillProgress, TokenGenerated, StepFinished, LayerTimings and GenerationFinished.
+
+    The event layer over the token loop (engine/runtime/decode.py): the chat template and the
+    context, text (detokenising, stop strings), when to stop, and the figures."""
     model, tok, store = loaded.model, loaded.tokenizer, loaded.store
     cancel = cancel or threading.Event()
     if request.timing == "layer" and loaded.clock is None:
@@ -192,88 +215,59 @@ def generate(loaded, session: Session, request: GenerationRequest,
 
     # -- prefill --------------------------------------------------------------------------
     t0 = perf_counter()
-    done = 0
     logits = None
     yield PrefillProgress(0, len(todo), reused, opened)
-    while done < len(todo):
-        if cancel.is_set():
-            break
-        chunk = todo[done:done + request.prefill_step]
-        logits = model(mx.array([chunk]), cache=session.cache)[0, -1]
-        mx.eval(logits, [c.state for c in session.cache if c.state is not None])
-        session.tokens.extend(chunk)
-        done += len(chunk)
+    for done, logits in prefill(model, session, todo, request.prefill_step, cancel):
         yield PrefillProgress(done, len(todo), reused, opened)
     prefill_s = perf_counter() - t0
     if store is not None:
-        store.take_stats()  # decode figures start clean
-        store.pending.clear()
+        store.step_done()  # decode figures start clean
     if clock is not None:
         clock.reset()
 
     # -- decode ---------------------------------------------------------------------------
-    sampler = Sampler(request.sampling)
-    constraint = request.constraint(tok) if request.constraint is not None else None
+    mask = ConstraintMask(request.constraint(tok)) if request.constraint is not None else None
     detok = tok.detokenizer()
     stops = StopMatcher(request.stop)
     eos = tok.eos_token_ids
-    history = list(ids)
     text_out: list[str] = []
     reason = "cancelled" if logits is None else "length"
-    steps = bytes_read = hits = lookups = 0
-    io_wait = 0.0
-    prefetched = prefetch_used = 0
+    steps = 0
+    figures = DecodeFigures()
+    tokens = decode(model, session, logits, Sampler(request.sampling), processors_for(request.sampling, mask)) \
+        if logits is not None else iter(())
     t_first = step_start = perf_counter()
-    while logits is not None:
+    for token in tokens:  # each after the first comes with the forward pass on the one before
+        if steps:
+            now = perf_counter()
+            stats = store.step_done() if store is not None else {}
+            s_bytes, s_hits, s_miss = figures.add(stats)
+            if request.timing != "off":
+                wall = now - step_start
+                yield StepFinished(steps - 1, wall * 1e3, 1.0 / wall if wall > 0 else 0.0, s_bytes, s_hits, s_miss)
+                rows = clock.rows(stats) if request.timing == "layer" else rows_from(loaded.num_layers, stats)
+                yield LayerTimings(steps - 1, request.timing, rows)
+            step_start = now
         if cancel.is_set():
             reason = "cancelled"
             break
-        if constraint is not None:
-            mask = constraint.allowed()
-            if mask is not None:
-                logits = apply_mask(logits, mask)
-        token = sampler(logits, history)
         steps += 1
-        if constraint is not None:
-            constraint.accept(token)
         if token in eos:
             reason = "stop"
             break
         shown, hit_stop = stops.feed(detok.add(token))
         text_out.append(shown)
         yield TokenGenerated(token, shown, steps - 1)
-        history.append(token)
-        if hit_stop or (constraint is not None and constraint.done()):
+        if hit_stop or (mask is not None and mask.done(token)):
             reason = "stop"
             break
         if steps >= request.max_tokens:
+            constraint = mask.constraint if mask is not None else None
             if not _finish_call(constraint, steps - request.max_tokens, request.max_tokens):
                 break
         if context is not None and len(session.tokens) >= context:
             reason = "context"  # the next token would sit past the last position the model knows
             break
-        logits = model(mx.array([[token]]), cache=session.cache)[0, -1]
-        mx.eval(logits)
-        session.tokens.append(token)
-        now = perf_counter()
-        if store is not None:
-            stats = store.take_stats()
-            store.pending.clear()
-            s_bytes = sum(s.bytes_read for s in stats.values())
-            io_wait += sum(s.io_wait_s for s in stats.values())
-            prefetched += sum(s.prefetched for s in stats.values())
-            prefetch_used += sum(s.prefetch_used for s in stats.values())
-            s_hits = sum(s.hits for s in stats.values())
-            s_miss = sum(s.misses for s in stats.values())
-            bytes_read, hits, lookups = bytes_read + s_bytes, hits + s_hits, lookups + s_hits + s_miss
-        else:
-            stats, s_bytes, s_hits, s_miss = {}, 0, 0, 0
-        if request.timing != "off":
-            wall = now - step_start
-            yield StepFinished(steps - 1, wall * 1e3, 1.0 / wall if wall > 0 else 0.0, s_bytes, s_hits, s_miss)
-            rows = clock.rows(stats) if request.timing == "layer" else rows_from(loaded.num_layers, stats)
-            yield LayerTimings(steps - 1, request.timing, rows)
-        step_start = now
     if steps > request.max_tokens:
         log.info("flashmoe: a tool call open at max_tokens (%d) was finished under its grammar, %d tokens "
                  "past it", request.max_tokens, steps - request.max_tokens)
@@ -289,11 +283,12 @@ def generate(loaded, session: Session, request: GenerationRequest,
         reason=reason, prompt_tokens=len(ids), reused_prompt_tokens=reused, generation_tokens=steps,
         prompt_tps=len(todo) / prefill_s if prefill_s > 0 else 0.0,
         generation_tps=fed / decode_s if decode_s > 0 else 0.0,
-        prefill_s=prefill_s, decode_s=decode_s, io_wait_s=io_wait,
-        bytes_per_token=bytes_read / fed if fed else 0.0,
-        hit_rate=hits / lookups if lookups else 0.0,
+        prefill_s=prefill_s, decode_s=decode_s, io_wait_s=figures.io_wait_s,
+        bytes_per_token=figures.bytes_read / fed if fed else 0.0,
+        hit_rate=figures.hits / figures.lookups if figures.lookups else 0.0,
         top_k=loaded.top_k, bits=model_bits(loaded.config), cache_state="cold" if cold else "warm",
-        text=text, tail=tail, prefetch_hit_rate=prefetch_used / prefetched if prefetched else 0.0,
+        text=text, tail=tail,
+        prefetch_hit_rate=figures.prefetch_used / figures.prefetched if figures.prefetched else 0.0,
         truncated_prompt_tokens=dropped)
 
 

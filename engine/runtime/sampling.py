@@ -1,6 +1,7 @@
 """Choosing the next token from logits: greedy, or temperature sampling with the usual filters.
 
-Everything stays in MLX ops so the same code runs on CPU and GPU without copying logits out.
+What reshapes the logits before (the constraint mask, the repetition penalty) are logits
+processors (engine/runtime/processors.py); the sampler only picks. Everything stays in MLX ops so the same code runs on CPU and GPU without copying logits out.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class Sampler:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         self._key = mx.random.key(seed)
 
-    def __call__(self, logits: mx.array, history: list[int]) -> int:
+    def __call__(self, logits: mx.array) -> int:
         p = self.params
         if logits.ndim == 2 and logits.shape[0] == 1:
             logits = logits[0]
@@ -29,8 +30,6 @@ class Sampler:
             raise ValueError(f"expected logits of shape [vocab], got {tuple(logits.shape)}")
         logits = logits.astype(mx.float32)  # bf16/fp16 cumsums and comparisons are too coarse
 
-        if p.repetition_penalty != 1.0 and p.repetition_context > 0 and history:
-            logits = self._penalize(logits, history[-p.repetition_context:])
         if p.greedy:
             return int(mx.argmax(logits).item())
 
@@ -45,18 +44,6 @@ class Sampler:
 
         self._key, key = mx.random.split(self._key)
         return int(mx.random.categorical(logits / p.temperature, key=key).item())
-
-    def _penalize(self, logits: mx.array, recent: list[int]) -> mx.array:
-        """CTRL-style: make recently seen tokens less likely whatever their logit's sign."""
-        vocab = logits.shape[0]
-        ids = sorted({int(i) for i in recent if 0 <= int(i) < vocab})
-        if not ids:
-            return logits
-        idx = mx.array(ids)
-        seen = logits[idx]
-        penalty = self.params.repetition_penalty
-        logits[idx] = mx.where(seen > 0, seen / penalty, seen * penalty)
-        return logits
 
 
 def _top_k(logits: mx.array, k: int) -> mx.array:
