@@ -213,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "default: the demo model, built on first use")
     info.add_argument("-m", "--model", dest="model_flag", metavar="MODEL", help="the same as MODEL")
     info.add_argument("--json", action="store_true", help="print the description as JSON")
+    info.add_argument("--load", action="store_true",
+                      help="also load the model (its resident weights) and say which code computes each block "
+                           "as loaded: MLX, the CPU kernels, or a fused CPU block")
+    info.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
+                      help="with --load: the kernels to load with, as run/chat take them (default auto)")
 
     ver = sub.add_parser("verify", help="check every expert block against the manifest's checksums")
     ver.add_argument("model", metavar="MODEL", nargs="?",

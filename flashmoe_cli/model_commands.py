@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .errors import error
+from .errors import UsageError, error
 from .exit_codes import ExitCode
 from .models import model_arg, resolve_model
 from .progress import Progress
@@ -24,7 +24,12 @@ def cmd_convert(args) -> int:
 def cmd_info(args) -> int:
     from flashmoe.engine.runtime.info import describe, expert_bits_summary, layers_text
 
-    d = describe(resolve_model(model_arg(args)))  # no MODEL: the demo, as `run` uses it
+    path = resolve_model(model_arg(args))  # no MODEL: the demo, as `run` uses it
+    d = describe(path)
+    if args.load:
+        d["compute_at_load"] = loaded_compute(path, args.kernels)
+    elif args.kernels != "auto":
+        raise UsageError("--kernels is for --load (the kernels to load the model with)")
     if args.json:
         print(json.dumps(d, indent=2))
         return ExitCode.OK
@@ -40,11 +45,27 @@ def cmd_info(args) -> int:
     ]
     for i, (how, layers) in enumerate(d["expert_compute"].items()):
         rows.append(("expert compute" if i == 0 else "", f"{how} ({layers_text(layers)})"))
+    for i, (how, layers) in enumerate(d.get("compute_at_load", {}).get("blocks", {}).items()):
+        title = f"as loaded ({d['compute_at_load']['kernels']} kernels)"
+        rows.append((title if i == 0 else "", f"{how} ({layers_text(layers)})"))
     if d["not_streamable"]:
         rows.append(("streaming", f"no: {d['not_streamable']}"))
     for k, v in rows:
         print(f"{k:>26}: {v}")
     return ExitCode.OK
+
+
+def loaded_compute(path, kernels: str) -> dict:
+    """Load the model as `run` would (no tokenizer, no expert cache) and read back the compute
+    path load() chose for each block (engine/runtime/compute_paths.py)."""
+    from flashmoe.engine.runtime.compute_paths import compute_paths
+    from flashmoe.engine.runtime.loader import load
+
+    lm = load(path, kernels=kernels, expert_cache=0, load_tokenizer=False)
+    try:
+        return {"kernels": lm.kernels, "blocks": compute_paths(lm)}
+    finally:
+        lm.close()
 
 
 def cmd_verify(args) -> int:

@@ -232,3 +232,41 @@ def test_shared_expert_runs_while_the_experts_load(model_factory, arch):
     assert shared and len(shared) == lm.fused["shared_ahead"] == len(lm.layers)
     assert greedy(lm.model, PROMPT, 8) == want
     assert [m.used for m in shared] == [1 + 8] * len(shared)  # the prefill and every decode step
+
+
+def test_compute_paths_name_what_load_chose(model_factory):
+    """`flashmoe info --load` reads the compute path back from the loaded modules: with the CPU
+    kernels every block of this model passes its probe and is fused; with MLX's none is."""
+    from flashmoe.engine.runtime.compute_paths import compute_paths
+    from flashmoe.engine.runtime.loader import load
+
+    folder = model_factory("qwen3_moe", 4, converted=True)
+    cpu = load(folder, kernels="cpu", expert_cache=0, load_tokenizer=False)
+    n = cpu.num_layers
+    assert compute_paths(cpu) == {
+        "decoder layer fused whole (one sync per layer)": list(range(n)),
+        "attention as one fused CPU block": list(range(n)),
+        "MoE as one fused CPU block": list(range(n)),
+        "streamed experts on the CPU kernels": list(range(n)),
+    }
+    cpu.close()
+    mlx = load(folder, kernels="mlx", expert_cache=0, load_tokenizer=False)
+    assert compute_paths(mlx) == {"attention and other matmuls on MLX": list(range(n)),
+                                  "streamed experts on MLX": list(range(n))}
+    mlx.close()
+
+
+def test_info_load_prints_the_compute_paths(model_factory):
+    import json
+
+    from tests.conftest import run_cli
+
+    folder = model_factory("qwen3_moe", 4, converted=True)
+    r = run_cli("info", folder, "--load", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)["compute_at_load"]
+    assert d["kernels"] == "cpu" and "MoE as one fused CPU block" in d["blocks"]
+    r = run_cli("info", folder, "--load", "--kernels", "mlx")
+    assert r.returncode == 0 and "as loaded (mlx kernels): attention and other matmuls on MLX" in r.stdout
+    r = run_cli("info", folder, "--kernels", "mlx")
+    assert r.returncode == 2 and r.stderr.strip() == "flashmoe: error: --kernels is for --load (the kernels to load the model with)"

@@ -1,0 +1,46 @@
+"""Which code computes each block of a loaded model: the choice load() made, read back from the
+modules themselves (engine/cpu/install.py swaps the matmuls, engine/cpu/fused.py the blocks
+that pass their probe), so what `flashmoe info --load` prints is what runs."""
+from __future__ import annotations
+
+from flashmoe.engine.experts.blocks import layer_index
+from flashmoe.engine.runtime.timing import decoder_layers
+
+
+def compute_paths(loaded) -> dict[str, list[int]]:
+    """{"attention on MLX": [0, 1], "experts on the CPU kernels": [0, 1], ...}: per kind of
+    block, the decoder layers it is computed that way in."""
+    fused_types: dict = {}
+    cpu_linear = None
+    if loaded.kernels == "cpu":
+        from flashmoe.engine.cpu.fused import CpuAttention, CpuDecoderLayer, CpuMLP, CpuMoE
+        from flashmoe.engine.cpu.install import CpuQuantizedLinear
+
+        fused_types = {CpuDecoderLayer: "decoder layer", CpuAttention: "attention", CpuMLP: "MLP", CpuMoE: "MoE"}
+        cpu_linear = CpuQuantizedLinear
+    out: dict[str, list[int]] = {}
+
+    def say(what: str, i: int) -> None:
+        layers = out.setdefault(what, [])
+        if not layers or layers[-1] != i:
+            layers.append(i)
+
+    by_layer: dict[int, list] = {}
+    for path, switch in loaded.switches.items():  # the fused blocks hold them out of the module tree
+        by_layer.setdefault(layer_index(path), []).append(switch)
+    for i, layer in enumerate(decoder_layers(loaded.model)):
+        modules = [layer] + [m for _, m in layer.named_modules()]
+        fused = {fused_types[type(m)] for m in modules if type(m) in fused_types}
+        for kind in ("decoder layer", "attention", "MLP", "MoE"):
+            if kind in fused:
+                say(f"{kind} as one fused CPU block" if kind != "decoder layer"
+                    else "decoder layer fused whole (one sync per layer)", i)
+        if "attention" not in fused:
+            linear = [m for m in modules if cpu_linear is not None and isinstance(m, cpu_linear)]
+            say("attention and other matmuls on the CPU kernels" if linear else "attention and other matmuls on MLX", i)
+        switches = by_layer.get(i, [])
+        if switches:
+            say("streamed experts on the CPU kernels" if all(s.on_cpu_kernels for s in switches)
+                else "streamed experts on MLX", i)
+    return out
+
