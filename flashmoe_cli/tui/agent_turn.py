@@ -1,7 +1,7 @@
-"""Tool use in the chat app: one user message through the AgentLoop, on a thread worker.
+"""Tool use in the chat screen: one user message through the AgentLoop, on a thread worker.
 
 AgentLoop.run_turn blocks and calls back on that thread; AgentTurn turns its events into the
-app's messages (visible text in ~30 ms batches, sent by a small flusher thread so text never
+chat screen's messages (visible text in ~30 ms batches, sent by a small flusher thread so text never
 waits for the next token, tool calls with their results, the end of the turn; all posted under
 one lock, so they arrive in order) and asks for approvals: it posts an ApprovalRequest and waits on a Future that the modal
 screen answers. Cancelling the turn (Esc, Ctrl+C, quitting) answers a pending question "no", so
@@ -12,14 +12,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, InvalidStateError
 
-from flashmoe.engine.events import (
-    EngineFailed,
-    GenerationFinished,
-    LayerTimings,
-    PrefillProgress,
-    StepFinished,
-    TokenGenerated,
-)
+from flashmoe.engine.events import EngineFailed, GenerationFinished, PrefillProgress, TokenGenerated
 
 from ..agent import TextChunk, ToolCallEvent, ToolResultEvent, TurnFinished
 from .messages import (
@@ -31,8 +24,8 @@ from .messages import (
     ReplyTool,
     ReplyTurnEnd,
 )
+from .reply import BATCH_S  # as the plain reply: text is batched this long
 
-BATCH_S = 0.03  # as the plain reply: text is batched this long
 POLL_S = 0.1  # how often a pending approval checks that it is still wanted
 ANSWERS = ("yes", "no", "always")
 
@@ -46,26 +39,27 @@ def answer(future: Future, value: str) -> None:
 
 
 class AppApprover:
-    """The AgentLoop's approver: hands each question to the turn that is running."""
+    """The AgentLoop's approver: hands each question to the turn that is running on the chat screen."""
 
     interactive = True
 
-    def __init__(self, app) -> None:
-        self.app = app
+    def __init__(self, screen) -> None:
+        self.screen = screen
 
     def ask(self, call, reason: str) -> str:  # worker thread
-        turn = getattr(self.app, "agent_turn", None)
+        turn = getattr(self.screen, "agent_turn", None)
         return "no" if turn is None else turn.ask(call, reason)
 
 
 class AgentTurn:
     """One user message through the AgentLoop. `run` is the thread worker; `cancel` is safe anywhere."""
 
-    def __init__(self, app, agent, reply_id: int, live) -> None:
-        self.app = app
+    def __init__(self, screen, agent, reply_id: int, live) -> None:
+        self.screen = screen  # the chat screen: what the turn posts goes there
+        self.app = screen.app  # whether the app still runs (an open question is then answered "no")
         self.agent = agent
         self.reply_id = reply_id
-        self.live = live  # app.Live: the running figures the redraw timer reads
+        self.live = live  # reply.Live: the running figures the screen's redraw timer reads
         self.cancelled = threading.Event()
         self.pending: Future | None = None  # the approval being asked
         self.worker = None
@@ -118,7 +112,7 @@ class AgentTurn:
         """Post `message` after the text that came before it."""
         with self._lock:
             self._flush()
-            return self.app.post_message(message)
+            return self.screen.post_message(message)
 
     def flush(self) -> None:
         with self._lock:
@@ -127,34 +121,22 @@ class AgentTurn:
     def _flush(self) -> None:
         if self._batch:
             for m in text_batches(self.reply_id, self._batch):
-                self.app.post_message(m)
+                self.screen.post_message(m)
             self._batch.clear()
 
     def on_event(self, ev) -> None:
         if self._stopping() and isinstance(ev, (PrefillProgress, TokenGenerated)):
             self.agent.cancel()  # a reply that started after the cancel (between rounds) stops too
+        self.live.record(ev)  # tokens, steps, the prefill and layer timings: figures for the timer
         if isinstance(ev, TextChunk):
             if ev.text:
                 with self._lock:
                     self._batch.append((ev.kind, ev.text))
         elif isinstance(ev, TokenGenerated):
-            self.live.token()
             if not self._writing:
                 self._writing = True
                 self.post(ReplyActivity(self.reply_id, "generating… Esc stops (the text so far is kept)"))
-        elif isinstance(ev, LayerTimings):
-            self.app._layer_slot = ev
-        elif isinstance(ev, StepFinished):
-            live = self.live
-            live.steps += 1
-            live.bytes_read += ev.expert_bytes_read
-            live.hits += ev.hits
-            live.misses += ev.misses
-            if ev.step > 0:
-                live.decode_steps += 1
-                live.decode_ms += ev.wall_ms
         elif isinstance(ev, PrefillProgress):
-            self.live.prefill(ev)
             self._writing = False
             self.post(ReplyPrefill(self.reply_id, ev.done, ev.total))
         elif isinstance(ev, GenerationFinished):

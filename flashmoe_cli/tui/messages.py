@@ -1,4 +1,8 @@
-"""Messages the engine worker threads post to the app; the app alone changes widgets."""
+"""Messages the worker threads post; only their handlers, on the UI thread, change widgets.
+
+The engine's loading and warnings go to the App (app.py). A reply's progress goes straight to the
+chat screen (screens/chat.py), which alone handles it: those messages do not bubble on to the App.
+"""
 from __future__ import annotations
 
 from textual.message import Message
@@ -25,7 +29,7 @@ class EngineWarning(Message):
         self.text = text
 
 
-class ReplyText(Message):
+class ReplyText(Message, bubble=False):
     """A batch of reply text (~30 ms of tokens): the answer's, or (kind "reasoning") the reasoning's."""
 
     def __init__(self, reply_id: int, text: str, kind: str = "text") -> None:
@@ -46,7 +50,7 @@ def text_batches(reply_id: int, pieces: list[tuple[str, str]]) -> list[ReplyText
     return out
 
 
-class ReplyPrefill(Message):
+class ReplyPrefill(Message, bubble=False):
     """Prompt processing progress; a newer one replaces a queued one."""
 
     def __init__(self, reply_id: int, done: int, total: int) -> None:
@@ -59,14 +63,14 @@ class ReplyPrefill(Message):
         return isinstance(message, ReplyPrefill) and message.reply_id == self.reply_id
 
 
-class ReplyDone(Message):
+class ReplyDone(Message, bubble=False):
     def __init__(self, reply_id: int, finished) -> None:
         super().__init__()
         self.reply_id = reply_id
         self.finished = finished  # engine.events.GenerationFinished
 
 
-class ReplyFailed(Message):
+class ReplyFailed(Message, bubble=False):
     def __init__(self, reply_id: int, failed) -> None:
         super().__init__()
         self.reply_id = reply_id
@@ -74,7 +78,7 @@ class ReplyFailed(Message):
 
 
 # -- tool use (a reply driven by the AgentLoop) ------------------------------------------------
-class ReplyActivity(Message):
+class ReplyActivity(Message, bubble=False):
     """A line for the activity bar (e.g. the model started writing after its prefill)."""
 
     def __init__(self, reply_id: int, text: str) -> None:
@@ -83,7 +87,7 @@ class ReplyActivity(Message):
         self.text = text
 
 
-class ReplyRoundDone(Message):
+class ReplyRoundDone(Message, bubble=False):
     """One model reply of a tool-using turn has finished (more may follow after tool results)."""
 
     def __init__(self, reply_id: int, finished) -> None:
@@ -92,7 +96,7 @@ class ReplyRoundDone(Message):
         self.finished = finished  # engine.events.GenerationFinished
 
 
-class ReplyTool(Message):
+class ReplyTool(Message, bubble=False):
     """A tool call and its result (declined, denied and invalid calls included)."""
 
     def __init__(self, reply_id: int, call, result) -> None:
@@ -102,7 +106,7 @@ class ReplyTool(Message):
         self.result = result  # flashmoe.cli.agent.ToolResultEvent
 
 
-class ReplyTurnEnd(Message):
+class ReplyTurnEnd(Message, bubble=False):
     """The tool-using turn is over: done, cancelled, failed or stopped by a limit."""
 
     def __init__(self, reply_id: int, end, failed=None) -> None:
@@ -112,7 +116,7 @@ class ReplyTurnEnd(Message):
         self.failed = failed  # engine.events.EngineFailed, when the engine failed
 
 
-class ApprovalRequest(Message):
+class ApprovalRequest(Message, bubble=False):
     """A tool call needs the user's yes; the worker thread waits on `future` for the answer."""
 
     def __init__(self, reply_id: int, name: str, arguments, reason: str, future) -> None:

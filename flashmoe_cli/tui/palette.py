@@ -1,4 +1,4 @@
-"""Ctrl+P: the slash commands as command palette entries."""
+"""Ctrl+P: the slash commands as command palette entries (the App's, so they are there over any screen)."""
 from __future__ import annotations
 
 from functools import partial
@@ -9,8 +9,9 @@ from textual.command import DiscoveryHit, Hit, Hits, Provider
 class ChatCommands(Provider):
     def _entries(self):
         app = self.app
-        run = app.run_slash  # type: ignore[attr-defined]
-        prefill = app.prefill_prompt  # type: ignore[attr-defined]
+        chat = app.chat  # type: ignore[attr-defined]  (the ChatApp's chat screen, under the palette or not)
+        run = chat.run_slash
+        prefill = chat.prefill_prompt
         return [
             ("Help: keys and commands", app.action_help, "F1; /help lists the commands in the chat"),  # type: ignore[attr-defined]
             ("Clear conversation", partial(run, "clear", ""), "/clear: start a new conversation"),

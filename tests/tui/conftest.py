@@ -110,11 +110,11 @@ async def wait_for(pilot, predicate, timeout: float = 5.0, what: str = "conditio
 
 
 async def send(pilot, text: str):
-    pilot.app.prompt.text = text
+    pilot.app.chat.prompt.text = text
     await pilot.press("enter")
 
 
 async def wait_idle(pilot, timeout: float = 5.0):
     """Until the reply has finished and its last timings are drawn."""
-    await wait_for(pilot, lambda: pilot.app.reply is None, timeout, "the reply to finish")
+    await wait_for(pilot, lambda: pilot.app.chat.reply is None, timeout, "the reply to finish")
     await pilot.pause(0.15)

@@ -18,7 +18,7 @@ SIZE = (100, 32)
 
 
 def boxes(app: ChatApp, kind):
-    return list(app.transcript.query(kind))
+    return list(app.chat.transcript.query(kind))
 
 
 async def test_send_streams_the_reply_in_batches():
@@ -28,7 +28,7 @@ async def test_send_streams_the_reply_in_batches():
         await wait_for(pilot, lambda: app.loaded is not None, what="the model")
         await pilot.press(*"hi")
         await pilot.press("enter")
-        assert app.prompt.text == ""
+        assert app.chat.prompt.text == ""
         await wait_idle(pilot)
         [user] = boxes(app, UserMessage)
         [reply] = boxes(app, AssistantMessage)
@@ -49,7 +49,7 @@ async def test_status_bar_shows_the_figures():
         await wait_for(pilot, lambda: app.loaded is not None)
         await send(pilot, "hi")
         await wait_idle(pilot)
-        status = app.status.render_stats().plain
+        status = app.chat.status.render_stats().plain
     for part in ("fake (fake_moe)", "4-bit", "K=4", "20.0 tok/s", "4.0 MB/tok", "hits 75%", "RSS 256.0 MB"):
         assert part in status, (part, status)
 
@@ -60,7 +60,7 @@ async def test_interrupt_keeps_the_partial_reply(key):
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
         await send(pilot, "tell me")
-        await wait_for(pilot, lambda: app.reply is not None and app.reply.box.text.count(" ") >= 2,
+        await wait_for(pilot, lambda: app.chat.reply is not None and app.chat.reply.box.text.count(" ") >= 2,
                        what="the first tokens")
         await pilot.press(key)
         await wait_idle(pilot)
@@ -81,14 +81,14 @@ async def test_layer_panel_has_a_row_per_layer_and_coalesces():
     app, engine, session = make_app(layers=8)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
-        assert app.panel.display
-        assert app.panel.row_texts() == []
+        assert app.chat.panel.display
+        assert app.chat.panel.row_texts() == []
         await send(pilot, "hi")
         await wait_idle(pilot)
-        rows = app.panel.row_texts()
+        rows = app.chat.panel.row_texts()
         steps = len(REPLY.split())
-        assert 1 <= app.panel.updates < steps, "the panel is redrawn at most ~10 times a second"
-        assert app.panel.step == steps - 1
+        assert 1 <= app.chat.panel.updates < steps, "the panel is redrawn at most ~10 times a second"
+        assert app.chat.panel.step == steps - 1
     assert len(rows) == 8
     for i, row in enumerate(rows):
         fields = row.split()
@@ -125,15 +125,15 @@ async def test_step_timing_drops_the_columns_it_cannot_fill():
     step_rows(engine)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
-        assert app.panel.header.render().plain.split() == ["L", "route", "I/O", "hit/mis", "ms"]
+        assert app.chat.panel.header.render().plain.split() == ["L", "route", "I/O", "hit/mis", "ms"]
         await send(pilot, "hi")
         await wait_idle(pilot)
-        row = app.panel.row_texts()[0].split()
-        total = app.panel.rows_widget.row_text(8).plain.split()
-        legend = app.panel.border_subtitle
-        header = app.panel.header.render().plain.split()
+        row = app.chat.panel.row_texts()[0].split()
+        total = app.chat.panel.rows_widget.row_text(8).plain.split()
+        legend = app.chat.panel.border_subtitle
+        header = app.chat.panel.header.render().plain.split()
         await send(pilot, "/timing layer")
-        layer_header = app.panel.header.render().plain.split()
+        layer_header = app.chat.panel.header.render().plain.split()
     assert row[:4] == ["0", "0.3", "2.0", "3/1"] and "█" in row[4] and len(row) == 5
     assert total[:3] == ["all", "2.4", "32.0"]  # 8 layers' route and I/O
     assert "attn" not in legend and "comp" not in legend and "route" in legend and "I/O" in legend
@@ -148,9 +148,9 @@ async def test_step_timing_shows_expert_compute_where_the_store_times_it():
         await wait_for(pilot, lambda: app.loaded is not None)
         await send(pilot, "hi")
         await wait_idle(pilot)
-        row = app.panel.row_texts()[0].split()
-        header = app.panel.header.render().plain.split()
-        legend = app.panel.border_subtitle
+        row = app.chat.panel.row_texts()[0].split()
+        header = app.chat.panel.header.render().plain.split()
+        legend = app.chat.panel.border_subtitle
     assert header == ["L", "route", "I/O", "comp", "hit/mis", "ms"]
     assert row[:5] == ["0", "0.3", "2.0", "3.0", "3/1"]
     assert "comp" in legend and "attn" not in legend and "other" not in legend
@@ -160,19 +160,19 @@ async def test_f2_and_timing_command_toggle_the_panel():
     app, engine, session = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
-        assert app.panel.display
+        assert app.chat.panel.display
         await pilot.press("f2")
-        assert not app.panel.display
+        assert not app.chat.panel.display
         await pilot.press("f2")
-        assert app.panel.display
+        assert app.chat.panel.display
         await send(pilot, "/timing")
-        assert not app.panel.display
+        assert not app.chat.panel.display
         await send(pilot, "/timing")
-        assert app.panel.display
+        assert app.chat.panel.display
         await send(pilot, "/timing off")
-        assert not app.panel.display and session.options.timing == "off"
+        assert not app.chat.panel.display and session.options.timing == "off"
         await send(pilot, "/timing step")
-        assert app.panel.display and session.options.timing == "step"
+        assert app.chat.panel.display and session.options.timing == "step"
         await send(pilot, "hi")
         await wait_idle(pilot)
         assert engine.requests[-1].timing == "step"
@@ -263,7 +263,7 @@ async def test_enter_sends_and_newline_keys_insert_newlines():
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
         await pilot.press("a", "ctrl+j", "b", "alt+enter", "c")
-        assert app.prompt.text == "a\nb\nc"
+        assert app.chat.prompt.text == "a\nb\nc"
         await pilot.press("enter")
         await wait_idle(pilot)
         assert engine.requests[0].messages[-1]["content"] == "a\nb\nc"
@@ -274,7 +274,7 @@ async def test_ctrl_d_quits_only_on_an_empty_box():
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
         await pilot.press("x", "left", "ctrl+d")  # deletes the x
-        assert app.is_running and app.prompt.text == ""
+        assert app.is_running and app.chat.prompt.text == ""
         await pilot.press("ctrl+d")
         await pilot.pause()
     assert app.return_code == 0
@@ -313,7 +313,7 @@ async def test_help_screen_and_command_palette():
         await pilot.pause(0.3)
         await pilot.press("enter")
         await pilot.pause()
-        assert app.prompt.text == "/system "
+        assert app.chat.prompt.text == "/system "
 
 
 async def test_prefill_progress_is_shown():
@@ -321,11 +321,11 @@ async def test_prefill_progress_is_shown():
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
         await send(pilot, "a long prompt")
-        await wait_for(pilot, lambda: "3000/3000 tokens" in app.activity, what="the prefill bar")
-        assert app.activity.startswith("prefill")
+        await wait_for(pilot, lambda: "3000/3000 tokens" in app.chat.activity, what="the prefill bar")
+        assert app.chat.activity.startswith("prefill")
         engine.gate.set()
         await wait_idle(pilot)
-        assert app.activity == "ready"
+        assert app.chat.activity == "ready"
 
 
 async def test_quitting_mid_reply_cancels_it():
@@ -333,8 +333,8 @@ async def test_quitting_mid_reply_cancels_it():
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
         await send(pilot, "go on")
-        await wait_for(pilot, lambda: app.reply is not None and app.reply.box.text, what="the first tokens")
-        handle = app.reply.handle
+        await wait_for(pilot, lambda: app.chat.reply is not None and app.chat.reply.box.text, what="the first tokens")
+        handle = app.chat.reply.handle
         await pilot.press("ctrl+d")
         await pilot.pause()
     assert handle.cancelled and app.return_code == 0
@@ -359,7 +359,7 @@ async def test_ctrl_c_copies_a_selection_when_idle():
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
         await pilot.press(*"copy me", "shift+home")
-        assert app.prompt.selected_text == "copy me"
+        assert app.chat.prompt.selected_text == "copy me"
         await pilot.press("ctrl+c")
         assert app.clipboard == "copy me"
         assert app.is_running and not any("again" in n.message for n in app._notifications)
@@ -424,43 +424,43 @@ async def test_the_layer_panel_is_hidden_below_100_columns(size, shown):
     app, engine, session = make_app()
     async with app.run_test(size=size) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
-        assert app.panel.display is shown
+        assert app.chat.panel.display is shown
         await pilot.press("f2")  # F2 still shows (hides) it at any width
-        assert app.panel.display is not shown
+        assert app.chat.panel.display is not shown
         await pilot.resize_terminal(120, 30)  # the user chose: a resize does not undo it
         await pilot.pause(0.1)
-        assert app.panel.display is not shown
+        assert app.chat.panel.display is not shown
 
 
 async def test_the_layer_panel_follows_the_width_until_the_user_toggles_it():
     app, engine, session = make_app()
     async with app.run_test(size=(80, 24)) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
-        assert not app.panel.display
+        assert not app.chat.panel.display
         await pilot.resize_terminal(120, 30)
         await pilot.pause(0.1)
-        assert app.panel.display
+        assert app.chat.panel.display
         await pilot.resize_terminal(90, 30)
         await pilot.pause(0.1)
-        assert not app.panel.display
+        assert not app.chat.panel.display
 
 
 async def test_the_layer_panel_says_which_rows_are_in_view():
     app, engine, session = make_app(layers=30)
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
-        assert app.panel.border_title == "layers · timing layer"
+        assert app.chat.panel.border_title == "layers · timing layer"
         await send(pilot, "hi")
         await wait_idle(pilot)
         await pilot.pause(0.1)
-        window = app.panel.scrollable_content_region.height - 1
-        title = app.panel.border_title
-        app.panel.scroll_to(y=5, animate=False)
+        window = app.chat.panel.scrollable_content_region.height - 1
+        title = app.chat.panel.border_title
+        app.chat.panel.scroll_to(y=5, animate=False)
         await pilot.pause(0.1)
-        scrolled = app.panel.border_title
-        app.panel.scroll_end(animate=False)
+        scrolled = app.chat.panel.border_title
+        app.chat.panel.scroll_end(animate=False)
         await pilot.pause(0.1)
-        end = app.panel.border_title
+        end = app.chat.panel.border_title
     assert 10 < window < 30
     assert title.startswith(f"rows 0-{window - 1} of 30 · step ") and title.endswith(" · timing layer"), title
     assert scrolled.startswith(f"rows 5-{window + 4} of 30 · "), scrolled
@@ -473,7 +473,7 @@ async def test_few_layers_that_fit_need_no_row_count():
         await wait_for(pilot, lambda: app.loaded is not None)
         await send(pilot, "hi")
         await wait_idle(pilot)
-        assert app.panel.border_title.startswith("layers · step ")
+        assert app.chat.panel.border_title.startswith("layers · step ")
 
 
 async def test_the_demo_says_it_is_a_toy_not_to_be_trusted():

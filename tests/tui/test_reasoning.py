@@ -21,7 +21,7 @@ async def test_reasoning_is_a_collapsed_block_above_the_answer():
         await wait_for(pilot, lambda: app.loaded is not None)
         await send(pilot, "capital?")
         await wait_idle(pilot)
-        [box] = app.transcript.query(AssistantMessage)
+        [box] = app.chat.transcript.query(AssistantMessage)
         assert box.text.strip() == "Paris."
         [block] = box.query(ReasoningBlock)
         assert block.text == "Weighing the options carefully." and block.collapsed
@@ -40,11 +40,11 @@ async def test_reasoning_stays_open_while_it_streams_and_figures_stay_live():
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
         await send(pilot, "hi")
-        await wait_for(pilot, lambda: list(app.transcript.query(ReasoningBlock)), what="the reasoning block")
-        [block] = app.transcript.query(ReasoningBlock)
+        await wait_for(pilot, lambda: list(app.chat.transcript.query(ReasoningBlock)), what="the reasoning block")
+        [block] = app.chat.transcript.query(ReasoningBlock)
         assert not block.collapsed
-        await wait_for(pilot, lambda: "4 tok" in app.status.render_stats().plain, what="a live token count")
-        assert "thinking" in app.activity
+        await wait_for(pilot, lambda: "4 tok" in app.chat.status.render_stats().plain, what="a live token count")
+        assert "thinking" in app.chat.activity
         engine.gate.set()
         await wait_idle(pilot)
         assert block.collapsed
@@ -54,10 +54,10 @@ async def test_context_meter():
     app, engine, session = make_app(["a b c"], context=1000)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
-        assert "ctx 0/1.0k" in app.status.render_stats().plain
+        assert "ctx 0/1.0k" in app.chat.status.render_stats().plain
         await send(pilot, "hi")
         await wait_idle(pilot)
-        assert "ctx 15/1.0k" in app.status.render_stats().plain  # 12 prompt tokens, 3 generated
+        assert "ctx 15/1.0k" in app.chat.status.render_stats().plain  # 12 prompt tokens, 3 generated
 
 
 async def test_call_inside_reasoning_is_not_run_in_the_app(tmp_path):
@@ -68,13 +68,13 @@ async def test_call_inside_reasoning_is_not_run_in_the_app(tmp_path):
     app, engine, session = make_app([reply, "ok</think>Your notes say hello."], chat_template=qwen35_template(),
                                     args=tool_args(ws, "--mode", "workspace-write"))
     async with app.run_test(size=SIZE) as pilot:
-        await wait_for(pilot, lambda: app.agent is not None, what="the agent")
+        await wait_for(pilot, lambda: app.chat.agent is not None, what="the agent")
         await send(pilot, "notes?")
         await wait_idle(pilot)
-        tools = list(app.transcript.query(ToolBlock))
+        tools = list(app.chat.transcript.query(ToolBlock))
         assert [t.call.name for t in tools] == ["read_file"]
         assert not (ws / "x.txt").exists()
-        blocks = list(app.transcript.query(ReasoningBlock))
+        blocks = list(app.chat.transcript.query(ReasoningBlock))
         assert blocks and blocks[0].text.startswith("I could <tool_call>") and all(b.collapsed for b in blocks)
 
 
@@ -88,4 +88,4 @@ async def test_thinking_command():
         assert engine.requests[-1].template_kwargs == {"enable_thinking": False}
         await send(pilot, "/thinking sometimes")
         await pilot.pause(0.05)
-        assert "usage: /thinking on|off" in app.transcript.query("Note").last().text
+        assert "usage: /thinking on|off" in app.chat.transcript.query("Note").last().text

@@ -21,9 +21,9 @@ async def mid_reply(pilot, prompt: str = "How does flashmoe run a model bigger t
     await _loaded(pilot)
     await send(pilot, prompt)
     gate_after = app.engine.gate_after
-    await wait_for(pilot, lambda: app.reply is not None and app.panel.step == gate_after - 1
-                   and app.status.stats.tok_s is not None, what="the layer panel")
-    await wait_for(pilot, lambda: len(app.reply.box.text.split()) >= gate_after, what="the reply text")
+    await wait_for(pilot, lambda: app.chat.reply is not None and app.chat.panel.step == gate_after - 1
+                   and app.chat.status.stats.tok_s is not None, what="the layer panel")
+    await wait_for(pilot, lambda: len(app.chat.reply.box.text.split()) >= gate_after, what="the reply text")
     await pilot.pause(0.2)
 
 

@@ -28,7 +28,7 @@ WRITE = call("write_file", path="todo.txt", content="buy milk")
 
 
 def boxes(app, kind):
-    return list(app.transcript.query(kind))
+    return list(app.chat.transcript.query(kind))
 
 
 @pytest.fixture
@@ -67,14 +67,14 @@ async def test_a_read_runs_without_asking_and_shows_a_collapsed_block(ws):
         assert last.text == "Your note says: remember the milk."
         assert "tok/s" in str(last.border_subtitle)
         # the transcript order: reply, tool block, reply
-        order = [w for w in app.transcript.children if isinstance(w, (AssistantMessage, ToolBlock))]
+        order = [w for w in app.chat.transcript.children if isinstance(w, (AssistantMessage, ToolBlock))]
         assert order == [first, block, last]
         await pilot.click(block._title)
         await pilot.pause()
         assert not block.collapsed
         body = " ".join(str(s.render()) for s in block.query(".tool-args, .tool-result"))
         assert '"path": "notes.txt"' in body and "remember the milk" in body
-        assert app.activity == "ready"
+        assert app.chat.activity == "ready"
     texts = [m.text for m in messages if isinstance(m, ReplyText)]
     assert "".join(texts) == "Let me look at your notes.\nYour note says: remember the milk."
     # the result went back to the model before its second reply
@@ -92,7 +92,7 @@ async def test_a_write_asks_and_runs_only_on_yes(ws, key, written):
         shown = " ".join(str(s.render()) for s in screen.query("Static"))
         assert screen.tool_name == "write_file" and '"content": "buy milk"' in shown
         assert "changes files in the workspace" in shown
-        assert "approval" in app.activity
+        assert "approval" in app.chat.activity
         await pilot.press(key)
         await wait_idle(pilot)
         assert not isinstance(app.screen, ApproveScreen)
@@ -102,7 +102,7 @@ async def test_a_write_asks_and_runs_only_on_yes(ws, key, written):
         else:
             assert block.title_plain == "⚙ write_file · declined" and block.has_class("-declined")
         assert [b.text for b in boxes(app, AssistantMessage)] == ["Done."]  # the call-only reply left no box
-        assert app.focused is app.prompt
+        assert app.focused is app.chat.prompt
     assert (ws / "todo.txt").exists() == written
     if written:
         assert (ws / "todo.txt").read_text() == "buy milk"
@@ -140,7 +140,7 @@ async def test_ctrl_c_while_asking_stops_the_turn(ws):
         assert not isinstance(app.screen, ApproveScreen) and app.is_running
         [block] = boxes(app, ToolBlock)
         assert block.title_plain == "⚙ write_file · declined"
-        assert app.activity.startswith("stopped")
+        assert app.chat.activity.startswith("stopped")
         assert len(engine.requests) == 1  # no reply after the cancel
         await send(pilot, "never mind")  # the next message works
         await wait_idle(pilot)
@@ -154,7 +154,7 @@ async def test_quitting_while_asking_exits_and_ends_the_worker(ws):
         await loaded(pilot)
         await send(pilot, "make a todo")
         await asking(pilot)
-        turn = app.agent_turn
+        turn = app.chat.agent_turn
         await pilot.press("ctrl+q")
         await pilot.pause()
     assert app.return_code == 0
@@ -176,7 +176,7 @@ async def test_chain_limit_is_an_error_note_and_the_app_goes_on(ws):
         assert titles[0].startswith("⚙ read_file · ok") and titles[-1].endswith("not run: the chain limit is reached")
         [error] = [n for n in boxes(app, Note) if n.kind == "error"]
         assert "chain limit" in error.text
-        assert app.is_running and app.reply is None
+        assert app.is_running and app.chat.reply is None
 
 
 async def test_engine_failure_with_tools_is_a_note(ws):
@@ -207,13 +207,13 @@ async def test_escape_stops_a_tool_turn_and_keeps_the_text(ws):
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         await send(pilot, "go")
-        await wait_for(pilot, lambda: app.reply is not None and app.reply.box is not None
-                       and app.reply.box.text.count(" ") >= 2, what="the first words")
+        await wait_for(pilot, lambda: app.chat.reply is not None and app.chat.reply.box is not None
+                       and app.chat.reply.box.text.count(" ") >= 2, what="the first words")
         await pilot.press("escape")
         await wait_idle(pilot)
         [box] = boxes(app, AssistantMessage)
         assert box.has_class("-interrupted") and box.text.startswith("The answer")
-        assert app.activity.startswith("stopped") and app.is_running
+        assert app.chat.activity.startswith("stopped") and app.is_running
     assert session.history[-1]["role"] == "assistant" and session.history[-1]["content"].startswith("The answer")
 
 

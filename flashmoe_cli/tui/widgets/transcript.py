@@ -1,12 +1,18 @@
 """The conversation: user messages as typed, replies as streamed Markdown, notes and errors."""
 from __future__ import annotations
 
+import re
+
 from markdown_it import MarkdownIt
 from rich.text import Text
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Collapsible, Markdown, Static
 
+from ...chat import is_tool_result, mark_of
 from ...term_safe import safe
+from .tool_block import ToolBlock
+
+TOOL_CALL_MARKUP = re.compile(r"<tool_call>.*?(?:</tool_call>|\Z)", re.DOTALL)
 
 
 def html_as_text() -> MarkdownIt:
@@ -19,6 +25,25 @@ class Transcript(VerticalScroll):
     """Scrolls; anchored to the bottom while a reply streams, until the user scrolls up."""
 
     can_focus = False
+
+    def show_history(self, history: list[dict]) -> None:
+        """A resumed conversation (-c / --cid): its messages as boxes, tool results as blocks."""
+        for m in history:
+            if is_tool_result(m):
+                self.mount(ToolBlock.from_history(m))
+            elif m["role"] == "user":
+                self.mount(UserMessage(m["content"]))
+            elif m["role"] == "assistant":
+                content = m["content"]
+                text = TOOL_CALL_MARKUP.sub("", content).strip()
+                if text == content.strip() and not m.get("tool_calls"):
+                    self.mount(box := AssistantMessage(text=content))
+                elif text:  # a reply with tool calls: its text (the calls show as their results)
+                    self.mount(box := AssistantMessage(text=text))
+                else:
+                    continue
+                if mark_of(m):  # stopped, or cut short by a crash, when it was written
+                    box.mark(mark_of(m))
 
 
 class UserMessage(Static):
