@@ -247,6 +247,7 @@ def test_compute_paths_name_what_load_chose(model_factory):
         "decoder layer fused whole (one sync per layer)": list(range(n)),
         "attention as one fused CPU block": list(range(n)),
         "MoE as one fused CPU block": list(range(n)),
+        "prompt chunks' attention on numpy's BLAS": list(range(n)),
         "streamed experts on the CPU kernels": list(range(n)),
     }
     cpu.close()

@@ -178,3 +178,96 @@ def test_an_expert_is_ready_once_all_its_pieces_landed(model_factory, monkeypatc
     want = list(range(1, 1 + pool.slots))
     store.fetch(info.layer, want, ready=ready)
     assert sorted(seen) == want
+
+
+LONG = [(a, b) for a in ("qwen3_moe", "mixtral", "olmoe") for b in (4, 3)] + [("deepseek_v3", 4)]
+
+
+@pytest.mark.parametrize("arch,bits", LONG, ids=[f"{a}-{b}" for a, b in LONG])
+def test_batched_prefill_matches_mlx_kernels(model_factory, arch, bits):
+    """A 300-token prompt in chunks of 160 and 140 takes the batched prefill path: matmuls of 64 or
+    more rows as dequantize + sgemm (cpu/gemm.py), experts chosen by 64 or more tokens likewise,
+    causal attention on numpy's BLAS in query tiles (cpu/attn.py attend_causal), the output head
+    on the last position only: the logits after each chunk and the greedy continuation match
+    MLX's kernels."""
+    import threading
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from flashmoe.engine.runtime.decode import prefill
+    from flashmoe.engine.runtime.generate import Session
+
+    path = model_factory(arch, bits, converted=True)
+    ids = [int(i) for i in mx.random.randint(3, 250, (300,), key=mx.random.key(1)).tolist()]
+    ref = load(path, kernels="mlx", load_tokenizer=False)
+    cache = make_prompt_cache(ref.model)
+    want = [ref.model(mx.array([ids[:160]]), cache=cache)[0, -1], ref.model(mx.array([ids[160:]]), cache=cache)[0, -1]]
+    want_tokens = greedy(ref.model, ids, 8)
+    cpu = load(path, kernels="cpu", load_tokenizer=False)
+    # the prefill path belongs to the fused attention; DeepSeek's latent attention keeps MLX's
+    assert (cpu.fused.get("attention", 0) > 0) == (arch != "deepseek_v3")
+    session = Session(cpu)
+    session.prepare(ids)
+    got = [logits for _, logits in prefill(cpu.model, session, ids, 160, threading.Event())]
+    assert len(got) == 2 and session.tokens == ids
+    for g, w in zip(got, want):
+        assert rel_diff(g, w) <= 1e-4, rel_diff(g, w)
+    assert greedy(cpu.model, ids, 8) == want_tokens
+    cpu.close()
+
+
+def test_dequantize_equals_mlx_bit_for_bit():
+    import numpy as np
+
+    from flashmoe.engine.cpu.gemm import dequantize
+
+    w = mx.random.normal((96, 256), key=mx.random.key(3))
+    for bits in (2, 3, 4, 8):
+        for gs in (32, 64, 128):
+            q, s, b = mx.quantize(w, group_size=gs, bits=bits)
+            got = dequantize(np.array(q).view(np.uint32), np.array(s), np.array(b), bits, gs)
+            assert np.array_equal(got, np.array(mx.dequantize(q, s, b, group_size=gs, bits=bits))), (bits, gs)
+
+
+def test_gather_sends_busy_experts_to_sgemm_and_the_rest_to_the_kernels(monkeypatch):
+    """Expert 0 is chosen by 100 rows (one sgemm), the others by a few (the kernels): the result
+    equals the kernels' for every row, and exactly one sgemm ran per weight set."""
+    import numpy as np
+
+    from flashmoe.engine.cpu import gemm
+    from flashmoe.engine.cpu.qmm import gather_qmm, gather_qmm_pair
+
+    rng = np.random.default_rng(0)
+    w = mx.array(rng.standard_normal((4, 64, 128)).astype(np.float32))
+    q, s, b = (np.array(t) for t in mx.quantize(w, group_size=64, bits=4))
+    q = q.view(np.uint32)
+    ids = np.concatenate([np.zeros(100, np.int64), rng.integers(1, 4, 20)]).reshape(60, 2)
+    x = rng.standard_normal((60, 128)).astype(np.float32)
+    calls = []
+    real = gemm.matmul_t
+    monkeypatch.setattr(gemm, "matmul_t", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setattr(gemm, "GEMM_ROWS", 10**9)
+    want = gather_qmm(x, q, s, b, ids, 4, 64)  # all on the kernels
+    monkeypatch.setattr(gemm, "GEMM_ROWS", 64)
+    got = gather_qmm(x, q, s, b, ids, 4, 64)
+    assert calls == [100]
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    ga, gb = gather_qmm_pair(x, (q, s, b), (q, s, b), ids, 4, 64)
+    assert calls == [100, 100, 100] and np.array_equal(ga, got) and np.array_equal(gb, got)
+
+
+def test_causal_attention_matches_mlx():
+    import numpy as np
+
+    from flashmoe.engine.cpu.attn import attend_causal
+
+    rng = np.random.default_rng(0)
+    H, Hk, T, S, D = 6, 2, 300, 340, 16  # 40 positions cached before the chunk; 3 query tiles
+    q = rng.standard_normal((H, T, D)).astype(np.float32)
+    K = rng.standard_normal((Hk, S, D)).astype(np.float32)
+    V = rng.standard_normal((Hk, S, D)).astype(np.float32)
+    mask = mx.array(np.arange(S)[None, :] <= np.arange(S - T, S)[:, None])
+    want = mx.fast.scaled_dot_product_attention(mx.array(q)[None], mx.array(K)[None], mx.array(V)[None],
+                                                scale=0.25, mask=mask)[0]
+    got = attend_causal(q, K, V, 0.25)  # [T, H, D]
+    assert np.abs(got.transpose(1, 0, 2) - np.array(want)).max() <= 1e-5

@@ -81,6 +81,37 @@ def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, T: int, scale) -> np.nda
     return np.matmul(s, V[:, :T]).reshape(H, D)
 
 
+QUERY_TILE = 128  # query rows per block of the causal prefill: bounds the score matrix
+
+
+def attend_causal(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale) -> np.ndarray:
+    """Causal softmax attention of a prefill chunk: q [H, T, D] are the last T of the S positions
+    of K, V [Hk, S, D] (grouped heads as in `attend`). Returns [T, H, D].
+
+    Batched matmuls (numpy's BLAS) per kv head group and tile of QUERY_TILE query rows: a tile's
+    scores are [H, tile, keys it can see], so nothing T x S is held beyond one tile, and keys
+    past a tile's last position are never multiplied."""
+    H, T, D = q.shape
+    Hk, S = K.shape[0], K.shape[1]
+    g = H // Hk
+    qs = (q * np.float32(scale)).reshape(Hk, g, T, D)
+    out = np.empty((T, H, D), np.float32)
+    for t0 in range(0, T, QUERY_TILE):
+        t1 = min(T, t0 + QUERY_TILE)
+        seen = S - T + t1  # keys the tile's last row sees
+        s = np.matmul(qs[:, :, t0:t1], K[:, None, :seen].transpose(0, 1, 3, 2))  # [Hk, g, tile, seen]
+        # row t (absolute position S - T + t) sees keys 0 .. S - T + t
+        rows = np.arange(t0, t1)[:, None]
+        cols = np.arange(seen)[None, :]
+        s[..., cols > rows + (S - T)] = -np.inf
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+        o = np.matmul(s, V[:, None, :seen])  # [Hk, g, tile, D]
+        out[t0:t1] = o.reshape(H, t1 - t0, D).transpose(1, 0, 2)
+    return out
+
+
 @njit(cache=True, fastmath=False, nogil=True)
 def silu_mul(g, u):
     """silu(g) * u for g, u [R, N] (mlx-lm's SwiGLU; either may be a strided view), as a new

@@ -176,7 +176,10 @@ class _Wraps(nn.Module):
 
 
 class CpuAttention(_Wraps):
-    """One-token decode of a standard multi-head / grouped-query attention on the CPU kernels."""
+    """One-token decode of a standard multi-head / grouped-query attention on the CPU kernels,
+    and causal prefill chunks on numpy's BLAS where its probe says they agree too."""
+
+    prefill_ok = True  # set by _probe_attention
 
     def __init__(self, attn: nn.Module, tables: dict):
         super().__init__()
@@ -207,10 +210,43 @@ class CpuAttention(_Wraps):
                     or x.shape[1] != 1 or cache.offset >= cache.keys.shape[2]
                     or cache.keys.dtype != mx.float32 or not (mask is None or isinstance(mask, str)))
 
+    @staticmethod
+    def prefill_fits(x, mask, cache, kwargs) -> bool:
+        """Whether this call is a causal prefill chunk (several tokens) on a plain float32 KVCache."""
+        from mlx_lm.models.cache import KVCache
+
+        return not (kwargs or type(cache) is not KVCache or x.shape[0] != 1 or x.shape[1] < 2
+                    or x.dtype != mx.float32 or (cache.keys is not None and cache.keys.dtype != mx.float32)
+                    or not (isinstance(mask, str) and mask == "causal"))
+
     def __call__(self, x, mask=None, cache=None, **kwargs):
-        if not self.fast(x, mask, cache, kwargs):
-            return self._orig.module(x, mask, cache, **kwargs)
-        return _mx(self.decode_np(_np(x).reshape(1, -1), cache).reshape(1, 1, -1))
+        if self.fast(x, mask, cache, kwargs):
+            return _mx(self.decode_np(_np(x).reshape(1, -1), cache).reshape(1, 1, -1))
+        if self.prefill_ok and self.prefill_fits(x, mask, cache, kwargs):
+            return self.prefill(x, cache)
+        return self._orig.module(x, mask, cache, **kwargs)
+
+    def prefill(self, x, cache) -> mx.array:
+        """A prompt chunk [1, T, D]: projections and norms as in decoding, the rope by the
+        model's own module (some ropes depend on the call's length), the cache by its own
+        update_and_fetch, then causal attention on numpy's BLAS (attn.attend_causal) instead
+        of MLX's CPU attention (15 of 20 s of a 1k-token prefill on the dense SmolLM2)."""
+        from flashmoe.engine.cpu.attn import attend_causal, rms_norm_rows
+
+        T = x.shape[1]
+        H, Hk, hd = self.H, self.Hk, self.hd
+        q, k, v = (np.ascontiguousarray(t) for t in self._qkv(_np(x).reshape(T, -1)))
+        for t, norm, n in ((q, self.q_norm, H), (k, self.k_norm, Hk)):
+            if norm is not None:
+                w, eps, per_head = norm
+                rms_norm_rows(t.reshape(T * n, hd) if per_head else t, w, eps)
+        rope = self._orig.module.rope
+        queries = rope(mx.array(q).reshape(1, T, H, hd).transpose(0, 2, 1, 3), offset=cache.offset)
+        keys = rope(mx.array(k).reshape(1, T, Hk, hd).transpose(0, 2, 1, 3), offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, mx.array(v).reshape(1, T, Hk, hd).transpose(0, 2, 1, 3))
+        mx.eval(queries, keys, values)
+        o = attend_causal(np.array(queries[0]), np.array(keys[0]), np.array(values[0]), self.scale)
+        return _mx(_linear_np(self._o, o.reshape(T, H * hd)).reshape(1, T, -1))
 
     def decode_np(self, x2: np.ndarray, cache) -> np.ndarray:
         """x2 [1, D] -> [1, D_out]; writes this position's keys and values into the cache."""
@@ -495,9 +531,20 @@ def _probe_attention(new: CpuAttention, attn: nn.Module, dim: int) -> bool:
     b.keys, b.values, b.offset = mx.array(np.array(a.keys)), mx.array(np.array(a.values)), a.offset
     want = attn(x[:, 3:], None, a)
     got = new(x[:, 3:], None, b)
-    return (b.offset == a.offset and _close(got, want)
-            and _close(b.keys[..., :b.offset, :], a.keys[..., :a.offset, :])
-            and _close(b.values[..., :b.offset, :], a.values[..., :a.offset, :]))
+    decode_ok = (b.offset == a.offset and _close(got, want)
+                 and _close(b.keys[..., :b.offset, :], a.keys[..., :a.offset, :])
+                 and _close(b.values[..., :b.offset, :], a.values[..., :a.offset, :]))
+    # a causal chunk of 5 after one of 3, each way
+    x = mx.array(rng.standard_normal((1, 8, dim)).astype(np.float32))
+    a, b = KVCache(), KVCache()
+    want = [attn(x[:, :3], "causal", a), attn(x[:, 3:], "causal", a)]
+    try:
+        got = [new(x[:, :3], "causal", b), new(x[:, 3:], "causal", b)]
+        new.prefill_ok = (b.offset == a.offset and all(_close(g, w) for g, w in zip(got, want))
+                          and _close(b.keys[..., :b.offset, :], a.keys[..., :a.offset, :]))
+    except (ValueError, TypeError, AttributeError):
+        new.prefill_ok = False
+    return decode_ok
 
 
 def _probe_mlp(new: CpuMLP, mlp: nn.Module, dim: int) -> bool:

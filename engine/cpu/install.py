@@ -7,6 +7,9 @@ MLP and MoE blocks are then fused on top of these (engine/cpu/fused.py), one syn
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -52,14 +55,37 @@ class CpuQuantizedLinear(nn.Module):
             self._bias = self._bias.copy()
         self._keep = None
 
+    head = False  # the output head: in a prefill (last_logits_only) it computes the last row only
+
     def __call__(self, x: mx.array) -> mx.array:
         from flashmoe.engine.cpu.qmm import qmm, to_numpy
 
+        if self.head and _LAST_ONLY.on and x.ndim == 3 and x.shape[1] > 1:
+            x = x[:, -1:]
         mx.eval(x)
         out = qmm(to_numpy(x), self._w, self._s, self._b, self._bits, self._gs)
         if self._bias is not None:
             out += self._bias
         return mx.array(out).astype(x.dtype) if x.dtype != mx.float32 else mx.array(out)
+
+
+class _LastOnly(threading.local):
+    on = False
+
+
+_LAST_ONLY = _LastOnly()
+
+
+@contextmanager
+def last_logits_only():
+    """Within it, the output head computes the logits of each call's last position only (a
+    prefill uses no other): a tenth of a 1k-token prefill of SmolLM2 went into the 49k-row head.
+    The call's logits then have one position, the last."""
+    _LAST_ONLY.on = True
+    try:
+        yield
+    finally:
+        _LAST_ONLY.on = False
 
 
 class CpuQuantizedEmbedding(nn.Module):
@@ -69,6 +95,7 @@ class CpuQuantizedEmbedding(nn.Module):
         super().__init__()
         self._inner = Hidden(qe)
         self._linear = Hidden(CpuQuantizedLinear(qe))
+        self._linear.module.head = True  # called only as a tied output head
 
     def __call__(self, x):
         return self._inner.module(x)
@@ -94,7 +121,9 @@ def install(model: nn.Module) -> int:
         if isinstance(m, nn.QuantizedEmbedding):
             replacements.append((name, CpuQuantizedEmbedding(m)))
         elif isinstance(m, nn.QuantizedLinear):
-            replacements.append((name, CpuQuantizedLinear(m)))
+            new = CpuQuantizedLinear(m)
+            new.head = name.split(".")[-1] == "lm_head"
+            replacements.append((name, new))
     for name, new in replacements:
         set_module(model, name, new)
         count += 1

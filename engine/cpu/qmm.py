@@ -76,6 +76,8 @@ import numba
 import numpy as np
 from numba import float32, njit, prange
 
+from flashmoe.engine.cpu.gemm import GEMM_ROWS, gather_grouped, matmul_t
+
 
 def _preload_tbb() -> str | None:
     """Let numba use its TBB threading layer when the `tbb` wheel is installed.
@@ -544,8 +546,11 @@ def qmm(x, w, scales, biases, bits: int = 4, group_size: int = 64) -> np.ndarray
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 0:
         return np.zeros((*x.shape[:-1], w.shape[0]), np.float32)
-    idx = np.zeros(x2.shape[0], np.int64)
-    out = _call(bits, x2, idx, 1, w[None], scales[None], biases[None], group_size)
+    if x2.shape[0] >= GEMM_ROWS:  # prefill: dequantize once, then sgemm (gemm.py)
+        out = matmul_t(x2, w, scales, biases, bits, group_size)
+    else:
+        idx = np.zeros(x2.shape[0], np.int64)
+        out = _call(bits, x2, idx, 1, w[None], scales[None], biases[None], group_size)
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -566,7 +571,10 @@ def gather_qmm(x, w, scales, biases, indices, bits: int = 4, group_size: int = 6
     E = w.shape[0]
     if idx.min() < 0 or idx.max() >= E:
         raise IndexError(f"expert index out of range 0..{E - 1}")
-    out = _call(bits, x2, idx, indices.size // R, w, scales, biases, group_size)
+    k = indices.size // R
+    grouped = gather_grouped(x2, idx, k, [(w, scales, biases)], bits, group_size,
+                             lambda xr, ir, kr: _call(bits, xr, ir, kr, w, scales, biases, group_size))
+    out = grouped[0] if grouped is not None else _call(bits, x2, idx, k, w, scales, biases, group_size)
     return out.reshape(*indices.shape, w.shape[1])
 
 
@@ -588,8 +596,14 @@ def gather_qmm_pair(x, a, b, indices, bits: int = 4, group_size: int = 64):
     if idx.min() < 0 or idx.max() >= wa.shape[0]:
         raise IndexError(f"expert index out of range 0..{wa.shape[0] - 1}")
     serial_below = SERIAL_BELOW if threading_layer() == "tbb" else SERIAL_BELOW_WITHOUT_TBB
-    parallel = 2 * idx.shape[0] * wa.shape[1] * x2.shape[1] >= serial_below
-    oa, ob = _kernel_pair(bits)(x2, idx, indices.size // R, wa, sa, ba, wb, sb, bb, group_size, parallel)
+
+    def kernel(xr, ir, kr):
+        parallel = 2 * ir.shape[0] * wa.shape[1] * xr.shape[1] >= serial_below
+        return _kernel_pair(bits)(xr, ir, kr, wa, sa, ba, wb, sb, bb, group_size, parallel)
+
+    k = indices.size // R
+    grouped = gather_grouped(x2, idx, k, [(wa, sa, ba), (wb, sb, bb)], bits, group_size, kernel)
+    oa, ob = grouped if grouped is not None else kernel(x2, idx, k)
     shape = (*indices.shape, wa.shape[1])
     return oa.reshape(shape), ob.reshape(shape)
 

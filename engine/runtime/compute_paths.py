@@ -11,13 +11,13 @@ def compute_paths(loaded) -> dict[str, list[int]]:
     """{"attention on MLX": [0, 1], "experts on the CPU kernels": [0, 1], ...}: per kind of
     block, the decoder layers it is computed that way in."""
     fused_types: dict = {}
-    cpu_linear = None
+    cpu_linear = cpu_attention = None
     if loaded.kernels == "cpu":
         from flashmoe.engine.cpu.fused import CpuAttention, CpuDecoderLayer, CpuMLP, CpuMoE
         from flashmoe.engine.cpu.install import CpuQuantizedLinear
 
         fused_types = {CpuDecoderLayer: "decoder layer", CpuAttention: "attention", CpuMLP: "MLP", CpuMoE: "MoE"}
-        cpu_linear = CpuQuantizedLinear
+        cpu_linear, cpu_attention = CpuQuantizedLinear, CpuAttention
     out: dict[str, list[int]] = {}
 
     def say(what: str, i: int) -> None:
@@ -35,6 +35,8 @@ def compute_paths(loaded) -> dict[str, list[int]]:
             if kind in fused:
                 say(f"{kind} as one fused CPU block" if kind != "decoder layer"
                     else "decoder layer fused whole (one sync per layer)", i)
+        if cpu_attention is not None and any(isinstance(m, cpu_attention) and m.prefill_ok for m in modules):
+            say("prompt chunks' attention on numpy's BLAS", i)
         if "attention" not in fused:
             linear = [m for m in modules if cpu_linear is not None and isinstance(m, cpu_linear)]
             say("attention and other matmuls on the CPU kernels" if linear else "attention and other matmuls on MLX", i)

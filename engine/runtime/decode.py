@@ -16,11 +16,15 @@ from flashmoe.engine.runtime.processors import LogitsProcessor, apply
 
 def prefill(model, session, ids: list[int], step: int, cancel: threading.Event) -> Iterator[tuple[int, mx.array]]:
     """Run `ids` into the session's cache `step` tokens at a time; after each chunk yield how many
-    are done and the logits after the chunk's last token. Stops early (between chunks) on cancel."""
+    are done and the logits after the chunk's last token. Stops early (between chunks) on cancel.
+    On the CPU kernels the output head computes only those logits (cpu/install.py)."""
+    from flashmoe.engine.cpu.install import last_logits_only
+
     done = 0
     while done < len(ids) and not cancel.is_set():
         chunk = ids[done:done + step]
-        logits = model(mx.array([chunk]), cache=session.cache)[0, -1]
+        with last_logits_only():
+            logits = model(mx.array([chunk]), cache=session.cache)[0, -1]
         mx.eval(logits, [c.state for c in session.cache if c.state is not None])
         session.tokens.extend(chunk)
         done += len(chunk)

@@ -1,0 +1,123 @@
+"""Quantized matmuls of many rows (prefill chunks, an expert many tokens chose) as dequantize +
+BLAS sgemm.
+
+The kernels of qmm.py decode every weight once per pair of x rows: right for decoding, where a
+weight is used by one or two rows, but at 256 rows the decode costs more than the arithmetic.
+Here a weight matrix is dequantized once (numba, both cores, ~1 ns per value), into the same
+float32 values mx.dequantize gives bit for bit, and numpy's BLAS (OpenBLAS sgemm, ~130 GFLOP/s
+on this machine's two cores) multiplies every row by it. Measured (benchmarks/bench_kernels.py
+--rows): the sgemm route wins from about GEMM_ROWS rows up, 2.5x at 256 rows.
+
+BLAS runs on one thread for the rest of the process (engine/cpu/install.py says why); each call
+here raises it to numba's thread count for the product and puts it back.
+"""
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+from numba import float32, njit, prange, uint32, uint64
+
+GEMM_ROWS = 64  # rows from which dequantize + sgemm beats the decode-per-row-pair kernels
+
+_scratch = threading.local()  # one dequantized-weight buffer per thread, grown as needed
+
+
+@njit(parallel=True, cache=True, fastmath=False, nogil=True)
+def _dequantize_words(w, s, b, bits, group_size, out):
+    """bits 2, 4, 8: no value crosses a uint32 word, so each word is decoded with fixed shifts."""
+    O, W = w.shape
+    per = 32 // bits
+    mask = uint32((1 << bits) - 1)
+    words = group_size // per
+    for o in prange(O):
+        for g in range(W // words):
+            sc, bi = s[o, g], b[o, g]
+            for j in range(g * words, (g + 1) * words):
+                v = w[o, j]
+                for t in range(per):
+                    out[o, j * per + t] = float32((v >> uint32(t * bits)) & mask) * sc + bi
+
+
+@njit(parallel=True, cache=True, fastmath=False, nogil=True)
+def _dequantize_stream(w, s, b, bits, group_size, out):
+    """Any width (3, 5, 6 bits): value i of a row is bits [i*bits, (i+1)*bits) of its words."""
+    O, n = out.shape
+    mask = uint64((1 << bits) - 1)
+    for o in prange(O):
+        for i in range(n):
+            bit = i * bits
+            j, shift = bit >> 5, bit & 31
+            v = uint64(w[o, j]) >> uint64(shift)
+            if shift + bits > 32:
+                v |= uint64(w[o, j + 1]) << uint64(32 - shift)
+            g = i // group_size
+            out[o, i] = float32(v & mask) * s[o, g] + b[o, g]
+
+
+def dequantize(w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, group_size: int,
+               out: np.ndarray | None = None) -> np.ndarray:
+    """w uint32 [O, in*bits/32], scales / biases float32 [O, in/group_size] -> float32 [O, in],
+    equal to mx.dequantize's values."""
+    n = w.shape[1] * 32 // bits
+    if out is None:
+        out = np.empty((w.shape[0], n), np.float32)
+    (_dequantize_words if 32 % bits == 0 else _dequantize_stream)(w, s, b, bits, group_size, out)
+    return out
+
+
+def _buffer(rows: int, cols: int) -> np.ndarray:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.size < rows * cols:
+        buf = _scratch.buf = np.empty(rows * cols, np.float32)
+    return buf[:rows * cols].reshape(rows, cols)
+
+
+class _Blas:
+    """Sets OpenBLAS's thread count for one product (threadpoolctl's controller, found once)."""
+
+    lib = None
+
+    @classmethod
+    def threads(cls, n: int) -> None:
+        if cls.lib is None:
+            from threadpoolctl import ThreadpoolController
+
+            found = ThreadpoolController().select(user_api="blas").lib_controllers
+            cls.lib = found[0] if found else False
+        if cls.lib:
+            cls.lib.set_num_threads(n)
+
+
+def matmul_t(x2: np.ndarray, w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, group_size: int) -> np.ndarray:
+    """x2 [R, in] @ dequantize(w).T -> [R, O] through a scratch buffer and sgemm."""
+    wf = dequantize(w, s, b, bits, group_size, _buffer(w.shape[0], w.shape[1] * 32 // bits))
+    _Blas.threads(numba.get_num_threads())
+    try:
+        return x2 @ wf.T
+    finally:
+        _Blas.threads(1)
+
+
+def gather_grouped(x2: np.ndarray, idx: np.ndarray, k: int, weights: list[tuple], bits: int, group_size: int,
+                   kernel) -> list[np.ndarray] | None:
+    """gather_qmm for each (w, s, b) of `weights` (stacked experts, one shape), with every expert
+    that GEMM_ROWS or more entries of idx chose computed as one sgemm over its rows; the other
+    entries go to `kernel(x_rows, idx_rows, 1)` (qmm.py's kernels; returns one array per weight
+    set, or one array). None when no expert has that many rows: the kernels take all of it."""
+    big = np.nonzero(np.bincount(idx) >= GEMM_ROWS)[0]
+    if big.size == 0:
+        return None
+    outs = [np.empty((idx.size, w.shape[1]), np.float32) for w, _, _ in weights]
+    for e in big:
+        entries = np.nonzero(idx == e)[0]
+        xe = x2[entries // k]
+        for out, (w, s, b) in zip(outs, weights):
+            out[entries] = matmul_t(xe, w[e], s[e], b[e], bits, group_size)
+    rest = np.nonzero(~np.isin(idx, big))[0]
+    if rest.size:
+        got = kernel(np.ascontiguousarray(x2[rest // k]), np.ascontiguousarray(idx[rest]), 1)
+        for out, part in zip(outs, got if isinstance(got, tuple) else (got,)):
+            out[rest] = part
+    return outs
