@@ -91,23 +91,26 @@ def attend_causal(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale) -> np.ndar
     Batched matmuls (numpy's BLAS) per kv head group and tile of QUERY_TILE query rows: a tile's
     scores are [H, tile, keys it can see], so nothing T x S is held beyond one tile, and keys
     past a tile's last position are never multiplied."""
+    from flashmoe.engine.cpu.gemm import all_cores
+
     H, T, D = q.shape
     Hk, S = K.shape[0], K.shape[1]
     g = H // Hk
     qs = (q * np.float32(scale)).reshape(Hk, g, T, D)
+    Kt = K[:, None].transpose(0, 1, 3, 2)
     out = np.empty((T, H, D), np.float32)
     for t0 in range(0, T, QUERY_TILE):
         t1 = min(T, t0 + QUERY_TILE)
-        seen = S - T + t1  # keys the tile's last row sees
-        s = np.matmul(qs[:, :, t0:t1], K[:, None, :seen].transpose(0, 1, 3, 2))  # [Hk, g, tile, seen]
-        # row t (absolute position S - T + t) sees keys 0 .. S - T + t
-        rows = np.arange(t0, t1)[:, None]
-        cols = np.arange(seen)[None, :]
-        s[..., cols > rows + (S - T)] = -np.inf
+        first, seen = S - T + t0, S - T + t1  # absolute positions of the tile's first row, and past its last
+        with all_cores():
+            s = np.matmul(qs[:, :, t0:t1], Kt[..., :seen])  # [Hk, g, tile, seen]
+        # row t sees keys up to its own position: only the tile's last columns are masked
+        s[..., first:seen][..., np.triu(np.ones((t1 - t0, t1 - t0), bool), 1)] = -np.inf
         s -= s.max(axis=-1, keepdims=True)
         np.exp(s, out=s)
         s /= s.sum(axis=-1, keepdims=True)
-        o = np.matmul(s, V[:, None, :seen])  # [Hk, g, tile, D]
+        with all_cores():
+            o = np.matmul(s, V[:, None, :seen])  # [Hk, g, tile, D]
         out[t0:t1] = o.reshape(H, t1 - t0, D).transpose(1, 0, 2)
     return out
 

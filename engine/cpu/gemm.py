@@ -14,6 +14,7 @@ here raises it to numba's thread count for the product and puts it back.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 
 import numba
 import numpy as np
@@ -75,7 +76,7 @@ def _buffer(rows: int, cols: int) -> np.ndarray:
 
 
 class _Blas:
-    """Sets OpenBLAS's thread count for one product (threadpoolctl's controller, found once)."""
+    """Sets OpenBLAS's thread count (threadpoolctl's controller, found once; ~1 us a call)."""
 
     lib = None
 
@@ -90,14 +91,21 @@ class _Blas:
             cls.lib.set_num_threads(n)
 
 
+@contextmanager
+def all_cores():
+    """numpy's BLAS on numba's thread count (every core) inside, on one thread again after."""
+    _Blas.threads(numba.get_num_threads())
+    try:
+        yield
+    finally:
+        _Blas.threads(1)
+
+
 def matmul_t(x2: np.ndarray, w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, group_size: int) -> np.ndarray:
     """x2 [R, in] @ dequantize(w).T -> [R, O] through a scratch buffer and sgemm."""
     wf = dequantize(w, s, b, bits, group_size, _buffer(w.shape[0], w.shape[1] * 32 // bits))
-    _Blas.threads(numba.get_num_threads())
-    try:
+    with all_cores():
         return x2 @ wf.T
-    finally:
-        _Blas.threads(1)
 
 
 def gather_grouped(x2: np.ndarray, idx: np.ndarray, k: int, weights: list[tuple], bits: int, group_size: int,
