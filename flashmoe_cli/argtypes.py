@@ -67,3 +67,15 @@ def output_file(text: str) -> str:
     if os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
     return text
+
+
+def lengths(text: str) -> list[int]:
+    """'128,1k,4k' -> [128, 1024, 4096]: prompt lengths, each at least 1."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        m = re.fullmatch(r"(\d+)(k?)", part)
+        if not m or int(m.group(1)) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a token count (like 128, 1k, 4k)")
+        out.append(int(m.group(1)) * (1024 if m.group(2) else 1))
+    return out

@@ -83,6 +83,8 @@ def cmd_bench_speed(args) -> int:
             print(f"{name:<8}: prefill {r.prompt_tokens} tok {r.prefill_tps:.1f} tok/s | decode {r.generated_tokens} tok "
                   f"{r.decode_tps:.2f} tok/s | {streamed}"
                   + (f" | prefetch hits {r.prefetch_hit_rate:.0%}" if args.prefetch != "off" else ""), flush=True)
+    if args.prompt_lengths:
+        result["scaling"] = scaling(loaded, args.prompt_lengths, args.tokens)
     verify = verify_line(loaded, cold_runs)
     result["verify"] = verify
     print(f"verify  : {verify}", flush=True)
@@ -93,6 +95,24 @@ def cmd_bench_speed(args) -> int:
         tmp.write_text(json.dumps(result, indent=2))
         os.replace(tmp, out)
     return ExitCode.OK
+
+
+def scaling(loaded, lengths: list[int], tokens: int) -> list[dict]:
+    """Prefill speed at each prompt length and decode speed right after it, warm (the experts a
+    first run of that length read are cached), as a table; the rows for --out's JSON."""
+    from flashmoe.engine.runtime.benchmark import prompt_of, run_generation
+
+    print(f"scaling : warm, {tokens} tokens decoded after each prompt", flush=True)
+    print(f"          {'prompt':>8} | {'prefill tok/s':>13} | {'decode tok/s':>12} | {'hit rate':>8}", flush=True)
+    rows = []
+    for n in lengths:
+        prompt = prompt_of(loaded.tokenizer, n)
+        run_generation(loaded, prompt, 2, cold=False)  # the experts this length routes to, cached
+        r = run_generation(loaded, prompt, tokens, cold=False)
+        rows.append(r.as_dict())
+        print(f"          {r.prompt_tokens:>8} | {r.prefill_tps:>13.1f} | {r.decode_tps:>12.2f} | {r.hit_rate:>8.0%}",
+              flush=True)
+    return rows
 
 
 def verify_line(loaded, cold_runs) -> str:

@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--rounds", type=at_least(1), default=1, metavar="N",
                     help="repeat warm and cold this many times, alternating (default 1)")
     bs.add_argument("--cold-only", action="store_true", help="skip the warm runs")
+    bs.add_argument("--prompt-lengths", type=argtypes.lengths, default=None, metavar="N,N,...",
+                    help="also measure prefill at each of these prompt lengths and decode after it, warm "
+                         "(e.g. 128,1k,4k), as a table and in --out's JSON under 'scaling'")
     bs.add_argument("--no-page-cache", action="store_true",
                     help="also run cold with the page cache dropped before every token (a model larger than RAM)")
     bs.add_argument("--skip-disk", action="store_true", help="do not measure the disk")

@@ -98,3 +98,23 @@ def test_bad_arguments_fail_before_any_work(args, message, tmp_path):
     r = run_cli("bench", "speed", "-m", tmp_path / "absent", *args, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not r.stdout
+
+
+def test_prompt_lengths_give_a_scaling_table_and_json(model_factory, tmp_path):
+    model = model_factory("qwen3_moe", 4, converted=True)
+    out = tmp_path / "scaling.json"
+    r = run_cli("bench", "speed", "-m", model, "--tokens", 4, "--prompt-tokens", 8, "--skip-disk", "--cold-only",
+                "--kernels", "cpu", "--prompt-lengths", "16,80", "--out", out, timeout=300,
+                env={"FLASHMOE_HOME": str(tmp_path / "home")})
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["scaling"]
+    assert [row["prompt_tokens"] for row in rows] == [16, 80]
+    assert all(row["prefill_tps"] > 0 and row["decode_tps"] > 0 and row["generated_tokens"] == 4 for row in rows)
+    table = r.stdout[r.stdout.index("scaling :"):].splitlines()
+    assert "prefill tok/s" in table[1] and "decode tok/s" in table[1]
+    assert [line.split("|")[0].strip() for line in table[2:4]] == ["16", "80"]
+
+
+def test_prompt_lengths_must_be_token_counts(tmp_path):
+    r = run_cli("bench", "speed", "--prompt-lengths", "128,0", env={"FLASHMOE_HOME": str(tmp_path)})
+    assert r.returncode == 2 and "'0' is not a token count (like 128, 1k, 4k)" in r.stderr
