@@ -725,6 +725,25 @@ def configs_for(model: dict, a) -> list[dict]:
     return out
 
 
+def lengthened(model: dict, n: int) -> dict:
+    """The model's prompt with filler sentences before it (a chat message's content, or the raw
+    text), grown until the rendered prompt holds at least n tokens."""
+    from flashmoe.engine.runtime.benchmark import FILLER
+
+    key = "messages" if model.get("messages") else "prompt"
+    base = model[key]
+    filler = ""
+    while True:
+        if key == "messages":
+            first = dict(base[0], content=filler + base[0]["content"])
+            out = dict(model, messages=[first, *base[1:]])
+        else:
+            out = dict(model, prompt=filler + base)
+        if len(prompt_ids_for(out)) >= n:
+            return out
+        filler += FILLER
+
+
 def prompt_ids_for(model: dict) -> list[int]:
     from types import SimpleNamespace
 
@@ -822,8 +841,8 @@ def bench_model(model: dict, a, log, machine: str) -> tuple[dict, list[str]]:
     if model.get("bits_llama"):
         w(f"          llama.cpp {model['bits_llama']} ({Path(model['gguf']).name})")
     w(f"experts : {model['K']}")
-    what = "chat-templated " + repr(model["messages"][0]["content"]) if model.get("messages") else \
-        f"raw text ({RAW_PROMPT[:40]}...)"
+    what = "chat-templated " + repr(model["messages"][0]["content"][-60:]) if model.get("messages") else \
+        f"raw text ({model['prompt'][-40:]!r}, end)"
     w(f"prompt  : {what} = {len(ids)} tokens, the same ids for every engine; {a.gen_tokens} generated tokens "
       f"(EOS ignored), greedy")
     w(f"runs    : {a.rounds} round(s) x ({a.warmup} warm-up + {a.runs} measured) per engine, each round a fresh "
@@ -911,6 +930,9 @@ def main(argv=None) -> int:
     p.add_argument("--home", type=Path, default=Path(os.environ.get("FLASHMOE_HOME", "/tmp/fmhome")),
                    help="FLASHMOE_HOME: the demo model and the downloaded GGUF (default $FLASHMOE_HOME or /tmp/fmhome)")
     p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
+                   help="lengthen each model's prompt with filler text to about N tokens (the same ids for "
+                        "every engine), so that prefill is compared at the lengths agents send")
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs per child (default 1)")
     p.add_argument("--runs", type=int, default=2, help="measured runs per child (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="rounds over all engines (default 2)")
@@ -949,6 +971,8 @@ def main(argv=None) -> int:
     if a.synthetic:
         models.append(prepare_synthetic(a.synthetic_dir, dense, a.home, log))
     out, all_lines = {}, [f"flashmoe side by side -- {time.strftime('%Y-%m-%d %H:%M')} -- {machine}"]
+    if a.prompt_tokens:
+        models = [lengthened(m, a.prompt_tokens) for m in models]
     for m in models:
         res, lines = bench_model(m, a, log, machine)
         out[m["key"]] = res
