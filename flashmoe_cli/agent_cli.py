@@ -8,9 +8,13 @@ import os
 import sys
 from pathlib import Path
 
+from .approvers import DecliningApprover, approver_for
 from .argtypes import at_least
 from .exit_codes import ExitCode
 from .term_safe import for_stream, safe
+
+# DecliningApprover: the TUI checks the tool options with it, imported from here
+__all__ = ["DecliningApprover", "add_tool_options", "make_agent", "cmd_agent"]
 
 
 def add_tool_options(p: argparse.ArgumentParser) -> None:
@@ -70,61 +74,6 @@ def make_agent(args, session, template: str, approver, on_event):
         return AgentLoop(session, executor, parser, template=template, constrain=args.constrain, on_event=on_event)
     except ValueError as e:
         raise UsageError(str(e)) from None
-
-
-class AutoApprover:
-    """--approve auto: yes to reads and writes the policy asks about; never to commands, which
-    need an explicit yes (an --allow rule, or an interactive answer)."""
-
-    interactive = True
-
-    def __init__(self, registry):
-        self.registry = registry
-
-    def ask(self, call, reason):
-        tool = self.registry.get(call.name or "")
-        return "no" if tool is None or tool.risk == "exec" else "yes"
-
-
-class DecliningApprover:
-    """--approve never: every ask is declined and the model is told so; the session goes on."""
-
-    interactive = True
-
-    def ask(self, call, reason):
-        return "no"
-
-
-class TerminalApprover:
-    """--approve ask: a y / N / always question on the controlling terminal."""
-
-    interactive = True
-
-    def __init__(self, reader, writer):
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    def open(cls, path: str = "/dev/tty") -> TerminalApprover | None:
-        """On the controlling terminal, or None (said once on stderr): calls that need a yes are refused.
-
-        The terminal is opened twice, to read and to write: "r+" wants a seekable file, which a
-        terminal is not (io.UnsupportedOperation)."""
-        try:
-            reader = open(path, encoding="utf-8", errors="replace")
-            writer = open(path, "w", encoding="utf-8", errors="replace")
-        except OSError as e:
-            print(f"flashmoe: warning: --approve ask: no terminal to ask on ({path}: {e.strerror or e}); "
-                  "tool calls that need approval are refused", file=sys.stderr)
-            return None
-        return cls(reader, writer)
-
-    def ask(self, call, reason):
-        args = json.dumps(call.arguments, ensure_ascii=False)
-        # the name and arguments are the model's text: escaped for the terminal
-        self.writer.write(safe(f"\nflashmoe: {call.name}({args})\n  {reason}.") + " Run it? [y/N/a(lways)] ")
-        self.writer.flush()
-        answer = self.reader.readline().strip().lower()  # "" when the terminal is gone: no
-        return {"y": "yes", "yes": "yes", "a": "always", "always": "always"}.get(answer, "no")
 
 
 # Results that mean nobody said yes to the call: the run exits 5 (ExitCode.APPROVAL) at the end.
@@ -350,12 +299,8 @@ def cmd_agent(args) -> int:
                 sys.stdout.flush()
             report(ev)
 
-        approver = {"never": DecliningApprover(), "ask": None}.get(args.approve)
-        loop = make_agent(args, session, loaded.chat_template, approver or NonInteractiveApprover(), record)
-        if args.approve == "auto":
-            loop.executor.approver = AutoApprover(loop.executor.registry)
-        elif args.approve == "ask":
-            loop.executor.approver = TerminalApprover.open() or loop.executor.approver  # none: fail closed
+        loop = make_agent(args, session, loaded.chat_template, NonInteractiveApprover(), record)
+        loop.executor.approver = approver_for(args.approve, loop.executor.registry)
         for n, turn in enumerate(turns):
             transcript.write({"event": "user", "content": turn["content"], "turn": n})
             end = loop.run_turn(turn["content"])

@@ -42,7 +42,8 @@ def run_suite(args, model: str, constrain: str) -> dict:
     from argparse import Namespace
 
     from .agent import RepairEvent, ToolCallEvent, ToolResultEvent
-    from .agent_cli import AutoApprover, make_agent
+    from .agent_cli import make_agent
+    from .approvers import AutoApprover
     from .startup import EngineOptions, make_engine, open_conversation
     from flashmoe.engine.events import GenerationFinished
 

@@ -393,22 +393,21 @@ class LineRepl:
         """Route replies through the tool loop, asking y / N / always before calls that need it."""
         from .agent_cli import make_agent
 
-        self.agent = make_agent(args, self.session, self.loaded.chat_template, self, self._on_agent_event)
+        self.agent = make_agent(args, self.session, self.loaded.chat_template, self.approver, self._on_agent_event)
 
-    interactive = True  # as an Approver: the user is here to answer
+    @property
+    def approver(self):
+        """The tool loop's approver: a y / N / always question under the call."""
+        from .approvers import LineApprover
 
-    def ask(self, call, reason: str) -> str:
-        """Approver: a y / N / always question under the call."""
-        import json
+        return LineApprover(self._read_answer)
 
+    def _read_answer(self, question: str) -> str:
         self.out.flush()
-        args = json.dumps(call.arguments, ensure_ascii=False)
-        question = PromptSession(input=self._input, output=self._output)
         try:
-            answer = question.prompt(safe(f"{call.name}({args})") + f"\n  {safe(reason)}. Run it? [y/N/a(lways)] ")
-        except (EOFError, KeyboardInterrupt):
-            return "no"
-        return {"y": "yes", "yes": "yes", "a": "always", "always": "always"}.get(answer.strip().lower(), "no")
+            return PromptSession(input=self._input, output=self._output).prompt(question)
+        except KeyboardInterrupt:  # Ctrl-C at the question: no
+            return ""
 
     def _on_agent_event(self, ev) -> None:
         from .agent import TextChunk, ToolCallEvent, ToolResultEvent

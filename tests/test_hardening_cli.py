@@ -157,7 +157,7 @@ def test_repl_approval_question_is_escaped(tmp_path, monkeypatch):
         name = "run_shell\x1b[2J"
         arguments = {"command": "echo \x9d52;c;eA==\x9c"}  # 8-bit OSC: json.dumps leaves it as it is
 
-    assert repl.ask(Call(), "runs a \u202ecommand") == "no"
+    assert repl.approver.ask(Call(), "runs a \u202ecommand") == "no"
     assert not any(c in captured["message"] for c in FORBIDDEN), repr(captured["message"])
     assert "\\x9d52;c;eA==" in captured["message"] and "\\u202e" in captured["message"]
 

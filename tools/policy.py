@@ -390,7 +390,14 @@ class Policy:
 
 @runtime_checkable
 class Approver(Protocol):
-    """Asks someone whether a call may run: "yes" (this call), "no", or "always" (this session)."""
+    """Asks someone whether a call may run: "yes" (this call), "no", or "always" (this session).
+
+    It lives here, beside the Policy and executor that consume it, so that tools never import a
+    front end; the front ends' approvers (flashmoe.cli.approvers, the TUI's) implement it.
+    `interactive` False means nobody can answer: the executor then refuses with a message that
+    says so, without asking."""
+
+    interactive: bool
 
     def ask(self, call: ToolCall, reason: str) -> Answer: ...
 
@@ -418,6 +425,7 @@ class ScriptedApprover:
 
     answers: list[Answer]
     asked: list[tuple[ToolCall, str]] = field(default_factory=list)
+    interactive: bool = field(default=True, init=False)
 
     def ask(self, call: ToolCall, reason: str) -> Answer:
         self.asked.append((call, reason))
