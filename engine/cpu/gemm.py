@@ -118,11 +118,22 @@ def gather_grouped(x2: np.ndarray, idx: np.ndarray, k: int, weights: list[tuple]
     if big.size == 0:
         return None
     outs = [np.empty((idx.size, w.shape[1]), np.float32) for w, _, _ in weights]
+    sizes = [w.shape[1] for w, _, _ in weights]
+    n_in = weights[0][0].shape[2] * 32 // bits
     for e in big:
         entries = np.nonzero(idx == e)[0]
-        xe = x2[entries // k]
-        for out, (w, s, b) in zip(outs, weights):
-            out[entries] = matmul_t(xe, w[e], s[e], b[e], bits, group_size)
+        # every weight set of this expert in one matrix (a SwiGLU's gate and up): one sgemm
+        wf = _buffer(sum(sizes), n_in)
+        start = 0
+        for (w, s, b), n in zip(weights, sizes):
+            dequantize(w[e], s[e], b[e], bits, group_size, wf[start:start + n])
+            start += n
+        with all_cores():
+            y = x2[entries // k] @ wf.T
+        start = 0
+        for out, n in zip(outs, sizes):
+            out[entries] = y[:, start:start + n]
+            start += n
     rest = np.nonzero(~np.isin(idx, big))[0]
     if rest.size:
         got = kernel(np.ascontiguousarray(x2[rest // k]), np.ascontiguousarray(idx[rest]), 1)
