@@ -1,14 +1,19 @@
-"""The tool loop: generate -> split the reply -> validate / approve / run each call -> feed the
+"""The turn driver: generate -> split the reply -> validate / approve / run each call -> feed the
 results back -> generate again, until the model answers without calls or a limit is reached.
+With no tools that is one reply, so the plain reply and the tool loop are one path: one wait on
+the engine, one split into answer and reasoning, one place the reply is saved as it streams, one
+statistics accumulator (stats.py), one end (TurnFinished, whose exit code exit_codes.py decides).
 
 UI-agnostic: every face (headless, line REPL, TUI, scripted sessions) drives an AgentLoop and
-renders the events it emits; approvals come from the face's Approver.
+renders the events it emits (on the driving thread; a Textual worker posts them on); approvals
+come from the face's Approver (approvers.py); cancel() works from any thread.
 """
 from __future__ import annotations
 
 import json
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -21,9 +26,13 @@ from flashmoe.tools.parsers import parse_reply
 from flashmoe.tools.textstate import TextState
 from flashmoe.tools.validate import check_call
 
+from . import signals
+from .exit_codes import exit_code
 from .reasoning import reasoning_cut_note
+from .stats import TurnStats
 
 CONSTRAIN_MODES = ("off", "tools", "required")
+POLL_S = 0.1  # how often the wait for the next event wakes (saves a stalled reply, checks the deadline)
 
 
 @dataclass(frozen=True)
@@ -65,10 +74,10 @@ class RepairEvent:
 
 @dataclass(frozen=True)
 class TurnFinished:
-    status: str  # done | chain-limit | approval-needed | repairs-exhausted | cancelled | failed
+    status: str  # done | chain-limit | approval-needed | repairs-exhausted | cancelled | timeout | failed
     rounds: int
     message: str = ""  # why it stopped; with "done", a note (the reply ended inside its reasoning)
-    exit_code: int = 0
+    exit_code: int = 0  # exit_codes.exit_code(status)
 
 
 # How a call is written, in the format of the parser that will read it (templates without native
@@ -96,30 +105,44 @@ def tool_instructions(tools: list[dict], parser=None, *, native_results: bool = 
 
 @dataclass
 class AgentLoop:
+    """The one turn driver of every face. `run_turn(text)` blocks until the turn ends and returns
+    its TurnFinished; `on_event` gets, on that thread, every engine event and TextChunk (a
+    token's pieces of answer or reasoning come just before its TokenGenerated, the reply's last
+    ones before its GenerationFinished), the tool events, and the TurnFinished last. `cancel()`
+    may be called from any thread. Without an executor there are no tools and a turn is one
+    plain reply: the same wait, split, saves, statistics and end as with tools."""
+
     session: object  # flashmoe.cli.chat.ChatSession
-    executor: ToolExecutor
-    parser: object  # a tools.parsers module
+    executor: ToolExecutor | None = None  # None: no tools
+    parser: object = None  # a tools.parsers module (None: no tools)
     template: str = ""  # the chat template's text ("" when unknown)
     constrain: str = "off"
     on_event: Callable[[object], None] = lambda ev: None
+    raw: bool = False  # `run --raw`: the text is the prompt, without the chat template (no tools)
+    poll_s: float = POLL_S
+    stats: TurnStats = field(default_factory=TurnStats)  # fed each event before on_event sees it
     _cancel: threading.Event = field(default_factory=threading.Event)
     _handle: object = None
     _state: TextState | None = None  # the last reply, split
+    _deadline: float | None = None
+    _timed_out: bool = False
 
     def __post_init__(self):
         if self.constrain not in CONSTRAIN_MODES:
             raise ValueError(f"--constrain must be one of {', '.join(CONSTRAIN_MODES)}, got {self.constrain!r}")
+        self.tools = self.executor.registry.definitions() if self.executor is not None else []
         # Templates that render `tools` get them natively; others get instructions in the system
         # prompt. Calls and results are recorded in the template's own form when it renders
         # `tool_calls` (DeepSeek V3 renders calls but not tools), and DeepSeek's template
-        # concatenates the arguments, so it gets them as a JSON string.
-        self.native = "tools" in self.template
-        self.native_calls = self.native or "tool_calls" in self.template
+        # concatenates the arguments, so it gets them as a JSON string. Without tools the reply
+        # is recorded as it was written.
+        self.native = bool(self.tools) and "tools" in self.template
+        self.native_calls = bool(self.tools) and (self.native or "tool_calls" in self.template)
         self.json_arguments = getattr(self.parser, "name", "") == "deepseek_v3"
-        self.tools = self.executor.registry.definitions()
         self._factories: dict[str, object] = {}
 
     def cancel(self) -> None:
+        """Stop the turn: the reply being written ends (kept, marked interrupted), no call runs after it."""
         self._cancel.set()
         if self._handle is not None:
             self._handle.cancel()
@@ -127,7 +150,7 @@ class AgentLoop:
     def _constraint(self, first_round: bool):
         """`required` forces a call in the first reply of a turn; later replies (after tool results)
         may answer in text, with any call they start still held to the schemas."""
-        if self.constrain == "off":
+        if self.constrain == "off" or not self.tools:
             return None
         mode = "required" if self.constrain == "required" and first_round else "tools"
         if mode not in self._factories:
@@ -139,23 +162,28 @@ class AgentLoop:
                 getattr(self.parser, "tool_call_end", "</tool_call>") or "</tool_call>")
         return self._factories[mode]
 
-    def run_turn(self, text: str) -> TurnFinished:
+    def run_turn(self, text: str, deadline: float | None = None) -> TurnFinished:
+        """One user message to its end. `deadline` (time.monotonic()): past it the turn stops as
+        cancel() stops it, with status "timeout"."""
         self._cancel.clear()
-        self.executor.begin_turn()
-        self.session.add({"role": "user", "content": text})
+        self._deadline, self._timed_out = deadline, False
+        self.stats.begin_turn()
+        if self.executor is not None:
+            self.executor.begin_turn()
         rounds = 0
         while True:
-            reply, calls, done = self._generate(first_round=rounds == 0)
-            if isinstance(done, EngineFailed):
-                return self._finish(TurnFinished("failed", rounds, done.message.splitlines()[0], done.exit_code))
+            reply, calls, done, failed = self._generate(text if rounds == 0 else None)
+            if failed is not None:
+                message = (failed.message.strip().splitlines() or ["generation failed"])[0]
+                return self._finish("failed", rounds, message, failed.exit_code)
             state = self._state
+            interrupted = done is None or done.reason == "cancelled"
             if not calls:
-                self.session.add(self._answer_message(reply, state), done=done,
-                                 interrupted=done.reason == "cancelled")
-                if done.reason == "cancelled":
-                    return self._finish(TurnFinished("cancelled", rounds))
-                note = reasoning_cut_note(done.reason, tools=True) if state.ended_in_reasoning else ""
-                return self._finish(TurnFinished("done", rounds, note))
+                self.session.add(self._answer_message(reply, state), done=done, interrupted=interrupted)
+                if interrupted:
+                    return self._finish(self._stopped(), rounds)
+                note = reasoning_cut_note(done.reason, tools=bool(self.tools)) if state.ended_in_reasoning else ""
+                return self._finish("done", rounds, note)
             rounds += 1
             self._record_calls(reply, calls, done, state)
             seen = len(self.executor.rejected)
@@ -170,54 +198,107 @@ class AgentLoop:
                 self.on_event(ToolResultEvent(res.name, res.ok, res.status, res.content, res.duration_s,
                                               res.exit_code, res.truncated))
                 self._record_result(call, res.content)
-            if self._cancel.is_set():
-                return self._finish(TurnFinished("cancelled", rounds))
+            if self._cancel.is_set() or self._expired():
+                return self._finish(self._stopped(), rounds)
             if self.executor.approval_needed:
-                return self._finish(TurnFinished("approval-needed", rounds,
-                                                 "a tool call needed approval, and this run cannot ask", 5))
+                return self._finish("approval-needed", rounds, "a tool call needed approval, and this run cannot ask")
             if any(r.stop for r in results):
                 kind = "chain-limit" if any(r.status == "chain-limit" for r in results) else "repairs-exhausted"
-                return self._finish(TurnFinished(kind, rounds, results[-1].content, 1))
+                return self._finish(kind, rounds, results[-1].content)
 
-    def _finish(self, ev: TurnFinished) -> TurnFinished:
+    def _finish(self, status: str, rounds: int, message: str = "", engine_code: int = 1) -> TurnFinished:
+        ev = TurnFinished(status, rounds, message, exit_code(status, engine_code=engine_code))
         self.on_event(ev)
         return ev
 
-    def _generate(self, first_round: bool):
-        """One reply: stream its visible text, collect its tool calls."""
-        extra = None if self.native else tool_instructions(self.tools, self.parser, native_results=self.native_calls)
-        self._handle = self.session.generate(tools=self.tools if self.native else None,
-                                             constraint=self._constraint(first_round), extra_system=extra)
-        state = self._state = TextState(self.parser, tools=self.tools)
-        fed = False
-        done = None
-        while done is None:
+    def _stopped(self) -> str:
+        return "timeout" if self._timed_out else "cancelled"
+
+    def _expired(self) -> bool:
+        """Past the deadline: stop (once)."""
+        if self._deadline is not None and not self._timed_out and time.monotonic() >= self._deadline:
+            self._timed_out = True
+            self.cancel()
+        return self._timed_out
+
+    def _wait_s(self) -> float:
+        if self._deadline is None or self._timed_out:
+            return self.poll_s
+        return min(self.poll_s, max(0.0, self._deadline - time.monotonic()))
+
+    def _submit(self, text: str | None):
+        """The reply's request: the user's message first (`text`), then after tool results."""
+        tools = self.tools if self.native else None
+        extra = tool_instructions(self.tools, self.parser, native_results=self.native_calls) \
+            if self.tools and not self.native else None
+        first = text is not None
+        if first and self.raw:
+            handle = self.session.send_raw(text)
+        elif first:
+            handle = self.session.send(text, tools=tools, constraint=self._constraint(True), extra_system=extra)
+        else:
+            handle = self.session.generate(tools=tools, constraint=self._constraint(False), extra_system=extra)
+        self._handle = handle
+        if self._cancel.is_set():  # cancelled while the request went out
+            handle.cancel()
+        return handle
+
+    def _generate(self, text: str | None):
+        """One reply: stream it, split into answer, reasoning and calls; (text, calls, done, failed).
+
+        Each event is handed on and its text saved inside signals.deferred(), so Ctrl-C, SIGTERM
+        or SIGHUP land between two pieces: what the face was given is what the session saves.
+        The first Ctrl-C stops the reply (the turn ends after it); a second stops waiting for
+        the engine to wind down (done is then None)."""
+        first_round = text is not None
+        handle = self._submit(text)
+        state = self._state = TextState(self.parser, tools=self.tools or None)
+        shown: list[str] = []
+        fed = stopping = False
+        done = failed = None
+        while done is None and failed is None:
             try:
-                ev = self._handle.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            except KeyboardInterrupt:  # Ctrl-C stops the reply; the turn ends after it
+                try:
+                    ev = handle.get(timeout=self._wait_s())
+                except queue.Empty:
+                    self.session.save_draft()  # what was shown is saved even while the model stalls
+                    self._expired()
+                    continue
+                with signals.deferred():
+                    self.stats.feed(ev)
+                    if isinstance(ev, TokenGenerated):
+                        fed = True
+                        self._emit(state.feed(ev.text))
+                        self.on_event(ev)
+                        shown.append(ev.text)
+                        self.session.stream(ev.text)  # saved as it streams (chat.py)
+                    elif isinstance(ev, GenerationFinished):
+                        self._emit(state.feed(ev.tail) + state.finish())
+                        shown.append(ev.tail)
+                        self.on_event(ev)
+                        done = ev
+                    else:
+                        if isinstance(ev, PrefillProgress) and not fed and ev.reasoning:
+                            # the template opened a reasoning block: the reply starts inside it
+                            state = self._state = TextState(self.parser, tools=self.tools or None,
+                                                            in_reasoning=ev.reasoning)
+                        self.on_event(ev)
+                        failed = ev if isinstance(ev, EngineFailed) else None
+                self._expired()
+            except KeyboardInterrupt:
+                if stopping:
+                    break
+                stopping = True
                 self.cancel()
-                continue
-            self.on_event(ev)
-            if isinstance(ev, PrefillProgress) and not fed and ev.reasoning:
-                # the template opened a reasoning block: the reply starts inside it
-                state = self._state = TextState(self.parser, tools=self.tools, in_reasoning=ev.reasoning)
-            elif isinstance(ev, TokenGenerated):
-                fed = True
-                self.session.stream(ev.text)  # saved as it streams (chat.py)
-                self._emit(state.feed(ev.text))
-            elif isinstance(ev, GenerationFinished):
-                self._emit(state.feed(ev.tail) + state.finish())
-                done = ev
-            elif isinstance(ev, EngineFailed):
-                self.session.abandon_reply(unsend_if_empty=False)
-                return "", [], ev
-        if done.reason == "cancelled":
-            return done.text, [], done  # an interrupted call is not run
+        if failed is not None:
+            # a partial reply is kept, marked; none: its row goes, and the user's message with it
+            self.session.abandon_reply(unsend_if_empty=first_round)
+            return "", [], None, failed
+        reply = "".join(shown)
+        if done is None or done.reason == "cancelled" or not self.tools:
+            return reply, [], done, None  # an interrupted call is not run
         # Empty / nameless blocks next to named calls are dropped (no repair round for them).
-        calls = parse_reply(self.parser, state.tool_calls, self.tools)
-        return done.text, calls, done
+        return reply, parse_reply(self.parser, state.tool_calls, self.tools), done, None
 
     def _emit(self, segments) -> None:
         for seg in segments:

@@ -10,11 +10,9 @@ from pathlib import Path
 
 from .approvers import DecliningApprover, approver_for
 from .argtypes import at_least
-from .exit_codes import ExitCode
-from .term_safe import for_stream, safe
 
 # DecliningApprover: the TUI checks the tool options with it, imported from here
-__all__ = ["DecliningApprover", "add_tool_options", "make_agent", "cmd_agent"]
+__all__ = ["DecliningApprover", "add_tool_options", "make_agent", "make_loop", "cmd_agent"]
 
 
 def add_tool_options(p: argparse.ArgumentParser) -> None:
@@ -76,147 +74,14 @@ def make_agent(args, session, template: str, approver, on_event):
         raise UsageError(str(e)) from None
 
 
-# Results that mean nobody said yes to the call: the run exits 5 (ExitCode.APPROVAL) at the end.
-REFUSED = ("declined", "approval-needed")
+def make_loop(args, session, template: str, approver, on_event):
+    """The turn driver for these options: the tool loop with --tools, else the plain reply
+    (`run --raw`: the prompt without the chat template)."""
+    if getattr(args, "tools", None):
+        return make_agent(args, session, template, approver, on_event)
+    from .agent import AgentLoop
 
-
-def event_dict(ev) -> dict | None:
-    """An engine or agent event as the JSON line `--json` and `--transcript` write (None: not written)."""
-    import dataclasses
-
-    from .agent import RepairEvent, TextChunk, ToolCallEvent, ToolResultEvent, TurnFinished
-
-    if isinstance(ev, TextChunk):  # the tokens are there already; reasoning is said apart
-        return {"event": "reasoning", "text": ev.text} if ev.kind == "reasoning" else None
-    if hasattr(ev, "to_dict"):
-        return ev.to_dict()
-    kind = {ToolCallEvent: "tool_call", ToolResultEvent: "tool_result", RepairEvent: "repair",
-            TurnFinished: "turn_end"}[type(ev)]
-    return {"event": kind, **dataclasses.asdict(ev)}
-
-
-class CallReport:
-    """Pairs each tool_call event with the result that follows it, so that every face says what
-    became of a call: its status (ok, declined, denied, error, timeout, invalid, ...) goes into the
-    call's JSON line and onto stderr. `write(d)` takes the JSON lines."""
-
-    def __init__(self, write):
-        self.write = write
-        self.pending = None
-        self.refused: list[str] = []
-
-    def __call__(self, ev) -> None:
-        from .agent import ToolCallEvent, ToolResultEvent
-
-        if isinstance(ev, ToolCallEvent):
-            self.flush()
-            self.pending = ev
-            return
-        if isinstance(ev, ToolResultEvent) and self.pending is not None:
-            call, self.pending = self.pending, None
-            self.write(event_dict(call) | {"status": ev.status})
-            self.say(call, ev.status)
-        d = event_dict(ev)
-        if d is not None:
-            self.write(d)
-
-    def flush(self) -> None:
-        if self.pending is not None:  # a call with no result (the turn was cut short)
-            call, self.pending = self.pending, None
-            self.write(event_dict(call) | {"status": "not-run"})
-            self.say(call, "not-run")
-
-    def say(self, call, status: str) -> None:
-        if status in REFUSED:
-            self.refused.append(f"{call.name} {status}")
-        why = f" ({call.error})" if status != "ok" and call.error else ""
-        args = json.dumps(call.arguments, ensure_ascii=False) if call.arguments is not None else call.raw
-        args = args if len(args) <= 200 else args[:199] + "…"
-        # names, errors and arguments are the model's text: escaped for the terminal
-        print(safe(f"flashmoe: tool call {call.name}: {status}{why} {args}"), file=sys.stderr)
-
-    def exit_code(self, code: int) -> int:
-        """ExitCode.APPROVAL when a call went without the yes it needed and nothing worse happened."""
-        self.flush()
-        if not self.refused:
-            return code
-        n = len(self.refused)
-        print(safe(f"flashmoe: error: {n} tool call{'s' if n != 1 else ''} refused for want of approval: "
-                   f"{', '.join(self.refused)}"), file=sys.stderr)
-        return ExitCode.APPROVAL if code == ExitCode.OK else code
-
-
-def run_with_tools(args, session, loaded, text: str, deadline: float | None = None) -> int:
-    """Headless `run --tools`: the answer on stdout (or, with --json, every event of the agent as
-    a JSON line), tool activity and the summary line per reply on stderr; fails closed; --timeout
-    stops it with exit 4."""
-    import threading
-    import time
-
-    from flashmoe.engine.events import GenerationFinished
-    from flashmoe.tools.policy import NonInteractiveApprover
-
-    from .agent import TextChunk
-    from .summaries import summary
-    from .term_safe import is_tty, json_line
-
-    out = sys.stdout
-
-    def emit_json(d: dict) -> None:
-        line = json.dumps(d, ensure_ascii=False, default=str)
-        out.write((json_line(line) if is_tty(out) else line) + "\n")
-        out.flush()
-
-    report = CallReport(emit_json if args.json else (lambda d: None))
-
-    from .reasoning import show_segments
-
-    in_think = [False]  # --show-reasoning: reasoning between a line '<think>' and a line '</think>'
-
-    def show(ev):
-        if isinstance(ev, TextChunk) and not args.json:
-            out.write(for_stream(show_segments([ev], getattr(args, "show_reasoning", False), in_think), out))
-            out.flush()
-        report(ev)
-        if isinstance(ev, GenerationFinished) and args.timing != "off":
-            print(summary(ev, loaded), file=sys.stderr)
-
-    if args.json:
-        emit_json(loaded.to_dict() | {"chat_template": None})
-    loop = make_agent(args, session, loaded.chat_template, NonInteractiveApprover(), show)
-    timed_out = threading.Event()
-    timer = None
-    if deadline is not None:
-        def expire():
-            timed_out.set()
-            loop.cancel()
-
-        timer = threading.Timer(max(0.0, deadline - time.monotonic()), expire)
-        timer.daemon = True
-        timer.start()
-    try:
-        end = loop.run_turn(text)
-    except KeyboardInterrupt:
-        loop.cancel()
-        return ExitCode.INTERRUPTED
-    finally:
-        if timer is not None:
-            timer.cancel()
-    if not args.json:
-        out.write("\n")
-    if timed_out.is_set():
-        report.flush()
-        print(f"flashmoe: error: timed out after {args.timeout:g} s; the reply above is partial", file=sys.stderr)
-        return ExitCode.TIMEOUT
-    if end.status == "done":
-        if end.message:  # the reply ended inside its reasoning
-            print(safe(f"flashmoe: note: {end.message}"), file=sys.stderr)
-        return report.exit_code(ExitCode.OK)
-    if end.status == "cancelled":
-        return ExitCode.INTERRUPTED
-    print(safe(f"flashmoe: error: {end.message or end.status}"), file=sys.stderr)
-    code = ExitCode.APPROVAL if end.status == "approval-needed" else ExitCode.FAILURE
-    return report.exit_code(code)
+    return AgentLoop(session, on_event=on_event, raw=getattr(args, "raw", False))
 
 
 def read_script(path: str) -> list[dict]:
@@ -272,11 +137,13 @@ class Transcript:
 
 
 def cmd_agent(args) -> int:
-    """`flashmoe agent`: user turns from a script, every event to the transcript."""
+    """`flashmoe agent`: user turns from a script, the answers on stdout, every event to the transcript."""
     from flashmoe.tools.policy import NonInteractiveApprover
 
-    from .agent import TextChunk
+    from .call_report import CallReport
     from .errors import UsageError
+    from .json_events import JsonEvents
+    from .line_view import Stdout
     from .startup import EngineOptions, make_engine, open_conversation
 
     if not args.tools:
@@ -290,28 +157,23 @@ def cmd_agent(args) -> int:
     try:
         loaded = engine.wait_loaded()
         transcript.write(loaded.to_dict() | {"chat_template": None})
+        report = CallReport(JsonEvents(transcript.write, layers=args.timing == "layer"))
+        out = Stdout(loaded, None, lambda: args.timing, summaries=False)
 
-        report = CallReport(transcript.write)
-
-        def record(ev):
-            if isinstance(ev, TextChunk) and ev.kind == "text":
-                sys.stdout.write(for_stream(ev.text, sys.stdout))
-                sys.stdout.flush()
+        def on_event(ev):
             report(ev)
+            out(ev)
 
-        loop = make_agent(args, session, loaded.chat_template, NonInteractiveApprover(), record)
+        loop = make_agent(args, session, loaded.chat_template, NonInteractiveApprover(), on_event)
         loop.executor.approver = approver_for(args.approve, loop.executor.registry)
+        out.stats = loop.stats
         for n, turn in enumerate(turns):
             transcript.write({"event": "user", "content": turn["content"], "turn": n})
+            out.prefix = f"turn {n + 1}: "
             end = loop.run_turn(turn["content"])
-            sys.stdout.write("\n")
-            if end.status == "done" and end.message:  # the reply ended inside its reasoning
-                print(safe(f"flashmoe: note: turn {n + 1}: {end.message}"), file=sys.stderr)
-            if end.status not in ("done",):
-                print(safe(f"flashmoe: error: turn {n + 1}: {end.message or end.status}"), file=sys.stderr)
-                return report.exit_code({"approval-needed": ExitCode.APPROVAL, "cancelled": ExitCode.INTERRUPTED}.get(
-                    end.status, ExitCode.FAILURE))
-        return report.exit_code(ExitCode.OK)
+            if end.status != "done":
+                break
+        return report.exit_code(end)
     finally:
         transcript.close()
         engine.close()

@@ -44,6 +44,7 @@ def run_suite(args, model: str, constrain: str) -> dict:
     from .agent import RepairEvent, ToolCallEvent, ToolResultEvent
     from .agent_cli import make_agent
     from .approvers import AutoApprover
+    from .stats import mean_figures
     from .startup import EngineOptions, make_engine, open_conversation
     from flashmoe.engine.events import GenerationFinished
 
@@ -93,7 +94,6 @@ def run_suite(args, model: str, constrain: str) -> dict:
     finally:
         engine.close()
     n = len(rows)
-    decode = [s for s in speeds if s.decode_s > 0]
     started = [c for r in rows for c in r["calls"]]  # every call the model began, repairs included
     return {
         "model": model, "model_type": loaded.model_type, "bits": loaded.bits, "top_k": loaded.top_k,
@@ -108,12 +108,8 @@ def run_suite(args, model: str, constrain: str) -> dict:
         "started_valid_rate": sum(c["valid"] and not c["kind"] for c in started) / len(started) if started else 0.0,
         "mean_call_chars": sum(len(c["raw"]) for c in started) / len(started) if started else 0.0,
         "max_string_chars": max((len(v) for c in started for v in _strings(c.get("arguments"))), default=0),
-        "decode_tps": sum(s.generation_tps for s in decode) / len(decode) if decode else 0.0,
-        "prefill_tps": sum(s.prompt_tps for s in speeds) / len(speeds) if speeds else 0.0,
-        "bytes_per_token": sum(s.bytes_per_token for s in decode) / len(decode) if decode else 0.0,
-        "hit_rate": sum(s.hit_rate for s in decode) / len(decode) if decode else 0.0,
+        **mean_figures(speeds),  # decode_tps, prefill_tps, bytes_per_token, hit_rate, generated_tokens
         "cache_state": "warm after the first prompt",
-        "generated_tokens": sum(s.generation_tokens for s in speeds),
         # replies whose call was open at max_tokens and was finished under the grammar past it
         # (engine/runtime/generate.py FINISH_CALL_TOKENS), rather than cut into an invalid call
         "finished_past_max_tokens": sum(s.generation_tokens > args.max_tokens for s in speeds),

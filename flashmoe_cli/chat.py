@@ -227,47 +227,46 @@ class ChatSession:
         else:
             self._record(message["role"], message["content"], interrupted=interrupted, stats=stats)
 
-    def generate(self, tools: list[dict] | None = None, constraint=None, extra_system: str | None = None):
-        """A reply to the history as it stands; returns the engine's Handle."""
-        request = GenerationRequest(messages=self.messages(extra_system), tools=tools, constraint=constraint,
-                                    max_tokens=self.options.max_tokens, sampling=self.options.sampling,
-                                    stop=self.options.stop, timing=self.options.timing,
-                                    template_kwargs=self.template_kwargs())
-        self._begin_reply()
-        return self.engine.submit(request, session=self.session_key)
+    def request(self, *, tools: list[dict] | None = None, constraint=None, extra_system: str | None = None,
+                prompt: str | None = None) -> GenerationRequest:
+        """The one place a GenerationRequest is made: the history as it stands (with the system
+        prompt and `extra_system`), or `prompt` sent as is without the chat template (`run --raw`)."""
+        o = self.options
+        if prompt is not None:
+            return GenerationRequest(prompt=prompt, max_tokens=o.max_tokens, sampling=o.sampling, stop=o.stop,
+                                     timing=o.timing)
+        return GenerationRequest(messages=self.messages(extra_system), tools=tools, constraint=constraint,
+                                 max_tokens=o.max_tokens, sampling=o.sampling, stop=o.stop, timing=o.timing,
+                                 template_kwargs=self.template_kwargs())
 
-    def send(self, text: str):
-        """Record the user's message and start the reply; returns the engine's Handle."""
-        self.history.append({"role": "user", "content": text})
-        self._record("user", text)
-        request = GenerationRequest(messages=self.messages(), max_tokens=self.options.max_tokens,
-                                    sampling=self.options.sampling, stop=self.options.stop,
-                                    timing=self.options.timing, template_kwargs=self.template_kwargs())
-        return self._submit(request)
-
-    def send_raw(self, text: str):
-        """A prompt without the chat template (`run --raw`); recorded like a turn."""
-        self._record("user", text)
-        request = GenerationRequest(prompt=text, max_tokens=self.options.max_tokens,
-                                    sampling=self.options.sampling, stop=self.options.stop,
-                                    timing=self.options.timing)
-        return self._submit(request)
-
-    def _submit(self, request):
+    def generate(self, tools: list[dict] | None = None, constraint=None, extra_system: str | None = None, *,
+                 prompt: str | None = None, unsend_on_error: bool = False):
+        """A reply to the history as it stands (see `request`); returns the engine's Handle. When
+        the engine refuses the request, the reply's row goes, and with `unsend_on_error` the
+        user's message it would have answered too."""
+        request = self.request(tools=tools, constraint=constraint, extra_system=extra_system, prompt=prompt)
         self._begin_reply()
         try:
             return self.engine.submit(request, session=self.session_key)
         except Exception:  # a bad template or request: the turn did not happen
-            self.unsend()
+            self.abandon_reply(unsend_if_empty=unsend_on_error)
             raise
+
+    def send(self, text: str, **request):
+        """Record the user's message and start the reply to it (`request`: generate's options);
+        returns the engine's Handle."""
+        self.history.append({"role": "user", "content": text})
+        self._record("user", text)
+        return self.generate(**request, unsend_on_error=True)
+
+    def send_raw(self, text: str):
+        """A prompt without the chat template (`run --raw`); recorded like a turn."""
+        self._record("user", text)
+        return self.generate(prompt=text, unsend_on_error=True)
 
     def finish(self, text: str, done: GenerationFinished | None = None, interrupted: bool = False) -> None:
         """Record the reply (the partial one too, marked, when it was interrupted)."""
-        self.history.append(Turn({"role": "assistant", "content": text}, "interrupted" if interrupted else ""))
-        stats = None
-        if done is not None:
-            stats = {k: v for k, v in done.to_dict().items() if k not in ("text", "tail", "event")}
-        self._close_reply(text, interrupted, stats)
+        self.add({"role": "assistant", "content": text}, done, interrupted=interrupted)
 
     def unsend(self) -> None:
         """After a failed reply: forget the unanswered user message, in memory and on disk, so

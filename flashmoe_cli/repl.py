@@ -16,7 +16,6 @@ stdout=io.StringIO(), stderr=io.StringIO())`, or `LineRepl` directly.
 from __future__ import annotations
 
 import os
-import queue
 import sys
 import time
 from contextlib import contextmanager
@@ -34,12 +33,11 @@ from prompt_toolkit.filters import has_focus
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
-from flashmoe.engine.events import EngineFailed, GenerationFinished, LayerTimings, PrefillProgress, TokenGenerated
-
 from . import signals
 from .chat import resume_hint
 from .commands import ALIASES, COMMANDS, CommandError, help_text, parse, set_thinking
 from .exit_codes import ExitCode
+from .line_view import LineView
 from .term_safe import safe
 from .utf8 import decode_text, scrub
 
@@ -55,7 +53,6 @@ REPL_COMMANDS = COMMANDS | {
     "timing": "/timing off|step|layer sets the timing mode; alone, shows it and the last reply's per-layer table",
 }
 QUIT_WINDOW = 1.5  # seconds between two Ctrl-C on an empty line that quit
-POLL_S = 0.1  # how often the stream loop wakes while it waits (keeps Ctrl-C prompt everywhere)
 TIMING_MODES = ("off", "step", "layer")
 
 
@@ -121,19 +118,19 @@ def no_echo(stream):
             pass
 
 
-class LineRepl:
-    """The loop: read a line, run a command or send it, stream the reply. `run()` returns the exit code."""
+class LineRepl(LineView):
+    """The loop: read a line, run a command or send it, show the turn (as the AgentLoop's
+    on_event; line_view.py keeps the order of what is shown). `run()` returns the exit code."""
 
     def __init__(self, session, loaded, *, input=None, output=None, stdout=None, stderr=None,
                  history: History | None = None, clock=time.monotonic):
+        from .agent import AgentLoop
+
         self.session = session
-        self.loaded = loaded
-        self.out = stdout or sys.stdout
-        self.err = stderr or sys.stderr
+        self.loop = AgentLoop(session, on_event=self)  # the tool loop instead with use_tools
+        super().__init__(loaded, self.loop.stats, lambda: session.options.timing, out=stdout, err=stderr)
         self.clock = clock
         self._armed_at: float | None = None  # when Ctrl-C on an empty line asked to confirm quitting
-        self.last_layers: tuple[dict, int] | None = None  # per-layer sums and steps of the last reply
-        self.agent = None  # an AgentLoop when the chat has tools (see use_tools)
         self._input, self._output = input, output
         self.prompt = PromptSession(
             message=[("class:prompt", "> ")],
@@ -162,6 +159,7 @@ class LineRepl:
     def write(self, text: str) -> None:
         self.out.write(safe(text))
         self.out.flush()
+        self.wrote(text)
 
     _dim = False  # reasoning is being shown
 
@@ -184,11 +182,6 @@ class LineRepl:
             self.out.write("\x1b[0m" if tty else SHOW_CLOSE.rstrip("\n"))
             self._dim = False
             self.out.flush()
-
-    def say(self, text: str) -> None:
-        """A line for the user that is not the model's answer: stderr, after whatever stdout holds."""
-        self.out.flush()
-        print(safe(text), file=self.err, flush=True)
 
     def error(self, message: str) -> None:
         self.say(f"flashmoe: error: {message}")
@@ -256,10 +249,7 @@ class LineRepl:
             return self.command(name, arg)
         line = decode_text(line, "the message", self.err)  # typed bytes that were not UTF-8
         with no_echo(sys.stdin if self._input is None else self._input):  # typing is not echoed into the reply
-            if self.agent is not None:
-                self.agent_reply(line)
-            else:
-                self.reply(line)
+            self.loop.run_turn(line)  # Ctrl-C stops the reply and keeps what came
         return True
 
     def command(self, name: str, arg: str) -> bool:
@@ -270,7 +260,7 @@ class LineRepl:
             self.say(help_text(KEYS, REPL_COMMANDS))
         elif name == "clear":
             s.clear()
-            self.last_layers = None
+            self.stats.last_layers = None
             self.say("started a new conversation")
         elif name == "system":
             if arg:
@@ -301,10 +291,9 @@ class LineRepl:
         s = self.session
         if not arg:
             self.say(f"timing: {s.options.timing} (/timing off|step|layer sets it)")
-            if self.last_layers:
-                from .summaries import layer_table
-
-                self.say(layer_table(*self.last_layers))
+            table = self.stats.layer_table()
+            if table:
+                self.say(table)
             return
         mode = arg.lower()
         if mode not in TIMING_MODES:
@@ -313,87 +302,13 @@ class LineRepl:
         s.options.timing = mode
         self.say(f"timing: {mode}" + (" (per-layer breakdown; adds syncs)" if mode == "layer" else ""))
 
-    # -- one reply -------------------------------------------------------------------------
-    def reply(self, text: str) -> None:
-        """Send `text` and stream the answer; Ctrl-C stops it and keeps what came."""
-        from .reasoning import ReplySplitter
-
-        handle = self.session.send(text)
-        split = ReplySplitter()  # reasoning shown dimmed, apart from the answer
-        pieces: list[str] = []
-        rows_sum: dict[int, list[float]] = {}
-        steps = 0
-        interrupted = False
-        done = None
-        while True:
-            try:
-                ev = handle.get(timeout=POLL_S)
-            except queue.Empty:
-                self.session.save_draft()  # what was shown is saved even while the model stalls
-                continue
-            except KeyboardInterrupt:
-                if interrupted:  # a second Ctrl-C: stop waiting for the engine to wind down
-                    break
-                interrupted = True
-                handle.cancel()
-                continue
-            try:
-                if isinstance(ev, TokenGenerated):
-                    if ev.text:
-                        self.session.stream(ev.text)
-                        pieces.append(ev.text)
-                        self.show(split.feed(ev.text))
-                elif isinstance(ev, PrefillProgress):
-                    split.prefill(ev.reasoning)
-                elif isinstance(ev, LayerTimings):
-                    steps += 1
-                    for r in ev.rows:
-                        acc = rows_sum.setdefault(r.layer, [0.0] * 8)
-                        for j, v in enumerate((r.attn_ms, r.route_ms, r.expert_io_ms, r.expert_compute_ms,
-                                               r.other_ms, r.hits, r.misses, r.bytes_read)):
-                            acc[j] += v
-                elif isinstance(ev, EngineFailed):
-                    if pieces:
-                        self.write("\n")
-                    self.error((ev.message.strip().splitlines() or ["generation failed"])[0])
-                    self.session.abandon_reply()  # keeps a partial reply, marked; none: unsent
-                    return
-                elif isinstance(ev, GenerationFinished):
-                    done = ev
-                    break
-            except KeyboardInterrupt:
-                interrupted = True
-                handle.cancel()
-        if done is not None and done.reason == "cancelled":
-            interrupted = True
-        self.show(split.finish(done.tail if done is not None else ""), end=True)
-        if done is not None:
-            reply = done.text
-        else:
-            reply = "".join(pieces)
-        self.write("\n")
-        if split.ended_in_reasoning and not interrupted:
-            from .reasoning import reasoning_cut_note
-
-            self.say(f"flashmoe: note: {reasoning_cut_note(done.reason if done else 'stop')}")
-        if interrupted:
-            self.write("[interrupted]\n")
-        self.session.finish(reply, done, interrupted=interrupted)
-        self.last_layers = (rows_sum, steps) if steps else None
-        timing = self.session.options.timing
-        if done is not None and timing != "off":
-            from .summaries import layer_table, summary
-
-            self.say(summary(done, self.loaded))
-            if timing == "layer" and steps:
-                self.say(layer_table(rows_sum, steps))
-
     # -- tools -----------------------------------------------------------------------------
     def use_tools(self, args) -> None:
         """Route replies through the tool loop, asking y / N / always before calls that need it."""
         from .agent_cli import make_agent
 
-        self.agent = make_agent(args, self.session, self.loaded.chat_template, self.approver, self._on_agent_event)
+        self.loop = make_agent(args, self.session, self.loaded.chat_template, self.approver, self)
+        self.stats = self.loop.stats
 
     @property
     def approver(self):
@@ -409,13 +324,10 @@ class LineRepl:
         except KeyboardInterrupt:  # Ctrl-C at the question: no
             return ""
 
-    def _on_agent_event(self, ev) -> None:
-        from .agent import TextChunk, ToolCallEvent, ToolResultEvent
+    def other(self, ev) -> None:
+        from .agent import ToolCallEvent, ToolResultEvent
 
-        if isinstance(ev, TextChunk):
-            self.show([ev])
-        elif isinstance(ev, ToolCallEvent):
-            self.show([], end=True)
+        if isinstance(ev, ToolCallEvent):
             import json
 
             state = "" if ev.valid else f"  [invalid: {ev.error}]"
@@ -423,21 +335,9 @@ class LineRepl:
         elif isinstance(ev, ToolResultEvent):
             first = (ev.content.strip().splitlines() or [""])[0][:100]
             self.say(f"<- {ev.status}: {first}")
-        elif isinstance(ev, GenerationFinished) and self.session.options.timing != "off":
-            from .summaries import summary
 
-            self.say(summary(ev, self.loaded))
-
-    def agent_reply(self, text: str) -> None:
-        end = self.agent.run_turn(text)
-        self.show([], end=True)
-        self.write("\n")
-        if end.status == "done" and end.message:  # the reply ended inside its reasoning
-            self.say(f"flashmoe: note: {end.message}")
-        if end.status == "cancelled":
-            self.write("[interrupted]\n")
-        elif end.status != "done":
-            self.error(end.message or end.status)
+    def stopped(self, end) -> None:
+        self.write("[interrupted]\n")
 
 
 def run_repl(args, *, engine=None, input=None, output=None, stdout=None, stderr=None,
