@@ -1,5 +1,12 @@
-"""Slash commands, shared by the TUI and the line REPL."""
+"""Slash commands, shared by the TUI and the line REPL: their names and help (COMMANDS), the
+parser, and one implementation of each (`run(face, name, arg)`), acting on the face through the
+small Face interface below, so that a face says only how it shows things.
+"""
 from __future__ import annotations
+
+from typing import Protocol
+
+from flashmoe.engine.options import TIMING_MODES
 
 COMMANDS = {
     "help": "show this help",
@@ -51,3 +58,96 @@ def help_text(keys: str = "", overrides: dict[str, str] | None = None) -> str:
     if keys:
         lines += ["", keys]
     return "\n".join(lines)
+
+
+class Face(Protocol):
+    """What a command needs of the face it runs in (the line REPL; the TUI's chat screen can be one)."""
+
+    session: object  # the ChatSession
+    keys: str  # the face's keys, for /help
+    described: dict[str, str]  # what a command does in this face, where COMMANDS says otherwise
+
+    def say(self, text: str, kind: str = "info") -> None:
+        """A line for the user. kind: info; usage (a mistyped command); error (the command failed)."""
+
+    def busy(self) -> bool:
+        """A reply is running (/clear waits for it)."""
+
+    def cleared(self) -> None:
+        """After /clear: forget what the face shows of the old conversation."""
+
+    def show_timing(self) -> None:
+        """/timing alone: the REPL says the mode and the last reply's per-layer table; the TUI toggles its panel."""
+
+    def timing_set(self, mode: str) -> None:
+        """After /timing MODE set the session's mode: a face with a layer panel follows it."""
+
+    def quit(self) -> None:
+        """/exit."""
+
+
+def run(face: Face, name: str, arg: str) -> None:
+    """Command `name` (as `parse` gave it) with its argument text, on `face`."""
+    HANDLERS[name](face, arg)
+
+
+def _help(face: Face, arg: str) -> None:
+    face.say(help_text(face.keys, face.described))
+
+
+def _clear(face: Face, arg: str) -> None:
+    if face.busy():
+        face.say("a reply is running; stop it first", "usage")
+        return
+    face.session.clear()
+    face.cleared()
+    face.say("started a new conversation")
+
+
+def _system(face: Face, arg: str) -> None:
+    s = face.session
+    if arg:
+        s.set_system(arg)
+        face.say("system prompt set")
+    else:
+        face.say(f"system prompt: {s.system}" if s.system else "no system prompt (set one: /system TEXT)")
+
+
+def _timing(face: Face, arg: str) -> None:
+    if not arg:
+        face.show_timing()
+        return
+    mode = arg.lower()
+    if mode not in TIMING_MODES:
+        face.say(f"/timing: expected off, step or layer, not {arg!r}", "usage")
+        return
+    face.session.options.timing = mode
+    face.timing_set(mode)
+    face.say(f"timing: {mode}" + (" (per-layer breakdown; adds syncs)" if mode == "layer" else ""))
+
+
+def _thinking(face: Face, arg: str) -> None:
+    try:
+        face.say(set_thinking(face.session, arg))
+    except CommandError as e:
+        face.say(str(e), "usage")
+
+
+def _save(face: Face, arg: str) -> None:
+    if not arg:
+        face.say("usage: /save PATH", "usage")
+        return
+    try:
+        path = face.session.save(arg)
+    except OSError as e:
+        face.say(f"{arg}: {e.strerror or e}", "error")
+    else:
+        face.say(f"saved the conversation to {path}")
+
+
+def _exit(face: Face, arg: str) -> None:
+    face.quit()
+
+
+HANDLERS = {"help": _help, "clear": _clear, "system": _system, "timing": _timing, "thinking": _thinking,
+            "save": _save, "exit": _exit}

@@ -35,7 +35,8 @@ from prompt_toolkit.key_binding import KeyBindings
 
 from . import signals
 from .chat import resume_hint
-from .commands import ALIASES, COMMANDS, CommandError, help_text, parse, set_thinking
+from . import commands
+from .commands import ALIASES, COMMANDS, CommandError, parse
 from .exit_codes import ExitCode
 from .line_view import LineView
 from .term_safe import safe
@@ -53,7 +54,6 @@ REPL_COMMANDS = COMMANDS | {
     "timing": "/timing off|step|layer sets the timing mode; alone, shows it and the last reply's per-layer table",
 }
 QUIT_WINDOW = 1.5  # seconds between two Ctrl-C on an empty line that quit
-TIMING_MODES = ("off", "step", "layer")
 
 
 class SlashCompleter(Completer):
@@ -131,6 +131,7 @@ class LineRepl(LineView):
         super().__init__(loaded, self.loop.stats, lambda: session.options.timing, out=stdout, err=stderr)
         self.clock = clock
         self._armed_at: float | None = None  # when Ctrl-C on an empty line asked to confirm quitting
+        self._quit = False  # /exit was run
         self._input, self._output = input, output
         self.prompt = PromptSession(
             message=[("class:prompt", "> ")],
@@ -182,9 +183,6 @@ class LineRepl(LineView):
             self.out.write("\x1b[0m" if tty else SHOW_CLOSE.rstrip("\n"))
             self._dim = False
             self.out.flush()
-
-    def error(self, message: str) -> None:
-        self.say(f"flashmoe: error: {message}")
 
     # -- the loop --------------------------------------------------------------------------
     def banner(self) -> None:
@@ -246,61 +244,39 @@ class LineRepl(LineView):
             name, arg = cmd
             if name == "system":  # text, unlike /save's PATH, which keeps its bytes
                 arg = decode_text(arg, "/system", self.err)
-            return self.command(name, arg)
+            self._quit = False
+            commands.run(self, name, arg)
+            return not self._quit
         line = decode_text(line, "the message", self.err)  # typed bytes that were not UTF-8
         with no_echo(sys.stdin if self._input is None else self._input):  # typing is not echoed into the reply
             self.loop.run_turn(line)  # Ctrl-C stops the reply and keeps what came
         return True
 
-    def command(self, name: str, arg: str) -> bool:
-        s = self.session
-        if name == "exit":
-            return False
-        if name == "help":
-            self.say(help_text(KEYS, REPL_COMMANDS))
-        elif name == "clear":
-            s.clear()
-            self.stats.last_layers = None
-            self.say("started a new conversation")
-        elif name == "system":
-            if arg:
-                s.set_system(arg)
-                self.say("system prompt set")
-            else:
-                self.say(f"system prompt: {s.system}" if s.system else "no system prompt (set one: /system TEXT)")
-        elif name == "timing":
-            self._timing(arg)
-        elif name == "thinking":
-            try:
-                self.say(set_thinking(s, arg))
-            except CommandError as e:
-                self.say(str(e))
-        elif name == "save":
-            if not arg:
-                self.say("usage: /save PATH")
-                return True
-            try:
-                path = s.save(arg)
-            except OSError as e:
-                self.error(f"{arg}: {e.strerror or e}")
-            else:
-                self.say(f"saved the conversation to {path}")
-        return True
+    # -- slash commands (commands.py runs them; this is the Face they act on) ------------------
+    keys = KEYS
+    described = REPL_COMMANDS
 
-    def _timing(self, arg: str) -> None:
-        s = self.session
-        if not arg:
-            self.say(f"timing: {s.options.timing} (/timing off|step|layer sets it)")
-            table = self.stats.layer_table()
-            if table:
-                self.say(table)
-            return
-        mode = arg.lower()
-        if mode not in TIMING_MODES:
-            self.say(f"/timing: expected off, step or layer, not {arg!r}")
-            return
-        s.options.timing = mode
-        self.say(f"timing: {mode}" + (" (per-layer breakdown; adds syncs)" if mode == "layer" else ""))
+    def say(self, text: str, kind: str = "info") -> None:
+        """A line for the user that is not the model's answer (stderr); an error says so."""
+        super().say(f"flashmoe: error: {text}" if kind == "error" else text)
+
+    def busy(self) -> bool:
+        return False  # commands are read between replies
+
+    def cleared(self) -> None:
+        self.stats.last_layers = None
+
+    def show_timing(self) -> None:
+        self.say(f"timing: {self.session.options.timing} (/timing off|step|layer sets it)")
+        table = self.stats.layer_table()
+        if table:
+            self.say(table)
+
+    def timing_set(self, mode: str) -> None:
+        pass
+
+    def quit(self) -> None:
+        self._quit = True
 
     # -- tools -----------------------------------------------------------------------------
     def use_tools(self, args) -> None:
