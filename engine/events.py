@@ -41,6 +41,7 @@ class PrefillProgress(Event):
     # The opening marker of the reasoning block the rendered prompt ends inside ("<think>" when the
     # template opened it for the model), "" when none: the reply starts as reasoning.
     reasoning: str = ""
+    elapsed_s: float = 0.0  # since the prefill started: with done / total, its speed and what is left
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import sys
 
-from flashmoe.engine.events import GenerationFinished
+from flashmoe.engine.events import GenerationFinished, PrefillProgress
 
 from .agent import TextChunk, TurnFinished
+from .progress import PrefillMeter
 from .reasoning import show_segments
 from .term_safe import is_tty, json_line, safe
 
@@ -29,8 +30,13 @@ class LineView:
         self.line_open = False  # text was written since the last line this view ended
         self.report: list[str] = []  # the finished reply's lines, said before what comes next
         self.ended = False  # a reply's line was ended in this turn
+        self.meter = PrefillMeter(self.err)  # a long prompt's progress, on a terminal
 
     def __call__(self, ev) -> None:
+        if isinstance(ev, PrefillProgress):
+            self.meter(ev)
+        elif isinstance(ev, (TextChunk, GenerationFinished, TurnFinished)):
+            self.meter.clear()  # the reply starts, or a stopped prefill ends: the line goes
         if isinstance(ev, TextChunk):
             self.show([ev])
         elif isinstance(ev, GenerationFinished):

@@ -218,7 +218,7 @@ def generate(loaded, session: Session, request: GenerationRequest,
     logits = None
     yield PrefillProgress(0, len(todo), reused, opened)
     for done, logits in prefill(model, session, todo, request.prefill_step, cancel):
-        yield PrefillProgress(done, len(todo), reused, opened)
+        yield PrefillProgress(done, len(todo), reused, opened, perf_counter() - t0)
     prefill_s = perf_counter() - t0
     if store is not None:
         store.step_done()  # decode figures start clean
