@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from flashmoe.engine.runtime.benchmark import cpu_model, disk_read_bytes, evict  # noqa: F401  (re-exported for the scripts)
+from flashmoe.engine.benchmark import cpu_model, disk_read_bytes, evict  # noqa: F401  (re-exported for the scripts)
 
 ROOT = Path(__file__).resolve().parent.parent
 

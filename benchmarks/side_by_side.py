@@ -728,7 +728,7 @@ def configs_for(model: dict, a) -> list[dict]:
 def lengthened(model: dict, n: int) -> dict:
     """The model's prompt with filler sentences before it (a chat message's content, or the raw
     text), grown until the rendered prompt holds at least n tokens."""
-    from flashmoe.engine.runtime.benchmark import FILLER
+    from flashmoe.engine.benchmark import FILLER
 
     key = "messages" if model.get("messages") else "prompt"
     base = model[key]

@@ -2,9 +2,13 @@
 
     formats/    safetensors I/O, convert, GGUF import, the Hugging Face cache, the demo's build
     experts/    streaming: expert blocks, the packed layout, the expert store, the streamed block
-    cpu/        the CPU fast path: numba kernels, their install, fused one-token layers
-    runtime/    loader, engine thread, generation, sampling, tokenizer, timing
+    cpu/        the CPU fast path: numba kernels, their install, fused one-token layers,
+                batched prefill (dequantize + sgemm, BLAS attention)
+    runtime/    loader, engine thread, generation (decode.py under generate.py), sampling,
+                tokenizer, timing
     options.py  the option lists and SamplingParams (imports no MLX: the front ends use it)
+    testing.py  FakeEngine, the test double the front ends' tests drive (the hidden --engine fake)
+    benchmark.py  what `flashmoe bench speed` and benchmarks/ share: timed runs, disk, eviction
 
 Never imports a UI package (textual, prompt_toolkit, rich) or flashmoe.tools: front ends sit
 on top of this (docs/architecture.md).

@@ -12,7 +12,7 @@ from .exit_codes import ExitCode
 
 
 def cmd_bench_speed(args) -> int:
-    from flashmoe.engine.runtime.benchmark import cpu_model, expert_files, measure_disk, prompt_of, run_generation
+    from flashmoe.engine.benchmark import cpu_model, expert_files, measure_disk, prompt_of, run_generation
     from flashmoe.engine.runtime.generate import model_bits
     from flashmoe.engine.runtime.loader import load
 
@@ -100,7 +100,7 @@ def cmd_bench_speed(args) -> int:
 def scaling(loaded, lengths: list[int], tokens: int) -> list[dict]:
     """Prefill speed at each prompt length and decode speed right after it, warm (the experts a
     first run of that length read are cached), as a table; the rows for --out's JSON."""
-    from flashmoe.engine.runtime.benchmark import prompt_of, run_generation
+    from flashmoe.engine.benchmark import prompt_of, run_generation
 
     print(f"scaling : warm, {tokens} tokens decoded after each prompt", flush=True)
     print(f"          {'prompt':>8} | {'prefill tok/s':>13} | {'decode tok/s':>12} | {'hit rate':>8}", flush=True)

@@ -41,7 +41,7 @@ class EngineOptions:
 def make_engine(opts: EngineOptions):
     """The engine for run/chat/agent/bench: the real one, or (tests, hidden flag) a scripted fake."""
     if opts.engine == "fake":
-        from flashmoe.engine.runtime.fake import FakeEngine
+        from flashmoe.engine.testing import FakeEngine
 
         replies = json.loads(os.environ.get("FLASHMOE_FAKE_REPLIES", "null"))
         delay = float(os.environ.get("FLASHMOE_FAKE_DELAY", "0"))

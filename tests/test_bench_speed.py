@@ -62,7 +62,8 @@ def test_page_cache_drop_time_is_left_out_of_decode_speed(model_factory, monkeyp
     decode time would bring 7 decoded tokens under 0.7 tok/s, however loaded the machine is."""
     import time
 
-    from flashmoe.engine.runtime import benchmark, generate
+    from flashmoe.engine import benchmark
+    from flashmoe.engine.runtime import generate
     from flashmoe.engine.runtime.loader import load
 
     lm = load(model_factory("qwen3_moe", 4, converted=True), kernels="cpu", expert_cache=1)

@@ -169,7 +169,7 @@ def test_logs_show_labels_tool_results(home, capsys):
 
 # -- a resumed interrupted reply keeps its mark (/save; the TUI's boxes: tests/tui/test_app.py) ------
 def test_save_of_a_resumed_conversation_keeps_the_marks(tmp_path):
-    from flashmoe.engine.runtime.fake import FakeEngine
+    from flashmoe.engine.testing import FakeEngine
     from flashmoe.cli.chat import ChatSession
 
     store = Store(tmp_path / "logs.db")

@@ -127,7 +127,7 @@ def test_repl_escapes_replies_and_tool_questions(tmp_path, monkeypatch):
     from tests.test_repl import CTRL_D, ENTER, drive
 
     monkeypatch.setenv("FLASHMOE_HOME", str(tmp_path / "home"))
-    from flashmoe.engine.runtime.fake import FakeEngine
+    from flashmoe.engine.testing import FakeEngine
 
     t = drive("hi" + ENTER + CTRL_D, FakeEngine([ATTACK]))
     assert t.code == 0, t

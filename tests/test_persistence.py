@@ -110,7 +110,7 @@ def test_flashmoe_home_relocates_state(env, tmp_path):
 
 def test_engine_never_imports_ui_packages():
     code = ("import sys, flashmoe.engine, flashmoe.engine.runtime.loader, flashmoe.engine.runtime.engine, "
-            "flashmoe.engine.runtime.generate, flashmoe.engine.formats.convert, flashmoe.engine.runtime.fake; "
+            "flashmoe.engine.runtime.generate, flashmoe.engine.formats.convert, flashmoe.engine.testing; "
             "bad = [m for m in ('textual', 'prompt_toolkit', 'rich') if m in sys.modules]; "
             "assert not bad, bad")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

@@ -226,7 +226,7 @@ from tests.test_repl import CTRL_D, ENTER, drive, home  # noqa: E402,F401  (home
 
 
 def test_repl_sets_reasoning_apart_and_switches_thinking():
-    from flashmoe.engine.runtime.fake import FakeEngine
+    from flashmoe.engine.testing import FakeEngine
 
     engine = FakeEngine(["weighing</think>Paris.", "Lyon."], chat_template=qwen35_template())
     t = drive("hi" + ENTER + "/thinking off" + ENTER + "again" + ENTER + "/thinking maybe" + ENTER + CTRL_D, engine)

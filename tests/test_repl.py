@@ -20,7 +20,7 @@ from prompt_toolkit.document import Document
 from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 
-from flashmoe.engine.runtime.fake import FakeEngine
+from flashmoe.engine.testing import FakeEngine
 from flashmoe.cli import cli, startup
 from flashmoe.cli.exit_codes import ExitCode
 from flashmoe.cli.repl import LineRepl, SlashCompleter, run_repl

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from flashmoe.engine.events import GenerationFinished, TokenGenerated
-from flashmoe.engine.runtime.fake import FakeEngine
+from flashmoe.engine.testing import FakeEngine
 from flashmoe.cli.chat import ChatOptions, ChatSession
 
 REPLY = ("A **mixture of experts** sends each token to a few of its experts.\n\n"
