@@ -13,7 +13,7 @@ from flashmoe.cli.progress import PrefillMeter
 from flashmoe.engine.events import PrefillProgress
 from tests.conftest import ROOT, run_cli
 
-LONG = "word " * 700  # about 700 tokens: three chunks of 256
+LONG = "word " * 330  # about 1300 tokens of the tiny tokenizer: three chunks of 512
 
 
 class Tty(io.StringIO):
@@ -54,9 +54,9 @@ def test_run_shows_prefill_progress_on_a_terminal_and_only_the_answer_on_stdout(
     os.close(master)
     assert proc.returncode == 0, err
     text = err.decode()
-    assert "prefill 256/" in text and "prefill 512/" in text and " tok/s | " in text and " s left" in text
+    assert "prefill 512/" in text and "prefill 1024/" in text and " tok/s | " in text and " s left" in text
     assert text.count("\r\033[K") >= 3  # each redraw, and the erase before the answer
-    assert b"prefill 256" not in proc.stdout  # the answer's stream has only the answer
+    assert b"prefill 512" not in proc.stdout  # the answer's stream has only the answer
 
 
 def test_run_json_has_prefill_events_with_the_time_so_far(model_factory, tmp_path):
@@ -65,5 +65,5 @@ def test_run_json_has_prefill_events_with_the_time_so_far(model_factory, tmp_pat
     assert r.returncode == 0, r.stderr
     events = [json.loads(line) for line in r.stdout.splitlines()]
     prefill = [e for e in events if e["event"] == "prefill"]
-    assert [e["done"] for e in prefill][:3] == [0, 256, 512] and prefill[-1]["done"] == prefill[-1]["total"]
+    assert [e["done"] for e in prefill][:3] == [0, 512, 1024] and prefill[-1]["done"] == prefill[-1]["total"]
     assert all(e["elapsed_s"] >= 0 for e in prefill) and prefill[-1]["elapsed_s"] > prefill[1]["elapsed_s"]

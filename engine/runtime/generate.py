@@ -44,7 +44,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     timing: str = "step"
     template_kwargs: dict = field(default_factory=dict)
-    prefill_step: int = 256
+    # Prompt tokens per forward pass. Measured on the CPU path (dense SmolLM2, 1k and 4k prompts):
+    # 512 is 5-15% faster than 256, 1024 another ~10%; 512 keeps a cancel within ~3 s of prefill.
+    prefill_step: int = 512
     constraint: object = None  # ConstraintFactory: make(tokenizer) -> Constraint (engine/runtime/constrain.py)
     truncate_prompt: str | None = None  # TRUNCATE_MODES; None: as the Engine was told ("off" without one)
 
