@@ -709,7 +709,7 @@ def configs_for(model: dict, a) -> list[dict]:
                             kernels="mlx", path=model["flashmoe"], expert_cache=10**12, prewarm_all=True,
                             warmup=0, runs=1, state="expert cache holds every expert (prewarmed)"))
     else:
-        for k in ("cpu", "mlx"):
+        for k in ("cpu",) if a.no_mlx_kernels else ("cpu", "mlx"):
             out.append(dict(base, engine="flashmoe", label=f"flashmoe kernels={k}", kernels=k,
                             path=model["flashmoe"], state="default expert cache (engine default budget), warm"))
         if model.get("mlx_float") and not a.no_mlx_lm:
@@ -939,6 +939,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp threads")
     p.add_argument("--no-llama", dest="llama", action="store_false", help="skip llama.cpp")
     p.add_argument("--no-mlx-lm", action="store_true", help="skip resident mlx-lm")
+    p.add_argument("--no-mlx-kernels", action="store_true",
+                   help="skip flashmoe kernels=mlx (MLX's CPU kernels: minutes per long prompt)")
     p.add_argument("--child-timeout", type=float, default=3600)
     p.add_argument("--out", type=Path, help="write every figure as JSON")
     a = p.parse_args(argv)
