@@ -266,7 +266,9 @@ class AgentLoop:
                     continue
                 with signals.deferred():
                     self.stats.feed(ev)
-                    if isinstance(ev, TokenGenerated):
+                    if isinstance(ev, TokenGenerated) and self._cancel.is_set():
+                        pass  # written after the stop (the step in flight): neither shown nor saved
+                    elif isinstance(ev, TokenGenerated):
                         fed = True
                         self._emit(state.feed(ev.text))
                         self.on_event(ev)

@@ -8,11 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from .approvers import DecliningApprover, approver_for
+from .approvers import approver_for
 from .argtypes import at_least
-
-# DecliningApprover: the TUI checks the tool options with it, imported from here
-__all__ = ["DecliningApprover", "add_tool_options", "make_agent", "make_loop", "cmd_agent"]
 
 
 def add_tool_options(p: argparse.ArgumentParser) -> None:

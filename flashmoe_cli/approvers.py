@@ -4,12 +4,15 @@ parser, and the approvers behind `flashmoe agent --approve ask|auto|never` and t
 The Approver protocol (`interactive`, `ask(call, reason) -> "yes" | "no" | "always"`) is
 flashmoe.tools.policy.Approver: the executor that consumes it lives in tools, which never imports
 a front end. NonInteractiveApprover (headless runs: nobody can answer, so fail closed) is there
-too. The TUI asks in a modal screen; what it gets back can go through `parse_answer` as well.
+too. The TUI asks in a modal screen, through ModalApprover: its answer goes through `parse_answer`
+as well.
 """
 from __future__ import annotations
 
 import json
 import sys
+import threading
+from concurrent.futures import Future, InvalidStateError
 
 from .term_safe import safe
 
@@ -75,6 +78,58 @@ class TerminalApprover(LineApprover):
                   "tool calls that need approval are refused", file=sys.stderr)
             return None
         return cls(reader, writer)
+
+
+class ModalApprover:
+    """Asks a face whose questions are answered on another thread (the TUI's modal screen).
+
+    `show(call, reason, reply)` puts the question up from the tool loop's thread (False: it
+    cannot be, a no); the face calls `reply(picked)` once, from any thread, with what was picked
+    (None for nothing), and `parse_answer` reads it. `wanted()` is asked before the question and
+    every `poll_s` while it waits: once it says False (the turn is stopping, the face is gone)
+    the answer is no. `cancel()` answers a pending question no, from any thread, so the loop's
+    thread never waits on a question nobody will answer."""
+
+    interactive = True
+
+    def __init__(self, show, wanted=lambda: True, poll_s: float = 0.1):
+        self.show, self.wanted, self.poll_s = show, wanted, poll_s
+        self.pending: Future | None = None  # the question being asked
+        self._lock = threading.Lock()
+
+    def ask(self, call, reason: str) -> str:  # the tool loop's thread
+        if not self.wanted():
+            return "no"
+        future: Future = Future()
+        with self._lock:
+            self.pending = future
+        try:
+            if not self.wanted() or not self.show(call, reason, lambda picked: settle(future, picked)):
+                return "no"
+            while True:
+                try:
+                    return parse_answer(future.result(timeout=self.poll_s))
+                except TimeoutError:
+                    if not self.wanted():
+                        return "no"
+        finally:
+            with self._lock:
+                if self.pending is future:
+                    self.pending = None
+
+    def cancel(self) -> None:
+        with self._lock:
+            pending = self.pending
+        if pending is not None:
+            settle(pending, "no")
+
+
+def settle(future: Future, picked) -> None:
+    """Answer a pending question once; a later answer (a late key, a cancel) is ignored."""
+    try:
+        future.set_result(picked)
+    except InvalidStateError:
+        pass
 
 
 class AutoApprover:

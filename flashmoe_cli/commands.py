@@ -68,7 +68,8 @@ class Face(Protocol):
     described: dict[str, str]  # what a command does in this face, where COMMANDS says otherwise
 
     def say(self, text: str, kind: str = "info") -> None:
-        """A line for the user. kind: info; usage (a mistyped command); error (the command failed)."""
+        """A line for the user. kind: info; help (the /help text); usage (a mistyped command); error
+        (the command failed)."""
 
     def busy(self) -> bool:
         """A reply is running (/clear waits for it)."""
@@ -92,7 +93,7 @@ def run(face: Face, name: str, arg: str) -> None:
 
 
 def _help(face: Face, arg: str) -> None:
-    face.say(help_text(face.keys, face.described))
+    face.say(help_text(face.keys, face.described), "help")
 
 
 def _clear(face: Face, arg: str) -> None:

@@ -33,6 +33,7 @@ class TurnStats:
     layers: dict[int, list[float]] = field(default_factory=dict)  # the reply's per-layer sums
     layer_steps: int = 0
     last_layers: tuple[dict, int] | None = None  # the last finished reply's (sums, steps), if it had any
+    step_layers: LayerTimings | None = None  # the latest step's per-layer timings (a live panel draws them)
     replies: list[GenerationFinished] = field(default_factory=list)  # finished, in order
 
     def begin_turn(self) -> None:
@@ -58,6 +59,7 @@ class TurnStats:
                 self.decode_steps += 1
                 self.decode_ms += ev.wall_ms
         elif isinstance(ev, LayerTimings):
+            self.step_layers = ev
             self.layer_steps += 1
             for r in ev.rows:
                 acc = self.layers.setdefault(r.layer, [0.0] * 8)
@@ -90,10 +92,21 @@ class TurnStats:
     def context_used(self) -> int:
         return self.prompt_tokens + self.round_tokens
 
+    def running(self) -> dict:
+        """The running figures a status bar shows while the model writes (only those known yet):
+        tokens, context_used, tok_s, bytes_per_token, hit_rate."""
+        figures = {"tokens": self.tokens, "context_used": self.context_used(), "tok_s": self.tok_s(),
+                   "bytes_per_token": self.bytes_per_token(), "hit_rate": self.hit_rate()}
+        return {k: v for k, v in figures.items() if v is not None}
+
     # -- finished replies --------------------------------------------------------------------
     @property
     def last(self) -> GenerationFinished | None:
         return self.replies[-1] if self.replies else None
+
+    def generated_tokens(self) -> int:
+        """Tokens the turn's finished replies generated, as the engine counted them."""
+        return sum(r.generation_tokens for r in self.replies)
 
     def layer_table(self) -> str | None:
         """The last finished reply's per-layer table (it has one with --timing layer)."""

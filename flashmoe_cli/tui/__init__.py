@@ -3,8 +3,7 @@
 Only this package imports textual; the engine and the other front ends never do.
 Layout: app.py (the App: the engine, quitting, the keys that work on every screen), app.tcss
 (styles), screens/ (chat: the conversation, the default screen; help and tool-approval modals),
-reply.py (a reply's state and figures, and the worker of a plain one), agent_turn.py (a --tools
-reply through the AgentLoop, and its approver), slash.py (the slash commands), messages.py (what
-the worker threads post), widgets/ (transcript, prompt, status bar, key hints, layer panel, tool
-blocks), palette.py (Ctrl+P commands).
+agent_turn.py (a turn through the AgentLoop, the one turn driver of every face, on a thread
+worker), messages.py (what the worker threads post), widgets/ (transcript, prompt, status bar,
+key hints, layer panel, tool blocks), palette.py (Ctrl+P commands).
 """

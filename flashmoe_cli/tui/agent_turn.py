@@ -1,67 +1,60 @@
-"""Tool use in the chat screen: one user message through the AgentLoop, on a thread worker.
+"""A turn on the chat screen: one user message through the AgentLoop, on a thread worker.
 
-AgentLoop.run_turn blocks and calls back on that thread; AgentTurn turns its events into the
-chat screen's messages (visible text in ~30 ms batches, sent by a small flusher thread so text never
-waits for the next token, tool calls with their results, the end of the turn; all posted under
-one lock, so they arrive in order) and asks for approvals: it posts an ApprovalRequest and waits on a Future that the modal
-screen answers. Cancelling the turn (Esc, Ctrl+C, quitting) answers a pending question "no", so
+Every turn goes this way, with --tools or not: without tools the loop's turn is one plain reply,
+so the TUI waits on the engine, splits the reply, saves it and counts its figures as headless
+`run` and the line REPL do (agent.py, stats.py). AgentLoop.run_turn blocks and calls back on the
+worker thread; AgentTurn turns its events into the chat screen's messages: visible text in ~30 ms
+batches (sent by a small flusher thread, so text never waits for the next token), prefill
+progress, the end of each model reply, tool calls with their results, the end of the turn; all
+posted under one lock, so they arrive in order. The figures (tokens, steps, per-layer timings)
+are not posted: they are the loop's TurnStats, which the screen's 10 Hz timer reads, so a fast
+model never floods the UI.
+
+Approvals are the loop's approver's (approvers.ModalApprover: the chat screen asks with
+ApproveScreen). Cancelling the turn (Esc, Ctrl+C, quitting) answers a pending question "no", so
 the worker thread never waits on a screen that is gone.
 """
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
 
 from flashmoe.engine.events import EngineFailed, GenerationFinished, PrefillProgress, TokenGenerated
 
 from ..agent import TextChunk, ToolCallEvent, ToolResultEvent, TurnFinished
 from .messages import (
-    ApprovalRequest,
     ReplyActivity,
     ReplyPrefill,
     ReplyRoundDone,
-    text_batches,
     ReplyTool,
     ReplyTurnEnd,
+    text_batches,
 )
-from .reply import BATCH_S  # as the plain reply: text is batched this long
+from .widgets import AssistantMessage
 
-POLL_S = 0.1  # how often a pending approval checks that it is still wanted
-ANSWERS = ("yes", "no", "always")
-
-
-def answer(future: Future, value: str) -> None:
-    """Settle a pending approval once; later answers (a late key, a cancel) are ignored."""
-    try:
-        future.set_result(value)
-    except InvalidStateError:
-        pass
+BATCH_S = 0.03  # token text is batched this long before the Markdown is updated
 
 
-class AppApprover:
-    """The AgentLoop's approver: hands each question to the turn that is running on the chat screen."""
-
-    interactive = True
-
-    def __init__(self, screen) -> None:
-        self.screen = screen
-
-    def ask(self, call, reason: str) -> str:  # worker thread
-        turn = getattr(self.screen, "agent_turn", None)
-        return "no" if turn is None else turn.ask(call, reason)
+@dataclass
+class Reply:
+    """The turn on screen, while it runs."""
+    id: int
+    handle: AgentTurn  # what stops it (cancel())
+    box: AssistantMessage | None  # the model reply being shown; None between the replies of a tool-using turn
+    stream: object  # textual MarkdownStream (None with box)
+    stopping: bool = False
+    detail: str = ""  # the finished model reply's figures, for the box's bottom border
+    text: str = ""  # the model's text so far, as it wrote it
 
 
 class AgentTurn:
     """One user message through the AgentLoop. `run` is the thread worker; `cancel` is safe anywhere."""
 
-    def __init__(self, screen, agent, reply_id: int, live) -> None:
+    def __init__(self, screen, loop, reply_id: int) -> None:
         self.screen = screen  # the chat screen: what the turn posts goes there
-        self.app = screen.app  # whether the app still runs (an open question is then answered "no")
-        self.agent = agent
+        self.loop = loop  # the AgentLoop; its stats are the figures the screen's timer reads
         self.reply_id = reply_id
-        self.live = live  # reply.Live: the running figures the screen's redraw timer reads
-        self.cancelled = threading.Event()
-        self.pending: Future | None = None  # the approval being asked
+        self._cancelled = threading.Event()
         self.worker = None
         self._batch: list[tuple[str, str]] = []  # (kind, text): the answer's or the reasoning's
         self._lock = threading.Lock()  # the batch, and the order of what is posted
@@ -71,13 +64,33 @@ class AgentTurn:
         self._writing = False
         self._ended = False
 
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    @property
+    def pending(self):
+        """The approval being asked, if any (the loop's approver holds it)."""
+        approver = getattr(self.loop.executor, "approver", None)
+        return getattr(approver, "pending", None)
+
     # -- any thread --------------------------------------------------------------------------
     def cancel(self) -> None:
-        self.cancelled.set()
-        pending = self.pending
-        if pending is not None:
-            answer(pending, "no")
-        self.agent.cancel()
+        self._cancelled.set()
+        cancel_question = getattr(getattr(self.loop.executor, "approver", None), "cancel", None)
+        if cancel_question is not None:
+            cancel_question()  # a pending approval is answered "no"
+        self.loop.cancel()
+
+    def stopping(self) -> bool:
+        """The turn is being stopped: cancelled, or its worker is (the app is closing)."""
+        if self.worker is not None and self.worker.is_cancelled:
+            self._cancelled.set()
+        return self._cancelled.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Until the worker has ended the turn (and the loop saved it); False when the time ran out."""
+        return self._done.wait(timeout)
 
     # -- the worker thread -------------------------------------------------------------------
     def run(self, text: str) -> None:
@@ -90,7 +103,7 @@ class AgentTurn:
         flusher = threading.Thread(target=self._flush_every, name=f"flush reply {self.reply_id}", daemon=True)
         flusher.start()
         try:
-            self.agent.run_turn(text)
+            self.loop.run_turn(text)  # cancelled before it began: its first event stops it
         except Exception as e:  # noqa: BLE001  (a bug or a bad request: shown in the app, which keeps running)
             self.on_event(TurnFinished("failed", 0, f"{type(e).__name__}: {e}", 1))
         finally:
@@ -102,11 +115,6 @@ class AgentTurn:
     def _flush_every(self) -> None:
         while not self._done.wait(BATCH_S):
             self.flush()
-
-    def _stopping(self) -> bool:
-        if self.worker is not None and self.worker.is_cancelled:  # the app is closing
-            self.cancelled.set()
-        return self.cancelled.is_set()
 
     def post(self, message) -> bool:
         """Post `message` after the text that came before it."""
@@ -125,9 +133,9 @@ class AgentTurn:
             self._batch.clear()
 
     def on_event(self, ev) -> None:
-        if self._stopping() and isinstance(ev, (PrefillProgress, TokenGenerated)):
-            self.agent.cancel()  # a reply that started after the cancel (between rounds) stops too
-        self.live.record(ev)  # tokens, steps, the prefill and layer timings: figures for the timer
+        """The AgentLoop's on_event (its stats have counted `ev` already)."""
+        if self.stopping() and isinstance(ev, (PrefillProgress, TokenGenerated)):
+            self.loop.cancel()  # a reply that started after the cancel (between rounds) stops too
         if isinstance(ev, TextChunk):
             if ev.text:
                 with self._lock:
@@ -140,7 +148,7 @@ class AgentTurn:
             self._writing = False
             self.post(ReplyPrefill(self.reply_id, ev.done, ev.total))
         elif isinstance(ev, GenerationFinished):
-            self.post(ReplyRoundDone(self.reply_id, ev))
+            self.post(ReplyRoundDone(self.reply_id, ev, self.loop.stats.generated_tokens()))
         elif isinstance(ev, EngineFailed):
             self._failed = ev
         elif isinstance(ev, ToolCallEvent):
@@ -152,25 +160,3 @@ class AgentTurn:
         elif isinstance(ev, TurnFinished):
             self._ended = True
             self.post(ReplyTurnEnd(self.reply_id, ev, self._failed))
-
-    def ask(self, call, reason: str) -> str:
-        """Approver.ask, on the worker thread: blocks until the modal is answered or the turn ends."""
-        if self._stopping():
-            return "no"
-        future: Future = Future()
-        self.pending = future
-        try:
-            if self._stopping():
-                return "no"
-            if not self.post(ApprovalRequest(self.reply_id, call.name or "", call.arguments, reason, future)):
-                return "no"  # the app is closing
-            while True:
-                try:
-                    result = future.result(timeout=POLL_S)
-                except TimeoutError:
-                    if self._stopping() or not self.app.is_running:
-                        return "no"
-                    continue
-                return result if result in ANSWERS else "no"
-        finally:
-            self.pending = None

@@ -23,12 +23,13 @@ from ..exit_codes import ExitCode
 from ..term_safe import safe
 from .messages import EngineLoaded, EngineLoadFailed, EngineWarning
 from .palette import ChatCommands
-from .reply import Reply
+from .agent_turn import Reply
 from .screens import ApproveScreen, ChatScreen, HelpScreen
 from .widgets import PromptInput, Transcript
 from .widgets.status_bar import rss_bytes
 
 QUIT_WINDOW_S = 1.0  # two Ctrl+C presses this close together quit
+STOP_WAIT_S = 10.0  # after the app, a running turn gets this long to stop and save before the engine closes
 
 
 class ChatApp(App[int]):
@@ -44,8 +45,8 @@ class ChatApp(App[int]):
     def __init__(self, session, *, args=None, cursor_blink: bool = True, rss=rss_bytes,
                  show_layers: bool | None = None):
         """session: the ChatSession, with its engine (still loading); the other options are the
-        chat screen's (args: the parsed `flashmoe chat` options; with --tools, replies go through
-        the AgentLoop)."""
+        chat screen's (args: the parsed `flashmoe chat` options; with --tools, the AgentLoop gets
+        the tools)."""
         super().__init__()
         self.session = session  # the chat screen's, made when the app starts
         self.engine = session.engine
@@ -169,9 +170,10 @@ class ChatApp(App[int]):
         logging.getLogger("flashmoe").propagate = True
 
     def stop_engine(self) -> None:
-        """After the app has exited: stop a running reply and close the engine."""
+        """After the app has exited: stop a running turn, let its loop save what it got, close the engine."""
         if self.reply is not None:
             self.reply.handle.cancel()
+            self.reply.handle.wait(STOP_WAIT_S)
         self.engine.close()
 
 
@@ -201,7 +203,8 @@ def run_tui(args) -> int:
 
     session = open_conversation(args, None, model_name=str(args.model or "demo"))  # checks the flags first
     if getattr(args, "tools", None):  # and the tool options (UsageError: exit 2 before any loading)
-        from ..agent_cli import DecliningApprover, make_agent
+        from ..agent_cli import make_agent
+        from ..approvers import DecliningApprover
 
         make_agent(args, session, "", DecliningApprover(), lambda ev: None)
     session.engine = make_engine(EngineOptions.from_args(args))

@@ -228,9 +228,9 @@ async def test_clear_and_system_commands():
         await pilot.pause()
         assert session.history == []
         assert boxes(app, UserMessage) == [] and boxes(app, AssistantMessage) == []
-        assert [n.text for n in boxes(app, Note)] == ["New conversation."]
+        assert [n.text for n in boxes(app, Note)] == ["started a new conversation"]
         await send(pilot, "/system")
-        assert "No system prompt" in boxes(app, Note)[-1].text
+        assert "no system prompt" in boxes(app, Note)[-1].text
         await send(pilot, "/system You are terse.")
         assert session.system == "You are terse."
         await send(pilot, "hello")

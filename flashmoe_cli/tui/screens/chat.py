@@ -2,15 +2,18 @@
 
 The App (app.py) loads the engine and tells this screen when the model is in (model_loaded) or
 not (model_failed); the rest is the screen's: the ChatSession, the transcript, the message box,
-the reply being generated (a thread worker per reply, reply.py; with --tools a turn of the
-AgentLoop, agent_turn.py, whose approvals ask with ApproveScreen), the live figures and the layer
-panel (drawn by a 10 Hz timer), the slash commands (slash.py).
+the turn being generated (every turn, with --tools or not, is a turn of the AgentLoop on a
+thread worker, agent_turn.py; approvals ask with ApproveScreen), the live figures and the layer
+panel (drawn by a 10 Hz timer from the loop's TurnStats), the slash commands (commands.py runs
+them; this screen is the Face they act on).
 
 The workers post their messages straight to this screen; widgets change only in the handlers
 below, on the UI thread. Ctrl+C and Ctrl+T, which work over the modals too, are the App's.
 """
 from __future__ import annotations
 
+import asyncio
+import time
 from functools import partial
 from pathlib import Path
 
@@ -24,25 +27,23 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Markdown, Static
 
+from ... import commands
+from ...approvers import ModalApprover
 from ...commands import CommandError, parse
 from ...exit_codes import ExitCode
 from ...models import DEMO_NOTE, is_demo
 from ...term_safe import safe
 from ...units import human_bytes
-from .. import slash
-from ..agent_turn import AgentTurn, AppApprover, answer
+from ..agent_turn import AgentTurn, Reply
 from ..messages import (
     ApprovalRequest,
     ReplyActivity,
-    ReplyDone,
-    ReplyFailed,
     ReplyPrefill,
     ReplyRoundDone,
     ReplyText,
     ReplyTool,
     ReplyTurnEnd,
 )
-from ..reply import Live, Reply, drive
 from ..widgets import (
     AssistantMessage,
     KeyHints,
@@ -61,6 +62,10 @@ from .approve import ApproveScreen
 REDRAW_S = 0.1  # the layer panel and the live figures are redrawn at most this often
 RSS_EVERY = 10  # redraw ticks between memory readings
 PANEL_MIN_COLUMNS = 100  # narrower, the layer panel (48 columns) is hidden until F2 shows it
+UNMOUNT_WAIT_S = 5.0  # quitting mid-reply waits this long for the turn to save what it got
+KEYS = ("Keys: Enter send · Ctrl+J or Alt+Enter new line · Esc or Ctrl+C stop the reply · "
+        "Ctrl+C twice or Ctrl+D (empty box) quit · F1 help · F2 layer panel · Ctrl+T reasoning · "
+        "Ctrl+P commands")
 
 
 class MainRow(Horizontal):
@@ -84,20 +89,19 @@ class ChatScreen(Screen):
 
     def __init__(self, session, *, args=None, cursor_blink: bool = True, rss=rss_bytes,
                  show_layers: bool | None = None):
-        """args: the parsed `flashmoe chat` options; with --tools, replies go through the AgentLoop."""
+        """args: the parsed `flashmoe chat` options (with --tools, the AgentLoop gets the tools)."""
         super().__init__()
         self.session = session
         self.args = args
-        self.agent = None  # the AgentLoop, built once the model is in (it needs the chat template)
-        self.agent_turn: AgentTurn | None = None
-        self._approval: tuple | None = None  # (Future, ApproveScreen) while a question is open
+        self.loop = None  # the AgentLoop, built once the model is in (it needs the chat template)
+        self.agent_turn: AgentTurn | None = None  # the turn that runs
+        self._approval: tuple | None = None  # (reply, ApproveScreen) while a question is open
         self.cursor_blink = cursor_blink
         self._rss = rss
         self._show_layers = show_layers
         self.reply: Reply | None = None
         self._queued: UserMessage | None = None  # typed while loading; sent when the model is in
         self._reply_seq = 0
-        self._live = Live()
         self._drawn = None  # the LayerTimings the panel shows
         self._ticks = 0
         self.activity = ""
@@ -186,7 +190,7 @@ class ChatScreen(Screen):
                   + (DEMO_NOTE + "\n" if is_demo(info.model) else "")
                   + "Type a message and press Enter. /help lists the commands, F1 the keys.", title="model",
                   before=self._queued)
-        if self.args is not None and getattr(self.args, "tools", None) and not self._build_agent(info):
+        if not self._build_loop(info):
             return
         self.set_activity("ready", "dim")
         if self._queued is not None:  # sent from this screen's own queue, in turn with what is typed
@@ -197,20 +201,29 @@ class ChatScreen(Screen):
         if queued is not None and self.is_attached:
             await self.start_reply(queued.text, shown=True)
 
-    def _build_agent(self, info) -> bool:
-        from ...agent_cli import make_agent
+    def _build_loop(self, info) -> bool:
+        """The AgentLoop every turn goes through; False when its tools cannot be set up."""
+        from ...agent_cli import make_loop
 
+        app = self.app  # (read here: the approver asks from the worker thread)
+
+        def wanted() -> bool:
+            turn = self.agent_turn
+            return turn is not None and not turn.stopping() and app.is_running
+
+        approver = ModalApprover(self._ask, wanted)
         try:
-            self.agent = make_agent(self.args, self.session, info.chat_template or "", AppApprover(self),
-                                    self._on_agent_event)
+            self.loop = make_loop(self.args, self.session, info.chat_template or "", approver, self._on_event)
         except Exception as e:  # noqa: BLE001  (a bad tool option; run_tui checks them before loading)
             self.app.refuse_messages(f"tools: {e}", ExitCode.USAGE)
             self._queued = None
             self.note(f"Could not set up the tools: {e}", "error", title="error")
             self.set_activity("the tools are not set up: /exit or Ctrl+D quits", "bold red")
             return False
-        names = ", ".join(self.agent.executor.registry.names())
-        policy = self.agent.executor.policy
+        if self.loop.executor is None:  # no tools
+            return True
+        names = ", ".join(self.loop.executor.registry.names())
+        policy = self.loop.executor.policy
         yolo = " (every call runs without asking)" if policy.mode == "yolo" else ""
         self.note(f"Tools: {names}\nmode {policy.mode}{yolo} · workspace {short_path(policy.workspace)}",
                   title="tools", before=self._queued)
@@ -256,27 +269,19 @@ class ChatScreen(Screen):
         await self.start_reply(text)
 
     async def start_reply(self, text: str, shown: bool = False) -> None:
-        transcript = self.transcript
+        """The user's message through the AgentLoop, on a thread worker (agent_turn.py)."""
         if not shown:
-            transcript.mount(UserMessage(text))
-        if self.agent is not None:
-            await self.start_agent_turn(text)
-            return
-        try:
-            handle = self.session.send(text)
-        except Exception as e:  # a bad template or request: shown, not fatal
-            self.note(f"Could not send: {e}", "error")
-            return
+            self.transcript.mount(UserMessage(text))
         box = AssistantMessage()
-        await transcript.mount(box)  # the Markdown widget must be mounted before it is streamed into
+        await self.transcript.mount(box)  # the Markdown widget must be mounted before it is streamed into
         box.mark("streaming")
         self._reply_seq += 1
-        self.reply = Reply(self._reply_seq, handle, box, Markdown.get_stream(box.markdown))
-        self._live = Live()
-        transcript.anchor()
+        turn = self.agent_turn = AgentTurn(self, self.loop, self._reply_seq)
+        self.reply = Reply(self._reply_seq, turn, box, Markdown.get_stream(box.markdown))
+        self.transcript.anchor()
         self.set_activity("prefill…", "dim")
-        self.run_worker(partial(drive, handle, self._reply_seq, self._live, self.post_message), thread=True,
-                        exit_on_error=False, group="reply", name=f"reply {self._reply_seq}")
+        self.run_worker(partial(turn.run, text), thread=True, exit_on_error=False, group="reply",
+                        name=f"reply {self._reply_seq}")
 
     def _current(self, reply_id: int) -> Reply | None:
         """The reply a message is about, while it runs and the app is not exiting (from then on
@@ -294,9 +299,7 @@ class ChatScreen(Screen):
                               else "generating… Esc stops (the text so far is kept)", "dim")
         if r.box is None:
             await self._open_box(r)
-        r.text += m.text
-        if self.agent_turn is None:  # a tool-using turn saves its text on its own thread
-            self.session.stream(m.text)
+        r.text += m.text  # (the AgentLoop saves it, on its thread)
         if thinking:
             await r.box.add_reasoning(m.text, collapsed=self.reasoning_view is False)
             self.transcript.anchor()
@@ -318,53 +321,6 @@ class ChatScreen(Screen):
         bar.append(f" {m.done}/{m.total} tokens", style="dim")
         self.set_activity(bar)
 
-    async def on_reply_done(self, m: ReplyDone) -> None:
-        r = self._current(m.reply_id)
-        if r is None:
-            return
-        done = m.finished
-        await r.stream.stop()  # the tail came as text before this message
-        self.reply = None
-        interrupted = done.reason == "cancelled"
-        block = r.box.reasoning
-        if block is not None and self.reasoning_view is not True:
-            block.collapsed = True
-        self.status.set(context_used=done.prompt_tokens + done.generation_tokens, tokens=done.generation_tokens)
-        if getattr(m, "reasoning_cut", False) and not interrupted:
-            from ...reasoning import reasoning_cut_note
-
-            self.note(reasoning_cut_note(done.reason), "warning")
-        try:
-            self.session.finish(done.text, done, interrupted=interrupted)
-        except Exception as e:  # the store failed: say so, keep going
-            self.note(f"Could not save the reply: {e}", "error")
-        if interrupted:
-            r.box.mark("interrupted")
-        else:
-            detail = f"{done.generation_tokens} tok · {done.generation_tps:.1f} tok/s"
-            r.box.mark("done", detail + (" · max tokens" if done.reason == "length" else ""))
-        self.status.set(tok_s=done.generation_tps, bytes_per_token=done.bytes_per_token, hit_rate=done.hit_rate)
-        self.redraw()
-        self.set_activity("stopped; the partial reply is kept" if interrupted else "ready", "dim")
-
-    async def on_reply_failed(self, m: ReplyFailed) -> None:
-        r = self._current(m.reply_id)
-        if r is None:
-            return
-        await r.stream.stop()
-        self.reply = None
-        partial_text = r.text  # the model's text (the box shows it escaped)
-        if partial_text:
-            r.box.mark("failed")
-            try:
-                self.session.finish(partial_text, None, interrupted=True)
-            except Exception as e:  # the store failed too: say so, keep going
-                self.note(f"Could not save the partial reply: {e}", "error")
-        else:
-            await r.box.remove()
-            self.session.unsend()  # nothing answered it: keep the history alternating
-        self._engine_failed(m.failed)
-
     def _engine_failed(self, failed) -> None:
         message = failed.message.strip() or failed.exc_type
         lines = message.splitlines()
@@ -374,24 +330,17 @@ class ChatScreen(Screen):
                     markup=False)
         self.set_activity("the engine failed; see the message above", "bold red")
 
-    # -- tool use (the AgentLoop) ------------------------------------------------------------
-    async def start_agent_turn(self, text: str) -> None:
-        box = AssistantMessage()
-        await self.transcript.mount(box)
-        box.mark("streaming")
-        self._reply_seq += 1
-        self._live = Live()
-        turn = self.agent_turn = AgentTurn(self, self.agent, self._reply_seq, self._live)
-        self.reply = Reply(self._reply_seq, turn, box, Markdown.get_stream(box.markdown))
-        self.transcript.anchor()
-        self.set_activity("prefill…", "dim")
-        self.run_worker(partial(turn.run, text), thread=True, exit_on_error=False, group="reply",
-                        name=f"reply {self._reply_seq}")
-
-    def _on_agent_event(self, ev) -> None:  # worker thread: the AgentLoop's on_event
+    # -- the turn's messages (agent_turn.py posts them) ------------------------------------------
+    def _on_event(self, ev) -> None:  # worker thread: the AgentLoop's on_event
         turn = self.agent_turn
         if turn is not None:
             turn.on_event(ev)
+
+    def _ask(self, call, reason: str, reply) -> bool:  # worker thread: ModalApprover's show
+        """Put the approval question up, after the text that came before it."""
+        turn = self.agent_turn
+        return turn is not None and turn.post(
+            ApprovalRequest(turn.reply_id, call.name or "", call.arguments, reason, reply))
 
     async def _open_box(self, r: Reply) -> None:
         """The next model reply of the turn (after tool results) gets its own box."""
@@ -429,7 +378,7 @@ class ChatScreen(Screen):
         if done.reason != "cancelled":
             r.detail = f"{done.generation_tokens} tok · {done.generation_tps:.1f} tok/s" + (
                 " · max tokens" if done.reason == "length" else "")
-        self.status.set(context_used=done.prompt_tokens + done.generation_tokens)
+        self.status.set(context_used=done.prompt_tokens + done.generation_tokens, tokens=m.tokens)
         self.status.set(tok_s=done.generation_tps, bytes_per_token=done.bytes_per_token, hit_rate=done.hit_rate)
 
     async def on_reply_tool(self, m: ReplyTool) -> None:
@@ -445,18 +394,18 @@ class ChatScreen(Screen):
     def on_approval_request(self, m: ApprovalRequest) -> None:
         r = self._current(m.reply_id)
         if r is None or r.stopping or not self.app.is_running:
-            answer(m.future, "no")
+            m.reply(None)  # no
             return
         screen = ApproveScreen(m.name, m.arguments, m.reason)
 
         def answered(value: str | None) -> None:
-            answer(m.future, value or "no")
+            m.reply(value)
             if self._approval is not None and self._approval[1] is screen:
                 self._approval = None
             if self._current(m.reply_id) is not None and not r.stopping:
                 self.set_activity(f"{m.name}: {value or 'no'}", "dim")
 
-        self._approval = (m.future, screen)
+        self._approval = (m.reply, screen)
         self.app.push_screen(screen, answered)
         self.set_activity(f"{m.name} needs your approval: y yes · n no · a always", "bold")
 
@@ -464,9 +413,9 @@ class ChatScreen(Screen):
         """Answer an open question "no" and take the screen away (the turn is being stopped)."""
         if self._approval is None:
             return
-        future, screen = self._approval
+        reply, screen = self._approval
         self._approval = None
-        answer(future, "no")
+        reply("no")
         if self.app.screen is screen and not screen.answered:
             screen.answered = True
             screen.dismiss("no")
@@ -508,23 +457,14 @@ class ChatScreen(Screen):
             pass
 
     def _redraw(self) -> None:
-        live = self._live
-        ev = live.layers  # only the worker writes them, so no update is ever lost
+        stats = None if self.loop is None else self.loop.stats  # the worker thread writes them
+        ev = None if stats is None else stats.step_layers
         if ev is not None and ev is not self._drawn:
             self._drawn = ev
             self.panel.show_timings(ev)
-        if self.reply is not None and (live.steps or live.tokens):
+        if self.reply is not None and stats is not None and (stats.steps or stats.tokens):
             # live while the model reasons or writes a tool call too: every token counts
-            changes = {"tokens": live.tokens, "context_used": live.prompt_tokens + live.round_tokens}
-            if live.steps:
-                changes["bytes_per_token"] = live.bytes_read / live.steps
-            if live.tok_s() is not None:
-                changes["tok_s"] = live.tok_s()
-            if live.hits + live.misses:
-                changes["hit_rate"] = live.hits / (live.hits + live.misses)
-            self.status.set(**changes)
-        if self.reply is not None and self.agent_turn is None:
-            self.session.save_draft()  # what was shown is saved even while the model stalls
+            self.status.set(**stats.running())
         self._ticks += 1
         if self._ticks % RSS_EVERY == 0:
             self.status.set(rss=self._rss())
@@ -547,12 +487,14 @@ class ChatScreen(Screen):
         self.interrupt()
 
     async def on_unmount(self) -> None:
-        if self.reply is not None:  # quitting mid-reply: end the Markdown stream's task cleanly
-            self.reply.handle.cancel()
-            if self.agent_turn is None:  # keep what was shown, marked interrupted
-                self.session.finish(self.reply.text, None, interrupted=True)
-            if self.reply.stream is not None:
-                await self.reply.stream.stop()
+        r = self.reply
+        if r is not None:  # quitting mid-reply: the turn stops and its loop saves what it got
+            r.handle.cancel()
+            deadline = time.monotonic() + UNMOUNT_WAIT_S
+            while not r.handle.wait(0) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            if r.stream is not None:  # end the Markdown stream's task cleanly
+                await r.stream.stop()
 
     def action_end_of_input(self) -> None:
         """Ctrl+D where the message box does not take it (it quits itself when empty)."""
@@ -580,9 +522,38 @@ class ChatScreen(Screen):
         self.prompt.move_cursor(self.prompt.document.end)
         self.prompt.focus()
 
+    # -- slash commands (commands.py runs them; this screen is the Face they act on) ----------
+    keys = KEYS
+    described = {"timing": "/timing [off|step|layer] shows or hides the layer panel (alone: F2) or sets the "
+                           "timing mode"}
+
     def run_slash(self, name: str, arg: str) -> None:
         """A slash command (typed, or from the command palette)."""
-        slash.run(self, name, arg)
+        try:
+            commands.run(self, name, arg)
+        except Exception as e:  # noqa: BLE001  (the session's store failed, say): shown, not fatal
+            self.say(f"/{name}: {e}", "error")
+
+    def say(self, text: str, kind: str = "info") -> None:
+        """A note in the transcript: info, help, usage or error."""
+        note_kind = "error" if kind in ("usage", "error") else "info"
+        self.note(text, note_kind, title="help" if kind == "help" else "")
+
+    def busy(self) -> bool:
+        return self.reply is not None
+
+    def cleared(self) -> None:
+        self.transcript.remove_children()
+
+    def show_timing(self) -> None:
+        self.action_toggle_layers()
+
+    def timing_set(self, mode: str) -> None:
+        self.panel.set_mode(mode)
+        self.show_panel(mode != "off")
+
+    def quit(self) -> None:
+        self.app.quit_app()
 
 
 def short_path(path: Path) -> str:
