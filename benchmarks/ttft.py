@@ -41,7 +41,7 @@ def plain_turn(eng, prompt: str, i: int) -> tuple[float, int]:
 def tools_turn(eng, prompt: str, i: int) -> tuple[float, int]:
     """The first token of a tools turn as `flashmoe run --tools builtin PROMPT` asks for it (the
     flags as the CLI parses them, a fresh conversation each time)."""
-    from flashmoe.cli.agent_cli import make_loop
+    from flashmoe.cli.agent_cli import ToolOptions, make_loop
     from flashmoe.cli.chat import ChatSession
     from flashmoe.cli.cli import build_parser
     from flashmoe.engine import GenerationFinished, TokenGenerated
@@ -58,7 +58,7 @@ def tools_turn(eng, prompt: str, i: int) -> tuple[float, int]:
         if isinstance(ev, GenerationFinished):
             seen.setdefault("prompt_tokens", ev.prompt_tokens)
 
-    loop = make_loop(args, ChatSession(eng, cid=f"ttft-tools-{i}"), eng.loaded_info.chat_template,
+    loop = make_loop(ToolOptions.from_args(args), ChatSession(eng, cid=f"ttft-tools-{i}"), eng.loaded_info.chat_template,
                      NonInteractiveApprover(), on_event)
     loop.run_turn(prompt)
     return seen["first"], seen.get("prompt_tokens")

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from .approvers import approver_for
@@ -36,7 +37,37 @@ def add_tool_options(p: argparse.ArgumentParser) -> None:
                    help="rounds of tool calls per user message (default 5)")
 
 
-def make_agent(args, session, template: str, approver, on_event):
+@dataclass
+class ToolOptions:
+    """What the turn driver needs of the command line (add_tool_options' flags, and run's --raw)."""
+
+    tools: tuple[str, ...] = ()  # --tools SPECs; none: no tools, a turn is one plain reply
+    workspace: str = "."
+    mode: str = "ask"
+    allow: tuple[str, ...] = ()
+    ask: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+    dangerously_skip_approvals: bool = False
+    pass_env: tuple[str, ...] = ()
+    constrain: str = "tools"
+    max_repairs: int = 2
+    chain_limit: int = 5
+    raw: bool = False  # `run --raw`: the prompt without the chat template (no tools)
+
+    @classmethod
+    def from_args(cls, args) -> "ToolOptions":
+        """From the parsed flags of a command (one without tool flags gets the defaults)."""
+        if args is None:
+            return cls()
+        get = lambda name, default: getattr(args, name, default)  # noqa: E731
+        return cls(tools=tuple(get("tools", None) or ()), workspace=get("workspace", "."), mode=get("mode", "ask"),
+                   allow=tuple(get("allow", ())), ask=tuple(get("ask", ())), deny=tuple(get("deny", ())),
+                   dangerously_skip_approvals=get("dangerously_skip_approvals", False),
+                   pass_env=tuple(get("pass_env", ())), constrain=get("constrain", "tools"),
+                   max_repairs=get("max_repairs", 2), chain_limit=get("chain_limit", 5), raw=get("raw", False))
+
+
+def make_agent(args: ToolOptions, session, template: str, approver, on_event):
     """An AgentLoop for these options, or a UsageError naming the bad option."""
     from flashmoe.tools.errors import ToolError
     from flashmoe.tools.executor import ToolExecutor
@@ -56,9 +87,9 @@ def make_agent(args, session, template: str, approver, on_event):
     seal_environment()
     os.environ.update(passed)
     try:
-        policy = Policy(workspace, args.mode, allow=args.allow, ask=args.ask, deny=args.deny,
+        policy = Policy(workspace, args.mode, allow=list(args.allow), ask=list(args.ask), deny=list(args.deny),
                         dangerously_skip_approvals=args.dangerously_skip_approvals)
-        registry = load_tools(args.tools, policy, CommandRunner(cwd=workspace, pass_env=tuple(args.pass_env)))
+        registry = load_tools(list(args.tools), policy, CommandRunner(cwd=workspace, pass_env=tuple(args.pass_env)))
     except (ToolError, ValueError) as e:
         raise UsageError(str(e)) from None
     if args.mode == "yolo":
@@ -71,14 +102,14 @@ def make_agent(args, session, template: str, approver, on_event):
         raise UsageError(str(e)) from None
 
 
-def make_loop(args, session, template: str, approver, on_event):
+def make_loop(args: ToolOptions, session, template: str, approver, on_event):
     """The turn driver for these options: the tool loop with --tools, else the plain reply
     (`run --raw`: the prompt without the chat template)."""
-    if getattr(args, "tools", None):
+    if args.tools:
         return make_agent(args, session, template, approver, on_event)
     from .agent import AgentLoop
 
-    return AgentLoop(session, on_event=on_event, raw=getattr(args, "raw", False))
+    return AgentLoop(session, on_event=on_event, raw=args.raw)
 
 
 def read_script(path: str) -> list[dict]:
@@ -161,7 +192,7 @@ def cmd_agent(args) -> int:
             report(ev)
             out(ev)
 
-        loop = make_agent(args, session, loaded.chat_template, NonInteractiveApprover(), on_event)
+        loop = make_agent(ToolOptions.from_args(args), session, loaded.chat_template, NonInteractiveApprover(), on_event)
         loop.executor.approver = approver_for(args.approve, loop.executor.registry)
         out.stats = loop.stats
         for n, turn in enumerate(turns):

@@ -42,7 +42,7 @@ def run_suite(args, model: str, constrain: str) -> dict:
     from argparse import Namespace
 
     from .agent import RepairEvent, ToolCallEvent, ToolResultEvent
-    from .agent_cli import make_agent
+    from .agent_cli import ToolOptions, make_agent
     from .approvers import AutoApprover
     from .stats import mean_figures
     from .startup import EngineOptions, make_engine, open_conversation
@@ -77,7 +77,7 @@ def run_suite(args, model: str, constrain: str) -> dict:
                     elif isinstance(ev, GenerationFinished):
                         speeds.append(ev)
 
-                loop = make_agent(ns, session, loaded.chat_template, None, on_event)
+                loop = make_agent(ToolOptions.from_args(ns), session, loaded.chat_template, None, on_event)
                 loop.executor.approver = AutoApprover(loop.executor.registry)
                 t0 = time.perf_counter()
                 loop.run_turn(prompt)

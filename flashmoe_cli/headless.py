@@ -55,7 +55,7 @@ def answer(args, session, loaded, text: str, deadline: float | None = None) -> i
     one can approve); --timeout stops it with exit 4."""
     from flashmoe.tools.policy import NonInteractiveApprover
 
-    from .agent_cli import make_loop
+    from .agent_cli import ToolOptions, make_loop
     from .call_report import CallReport
     from .json_events import JsonEvents
     from .line_view import Stdout
@@ -72,7 +72,7 @@ def answer(args, session, loaded, text: str, deadline: float | None = None) -> i
 
     if args.json:
         out.json_line(loaded.to_dict() | {"chat_template": None})
-    loop = make_loop(args, session, loaded.chat_template, NonInteractiveApprover(), on_event)
+    loop = make_loop(ToolOptions.from_args(args), session, loaded.chat_template, NonInteractiveApprover(), on_event)
     out.stats, out.on_lost = loop.stats, loop.cancel
     try:
         end = loop.run_turn(text, deadline)

@@ -281,9 +281,9 @@ class LineRepl(LineView):
     # -- tools -----------------------------------------------------------------------------
     def use_tools(self, args) -> None:
         """Route replies through the tool loop, asking y / N / always before calls that need it."""
-        from .agent_cli import make_agent
+        from .agent_cli import ToolOptions, make_agent
 
-        self.loop = make_agent(args, self.session, self.loaded.chat_template, self.approver, self)
+        self.loop = make_agent(ToolOptions.from_args(args), self.session, self.loaded.chat_template, self.approver, self)
         self.stats = self.loop.stats
 
     @property

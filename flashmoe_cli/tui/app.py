@@ -203,10 +203,10 @@ def run_tui(args) -> int:
 
     session = open_conversation(args, None, model_name=str(args.model or "demo"))  # checks the flags first
     if getattr(args, "tools", None):  # and the tool options (UsageError: exit 2 before any loading)
-        from ..agent_cli import make_agent
+        from ..agent_cli import ToolOptions, make_agent
         from ..approvers import DecliningApprover
 
-        make_agent(args, session, "", DecliningApprover(), lambda ev: None)
+        make_agent(ToolOptions.from_args(args), session, "", DecliningApprover(), lambda ev: None)
     session.engine = make_engine(EngineOptions.from_args(args))
     app = ChatApp(session, args=args)
     try:

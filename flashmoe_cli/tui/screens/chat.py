@@ -203,7 +203,7 @@ class ChatScreen(Screen):
 
     def _build_loop(self, info) -> bool:
         """The AgentLoop every turn goes through; False when its tools cannot be set up."""
-        from ...agent_cli import make_loop
+        from ...agent_cli import ToolOptions, make_loop
 
         app = self.app  # (read here: the approver asks from the worker thread)
 
@@ -213,7 +213,7 @@ class ChatScreen(Screen):
 
         approver = ModalApprover(self._ask, wanted)
         try:
-            self.loop = make_loop(self.args, self.session, info.chat_template or "", approver, self._on_event)
+            self.loop = make_loop(ToolOptions.from_args(self.args), self.session, info.chat_template or "", approver, self._on_event)
         except Exception as e:  # noqa: BLE001  (a bad tool option; run_tui checks them before loading)
             self.app.refuse_messages(f"tools: {e}", ExitCode.USAGE)
             self._queued = None
