@@ -67,7 +67,7 @@ class ToolOptions:
                    max_repairs=get("max_repairs", 2), chain_limit=get("chain_limit", 5), raw=get("raw", False))
 
 
-def make_agent(args: ToolOptions, session, template: str, approver, on_event):
+def make_agent(opts: ToolOptions, session, template: str, approver, on_event):
     """An AgentLoop for these options, or a UsageError naming the bad option."""
     from flashmoe.tools.errors import ToolError
     from flashmoe.tools.executor import ToolExecutor
@@ -78,38 +78,38 @@ def make_agent(args: ToolOptions, session, template: str, approver, on_event):
     from .agent import AgentLoop, load_tools
     from .errors import UsageError
 
-    workspace = Path(args.workspace).expanduser()
+    workspace = Path(opts.workspace).expanduser()
     if not workspace.is_dir():
-        raise UsageError(f"--workspace {args.workspace}: not a folder")
+        raise UsageError(f"--workspace {opts.workspace}: not a folder")
     # Tool commands are children of this process: keep what they may read of it free of secrets
     # (its /proc environ too), except the variables the user passes on.
-    passed = {n: os.environ[n] for n in args.pass_env if n in os.environ}
+    passed = {n: os.environ[n] for n in opts.pass_env if n in os.environ}
     seal_environment()
     os.environ.update(passed)
     try:
-        policy = Policy(workspace, args.mode, allow=list(args.allow), ask=list(args.ask), deny=list(args.deny),
-                        dangerously_skip_approvals=args.dangerously_skip_approvals)
-        registry = load_tools(list(args.tools), policy, CommandRunner(cwd=workspace, pass_env=tuple(args.pass_env)))
+        policy = Policy(workspace, opts.mode, allow=list(opts.allow), ask=list(opts.ask), deny=list(opts.deny),
+                        dangerously_skip_approvals=opts.dangerously_skip_approvals)
+        registry = load_tools(list(opts.tools), policy, CommandRunner(cwd=workspace, pass_env=tuple(opts.pass_env)))
     except (ToolError, ValueError) as e:
         raise UsageError(str(e)) from None
-    if args.mode == "yolo":
+    if opts.mode == "yolo":
         print("flashmoe: yolo mode: every tool call runs without asking", file=sys.stderr)
-    executor = ToolExecutor(registry, policy, approver, max_repairs=args.max_repairs, chain_limit=args.chain_limit)
+    executor = ToolExecutor(registry, policy, approver, max_repairs=opts.max_repairs, chain_limit=opts.chain_limit)
     parser = parser_for_template(template, fallback=json_tools)
     try:
-        return AgentLoop(session, executor, parser, template=template, constrain=args.constrain, on_event=on_event)
+        return AgentLoop(session, executor, parser, template=template, constrain=opts.constrain, on_event=on_event)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
 
-def make_loop(args: ToolOptions, session, template: str, approver, on_event):
+def make_loop(opts: ToolOptions, session, template: str, approver, on_event):
     """The turn driver for these options: the tool loop with --tools, else the plain reply
     (`run --raw`: the prompt without the chat template)."""
-    if args.tools:
-        return make_agent(args, session, template, approver, on_event)
+    if opts.tools:
+        return make_agent(opts, session, template, approver, on_event)
     from .agent import AgentLoop
 
-    return AgentLoop(session, on_event=on_event, raw=args.raw)
+    return AgentLoop(session, on_event=on_event, raw=opts.raw)
 
 
 def read_script(path: str) -> list[dict]:
@@ -172,14 +172,14 @@ def cmd_agent(args) -> int:
     from .errors import UsageError
     from .json_events import JsonEvents
     from .line_view import Stdout
-    from .startup import EngineOptions, make_engine, open_conversation
+    from .startup import ConversationOptions, EngineOptions, make_engine, open_conversation
 
     if not args.tools:
         raise UsageError("agent needs --tools (e.g. --tools builtin)")
     turns = read_script(args.script)
     if turns[0]["role"] == "system":
         args.system = turns.pop(0)["content"]
-    session = open_conversation(args, None, model_name=str(args.model or "demo"))
+    session = open_conversation(ConversationOptions.from_args(args), None, model_name=str(args.model or "demo"))
     engine = session.engine = make_engine(EngineOptions.from_args(args))
     transcript = Transcript(args.transcript)
     try:

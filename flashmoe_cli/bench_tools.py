@@ -45,7 +45,7 @@ def run_suite(args, model: str, constrain: str) -> dict:
     from .agent_cli import ToolOptions, make_agent
     from .approvers import AutoApprover
     from .stats import mean_figures
-    from .startup import EngineOptions, make_engine, open_conversation
+    from .startup import ConversationOptions, EngineOptions, make_engine, open_conversation
     from flashmoe.engine.events import GenerationFinished
 
     ns = Namespace(**{**vars(args), "model": model, "constrain": constrain, "tools": [TOOLS], "no_log": True,
@@ -58,7 +58,7 @@ def run_suite(args, model: str, constrain: str) -> dict:
         for prompt, expected in SUITE:
             with tempfile.TemporaryDirectory() as tmp:
                 ns.workspace = str(make_workspace(Path(tmp)))
-                session = open_conversation(ns, engine, model_name=model)
+                session = open_conversation(ConversationOptions.from_args(ns), engine, model_name=model)
                 # One engine cache for the suite: every prompt shares the long tool preamble,
                 # which then runs once, not once per prompt.
                 session.session_key = "bench-tools"

@@ -32,10 +32,10 @@ def read_prompt(arg: str | None, stdin=None, command: str = "run") -> str:
 
 
 def run(args) -> int:
-    from .startup import EngineOptions, make_engine, open_conversation
+    from .startup import ConversationOptions, EngineOptions, make_engine, open_conversation
 
     text = read_prompt(args.prompt, command=getattr(args, "command", "run"))
-    session = open_conversation(args, None, model_name=str(args.model or "demo"))  # checks the flags first
+    session = open_conversation(ConversationOptions.from_args(args), None, model_name=str(args.model or "demo"))  # checks the flags first
     timeout = getattr(args, "timeout", None)
     deadline = None if timeout is None else time.monotonic() + timeout
     engine = session.engine = make_engine(EngineOptions.from_args(args))

@@ -319,11 +319,11 @@ class LineRepl(LineView):
 def run_repl(args, *, engine=None, input=None, output=None, stdout=None, stderr=None,
              history: History | None = None, clock=time.monotonic) -> int:
     """`flashmoe chat` as a line REPL. The keyword arguments are for tests (pipe input, DummyOutput)."""
-    from .startup import EngineOptions, make_engine, open_conversation
+    from .startup import ConversationOptions, EngineOptions, make_engine, open_conversation
 
     err = stderr or sys.stderr
     # The flags are checked (UsageError -> exit 2 in cli.main) before any model is loaded.
-    session = open_conversation(args, engine, model_name=str(getattr(args, "model", None) or "demo"))
+    session = open_conversation(ConversationOptions.from_args(args), engine, model_name=str(getattr(args, "model", None) or "demo"))
     try:
         if engine is None:
             print("flashmoe: loading the model...", file=err, flush=True)

@@ -56,7 +56,34 @@ def make_engine(opts: EngineOptions):
                   allow_resident_experts=opts.allow_resident_experts, truncate_prompt=opts.truncate_prompt)
 
 
-def open_conversation(args, engine, model_name: str):
+@dataclass(frozen=True)
+class ConversationOptions:
+    """How a conversation is opened and sampled, read once from the parsed flags."""
+    max_tokens: int = 256
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    timing: str = "off"
+    system: str | None = None
+    stop: tuple[str, ...] = ()
+    thinking: str | None = None
+    continue_: bool = False  # -c: resume the latest conversation
+    cid: str | None = None  # --cid: resume this one
+    no_log: bool = False  # -n: this turn is not saved
+
+    @classmethod
+    def from_args(cls, args) -> "ConversationOptions":
+        return cls(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
+                   min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
+                   timing=args.timing, system=args.system, stop=tuple(args.stop),
+                   thinking=getattr(args, "thinking", None), continue_=args.continue_, cid=args.cid,
+                   no_log=args.no_log)
+
+
+def open_conversation(opts: ConversationOptions, engine, model_name: str):
     """A ChatSession, resumed (-c / --cid) or new; saved unless -n."""
     from flashmoe.engine.runtime.sampling import SamplingParams
 
@@ -64,24 +91,24 @@ def open_conversation(args, engine, model_name: str):
     from .store import logging_disabled, open_store
 
     try:
-        sampling = SamplingParams(temperature=args.temp, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                  repetition_penalty=args.repetition_penalty, seed=args.seed)
+        sampling = SamplingParams(temperature=opts.temp, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
+                                  repetition_penalty=opts.repetition_penalty, seed=opts.seed)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if args.max_tokens < 1:
-        raise UsageError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    options = ChatOptions(max_tokens=args.max_tokens, sampling=sampling, timing=args.timing,
-                          system=args.system, stop=tuple(args.stop), thinking=getattr(args, "thinking", None))
-    resume = args.continue_ or args.cid
+    if opts.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1, got {opts.max_tokens}")
+    options = ChatOptions(max_tokens=opts.max_tokens, sampling=sampling, timing=opts.timing,
+                          system=opts.system, stop=opts.stop, thinking=opts.thinking)
+    resume = opts.continue_ or opts.cid
     try:
-        store = None if (args.no_log or logging_disabled()) and not resume else open_store()
+        store = None if (opts.no_log or logging_disabled()) and not resume else open_store()
     except StoreError as e:  # resuming needs it (exit 3); a new conversation goes on unsaved
         if resume:
             raise
         print(f"flashmoe: warning: the conversation is not saved ({e})", file=sys.stderr)
         store = None
-    cid = args.cid
-    if args.continue_ and cid is None:
+    cid = opts.cid
+    if opts.continue_ and cid is None:
         cid = store.latest()
         if cid is None:
             raise UsageError("--continue: there is no saved conversation yet")
@@ -89,6 +116,6 @@ def open_conversation(args, engine, model_name: str):
         session = ChatSession(engine, store, options, cid=cid, model_name=model_name)
     except KeyError:
         raise UsageError(f"--cid {cid}: no such conversation (see `flashmoe logs`)") from None
-    if args.no_log:
+    if opts.no_log:
         session.store = None  # resumed, but this turn is not saved
     return session

@@ -197,11 +197,11 @@ def teach_alt_enter() -> None:
 
 def run_tui(args) -> int:
     """`flashmoe chat` on a terminal; returns the exit code."""
-    from ..startup import EngineOptions, make_engine, open_conversation
+    from ..startup import ConversationOptions, EngineOptions, make_engine, open_conversation
 
     teach_alt_enter()
 
-    session = open_conversation(args, None, model_name=str(args.model or "demo"))  # checks the flags first
+    session = open_conversation(ConversationOptions.from_args(args), None, model_name=str(args.model or "demo"))  # checks the flags first
     if getattr(args, "tools", None):  # and the tool options (UsageError: exit 2 before any loading)
         from ..agent_cli import ToolOptions, make_agent
         from ..approvers import DecliningApprover
