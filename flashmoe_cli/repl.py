@@ -279,11 +279,12 @@ class LineRepl(LineView):
         self._quit = True
 
     # -- tools -----------------------------------------------------------------------------
-    def use_tools(self, args) -> None:
-        """Route replies through the tool loop, asking y / N / always before calls that need it."""
-        from .agent_cli import ToolOptions, make_agent
+    def use_tools(self, tools) -> None:
+        """Route replies through the tool loop (tools: its ToolOptions), asking y / N / always
+        before calls that need it."""
+        from .agent_cli import make_agent
 
-        self.loop = make_agent(ToolOptions.from_args(args), self.session, self.loaded.chat_template, self.approver, self)
+        self.loop = make_agent(tools, self.session, self.loaded.chat_template, self.approver, self)
         self.stats = self.loop.stats
 
     @property
@@ -319,6 +320,7 @@ class LineRepl(LineView):
 def run_repl(args, *, engine=None, input=None, output=None, stdout=None, stderr=None,
              history: History | None = None, clock=time.monotonic) -> int:
     """`flashmoe chat` as a line REPL. The keyword arguments are for tests (pipe input, DummyOutput)."""
+    from .agent_cli import ToolOptions
     from .startup import ConversationOptions, EngineOptions, make_engine, open_conversation
 
     err = stderr or sys.stderr
@@ -345,8 +347,9 @@ def run_repl(args, *, engine=None, input=None, output=None, stdout=None, stderr=
             history = open_history(stderr=err)
         repl = LineRepl(session, loaded, input=input, output=output, stdout=stdout, stderr=err,
                         history=history, clock=clock)
-        if getattr(args, "tools", None):
-            repl.use_tools(args)
+        tools = ToolOptions.from_args(args)
+        if tools.tools:
+            repl.use_tools(tools)
         return repl.run()
     finally:
         engine.close()

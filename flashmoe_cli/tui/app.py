@@ -42,15 +42,15 @@ class ChatApp(App[int]):
         Binding("ctrl+t", "toggle_reasoning", "Reasoning", show=False, priority=True, id="flashmoe.reasoning"),
     ]
 
-    def __init__(self, session, *, args=None, cursor_blink: bool = True, rss=rss_bytes,
+    def __init__(self, session, *, tools=None, cursor_blink: bool = True, rss=rss_bytes,
                  show_layers: bool | None = None):
         """session: the ChatSession, with its engine (still loading); the other options are the
-        chat screen's (args: the parsed `flashmoe chat` options; with --tools, the AgentLoop gets
-        the tools)."""
+        chat screen's (tools: the ToolOptions of `flashmoe chat`; None, or no --tools: plain
+        replies)."""
         super().__init__()
         self.session = session  # the chat screen's, made when the app starts
         self.engine = session.engine
-        self._chat_options = dict(args=args, cursor_blink=cursor_blink, rss=rss, show_layers=show_layers)
+        self._chat_options = dict(tools=tools, cursor_blink=cursor_blink, rss=rss, show_layers=show_layers)
         self._chat: ChatScreen | None = None
         self.loaded = None  # ModelLoaded, once the model is in
         self.load_error: str | None = None  # why nothing can be sent (the model, or the tools)
@@ -197,18 +197,20 @@ def teach_alt_enter() -> None:
 
 def run_tui(args) -> int:
     """`flashmoe chat` on a terminal; returns the exit code."""
+    from ..agent_cli import ToolOptions
     from ..startup import ConversationOptions, EngineOptions, make_engine, open_conversation
 
     teach_alt_enter()
+    tools = ToolOptions.from_args(args)
 
     session = open_conversation(ConversationOptions.from_args(args), None, model_name=str(args.model or "demo"))  # checks the flags first
-    if getattr(args, "tools", None):  # and the tool options (UsageError: exit 2 before any loading)
-        from ..agent_cli import ToolOptions, make_agent
+    if tools.tools:  # and the tool options (UsageError: exit 2 before any loading)
+        from ..agent_cli import make_agent
         from ..approvers import DecliningApprover
 
-        make_agent(ToolOptions.from_args(args), session, "", DecliningApprover(), lambda ev: None)
+        make_agent(tools, session, "", DecliningApprover(), lambda ev: None)
     session.engine = make_engine(EngineOptions.from_args(args))
-    app = ChatApp(session, args=args)
+    app = ChatApp(session, tools=tools)
     try:
         app.run()
     finally:

@@ -79,20 +79,22 @@ class StableFakeEngine(FakeEngine):
         super()._play(_HandleView(handle, self._hook), reply)
 
 
-def make_app(replies=None, *, timing: str = "layer", system: str | None = None, args=None, **engine_kw):
+def make_app(replies=None, *, timing: str = "layer", system: str | None = None, tools=None, **engine_kw):
     from flashmoe.cli.tui.app import ChatApp
 
     engine = StableFakeEngine(replies or [REPLY], **engine_kw)
     session = ChatSession(engine, None, ChatOptions(timing=timing, system=system), model_name="fake")
-    app = ChatApp(session, args=args, cursor_blink=False, rss=lambda: 256 << 20)
+    app = ChatApp(session, tools=tools, cursor_blink=False, rss=lambda: 256 << 20)
     return app, engine, session
 
 
 def tool_args(workspace, *extra: str):
     """`flashmoe chat --tools builtin --workspace DIR ...` as the app gets it."""
+    from flashmoe.cli.agent_cli import ToolOptions
     from flashmoe.cli.cli import build_parser
 
-    return build_parser().parse_args(["chat", "--tools", "builtin", "--workspace", str(workspace), *extra])
+    args = build_parser().parse_args(["chat", "--tools", "builtin", "--workspace", str(workspace), *extra])
+    return ToolOptions.from_args(args)
 
 
 @pytest.fixture

@@ -66,7 +66,7 @@ async def test_call_inside_reasoning_is_not_run_in_the_app(tmp_path):
     (ws / "notes.txt").write_text("hello\n")
     reply = f"I could {XML_WRITE} no.</think>\n\n{XML_READ}"
     app, engine, session = make_app([reply, "ok</think>Your notes say hello."], chat_template=qwen35_template(),
-                                    args=tool_args(ws, "--mode", "workspace-write"))
+                                    tools=tool_args(ws, "--mode", "workspace-write"))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.chat.loop is not None, what="the agent loop")
         await send(pilot, "notes?")

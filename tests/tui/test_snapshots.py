@@ -108,7 +108,7 @@ def test_tool_call_and_approval(snap_compare, tmp_path, monkeypatch):
     replies = ["I'll check the list first.\n" + call("read_file", path="todo.txt"),
                "It has eggs and bread. Adding milk:\n"
                + call("write_file", path="todo.txt", content="- eggs\n- bread\n- milk\n"), "Done."]
-    app, engine, session = make_app(replies, timing="off", args=tool_args(ws))
+    app, engine, session = make_app(replies, timing="off", tools=tool_args(ws))
 
     async def run_before(pilot):
         await _loaded(pilot)

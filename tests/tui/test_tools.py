@@ -51,7 +51,7 @@ async def asking(pilot) -> ApproveScreen:
 
 
 async def test_a_read_runs_without_asking_and_shows_a_collapsed_block(ws):
-    app, engine, session = make_app([READ, "Your note says: remember the milk."], args=tool_args(ws))
+    app, engine, session = make_app([READ, "Your note says: remember the milk."], tools=tool_args(ws))
     messages = []
     async with app.run_test(size=SIZE, message_hook=messages.append) as pilot:
         await loaded(pilot)
@@ -84,7 +84,7 @@ async def test_a_read_runs_without_asking_and_shows_a_collapsed_block(ws):
 
 @pytest.mark.parametrize("key,written", [("y", True), ("n", False), ("escape", False)])
 async def test_a_write_asks_and_runs_only_on_yes(ws, key, written):
-    app, engine, session = make_app([WRITE, "Done."], args=tool_args(ws))
+    app, engine, session = make_app([WRITE, "Done."], tools=tool_args(ws))
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         await send(pilot, "make a todo")
@@ -110,7 +110,7 @@ async def test_a_write_asks_and_runs_only_on_yes(ws, key, written):
 
 
 async def test_keys_are_ignored_just_after_the_question_appears_and_always_sticks(ws):
-    app, engine, session = make_app([WRITE, "Done.", WRITE, "Again."], args=tool_args(ws))
+    app, engine, session = make_app([WRITE, "Done.", WRITE, "Again."], tools=tool_args(ws))
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         await send(pilot, "make a todo")
@@ -130,7 +130,7 @@ async def test_keys_are_ignored_just_after_the_question_appears_and_always_stick
 
 
 async def test_ctrl_c_while_asking_stops_the_turn(ws):
-    app, engine, session = make_app([WRITE, "Done."], args=tool_args(ws))
+    app, engine, session = make_app([WRITE, "Done."], tools=tool_args(ws))
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         await send(pilot, "make a todo")
@@ -149,7 +149,7 @@ async def test_ctrl_c_while_asking_stops_the_turn(ws):
 
 
 async def test_quitting_while_asking_exits_and_ends_the_worker(ws):
-    app, engine, session = make_app([WRITE, "Done."], args=tool_args(ws))
+    app, engine, session = make_app([WRITE, "Done."], tools=tool_args(ws))
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         await send(pilot, "make a todo")
@@ -167,7 +167,7 @@ async def test_quitting_while_asking_exits_and_ends_the_worker(ws):
 
 
 async def test_chain_limit_is_an_error_note_and_the_app_goes_on(ws):
-    app, engine, session = make_app([READ], args=tool_args(ws, "--chain-limit", "1"))
+    app, engine, session = make_app([READ], tools=tool_args(ws, "--chain-limit", "1"))
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         await send(pilot, "read it forever")
@@ -180,7 +180,7 @@ async def test_chain_limit_is_an_error_note_and_the_app_goes_on(ws):
 
 
 async def test_engine_failure_with_tools_is_a_note(ws):
-    app, engine, session = make_app(args=tool_args(ws), fail="layer 3: read failed")
+    app, engine, session = make_app(tools=tool_args(ws), fail="layer 3: read failed")
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         await send(pilot, "hi")
@@ -192,7 +192,7 @@ async def test_engine_failure_with_tools_is_a_note(ws):
 
 
 async def test_bad_tool_options_refuse_to_send(tmp_path):
-    app, engine, session = make_app(args=tool_args(tmp_path / "missing"))
+    app, engine, session = make_app(tools=tool_args(tmp_path / "missing"))
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.load_error is not None)
         assert "not a folder" in [n for n in boxes(app, Note) if n.kind == "error"][-1].text
@@ -203,7 +203,7 @@ async def test_bad_tool_options_refuse_to_send(tmp_path):
 
 
 async def test_escape_stops_a_tool_turn_and_keeps_the_text(ws):
-    app, engine, session = make_app(["The answer is " + "very " * 20 + "long."], args=tool_args(ws), gate_after=3)
+    app, engine, session = make_app(["The answer is " + "very " * 20 + "long."], tools=tool_args(ws), gate_after=3)
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         await send(pilot, "go")
@@ -218,7 +218,7 @@ async def test_escape_stops_a_tool_turn_and_keeps_the_text(ws):
 
 
 async def test_a_resumed_tool_conversation_shows_results_as_blocks(ws):
-    app, engine, session = make_app(args=tool_args(ws))
+    app, engine, session = make_app(tools=tool_args(ws))
     session.history = [{"role": "user", "content": "what is in my notes?"},
                        {"role": "assistant", "content": READ},
                        {"role": "user", "content": "<tool_response>\nremember the milk\n</tool_response>"},

@@ -28,6 +28,7 @@ from textual.screen import Screen
 from textual.widgets import Markdown, Static
 
 from ... import commands
+from ...agent_cli import ToolOptions
 from ...approvers import ModalApprover
 from ...commands import CommandError, parse
 from ...exit_codes import ExitCode
@@ -87,12 +88,12 @@ class ChatScreen(Screen):
         """The screen is mounted. It bubbles up to the App, which then starts waiting for the
         model: what the wait ends with goes into this screen's widgets."""
 
-    def __init__(self, session, *, args=None, cursor_blink: bool = True, rss=rss_bytes,
+    def __init__(self, session, *, tools=None, cursor_blink: bool = True, rss=rss_bytes,
                  show_layers: bool | None = None):
-        """args: the parsed `flashmoe chat` options (with --tools, the AgentLoop gets the tools)."""
+        """tools: the ToolOptions the AgentLoop gets (None, or no --tools: plain replies)."""
         super().__init__()
         self.session = session
-        self.args = args
+        self.tools = tools or ToolOptions()
         self.loop = None  # the AgentLoop, built once the model is in (it needs the chat template)
         self.agent_turn: AgentTurn | None = None  # the turn that runs
         self._approval: tuple | None = None  # (reply, ApproveScreen) while a question is open
@@ -203,7 +204,7 @@ class ChatScreen(Screen):
 
     def _build_loop(self, info) -> bool:
         """The AgentLoop every turn goes through; False when its tools cannot be set up."""
-        from ...agent_cli import ToolOptions, make_loop
+        from ...agent_cli import make_loop
 
         app = self.app  # (read here: the approver asks from the worker thread)
 
@@ -213,7 +214,7 @@ class ChatScreen(Screen):
 
         approver = ModalApprover(self._ask, wanted)
         try:
-            self.loop = make_loop(ToolOptions.from_args(self.args), self.session, info.chat_template or "", approver, self._on_event)
+            self.loop = make_loop(self.tools, self.session, info.chat_template or "", approver, self._on_event)
         except Exception as e:  # noqa: BLE001  (a bad tool option; run_tui checks them before loading)
             self.app.refuse_messages(f"tools: {e}", ExitCode.USAGE)
             self._queued = None
