@@ -206,7 +206,7 @@ async def test_tui_tool_blocks_and_approval_show_control_sequences_escaped(tmp_p
     ws.mkdir()
     (ws / "notes.txt").write_text(ATTACK)
     replies = [tui_call("read_file", path="notes.txt"), tui_call("write_file", path="t.txt", content=ATTACK), "ok"]
-    app, engine, session = make_app(replies, args=tool_args(ws))
+    app, engine, session = make_app(replies, tools=tool_args(ws))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
         await send(pilot, "go")

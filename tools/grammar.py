@@ -518,3 +518,68 @@ def tool_call_constraint(tools: list[dict], mode: str = "required", fmt: str = "
     max_string_length ("auto" (default), int or None).
     """
     return ToolCallConstraintFactory(tools, mode, fmt, start, end, **options)
+
+
+# -- a whole reply as JSON (the server's response_format) ------------------------------------
+
+class JsonConstraint:
+    """The Constraint for a reply that must be one JSON value matching a schema: every token is
+    constrained from the first, and the reply ends (done()) when the value is complete."""
+
+    def __init__(self, lt, matcher):
+        self._lt, self._matcher = lt, matcher
+        self._n = lt.vocab_size
+        self._bits = np.zeros((self._n + 31) // 32, dtype=np.int32)
+        self._done = False
+
+    def allowed(self) -> np.ndarray | None:
+        if self._done:
+            return None
+        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if self._matcher.is_error():
+            raise RuntimeError(f"JSON constraint failed: {self._matcher.get_error()}")
+        return np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self._n).view(bool)
+
+    def accept(self, token: int) -> None:
+        if self._done:
+            return
+        if not self._matcher.consume_token(int(token)):
+            raise RuntimeError(f"JSON constraint: token {token} not allowed: {self._matcher.get_error()}")
+        self._done = self._matcher.is_stopped()
+
+    def done(self) -> bool:
+        return self._done
+
+
+class JsonConstraintFactory:
+    """`make(tokenizer) -> JsonConstraint` for a JSON Schema (None: any JSON object). The schema
+    is checked here, once; strings without a bound get STRING_BOUND (as tool arguments do), so a
+    model that never closes a string still ends with a value that validates."""
+
+    def __init__(self, schema: dict | None = None, *, closed_objects: bool = False,
+                 max_string_length: int | str | None = "auto"):
+        if schema is None:
+            schema = {"type": "object"}
+        if not isinstance(schema, dict):
+            raise TypeError("a JSON Schema must be an object")
+        self.schema = _prepare_schema(schema, closed_objects=closed_objects, max_string_length=max_string_length)
+        llg = _llg()
+        self._grammar = llg.LLMatcher.grammar_from_lark(
+            f"%llguidance {{}}\nstart: value\nvalue: {_json_grammar(self.schema, False)}\n")
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(self._grammar)
+        if is_error:
+            raise ValueError(f"cannot build a grammar for the schema: {messages[0] if messages else 'unknown error'}")
+        self._cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def __call__(self, tokenizer) -> JsonConstraint:
+        with self._lock:
+            hit = self._cache.get(tokenizer)
+            if hit is None:
+                lt = ll_tokenizer(tokenizer)
+                m = _llg().LLMatcher(lt, self._grammar, log_level=0)
+                if m.is_error():
+                    raise ValueError(f"JSON grammar rejected: {m.get_error()}")
+                hit = self._cache[tokenizer] = (lt, m)
+        lt, m = hit
+        return JsonConstraint(lt, m.deep_copy())
