@@ -186,6 +186,25 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--out", type=output_file, metavar="FILE", help="write the results as JSON")
     _add_engine_options(bs)
 
+    serve = sub.add_parser("serve", help="serve the model over HTTP: OpenAI- and Anthropic-compatible API",
+                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("-m", "--model", metavar="MODEL", default=S,
+                       help="model folder, or org/name[@revision] from the Hugging Face cache (default: the demo)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one)")
+    serve.add_argument("--api-key", metavar="KEY", default=None,
+                       help="require this key on every request (Authorization: Bearer KEY, or x-api-key)")
+    serve.add_argument("--max-queue", type=at_least(1), default=16, metavar="N",
+                       help="requests in flight or waiting before new ones are refused with 429 (default 16)")
+    serve.add_argument("--max-tokens", type=at_least(1), default=1024, metavar="N",
+                       help="reply length when a chat request does not say (default 1024)")
+    serve.add_argument("--truncate-prompt", choices=TRUNCATE_CHOICES, default=S,
+                       help="a prompt longer than the context: off (default) refuses it (HTTP 400), left drops "
+                            "its oldest tokens")
+    _add_engine_options(serve)
+    serve.add_argument("--engine", choices=("real", "fake"), default="real", help=argparse.SUPPRESS)
+
     logs = sub.add_parser("logs", help="list saved conversations, or show one")
     logs.add_argument("action", nargs="?", choices=("list", "show", "path"), default="list",
                       help="list (default), show one conversation, or print the file they are saved in")
@@ -315,6 +334,11 @@ def _main(argv: list[str] | None = None) -> int:
             return run(args)
         if args.command == "chat":
             return cmd_chat(args)
+        if args.command == "serve":
+            from .serve.main import cmd_serve
+
+            apply_settings(args)
+            return cmd_serve(args)
         if args.command == "logs":
             from .logs_cli import cmd_logs
 

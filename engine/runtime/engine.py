@@ -52,7 +52,8 @@ class Engine:
     def __init__(self, model_path, *, expert_cache: int | None = None, io_threads: int = 8,
                  direct_io: bool = False, dtype: str | None = None, kernels: str = "mlx",
                  prefetch: bool | str = False, cache_policy: str = "lfu", verify_reads: bool = True,
-                 truncate_prompt: str = "off", allow_resident_experts: bool = False):
+                 truncate_prompt: str = "off", allow_resident_experts: bool = False,
+                 prompt_cache_bytes: int = 2 << 30):
         """truncate_prompt: for requests that do not say, what to do with a prompt longer than the
         model's context (generate.TRUNCATE_MODES). The rest are loader.load's options."""
         if truncate_prompt not in TRUNCATE_MODES:
@@ -70,6 +71,8 @@ class Engine:
         self.load_error: BaseException | None = None
         self.loaded = None
         self._sessions: dict[str, Session] = {}
+        self._prompt_cache_bytes = prompt_cache_bytes
+        self.pool = None  # PromptCachePool, made with the model
         # mlx-lm imports transformers; doing that first on a non-main thread can abort the
         # process at exit ("terminate called without an active exception"), so import it here.
         import mlx_lm.utils  # noqa: F401  (pyflakes: needed for its side effect)
@@ -85,7 +88,9 @@ class Engine:
             raise self.load_error
         return self.loaded_info
 
-    def submit(self, request: GenerationRequest, session: str = "default") -> Handle:
+    def submit(self, request: GenerationRequest, session: str | None = "default") -> Handle:
+        """session: the conversation whose cache the request continues; None: the prompt-cache
+        pool picks the cached prompt it shares most with (engine/runtime/prompt_cache.py)."""
         handle = Handle(request, session)
         self._inbox.put(handle)
         return handle
@@ -117,6 +122,10 @@ class Engine:
                 context=context_length(lm.config), resident_experts=lm.resident_experts)
         except BaseException as e:  # reported to the caller by wait_loaded
             self.load_error = e
+        if self.loaded is not None:
+            from flashmoe.engine.runtime.prompt_cache import PromptCachePool
+
+            self.pool = PromptCachePool(self.loaded, self._prompt_cache_bytes)
         self._loaded_event.set()
 
         while True:
@@ -139,12 +148,13 @@ class Engine:
         if self.loaded is None:
             handle.events.put(EngineFailed(f"model not loaded: {self.load_error}", type(self.load_error).__name__, 3))
             return
-        session = self._sessions.setdefault(handle.session, Session(self.loaded))
         self._current = handle
         request = handle.request
         if request.truncate_prompt is None:
             request = dataclasses.replace(request, truncate_prompt=self.truncate_prompt)
+        session = Session(self.loaded)  # replaced by the request's own (its reset is then a no-op)
         try:
+            session = self._session_for(handle.session, request)
             for ev in generate(self.loaded, session, request, handle._cancel):
                 handle.events.put(ev)
         except ModelLoadError as e:  # a read failed mid-generation: an I/O problem, exit 3
@@ -159,3 +169,12 @@ class Engine:
                                            type(e).__name__, 1))
         finally:
             self._current = None
+            if handle.session is None and self.pool is not None:
+                self.pool.settle()
+
+    def _session_for(self, key: str | None, request: GenerationRequest) -> Session:
+        if key is not None:
+            return self._sessions.setdefault(key, Session(self.loaded))
+        from flashmoe.engine.runtime.generate import render_prompt
+
+        return self.pool.pick(render_prompt(self.loaded, request))

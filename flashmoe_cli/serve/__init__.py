@@ -1,0 +1,1 @@
+"""`flashmoe serve`: the OpenAI- and Anthropic-compatible HTTP face of the engine."""

@@ -1,0 +1,73 @@
+"""`flashmoe serve`: load the model, print where it listens, serve until Ctrl-C or SIGTERM.
+
+Starlette and uvicorn: the ASGI pair most Python model servers use (vLLM, SGLang and mlx-lm's
+own OpenAI server all build on one or both); SSE streaming, disconnect detection and graceful
+shutdown come with them instead of being written here.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+
+from ..errors import UsageError
+from ..exit_codes import ExitCode
+
+
+def model_id(args, info) -> str:
+    """The name clients send as `model`: the folder's name (the demo: "demo")."""
+    from pathlib import Path
+
+    return "demo" if not args.model else Path(str(args.model).rstrip("/")).name or str(args.model)
+
+
+def cmd_serve(args) -> int:
+    from ..startup import EngineOptions, make_engine
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: not a port number (0-65535)")
+    try:
+        import uvicorn
+
+        from .app import Server
+    except ImportError as e:
+        raise UsageError(f"flashmoe serve needs {e.name} (pip install starlette uvicorn)") from None
+    print("flashmoe: loading the model...", file=sys.stderr, flush=True)
+    engine = make_engine(EngineOptions.from_args(args))
+    try:
+        info = engine.wait_loaded()
+        name = model_id(args, info)
+        server = Server(engine, info, name, api_key=args.api_key, max_queue=args.max_queue,
+                        default_max_tokens=args.max_tokens)
+        config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
+                                timeout_graceful_shutdown=30, lifespan="off")
+
+        class Announcing(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                """Ctrl-C / SIGTERM: stop accepting, finish what runs, and exit 0 (uvicorn's own
+                re-raises the signal after shutdown, which exits 130 / 143)."""
+                old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for sig, handler in old.items():
+                        signal.signal(sig, handler)
+
+            async def startup(self, sockets=None):
+                await super().startup(sockets)
+                if not self.should_exit:
+                    port = self.servers[0].sockets[0].getsockname()[1]
+                    key = "; every request needs the API key" if args.api_key else ""
+                    bits = f"{info.bits}-bit" if info.bits else "unquantized"
+                    print(f"flashmoe: serving {name} ({info.model_type}, {bits}, "
+                          f"K={info.top_k} of {info.experts} experts) at http://{args.host}:{port}/v1{key}",
+                          file=sys.stderr, flush=True)
+
+        try:
+            Announcing(config).run()  # Ctrl-C / SIGTERM: stop accepting, finish what runs, return
+        except SystemExit:  # it could not listen (uvicorn said why on stderr)
+            raise UsageError(f"--host {args.host} --port {args.port}: cannot listen there") from None
+        return ExitCode.OK
+    finally:
+        engine.close()
