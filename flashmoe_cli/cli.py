@@ -202,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--truncate-prompt", choices=TRUNCATE_CHOICES, default=S,
                        help="a prompt longer than the context: off (default) refuses it (HTTP 400), left drops "
                             "its oldest tokens")
+    serve.add_argument("--prompt-cache", type=parse_size, default=2 << 30, metavar="SIZE",
+                       help="memory for the caches of recent prompts, reused by requests that resend them "
+                            "(default 2GB)")
+    serve.add_argument("--disk-cache", type=parse_size, default=8 << 30, metavar="SIZE",
+                       help="room for prompt caches saved under FLASHMOE_HOME/kv, so a restarted server reuses "
+                            "them (default 8GB; 0: none)")
     _add_engine_options(serve)
     serve.add_argument("--engine", choices=("real", "fake"), default="real", help=argparse.SUPPRESS)
 

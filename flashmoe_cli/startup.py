@@ -28,6 +28,9 @@ class EngineOptions:
     verify_reads: bool = True
     allow_resident_experts: bool = False
     truncate_prompt: str = "off"
+    prompt_cache_bytes: int = 2 << 30  # prompt caches kept in memory for requests without a conversation
+    prompt_cache_dir: str | None = None  # where they are also saved (serve: FLASHMOE_HOME/kv); None: not
+    prompt_cache_disk_bytes: int = 8 << 30
 
     @classmethod
     def from_args(cls, args) -> "EngineOptions":
@@ -36,6 +39,17 @@ class EngineOptions:
                    cache_policy=args.cache_policy, verify_reads=getattr(args, "verify_reads", "on") != "off",
                    allow_resident_experts=getattr(args, "allow_resident_experts", False),
                    truncate_prompt=getattr(args, "truncate_prompt", "off"))
+
+    @classmethod
+    def for_serve(cls, args) -> "EngineOptions":
+        """serve's: the prompt-cache pool's budgets, and its disk folder unless --disk-cache 0."""
+        import dataclasses
+
+        from flashmoe.engine.formats.demo import flashmoe_home
+
+        return dataclasses.replace(cls.from_args(args), prompt_cache_bytes=args.prompt_cache,
+                                   prompt_cache_disk_bytes=args.disk_cache,
+                                   prompt_cache_dir=str(flashmoe_home() / "kv") if args.disk_cache else None)
 
 
 def make_engine(opts: EngineOptions):
@@ -53,7 +67,9 @@ def make_engine(opts: EngineOptions):
     return Engine(resolve_model(opts.model), expert_cache=opts.expert_cache, io_threads=opts.io_threads,
                   direct_io=opts.direct_io, dtype=resolve_dtype(opts.dtype), kernels=opts.kernels,
                   prefetch=opts.prefetch, cache_policy=opts.cache_policy, verify_reads=opts.verify_reads,
-                  allow_resident_experts=opts.allow_resident_experts, truncate_prompt=opts.truncate_prompt)
+                  allow_resident_experts=opts.allow_resident_experts, truncate_prompt=opts.truncate_prompt,
+                  prompt_cache_bytes=opts.prompt_cache_bytes, prompt_cache_dir=opts.prompt_cache_dir,
+                  prompt_cache_disk_bytes=opts.prompt_cache_disk_bytes)
 
 
 @dataclass(frozen=True)

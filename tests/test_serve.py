@@ -305,3 +305,64 @@ def test_past_the_queue_a_request_is_refused_at_once(tmp_path):
         slow.join(timeout=60)
     finally:
         assert s.stop() == 0
+
+
+LONG = [{"role": "system", "content": "You are a careful assistant. " * 12},
+        {"role": "user", "content": "Tell me about the history of the printing press in Europe."}]
+
+
+def test_after_a_restart_the_prompt_cache_comes_from_disk(tiny, tmp_path):
+    env = {"FLASHMOE_HOME": str(tmp_path / "home")}
+    first = ServerProcess("-m", str(tiny), env=env)
+    try:
+        c = openai.OpenAI(base_url=f"{first.url}/v1", api_key="-", max_retries=0)
+        cold = c.chat.completions.create(model=MODEL, messages=LONG, max_tokens=6, temperature=0)
+        assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        assert first.stop() == 0
+    saved = list((tmp_path / "home" / "kv").glob("*.safetensors"))
+    assert len(saved) == 1 and ".partial" not in saved[0].name
+    again = ServerProcess("-m", str(tiny), env=env)
+    try:
+        c = openai.OpenAI(base_url=f"{again.url}/v1", api_key="-", max_retries=0)
+        history = LONG + [{"role": "assistant", "content": cold.choices[0].message.content},
+                          {"role": "user", "content": "Shorter, please."}]
+        warm = c.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+        assert warm.usage.prompt_tokens_details.cached_tokens >= cold.usage.prompt_tokens
+        # the same words as a server that computed everything itself
+        fresh = ServerProcess("-m", str(tiny), "--disk-cache", "0", env={"FLASHMOE_HOME": str(tmp_path / "other")})
+        try:
+            f = openai.OpenAI(base_url=f"{fresh.url}/v1", api_key="-", max_retries=0)
+            full = f.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+        finally:
+            fresh.stop()
+        assert full.usage.prompt_tokens_details.cached_tokens == 0
+        assert warm.choices[0].message.content == full.choices[0].message.content
+    finally:
+        assert again.stop() == 0
+
+
+def test_a_prompt_cache_written_by_another_model_is_refused(model_factory, tiny, tmp_path):
+    from flashmoe.engine.runtime.generate import render_prompt
+    from flashmoe.engine.runtime.loader import load
+    from flashmoe.engine.runtime.prompt_cache import DiskPromptCache, PromptCachePool
+    from flashmoe.engine.runtime.generate import GenerationRequest, Session
+    from flashmoe.engine.runtime.decode import prefill
+
+    other = model_factory("qwen3_moe", bits=4)  # same architecture and tokenizer, other weights
+    a, b = load(tiny), load(other)
+    ids = render_prompt(a, GenerationRequest(messages=LONG))
+    session = Session(a)
+    session.prepare(ids)
+    for _ in prefill(a.model, session, ids, 512, threading.Event()):
+        pass
+    DiskPromptCache(tmp_path, a.path).save(session)
+    (saved,) = tmp_path.glob("*.safetensors")
+    disk_b = DiskPromptCache(tmp_path, b.path)
+    assert disk_b.best(ids) == (None, 0)  # not offered to the other model
+    assert disk_b.load(saved, b) is None and "another model" in disk_b.refused[-1]
+    pool = PromptCachePool(b, disk=disk_b)
+    assert pool.pick(ids).tokens == []  # computed afresh
+    disk_a = DiskPromptCache(tmp_path, a.path)
+    assert disk_a.best(ids) == (saved, len(ids))
+    assert disk_a.load(saved, a).tokens == ids

@@ -53,7 +53,7 @@ class Engine:
                  direct_io: bool = False, dtype: str | None = None, kernels: str = "mlx",
                  prefetch: bool | str = False, cache_policy: str = "lfu", verify_reads: bool = True,
                  truncate_prompt: str = "off", allow_resident_experts: bool = False,
-                 prompt_cache_bytes: int = 2 << 30):
+                 prompt_cache_bytes: int = 2 << 30, prompt_cache_dir=None, prompt_cache_disk_bytes: int = 8 << 30):
         """truncate_prompt: for requests that do not say, what to do with a prompt longer than the
         model's context (generate.TRUNCATE_MODES). The rest are loader.load's options."""
         if truncate_prompt not in TRUNCATE_MODES:
@@ -71,7 +71,7 @@ class Engine:
         self.load_error: BaseException | None = None
         self.loaded = None
         self._sessions: dict[str, Session] = {}
-        self._prompt_cache_bytes = prompt_cache_bytes
+        self._prompt_cache = (prompt_cache_bytes, prompt_cache_dir, prompt_cache_disk_bytes)
         self.pool = None  # PromptCachePool, made with the model
         # mlx-lm imports transformers; doing that first on a non-main thread can abort the
         # process at exit ("terminate called without an active exception"), so import it here.
@@ -123,9 +123,18 @@ class Engine:
         except BaseException as e:  # reported to the caller by wait_loaded
             self.load_error = e
         if self.loaded is not None:
-            from flashmoe.engine.runtime.prompt_cache import PromptCachePool
+            from flashmoe.engine.runtime.prompt_cache import DiskPromptCache, PromptCachePool
 
-            self.pool = PromptCachePool(self.loaded, self._prompt_cache_bytes)
+            budget, folder, disk_bytes = self._prompt_cache
+            disk = None
+            if folder is not None and disk_bytes > 0:
+                try:
+                    disk = DiskPromptCache(folder, self.loaded.path, disk_bytes)
+                except OSError as e:  # the caches stay in memory
+                    import logging
+
+                    logging.getLogger("flashmoe").warning("flashmoe: warning: no prompt caches on disk: %s", e)
+            self.pool = PromptCachePool(self.loaded, budget, disk=disk)
         self._loaded_event.set()
 
         while True:

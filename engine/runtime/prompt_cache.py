@@ -49,8 +49,10 @@ def _copy_cache(cache: list):
 class PromptCachePool:
     """Sessions for prompts, picked by longest shared prefix; least recently used go first."""
 
-    def __init__(self, loaded, budget_bytes: int = 2 << 30, max_entries: int = 16):
+    def __init__(self, loaded, budget_bytes: int = 2 << 30, max_entries: int = 16, disk=None):
+        """disk: a DiskPromptCache the pool falls back on and saves to (None: memory only)."""
         self.loaded = loaded
+        self.disk = disk
         self.budget_bytes = budget_bytes
         self.max_entries = max_entries
         self.entries: list[Session] = []  # least recently used first
@@ -66,6 +68,12 @@ class PromptCachePool:
             usable = n == len(s.tokens) or (s.cache is not None and can_trim_prompt_cache(s.cache))
             if usable and n > shared:
                 best, shared = s, n
+        if self.disk is not None:
+            file, n = self.disk.best(ids)
+            if n > shared and (saved := self.disk.load(file, self.loaded)) is not None \
+                    and (n == len(saved.tokens) or can_trim_prompt_cache(saved.cache)):
+                best, shared = saved, n
+                self.entries.append(saved)
         if best is None:
             session = Session(self.loaded)
         elif shared == len(best.tokens) and shared < len(ids):
@@ -85,9 +93,16 @@ class PromptCachePool:
             self.entries.remove(victim)
 
     def settle(self) -> None:
-        """After a generation: the budget holds with the new cache's size."""
+        """After a generation: the budget holds with the new cache's size, and the cache is saved."""
         if self.entries:
             self._evict(keep=self.entries[-1])
+            if self.disk is not None:
+                try:
+                    self.disk.save(self.entries[-1])
+                except OSError as e:  # a full or read-only disk costs the cache, not the reply
+                    import logging
+
+                    logging.getLogger("flashmoe").warning("flashmoe: warning: prompt cache not saved: %s", e)
 
     def drop(self, session: Session) -> None:
         if session in self.entries:
@@ -95,3 +110,130 @@ class PromptCachePool:
 
     def clear(self) -> None:
         self.entries = []
+
+
+# -- on disk ---------------------------------------------------------------------------------
+
+def model_identity(path) -> str:
+    """What a saved cache must have been computed by: the config and the weight and tokenizer
+    files (names, sizes and times), hashed. A cache from any other model is refused."""
+    import hashlib
+    from pathlib import Path
+
+    folder = Path(path)
+    h = hashlib.sha256()
+    h.update((folder / "config.json").read_bytes() if (folder / "config.json").is_file() else b"")
+    for f in sorted(folder.rglob("*")):
+        if f.is_file() and f.suffix in (".safetensors", ".bin", ".json", ".gguf") and f.name != "config.json":
+            st = f.stat()
+            h.update(f"{f.relative_to(folder)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _header_metadata(file) -> dict:
+    """The user metadata of a saved cache, read from the safetensors header alone."""
+    import json
+    import struct
+
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 64 << 20:
+            raise ValueError("header too large")
+        meta = json.loads(f.read(n)).get("__metadata__") or {}
+    return {k[2:]: v for k, v in meta.items() if k.startswith("0.")}
+
+
+class DiskPromptCache:
+    """Prompt caches saved under `folder` (FLASHMOE_HOME/kv/), one safetensors file each (mlx-lm's
+    save_prompt_cache), with the model's identity and the token ids in its metadata. Written to a
+    temporary name and renamed; checked on load (the model, and that the cache holds as many
+    positions as it has tokens); the oldest go when the folder passes `cap_bytes`."""
+
+    MIN_TOKENS = 16  # shorter prompts are cheaper to run again than to read back
+
+    def __init__(self, folder, model_path, cap_bytes: int = 8 << 30):
+        from pathlib import Path
+
+        self.folder = Path(folder)
+        self.model = model_identity(model_path)
+        self.cap_bytes = cap_bytes
+        self.refused: list[str] = []  # files not used, and why (for logs and tests)
+        self.index: dict = {}  # file -> token ids, this model's only
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for f in sorted(self.folder.glob("*.safetensors")):
+            if ".partial" in f.name:
+                continue
+            try:
+                meta = _header_metadata(f)
+                if meta.get("model") != self.model:
+                    continue  # another model's: load() refuses it if asked
+                self.index[f] = [int(t) for t in meta["tokens"].split(",") if t]
+            except (OSError, ValueError, KeyError) as e:
+                self.refused.append(f"{f.name}: {e}")
+
+    def best(self, ids: list[int]) -> tuple[object, int]:
+        """(file, shared tokens) of the saved cache that shares the longest prefix with `ids`
+        (the pool trims what it holds past that); (None, 0) when none shares MIN_TOKENS."""
+        best, shared = None, self.MIN_TOKENS - 1
+        for f, tokens in self.index.items():
+            n = common_prefix(tokens, ids)
+            if n > shared:
+                best, shared = f, n
+        return (best, shared) if best is not None else (None, 0)
+
+    def load(self, file, loaded) -> Session | None:
+        """The saved session, or None (said in `refused`) when it is not this model's or is damaged."""
+        from mlx_lm.models.cache import load_prompt_cache
+
+        try:
+            cache, meta = load_prompt_cache(str(file), return_metadata=True)
+        except Exception as e:  # noqa: BLE001  (a damaged file is refused, never fatal)
+            self.refused.append(f"{file.name}: unreadable ({e})")
+            return None
+        if meta.get("model") != self.model:
+            self.refused.append(f"{file.name}: written by another model")
+            return None
+        tokens = [int(t) for t in meta.get("tokens", "").split(",") if t]
+        from mlx_lm.models.cache import make_prompt_cache
+
+        offsets = {getattr(c, "offset", len(tokens)) for c in cache}
+        fresh = make_prompt_cache(loaded.model)
+        if [type(c) for c in cache] != [type(c) for c in fresh] or offsets - {len(tokens)}:
+            self.refused.append(f"{file.name}: its cache does not match its tokens or this model")
+            return None
+        session = Session(loaded)
+        session.cache, session.tokens = cache, tokens
+        return session
+
+    def save(self, session: Session) -> None:
+        import hashlib
+        import os
+
+        from mlx_lm.models.cache import save_prompt_cache
+
+        tokens = list(session.tokens)
+        if len(tokens) < self.MIN_TOKENS or session.cache is None:
+            return
+        key = hashlib.sha256(f"{self.model}:{tokens}".encode()).hexdigest()[:32]
+        final = self.folder / f"{key}.safetensors"
+        tmp = self.folder / f"{key}.partial.safetensors"
+        save_prompt_cache(str(tmp), session.cache, {"model": self.model, "tokens": ",".join(map(str, tokens)),
+                                                    "format": "flashmoe-kv-1"})
+        os.replace(tmp, final)
+        # The turns before this one are prefixes of it: this file serves them too.
+        for f, old in list(self.index.items()):
+            if f != final and len(old) <= len(tokens) and old == tokens[:len(old)]:
+                f.unlink(missing_ok=True)
+                del self.index[f]
+        self.index[final] = tokens
+        self._trim()
+
+    def _trim(self) -> None:
+        files = sorted(self.folder.glob("*.safetensors"), key=lambda f: f.stat().st_mtime)
+        total = sum(f.stat().st_size for f in files)
+        for f in files[:-1]:
+            if total <= self.cap_bytes:
+                break
+            total -= f.stat().st_size
+            f.unlink(missing_ok=True)
+            self.index.pop(f, None)

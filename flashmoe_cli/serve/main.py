@@ -33,7 +33,7 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise UsageError(f"flashmoe serve needs {e.name} (pip install starlette uvicorn)") from None
     print("flashmoe: loading the model...", file=sys.stderr, flush=True)
-    engine = make_engine(EngineOptions.from_args(args))
+    engine = make_engine(EngineOptions.for_serve(args))
     try:
         info = engine.wait_loaded()
         name = model_id(args, info)
