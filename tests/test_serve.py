@@ -366,3 +366,28 @@ def test_a_prompt_cache_written_by_another_model_is_refused(model_factory, tiny,
     disk_a = DiskPromptCache(tmp_path, a.path)
     assert disk_a.best(ids) == (saved, len(ids))
     assert disk_a.load(saved, a).tokens == ids
+
+
+def test_responses_text_streamed_and_a_function_call_round_trip(oa):
+    r = oa.responses.create(model=MODEL, input="Say hello to the world.", max_output_tokens=12, temperature=0)
+    chat = oa.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0)
+    assert r.output_text == chat.choices[0].message.content
+    events = list(oa.responses.create(model=MODEL, input="Say hello to the world.", max_output_tokens=12,
+                                      temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].type == "response.completed" and events[-1].response.usage.output_tokens == 12
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+            "parameters": WEATHER["function"]["parameters"]}
+    call_r = oa.responses.create(model=MODEL, input="Weather in Lima?", tools=[tool], tool_choice="required",
+                                 max_output_tokens=64, temperature=0)
+    call = next(o for o in call_r.output if o.type == "function_call")
+    jsonschema.validate(json.loads(call.arguments), tool["parameters"])
+    answer = oa.responses.create(model=MODEL, tools=[tool], tool_choice="none", max_output_tokens=8, temperature=0,
+                                 input=[{"role": "user", "content": "Weather in Lima?"},
+                                        {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                         "arguments": call.arguments},
+                                        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}])
+    bare = oa.responses.create(model=MODEL, input="Weather in Lima?", max_output_tokens=1, temperature=0)
+    assert answer.output_text and answer.usage.input_tokens > bare.usage.input_tokens + 10  # the call, its result
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        oa.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import anthropic_api, openai_api
+from . import anthropic_api, openai_api, responses_api
 from .errors import APIError
 from .generation import Generation
 
@@ -195,6 +195,8 @@ class Server:
             Route("/v1/completions", self.endpoint(lambda b: openai_api.parse_completion(b, d),
                                                    openai_api.completion_response, openai_api.completion_chunks),
                   methods=["POST"]),
+            Route("/v1/responses", self.endpoint(lambda b: responses_api.parse_responses(b, d),
+                                                 responses_api.response, responses_api.events), methods=["POST"]),
             Route("/v1/messages", self.endpoint(anthropic_api.parse_messages, anthropic_api.message_response,
                                                 anthropic_api.message_events, anthropic=True), methods=["POST"]),
         ]
