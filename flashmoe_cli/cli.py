@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a prompt longer than the context: off (default) refuses it (HTTP 400), left drops "
                             "its oldest tokens")
     serve.add_argument("--prompt-cache", type=parse_size, default=2 << 30, metavar="SIZE",
-                       help="memory for the caches of recent prompts, reused by requests that resend them "
+                       help="memory for the caches of recent prompts, reused by requests that resend them (0: none) "
                             "(default 2GB)")
     serve.add_argument("--disk-cache", type=parse_size, default=8 << 30, metavar="SIZE",
                        help="room for prompt caches saved under FLASHMOE_HOME/kv, so a restarted server reuses "

@@ -62,6 +62,8 @@ class PromptCachePool:
         one that shares most with them, or a new one."""
         from mlx_lm.models.cache import can_trim_prompt_cache
 
+        if self.budget_bytes <= 0:  # no pool: every prompt runs whole
+            return Session(self.loaded)
         best, shared = None, 0
         for s in self.entries:
             n = common_prefix(s.tokens, ids)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -200,26 +201,42 @@ class Generation:
         fed = False
         try:
             while True:
-                ev = await asyncio.to_thread(self.handle.get)
-                if isinstance(ev, PrefillProgress) and not fed and ev.reasoning:
-                    state = TextState(parser, tools=[as_openai_tool(t) for t in self.tools] or None,
-                                      in_reasoning=ev.reasoning)
-                elif isinstance(ev, TokenGenerated):
-                    fed = True
-                    for d in _deltas(state.feed(ev.text)):
+                for ev in await asyncio.to_thread(self._next_events):
+                    for d in self._take(ev, state):
                         yield d
-                elif isinstance(ev, GenerationFinished):
-                    for d in _deltas(state.feed(ev.tail) + state.finish()):
-                        yield d
-                    self.reply = self._reply(state, ev)
-                    return
-                elif isinstance(ev, EngineFailed):
-                    message = (ev.message.strip().splitlines() or ["generation failed"])[0]
-                    raise APIError(400 if ev.exit_code == 2 or ev.exc_type in ("ContextLengthError", "ValueError")
-                                   else 500, message, kind="invalid_request_error" if ev.exit_code == 2 else "server_error")
+                    if self.reply is not None:
+                        return
+                    if isinstance(ev, PrefillProgress) and not fed and ev.reasoning:
+                        state = TextState(parser, tools=[as_openai_tool(t) for t in self.tools] or None,
+                                          in_reasoning=ev.reasoning)
+                    fed = fed or isinstance(ev, TokenGenerated)
         finally:
             if self.reply is None:
                 self.cancel()
+
+    def _next_events(self) -> list:
+        """The next event (waiting for it) and every one queued behind it: one thread hop for
+        several tokens when the client reads slower than the engine writes."""
+        out = [self.handle.get()]
+        while True:
+            try:
+                out.append(self.handle.events.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _take(self, ev, state: TextState):
+        """One engine event: its text as deltas; the reply once it is finished."""
+        if isinstance(ev, TokenGenerated):
+            for d in _deltas(state.feed(ev.text)):
+                yield d
+        elif isinstance(ev, GenerationFinished):
+            for d in _deltas(state.feed(ev.tail) + state.finish()):
+                yield d
+            self.reply = self._reply(state, ev)
+        elif isinstance(ev, EngineFailed):
+            message = (ev.message.strip().splitlines() or ["generation failed"])[0]
+            raise APIError(400 if ev.exit_code == 2 or ev.exc_type in ("ContextLengthError", "ValueError")
+                           else 500, message, kind="invalid_request_error" if ev.exit_code == 2 else "server_error")
 
     async def run(self) -> Reply:
         async for _ in self.deltas():
