@@ -49,6 +49,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verify-reads", dest="verify_reads", action="store_const", const="off", default=S,
                    help="do not check each expert against the manifest's CRC-32 the first time it is read "
                         "(setting verify_reads = on|off; default on; cost: `flashmoe bench speed`)")
+    p.add_argument("--disk-cache", type=parse_size, default=None, metavar="SIZE",
+                   help="room for prompt caches saved under FLASHMOE_HOME/kv, so a resumed conversation or a "
+                        "restarted server does not run its prompt again (default 8GB for chat and serve, "
+                        "0 (none) for run, agent and the benchmarks)")
     p.add_argument("--allow-resident-experts", action="store_true",
                    help="load a model whose experts cannot stream (its expert blocks are not mlx-lm switch "
                         "layers) with every expert in memory; without it such a model fails to load")
@@ -195,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one)")
     serve.add_argument("--api-key", metavar="KEY", default=None,
                        help="require this key on every request (Authorization: Bearer KEY, or x-api-key)")
+    serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                       help="answer browser requests (CORS) from this origin, e.g. http://localhost:3000 "
+                            "(repeatable; default: none)")
     serve.add_argument("--max-queue", type=at_least(1), default=16, metavar="N",
                        help="requests in flight or waiting before new ones are refused with 429 (default 16)")
     serve.add_argument("--max-tokens", type=at_least(1), default=1024, metavar="N",
@@ -205,9 +212,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prompt-cache", type=parse_size, default=2 << 30, metavar="SIZE",
                        help="memory for the caches of recent prompts, reused by requests that resend them (0: none) "
                             "(default 2GB)")
-    serve.add_argument("--disk-cache", type=parse_size, default=8 << 30, metavar="SIZE",
-                       help="room for prompt caches saved under FLASHMOE_HOME/kv, so a restarted server reuses "
-                            "them (default 8GB; 0: none)")
     _add_engine_options(serve)
     serve.add_argument("--engine", choices=("real", "fake"), default="real", help=argparse.SUPPRESS)
 

@@ -38,18 +38,23 @@ class EngineOptions:
                    direct_io=args.direct_io, dtype=args.dtype, kernels=args.kernels, prefetch=args.prefetch,
                    cache_policy=args.cache_policy, verify_reads=getattr(args, "verify_reads", "on") != "off",
                    allow_resident_experts=getattr(args, "allow_resident_experts", False),
-                   truncate_prompt=getattr(args, "truncate_prompt", "off"))
+                   truncate_prompt=getattr(args, "truncate_prompt", "off"),
+                   prompt_cache_bytes=getattr(args, "prompt_cache", 2 << 30), **disk_cache(args))
 
-    @classmethod
-    def for_serve(cls, args) -> "EngineOptions":
-        """serve's: the prompt-cache pool's budgets, and its disk folder unless --disk-cache 0."""
-        import dataclasses
 
-        from flashmoe.engine.formats.demo import flashmoe_home
+DISK_CACHE_BYTES = 8 << 30
+DISK_CACHE_BY_DEFAULT = ("chat", "serve")  # conversations that come back; `run` and `agent`: --disk-cache
 
-        return dataclasses.replace(cls.from_args(args), prompt_cache_bytes=args.prompt_cache,
-                                   prompt_cache_disk_bytes=args.disk_cache,
-                                   prompt_cache_dir=str(flashmoe_home() / "kv") if args.disk_cache else None)
+
+def disk_cache(args) -> dict:
+    """Where prompt caches are saved (FLASHMOE_HOME/kv) and how much room they get: --disk-cache,
+    else on for chat and serve, off for the one-shot commands."""
+    from flashmoe.engine.formats.demo import flashmoe_home
+
+    size = getattr(args, "disk_cache", None)
+    if size is None:
+        size = DISK_CACHE_BYTES if getattr(args, "command", None) in DISK_CACHE_BY_DEFAULT else 0
+    return {"prompt_cache_disk_bytes": size, "prompt_cache_dir": str(flashmoe_home() / "kv") if size else None}
 
 
 def make_engine(opts: EngineOptions):

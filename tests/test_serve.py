@@ -391,3 +391,23 @@ def test_responses_text_streamed_and_a_function_call_round_trip(oa):
     assert answer.output_text and answer.usage.input_tokens > bare.usage.input_tokens + 10  # the call, its result
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         oa.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
+
+
+def test_no_cors_unless_asked(server):
+    r = httpx.get(f"{server.url}/health", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    s = ServerProcess("--engine", "fake", "--allow-origin", "http://localhost:3000")
+    try:
+        ok = httpx.options(f"{s.url}/v1/chat/completions", headers={
+            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+        assert ok.headers.get("access-control-allow-origin") == "http://localhost:3000"
+        other = httpx.get(f"{s.url}/health", headers={"Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_taken_port_is_a_one_line_usage_error(server):
+    out = run_cli("serve", "--engine", "fake", "--port", str(server.port), timeout=60)
+    assert out.returncode == 2 and f"--port {server.port}: cannot listen there" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -178,12 +178,20 @@ class Engine:
                                            type(e).__name__, 1))
         finally:
             self._current = None
-            if handle.session is None and self.pool is not None:
-                self.pool.settle()
+            if handle.session is None:
+                self.pool.settle()  # its budget, and the cache saved to disk
+            elif self.pool.disk is not None:
+                self.pool.save(session)
 
     def _session_for(self, key: str | None, request: GenerationRequest) -> Session:
-        if key is not None:
-            return self._sessions.setdefault(key, Session(self.loaded))
+        """A conversation's own session (a new one starts from the longest saved prefix on disk,
+        when there are saved caches), or, with no key, the pool's pick."""
         from flashmoe.engine.runtime.generate import render_prompt
 
-        return self.pool.pick(render_prompt(self.loaded, request))
+        if key is None:
+            return self.pool.pick(render_prompt(self.loaded, request))
+        session = self._sessions.get(key)
+        if session is None:
+            session = self.pool.saved(render_prompt(self.loaded, request)) if self.pool.disk is not None else None
+            session = self._sessions[key] = session or Session(self.loaded)
+        return session

@@ -71,10 +71,9 @@ class PromptCachePool:
             if usable and n > shared:
                 best, shared = s, n
         if self.disk is not None:
-            file, n = self.disk.best(ids)
-            if n > shared and (saved := self.disk.load(file, self.loaded)) is not None \
-                    and (n == len(saved.tokens) or can_trim_prompt_cache(saved.cache)):
-                best, shared = saved, n
+            saved = self.saved(ids, more_than=shared)
+            if saved is not None:
+                best, shared = saved, common_prefix(saved.tokens, ids)
                 self.entries.append(saved)
         if best is None:
             session = Session(self.loaded)
@@ -88,6 +87,28 @@ class PromptCachePool:
         self._evict(keep=session)
         return session
 
+    def saved(self, ids: list[int], more_than: int = 0) -> Session | None:
+        """The saved session that shares the longest prefix with `ids` (more than `more_than`
+        tokens), loaded, if its cache can be cut back to what it shares; else None."""
+        from mlx_lm.models.cache import can_trim_prompt_cache
+
+        file, n = self.disk.best(ids)
+        if n <= more_than:
+            return None
+        session = self.disk.load(file, self.loaded)
+        if session is None or not (n == len(session.tokens) or can_trim_prompt_cache(session.cache)):
+            return None
+        return session
+
+    def save(self, session: Session) -> None:
+        """Save a session's cache to disk; a full or read-only disk costs the cache, not the reply."""
+        try:
+            self.disk.save(session)
+        except OSError as e:
+            import logging
+
+            logging.getLogger("flashmoe").warning("flashmoe: warning: prompt cache not saved: %s", e)
+
     def _evict(self, keep: Session) -> None:
         while len(self.entries) > self.max_entries or (
                 len(self.entries) > 1 and sum(cache_bytes(s) for s in self.entries) > self.budget_bytes):
@@ -99,12 +120,7 @@ class PromptCachePool:
         if self.entries:
             self._evict(keep=self.entries[-1])
             if self.disk is not None:
-                try:
-                    self.disk.save(self.entries[-1])
-                except OSError as e:  # a full or read-only disk costs the cache, not the reply
-                    import logging
-
-                    logging.getLogger("flashmoe").warning("flashmoe: warning: prompt cache not saved: %s", e)
+                self.save(self.entries[-1])
 
     def drop(self, session: Session) -> None:
         if session in self.entries:

@@ -48,11 +48,12 @@ class Metrics:
 
 class Server:
     def __init__(self, engine, info, model_id: str, *, api_key: str | None = None, max_queue: int = 16,
-                 default_max_tokens: int = 1024):
+                 default_max_tokens: int = 1024, allow_origins: tuple[str, ...] = ()):
         self.engine, self.info, self.model_id = engine, info, model_id
         self.api_key = api_key
         self.max_queue = max_queue
         self.default_max_tokens = default_max_tokens
+        self.allow_origins = tuple(allow_origins)  # CORS: none unless asked
         self.pending = 0
         self.metrics = Metrics()
 
@@ -200,4 +201,11 @@ class Server:
             Route("/v1/messages", self.endpoint(anthropic_api.parse_messages, anthropic_api.message_response,
                                                 anthropic_api.message_events, anthropic=True), methods=["POST"]),
         ]
-        return Starlette(routes=routes)
+        middleware = []
+        if self.allow_origins:
+            from starlette.middleware import Middleware
+            from starlette.middleware.cors import CORSMiddleware
+
+            middleware.append(Middleware(CORSMiddleware, allow_origins=list(self.allow_origins),
+                                         allow_methods=["GET", "POST"], allow_headers=["*"]))
+        return Starlette(routes=routes, middleware=middleware)

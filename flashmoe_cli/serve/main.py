@@ -33,12 +33,12 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise UsageError(f"flashmoe serve needs {e.name} (pip install starlette uvicorn)") from None
     print("flashmoe: loading the model...", file=sys.stderr, flush=True)
-    engine = make_engine(EngineOptions.for_serve(args))
+    engine = make_engine(EngineOptions.from_args(args))
     try:
         info = engine.wait_loaded()
         name = model_id(args, info)
         server = Server(engine, info, name, api_key=args.api_key, max_queue=args.max_queue,
-                        default_max_tokens=args.max_tokens)
+                        default_max_tokens=args.max_tokens, allow_origins=tuple(args.allow_origin))
         config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=30, lifespan="off")
 
