@@ -73,6 +73,9 @@ def main() -> int:
     p.add_argument("--tools", action="store_true",
                    help="send each prompt as `flashmoe run --tools builtin` does: through the AgentLoop, with "
                         "the built-in tools' instructions in the prompt")
+    p.add_argument("--saved-prefixes", action="store_true",
+                   help="with prompt caches saved to a fresh folder (as chat and serve keep them in "
+                        "FLASHMOE_HOME/kv): each new conversation starts from the prefix the last one saved")
     args = p.parse_args()
 
     from flashmoe.engine import ModelLoaded
@@ -81,7 +84,10 @@ def main() -> int:
 
     model = Path(args.model) if args.model else ensure_demo()
     t0 = time.perf_counter()
-    eng = Engine(model, kernels=args.kernels)
+    import tempfile
+
+    kv = tempfile.mkdtemp(prefix="fm-ttft-kv-") if args.saved_prefixes else None
+    eng = Engine(model, kernels=args.kernels, prompt_cache_dir=kv)
     info = eng.wait_loaded()
     load_s = time.perf_counter() - t0
     assert isinstance(info, ModelLoaded)
@@ -89,10 +95,11 @@ def main() -> int:
     print(f"machine : {cpu_model()}; flashmoe {source_revision()}")
     print(f"load    : {load_s:.2f} s")
     for i in range(args.requests):
-        first, prompt_tokens = (tools_turn if args.tools else plain_turn)(eng, args.prompt, i)
+        prompt = args.prompt if i == 0 else f"{args.prompt} (question {i + 1})"  # a new question each time
+        first, prompt_tokens = (tools_turn if args.tools else plain_turn)(eng, prompt, i)
         print(f"request {i + 1}: first token after {first:.3f} s ({prompt_tokens} prompt tokens"
               f"{', built-in tools' if args.tools else ''}, "
-              f"{'first request after load' if i == 0 else 'full prefill again'})")
+              f"{'first request after load' if i == 0 else 'prefix from the saved cache' if kv else 'full prefill again'})")
     eng.close()
     return 0
 

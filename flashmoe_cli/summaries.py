@@ -8,7 +8,8 @@ def summary(done, loaded) -> str:
     """The one-line summary on stderr: every speed with its conditions."""
     bits = f"{done.bits}-bit" if done.bits else "float"
     parts = [
-        f"prefill {done.prompt_tokens - done.reused_prompt_tokens} tok {done.prompt_tps:.1f} tok/s",
+        f"prefill {done.prompt_tokens - done.reused_prompt_tokens} tok {done.prompt_tps:.1f} tok/s"
+        + (f" ({done.reused_prompt_tokens} tok cached)" if done.reused_prompt_tokens else ""),
         f"decode {done.generation_tokens} tok {done.generation_tps:.2f} tok/s",
         f"{human_bytes(done.bytes_per_token)}/token read",
         f"hit rate {done.hit_rate:.0%}",
