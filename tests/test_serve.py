@@ -411,3 +411,14 @@ def test_a_taken_port_is_a_one_line_usage_error(server):
     out = run_cli("serve", "--engine", "fake", "--port", str(server.port), timeout=60)
     assert out.returncode == 2 and f"--port {server.port}: cannot listen there" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_body_of_the_wrong_shapes_is_a_400_not_a_crash(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for body in ({"messages": HELLO, "response_format": "json"}, {"messages": "hello"}, [1, 2],
+                 {"messages": [{"role": "user", "content": 5}]}, {"messages": HELLO, "max_tokens": -1}):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/messages", content=b"{not json", headers=headers, timeout=30)
+    assert r.status_code == 400 and r.json()["type"] == "error"

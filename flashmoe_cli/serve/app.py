@@ -81,13 +81,15 @@ class Server:
                                 "(GET /v1/models)", param="model")
         return body
 
-    def _admit(self, anthropic: bool) -> None:
+    def _admit(self, anthropic: bool, hold: bool = True) -> None:
+        """Refuse past the queue's bound; `hold`: count the request as pending from now (a stream
+        counts from its first read, so one whose client left before it began is never counted)."""
         if self.pending >= self.max_queue:
             self.metrics.refused += 1
             raise APIError(529 if anthropic else 429,
                            f"the server is busy: {self.pending} requests in flight or waiting "
                            f"(--max-queue {self.max_queue}); retry shortly")
-        self.pending += 1
+        self.pending += hold
         self.metrics.requests += 1
 
     def _done(self, gen: Generation) -> None:
@@ -104,9 +106,11 @@ class Server:
                 body = await self._body(request)
                 call = parse(body)
                 gen = Generation(self.engine, call, self.info.chat_template)
-                self._admit(anthropic)
+                self._admit(anthropic, hold=not body.get("stream"))
             except APIError as e:
                 return self._error(e, anthropic)
+            except (TypeError, AttributeError, KeyError, ValueError) as e:  # a body of the wrong shapes
+                return self._error(APIError(400, f"malformed request: {type(e).__name__}: {e}"), anthropic)
             rid = ("msg_" if anthropic else "chatcmpl-") + secrets.token_hex(12)
             if body.get("stream"):
                 return StreamingResponse(self._sse(gen, stream(gen, self.model_id, rid, self.info), anthropic),
@@ -135,6 +139,7 @@ class Server:
         return task.result()
 
     async def _sse(self, gen: Generation, events, anthropic: bool):
+        self.pending += 1
         try:
             async for item in events:
                 if anthropic:
