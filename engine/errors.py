@@ -26,6 +26,12 @@ class ConvertError(ModelLoadError):
     """A conversion source cannot be converted."""
 
 
+class OptionError(FlashMoEError, ValueError):
+    """An option the model cannot take (--experts-per-token past its experts): a usage error."""
+
+    exit_code = 2
+
+
 class ContextLengthError(FlashMoEError, ValueError):
     """The prompt does not fit in the model's context and truncation was not asked for (exit code 2:
     the user's input is what has to change)."""

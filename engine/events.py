@@ -31,6 +31,7 @@ class ModelLoaded(Event):
     cache_policy: str = ""  # which cached expert a miss evicts: "lfu" or "lru" ("" without experts)
     context: int | None = None  # the model's context in tokens (config_check.context_length), None: unknown
     resident_experts: str | None = None  # why every expert is in memory (--allow-resident-experts), or None
+    trained_top_k: int | None = None  # the config's experts per token, when --experts-per-token changed it
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verify-reads", dest="verify_reads", action="store_const", const="off", default=S,
                    help="do not check each expert against the manifest's CRC-32 the first time it is read "
                         "(setting verify_reads = on|off; default on; cost: `flashmoe bench speed`)")
+    p.add_argument("--experts-per-token", type=at_least(1), default=None, metavar="N",
+                   help="route each token to N experts instead of the number the model was trained with "
+                        "(fewer: less to read per token, at a cost in quality; the summary says K=N of TRAINED)")
     p.add_argument("--disk-cache", type=parse_size, default=None, metavar="SIZE",
                    help="room for prompt caches saved under FLASHMOE_HOME/kv, so a resumed conversation or a "
                         "restarted server does not run its prompt again (default 8GB for chat and serve, "

@@ -28,6 +28,7 @@ class EngineOptions:
     verify_reads: bool = True
     allow_resident_experts: bool = False
     truncate_prompt: str = "off"
+    experts_per_token: int | None = None  # None: as the model was trained
     prompt_cache_bytes: int = 2 << 30  # prompt caches kept in memory for requests without a conversation
     prompt_cache_dir: str | None = None  # where they are also saved (serve: FLASHMOE_HOME/kv); None: not
     prompt_cache_disk_bytes: int = 8 << 30
@@ -39,6 +40,7 @@ class EngineOptions:
                    cache_policy=args.cache_policy, verify_reads=getattr(args, "verify_reads", "on") != "off",
                    allow_resident_experts=getattr(args, "allow_resident_experts", False),
                    truncate_prompt=getattr(args, "truncate_prompt", "off"),
+                   experts_per_token=getattr(args, "experts_per_token", None),
                    prompt_cache_bytes=getattr(args, "prompt_cache", 2 << 30), **disk_cache(args))
 
 
@@ -74,7 +76,7 @@ def make_engine(opts: EngineOptions):
                   prefetch=opts.prefetch, cache_policy=opts.cache_policy, verify_reads=opts.verify_reads,
                   allow_resident_experts=opts.allow_resident_experts, truncate_prompt=opts.truncate_prompt,
                   prompt_cache_bytes=opts.prompt_cache_bytes, prompt_cache_dir=opts.prompt_cache_dir,
-                  prompt_cache_disk_bytes=opts.prompt_cache_disk_bytes)
+                  prompt_cache_disk_bytes=opts.prompt_cache_disk_bytes, experts_per_token=opts.experts_per_token)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ def summary(done, loaded) -> str:
         f"{human_bytes(done.bytes_per_token)}/token read",
         f"hit rate {done.hit_rate:.0%}",
         f"io wait {done.io_wait_s / done.decode_s:.0%}" if done.decode_s > 0 else "io wait -",
-        f"K={done.top_k}", bits, f"{done.cache_state} expert cache"
+        f"K={done.top_k}" + (f" of {loaded.trained_top_k}" if getattr(loaded, "trained_top_k", None) else ""), bits, f"{done.cache_state} expert cache"
         + (f" {human_bytes(loaded.cache_bytes)} {loaded.cache_policy}" if loaded.cache_policy else ""),
         f"{loaded.model_type} ({loaded.mode}, {loaded.kernels} kernels)",
     ]

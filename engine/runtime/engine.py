@@ -53,7 +53,8 @@ class Engine:
                  direct_io: bool = False, dtype: str | None = None, kernels: str = "mlx",
                  prefetch: bool | str = False, cache_policy: str = "lfu", verify_reads: bool = True,
                  truncate_prompt: str = "off", allow_resident_experts: bool = False,
-                 prompt_cache_bytes: int = 2 << 30, prompt_cache_dir=None, prompt_cache_disk_bytes: int = 8 << 30):
+                 prompt_cache_bytes: int = 2 << 30, prompt_cache_dir=None, prompt_cache_disk_bytes: int = 8 << 30,
+                 experts_per_token: int | None = None):
         """truncate_prompt: for requests that do not say, what to do with a prompt longer than the
         model's context (generate.TRUNCATE_MODES). The rest are loader.load's options."""
         if truncate_prompt not in TRUNCATE_MODES:
@@ -62,7 +63,8 @@ class Engine:
         self.truncate_prompt = truncate_prompt
         self._load_args = dict(expert_cache=expert_cache, io_threads=io_threads, direct_io=direct_io, dtype=dtype,
                                kernels=kernels, prefetch=prefetch, cache_policy=cache_policy,
-                               verify_reads=verify_reads, allow_resident_experts=allow_resident_experts)
+                               verify_reads=verify_reads, allow_resident_experts=allow_resident_experts,
+                               experts_per_token=experts_per_token)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loaded_event = threading.Event()
         self._stopped = threading.Event()
@@ -119,7 +121,8 @@ class Engine:
                 bits=model_bits(lm.config), cache_bytes=lm.store.capacity_bytes if lm.store else 0,
                 load_s=perf_counter() - t0, chat_template=lm.tokenizer.template_source if lm.tokenizer else "",
                 kernels=lm.kernels, cache_policy=lm.store.policy if lm.store else "",
-                context=context_length(lm.config), resident_experts=lm.resident_experts)
+                context=context_length(lm.config), resident_experts=lm.resident_experts,
+                trained_top_k=lm.trained_top_k)
         except BaseException as e:  # reported to the caller by wait_loaded
             self.load_error = e
         if self.loaded is not None:

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from flashmoe.engine.runtime.config_check import check_values, check_against_weights
-from flashmoe.engine.errors import ModelLoadError
+from flashmoe.engine.errors import ModelLoadError, OptionError
 from flashmoe.engine.experts.blocks import declared_experts, expert_blocks, expert_params, expert_tensor_of, kind, layer_index, \
     no_blocks_reason, resident_expert_modules
 from flashmoe.engine.experts.layout import LayerExperts, Part, read_manifest
@@ -47,6 +47,7 @@ class LoadedModel:
     switches: dict = field(default_factory=dict)  # expert block path -> its StreamingSwitchGLU (the fused
     # CPU blocks hold them too, out of the module tree)
     resident_experts: str | None = None  # why the experts are in memory (--allow-resident-experts)
+    trained_top_k: int | None = None  # the config's experts per token, when --experts-per-token changed it
 
     @property
     def top_k(self) -> int:
@@ -72,6 +73,39 @@ def top_k_of(config: dict) -> int:
         if isinstance(c.get(key), int):
             return c[key]
     return 1
+
+
+TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "top_k", "num_selected_experts")
+
+
+def num_experts_of(config: dict) -> int | None:
+    c = text_config(config)
+    for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
+        if isinstance(c.get(key), int):
+            return c[key]
+    return None
+
+
+def with_experts_per_token(config: dict, k: int, where: Path) -> dict:
+    """The config with its experts-per-token set to `k` (where the config keeps it: top level or
+    text_config), so mlx-lm's own model routes to k experts; a model with no such key, or a k
+    outside 1..experts, is refused by name."""
+    import copy
+
+    experts = num_experts_of(config)
+    out = copy.deepcopy(config)
+    found = False
+    for d in (out, out.get("text_config")):
+        for key in TOP_K_KEYS:
+            if isinstance(d, dict) and isinstance(d.get(key), int):
+                d[key] = k
+                found = True
+    if not found:
+        raise OptionError(f"--experts-per-token: {where / 'config.json'} names no experts-per-token setting "
+                         f"({', '.join(TOP_K_KEYS)})")
+    if not 1 <= k <= (experts or k):
+        raise OptionError(f"--experts-per-token {k}: this model has {experts} experts per layer")
+    return out
 
 
 def read_config(path: Path) -> dict:
@@ -444,7 +478,8 @@ def _replace(model, modules: dict, path: str, new) -> None:
 def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = 8,
          direct_io: bool = False, load_tokenizer: bool = True, dtype: str | None = None,
          kernels: str = "mlx", prefetch: bool | str = False, cache_policy: str = "lfu",
-         verify_reads: bool = True, allow_resident_experts: bool = False) -> LoadedModel:
+         verify_reads: bool = True, allow_resident_experts: bool = False,
+         experts_per_token: int | None = None) -> LoadedModel:
     """Build the model for `path` with streamed experts. Resident weights are loaded here.
 
     dtype "float32" widens 16-bit float tensors (weights, quantization scales and biases, and
@@ -466,6 +501,9 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
 
     allow_resident_experts: load a model whose experts cannot stream (no switch-layer block)
     with them in memory, and say why in `resident_experts`; without it, such a model fails.
+
+    experts_per_token: route each token to this many experts instead of the config's (as
+    Flash-MoE runs Qwen3.5-397B with 4 of its 10); None keeps the config's.
     """
     from flashmoe.engine.cpu.install import resolve
 
@@ -476,6 +514,10 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         raise ValueError(f"dtype must be None or 'float32', got {dtype!r}")
     path = Path(path)
     config = read_config(path)
+    trained_top_k = None
+    if experts_per_token is not None and experts_per_token != top_k_of(config):
+        trained_top_k = top_k_of(config)
+        config = with_experts_per_token(config, experts_per_token, path)
     packed = _exists(path / EXPERTS_DIR / "manifest.json") or _exists(path / RESIDENT)
     where = path / EXPERTS_DIR / "manifest.json" if packed else path
 
@@ -526,6 +568,7 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
                         upcast=dtype == "float32", cpu_kernels=kernels == "cpu", policy=cache_policy,
                         verify_reads=verify_reads) if layers else None
     loaded = LoadedModel(model, config, path, "packed" if packed else "direct", store, layers)
+    loaded.trained_top_k = trained_top_k
     loaded.block_kinds = {l.module: kind(blocks[l.module]) for l in layers}
     loaded.resident_experts = None if layers else no_blocks_reason(model, config)
     parents = dict(model.named_modules())

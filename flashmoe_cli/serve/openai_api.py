@@ -193,7 +193,7 @@ def usage(reply: Reply) -> dict:
 def conditions(reply: Reply, info) -> dict:
     """The flashmoe extension field: the conditions the figures were measured under."""
     d = reply.done
-    return {"bits": d.bits, "experts_per_token": d.top_k, "experts": info.experts, "cache_state": d.cache_state,
+    return {"bits": d.bits, "experts_per_token": d.top_k, "trained_experts_per_token": info.trained_top_k or d.top_k, "experts": info.experts, "cache_state": d.cache_state,
             "hit_rate": round(d.hit_rate, 4), "bytes_read_per_token": round(d.bytes_per_token),
             "prefill_s": round(d.prefill_s, 4), "prompt_tok_per_s": round(d.prompt_tps, 2),
             "decode_tok_per_s": round(d.generation_tps, 2), "invalid_tool_calls": reply.invalid}
