@@ -8,6 +8,7 @@ import platform
 import time
 from pathlib import Path
 
+from .errors import UsageError
 from .exit_codes import ExitCode
 
 
@@ -22,18 +23,21 @@ def cmd_bench_speed(args) -> int:
 
     from .units import human_bytes
 
+    if args.disk_cache:  # every run here must prefill its whole prompt
+        raise UsageError("--disk-cache: bench speed measures prefill, so it keeps no saved prompt caches")
     model = resolve_model(args.model)
     loaded = load(model, expert_cache=args.expert_cache, io_threads=args.io_threads, direct_io=args.direct_io,
                   dtype=resolve_dtype(args.dtype), kernels=args.kernels, prefetch=args.prefetch,
                   cache_policy=args.cache_policy, verify_reads=args.verify_reads != "off",
-                  allow_resident_experts=args.allow_resident_experts)
+                  allow_resident_experts=args.allow_resident_experts, experts_per_token=args.experts_per_token)
     bits = model_bits(loaded.config)
     expert = (sum(l.expert_bytes for l in loaded.layers) / len(loaded.layers)) if loaded.layers else 0
     machine = f"{os.cpu_count()}x {cpu_model()}, {platform.system()} {platform.release()}"
     model_line = (f"{loaded.config['model_type']} ({loaded.mode}, {loaded.kernels} kernels"
                   f", prefetch {args.prefetch}), "
                   f"{bits or 'float'}{'-bit' if bits else ''}, "
-                  f"K={loaded.top_k}, {len(loaded.layers)} MoE layers of {loaded.num_layers}, "
+                  f"K={loaded.top_k}{f' of {loaded.trained_top_k}' if loaded.trained_top_k else ''}, "
+                  f"{len(loaded.layers)} MoE layers of {loaded.num_layers}, "
                   f"expert {human_bytes(expert)}, expert cache {human_bytes(loaded.store.capacity_bytes if loaded.store else 0)}"
                   + (f" ({loaded.store.policy})" if loaded.store else "")
                   + (f", EXPERTS RESIDENT, NOT STREAMED ({loaded.resident_experts})" if loaded.resident_experts else ""))

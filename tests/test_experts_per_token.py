@@ -70,3 +70,13 @@ def test_the_summary_says_k_of_trained_and_bad_values_are_refused(model_factory)
     out = run_cli("run", "-m", packed, "--json", "--experts-per-token", "4", "--max-tokens", "2", "-n", "hi")
     loaded = json.loads(out.stdout.splitlines()[0])
     assert loaded["top_k"] == 4 and loaded["trained_top_k"] == 2
+
+
+def test_bench_speed_says_k_of_trained(model_factory):
+    packed = model_factory("qwen3_moe", 4, converted=True)
+    out = run_cli("bench", "speed", "-m", packed, "--experts-per-token", "4", "--tokens", "3", "--prompt-tokens", "4",
+                  "--skip-disk", "--cold-only", timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "K=4 of 2," in out.stdout
+    out = run_cli("bench", "speed", "-m", packed, "--disk-cache", "1GB", "--skip-disk")
+    assert out.returncode == 2 and "--disk-cache: bench speed" in out.stderr
