@@ -286,6 +286,14 @@ def ll_tokenizer(tokenizer) -> Any:
         return lt
 
 
+def _allowed(matcher, bits: np.ndarray, n: int, what: str) -> np.ndarray:
+    """The matcher's allowed-token mask over the first `n` ids, as booleans (`bits`: its buffer)."""
+    matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+    if matcher.is_error():
+        raise RuntimeError(f"{what} constraint failed: {matcher.get_error()}")
+    return np.unpackbits(bits.view(np.uint8), bitorder="little", count=n).view(bool)
+
+
 class ToolCallConstraint:
     """The Constraint (engine/runtime/constrain.py) for one generation."""
 
@@ -362,10 +370,7 @@ class ToolCallConstraint:
     def allowed(self) -> np.ndarray | None:
         if self._matcher is None:
             return None
-        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        if self._matcher.is_error():
-            raise RuntimeError(f"tool-call constraint failed: {self._matcher.get_error()}")
-        mask = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self._n).view(bool)
+        mask = _allowed(self._matcher, self._bits, self._n, "tool-call")
         if self._finishing:
             if not self._forced or not mask[self._forced[0]]:
                 self._forced = self._closer() or []
@@ -535,10 +540,7 @@ class JsonConstraint:
     def allowed(self) -> np.ndarray | None:
         if self._done:
             return None
-        self._matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        if self._matcher.is_error():
-            raise RuntimeError(f"JSON constraint failed: {self._matcher.get_error()}")
-        return np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self._n).view(bool)
+        return _allowed(self._matcher, self._bits, self._n, "JSON")
 
     def accept(self, token: int) -> None:
         if self._done:

@@ -5,7 +5,7 @@ import json
 
 from .errors import APIError, expect, unknown_fields
 from .generation import ChatCall, Reply
-from .openai_api import sampling, stops
+from .openai_api import conditions, sampling, stops
 
 MESSAGE_FIELDS = {"model", "messages", "system", "max_tokens", "stream", "temperature", "top_p", "top_k",
                   "stop_sequences", "tools", "tool_choice", "metadata"}
@@ -119,8 +119,6 @@ def blocks(reply: Reply) -> list[dict]:
 
 
 def message_response(reply: Reply, model: str, rid: str, info) -> dict:
-    from .openai_api import conditions
-
     return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": blocks(reply),
             "stop_reason": STOP_REASONS[reply.finish_reason], "stop_sequence": None, "usage": usage(reply),
             "flashmoe": conditions(reply, info)}
@@ -155,8 +153,6 @@ async def message_events(gen, model: str, rid: str, info):
         yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
             "type": "input_json_delta", "partial_json": json.dumps(b["input"], ensure_ascii=False)}}
         yield "content_block_stop", {"type": "content_block_stop", "index": index}
-    from .openai_api import conditions
-
     yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": STOP_REASONS[reply.finish_reason],
                                                                "stop_sequence": None},
                             "usage": usage(reply), "flashmoe": conditions(reply, info)}

@@ -29,12 +29,7 @@ def unknown_fields(body: dict, known: set[str], where: str = "") -> None:
                             f"{'them' if len(extra) > 1 else 'it'}", param=extra[0])
 
 
-def expect(value, types, name: str):
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in _as_tuple(types)):
-        want = " or ".join(t.__name__ for t in _as_tuple(types))
-        raise APIError(400, f"{name} must be {want}, got {type(value).__name__}", param=name)
+def expect(value, kind: type, name: str):
+    if not isinstance(value, kind):
+        raise APIError(400, f"{name} must be a {kind.__name__}, got {type(value).__name__}", param=name)
     return value
-
-
-def _as_tuple(types):
-    return types if isinstance(types, tuple) else (types,)

@@ -64,14 +64,17 @@ class Delta:
     text: str
 
 
-def _registry(tools: list[dict]):
+def _registry(defs: list[dict]):
+    """The offered tools as a registry (what check_call validates against); a bad name or a
+    duplicate is a 400 before anything runs."""
     from flashmoe.tools.errors import ToolError
     from flashmoe.tools.registry import Tool, ToolRegistry
 
     registry = ToolRegistry()
-    for t in tools:
+    for d in defs:
+        fn = d["function"]
         try:
-            registry.add(Tool(t["name"], t.get("description") or "", t["parameters"], fn=lambda **kw: None))
+            registry.add(Tool(fn["name"], fn["description"], fn["parameters"], fn=lambda **kw: None))
         except (ToolError, ValueError, TypeError) as e:
             raise APIError(400, f"tools: {e}", param="tools") from None
     return registry
@@ -87,7 +90,7 @@ class Prompter:
         self.native_calls = self.native or "tool_calls" in self.template
         self.json_arguments = self.parser.name == "deepseek_v3"
 
-    def messages(self, call: ChatCall, tools: list[dict]) -> list[dict]:
+    def messages(self, call: ChatCall, defs: list[dict]) -> list[dict]:
         """The history as the template wants it, with tool instructions where it renders none."""
         names = {}
         out: list[dict] = []
@@ -112,15 +115,15 @@ class Prompter:
                     out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
             else:
                 out.append({"role": role, "content": m.get("content") or ""})
-        if tools and not self.native:
-            extra = tool_instructions([as_openai_tool(t) for t in tools], self.parser, native_results=self.native_calls)
+        if defs and not self.native:
+            extra = tool_instructions(defs, self.parser, native_results=self.native_calls)
             if out and out[0]["role"] == "system":
                 out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{extra}"}
             else:
                 out.insert(0, {"role": "system", "content": extra})
         return out
 
-    def constraint(self, call: ChatCall, tools: list[dict]):
+    def constraint(self, call: ChatCall, defs: list[dict]):
         """The grammar the reply is held to: a JSON reply, a forced call, or calls (when the
         model writes one) that match their schemas."""
         try:
@@ -128,7 +131,7 @@ class Prompter:
                 from flashmoe.tools.grammar import JsonConstraintFactory
 
                 return JsonConstraintFactory(call.response_schema)
-            if not tools:
+            if not defs:
                 return None
             from flashmoe.tools.grammar import tool_call_constraint
 
@@ -136,9 +139,8 @@ class Prompter:
             start = getattr(self.parser, "tool_call_start", "") or "<tool_call>"
             end = getattr(self.parser, "tool_call_end", "") or "</tool_call>"
             if call.tool_choice == "auto":
-                return tool_call_constraint([as_openai_tool(t) for t in tools], "tools", fmt, start, end)
-            return tool_call_constraint([as_openai_tool(t) for t in tools], "required", fmt, start, end,
-                                        parallel=call.parallel_tool_calls)
+                return tool_call_constraint(defs, "tools", fmt, start, end)
+            return tool_call_constraint(defs, "required", fmt, start, end, parallel=call.parallel_tool_calls)
         except (ValueError, TypeError) as e:
             raise APIError(400, f"cannot constrain the reply: {e}",
                            param="response_format" if call.json_reply else "tools") from None
@@ -165,19 +167,21 @@ def offered_tools(call: ChatCall) -> list[dict]:
 
 
 def build_request(call: ChatCall, template: str, timing: str = "off") -> tuple[GenerationRequest, Prompter, list]:
+    """The engine request, the template's Prompter, and the tools offered (OpenAI form)."""
     prompter = Prompter(template)
     if call.prompt is not None:
         return (GenerationRequest(prompt=call.prompt, max_tokens=call.max_tokens, sampling=call.sampling,
                                   stop=call.stop, timing=timing), prompter, [])
     tools = offered_tools(call)
+    defs = [as_openai_tool(t) for t in tools]
     if call.json_reply and tools:
         raise APIError(400, "response_format with tools is not supported; send one or the other",
                        param="response_format")
     request = GenerationRequest(
-        messages=prompter.messages(call, tools), tools=[as_openai_tool(t) for t in tools] if prompter.native and tools else None,
-        constraint=prompter.constraint(call, tools), max_tokens=call.max_tokens, sampling=call.sampling,
+        messages=prompter.messages(call, defs), tools=defs if prompter.native and defs else None,
+        constraint=prompter.constraint(call, defs), max_tokens=call.max_tokens, sampling=call.sampling,
         stop=call.stop, timing=timing)
-    return request, prompter, tools
+    return request, prompter, defs
 
 
 class Generation:
@@ -186,6 +190,7 @@ class Generation:
 
     def __init__(self, engine, call: ChatCall, template: str):
         self.request, self.prompter, self.tools = build_request(call, template)
+        self.registry = _registry(self.tools) if self.tools else None
         self.engine = engine
         self.handle = None
         self.reply: Reply | None = None
@@ -197,7 +202,7 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         self.handle = self.engine.submit(self.request, session=None)
         parser = self.prompter.parser if self.tools else None
-        state = TextState(parser, tools=[as_openai_tool(t) for t in self.tools] or None)
+        state = TextState(parser, tools=self.tools or None)
         fed = False
         try:
             while True:
@@ -207,8 +212,7 @@ class Generation:
                     if self.reply is not None:
                         return
                     if isinstance(ev, PrefillProgress) and not fed and ev.reasoning:
-                        state = TextState(parser, tools=[as_openai_tool(t) for t in self.tools] or None,
-                                          in_reasoning=ev.reasoning)
+                        state = TextState(parser, tools=self.tools or None, in_reasoning=ev.reasoning)
                     fed = fed or isinstance(ev, TokenGenerated)
         finally:
             if self.reply is None:
@@ -249,9 +253,8 @@ class Generation:
         text = state.text
         calls, invalid = [], []
         if self.tools and done.reason != "cancelled":
-            registry = _registry(self.tools)
-            for i, c in enumerate(parse_reply(self.prompter.parser, state.tool_calls, registry)):
-                verdict = check_call(c, registry)
+            for i, c in enumerate(parse_reply(self.prompter.parser, state.tool_calls, self.registry)):
+                verdict = check_call(c, self.registry)
                 if verdict.ok and not verdict.repaired:
                     calls.append(ToolCall(c.name, verdict.arguments, c.raw, id=f"call_{_short_id()}_{i}"))
                 else:

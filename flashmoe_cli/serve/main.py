@@ -14,7 +14,7 @@ from ..errors import UsageError
 from ..exit_codes import ExitCode
 
 
-def model_id(args, info) -> str:
+def model_id(args) -> str:
     """The name clients send as `model`: the folder's name (the demo: "demo")."""
     from pathlib import Path
 
@@ -36,7 +36,7 @@ def cmd_serve(args) -> int:
     engine = make_engine(EngineOptions.from_args(args))
     try:
         info = engine.wait_loaded()
-        name = model_id(args, info)
+        name = model_id(args)
         server = Server(engine, info, name, api_key=args.api_key, max_queue=args.max_queue,
                         default_max_tokens=args.max_tokens, allow_origins=tuple(args.allow_origin))
         config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",

@@ -34,8 +34,8 @@ def sampling(body: dict) -> SamplingParams:
     if body.get("logprobs") not in (None, False):
         raise APIError(400, "logprobs are not supported", param="logprobs")
     try:
-        return SamplingParams(temperature=float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0),
-                              top_p=float(body.get("top_p") if body.get("top_p") is not None else 1.0),
+        get = lambda name, default: default if body.get(name) is None else body[name]  # noqa: E731  (null: the default)
+        return SamplingParams(temperature=float(get("temperature", 1.0)), top_p=float(get("top_p", 1.0)),
                               top_k=int(body.get("top_k") or 0), min_p=float(body.get("min_p") or 0.0),
                               repetition_penalty=float(body.get("repetition_penalty") or 1.0),
                               seed=body.get("seed"))
