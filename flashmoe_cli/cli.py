@@ -26,8 +26,9 @@ EPILOG = """exit codes: 0 ok, 1 generation failure, 2 usage, 3 model load or I/O
 S = argparse.SUPPRESS  # settings flags default to "not given", so config and env can fill them
 
 
-def _add_engine_options(p: argparse.ArgumentParser) -> None:
-    """How the engine loads and streams: shared by run, chat, agent and the benchmarks."""
+def _add_engine_options(p: argparse.ArgumentParser, k_list: bool = False) -> None:
+    """How the engine loads and streams: shared by run, chat, agent and the benchmarks
+    (k_list: --experts-per-token takes a list, N,N,..., for benchmarks that compare K)."""
     p.add_argument("--expert-cache", type=parse_size, default=S, metavar="SIZE",
                    help="byte budget of the expert cache, e.g. 2GB, 512MB; 0 keeps only what the "
                         "current token needs (default: every expert, at most a quarter of the RAM)")
@@ -49,7 +50,13 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-verify-reads", dest="verify_reads", action="store_const", const="off", default=S,
                    help="do not check each expert against the manifest's CRC-32 the first time it is read "
                         "(setting verify_reads = on|off; default on; cost: `flashmoe bench speed`)")
-    p.add_argument("--experts-per-token", type=at_least(1), default=None, metavar="N",
+    if k_list:
+        p.add_argument("--experts-per-token", dest="experts_per_token_list", type=argtypes.lengths,
+                       default=None, metavar="N,N,...",
+                       help="measure each model routed to each of these numbers of experts per token "
+                            "(default: the number it was trained with)")
+    else:
+        p.add_argument("--experts-per-token", type=at_least(1), default=None, metavar="N",
                    help="route each token to N experts instead of the number the model was trained with "
                         "(fewer: less to read per token, at a cost in quality; the summary says K=N of TRAINED)")
     p.add_argument("--disk-cache", type=parse_size, default=None, metavar="SIZE",
@@ -193,6 +200,34 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--out", type=output_file, metavar="FILE", help="write the results as JSON")
     _add_engine_options(bs)
 
+    bc = bench_sub.add_parser("cache", help="routing on real text, and LRU / LFU against Belady's optimum "
+                                            "over the recorded trace, at a range of cache sizes")
+    bc.add_argument("-m", "--model", metavar="MODEL", default=S,
+                    help="model folder or org/name[@revision] in the Hugging Face cache (default: the demo model)")
+    bc.add_argument("--text", metavar="FILE", default=None,
+                    help="UTF-8 text to route (default: the demo's held-out text, pydoc pages)")
+    bc.add_argument("--tokens", type=at_least(2), default=256, metavar="N",
+                    help="tokens of it to feed, one at a time as in decoding (default 256)")
+    bc.add_argument("--slots", type=argtypes.lengths, default=None, metavar="N,N,...",
+                    help="cache sizes to replay, in slots per MoE layer (default: K up to every expert)")
+    bc.add_argument("--out", type=output_file, metavar="FILE", help="write the results as JSON")
+    _add_engine_options(bc)
+
+    bq = bench_sub.add_parser("quality", help="perplexity and KL from a reference per model and K, beside bytes "
+                                              "read per token and speed")
+    bq.add_argument("-m", "--model", dest="models", action="append", metavar="MODEL",
+                    help="model folder or org/name[@revision] (repeat to compare bit widths; default: the demo)")
+    bq.add_argument("--reference", metavar="MODEL", default=None,
+                    help="the model KL is measured from (default: the first -m, at the first K)")
+    bq.add_argument("--text", metavar="FILE", default=None,
+                    help="UTF-8 text to score (default: the demo's held-out text, pydoc pages)")
+    bq.add_argument("--tokens", type=at_least(1), default=1024, metavar="N",
+                    help="tokens of it to score (default 1024)")
+    bq.add_argument("--tools", metavar="FILE", default=None,
+                    help="a `flashmoe bench tools --out` file: its valid-call rates join the table")
+    bq.add_argument("--out", type=output_file, metavar="FILE", help="write the results as JSON")
+    _add_engine_options(bq, k_list=True)
+
     serve = sub.add_parser("serve", help="serve the model over HTTP: OpenAI- and Anthropic-compatible API",
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("-m", "--model", metavar="MODEL", default=S,
@@ -264,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("repo", metavar="ORG/NAME[@REVISION]",
                       help="the model's Hub id, optionally @branch, tag or commit (default: main)")
 
-    demo = sub.add_parser("demo", help="build the demo model (SmolLM2-135M as an 8-expert MoE) and print its path")
+    demo = sub.add_parser("demo", help="build the demo model (SmolLM2-135M carved into 16 experts, "
+                                                   "8 per token) and print its path")
     demo.add_argument("--rebuild", action="store_true", help="build it again from the GGUF")
     return parser
 
@@ -338,6 +374,14 @@ def _main(argv: list[str] | None = None) -> int:
                 from .bench_speed import cmd_bench_speed
 
                 return cmd_bench_speed(args)
+            if args.bench == "cache":
+                from .bench_cache import cmd_bench_cache
+
+                return cmd_bench_cache(args)
+            if args.bench == "quality":
+                from .bench_quality import cmd_bench_quality
+
+                return cmd_bench_quality(args)
             from .bench_tools import cmd_bench_tools
 
             return cmd_bench_tools(args)

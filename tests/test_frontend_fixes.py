@@ -144,7 +144,7 @@ def test_info_without_a_model_describes_the_real_demo():
     r = run_cli("info", "--json", timeout=600)
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["path"] == str(demo_path()) and d["model_type"] == "mixtral" and d["experts"] == 8
+    assert d["path"] == str(demo_path()) and d["model_type"] == "qwen2_moe" and d["experts"] == 16
 
 
 # -- logs show: tool results are not the user's ------------------------------------------------

@@ -78,7 +78,8 @@ _NO_MLX = textwrap.dedent("""
     print("CODE", code, "HEAVY", ",".join(heavy))
 """)
 
-COMMANDS = [[], ["run"], ["chat"], ["agent"], ["bench"], ["bench", "tools"], ["bench", "speed"], ["logs"],
+COMMANDS = [[], ["run"], ["chat"], ["agent"], ["bench"], ["bench", "tools"], ["bench", "speed"], ["bench", "cache"],
+            ["bench", "quality"], ["logs"],
             ["convert"], ["info"], ["verify"], ["pull"], ["demo"]]
 
 

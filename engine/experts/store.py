@@ -190,6 +190,10 @@ class ExpertStore:
         self.freq = np.zeros((max(l.layer for l in layers) + 1, max(l.num_experts for l in layers)))
         self._fetches = 0
         self._tick = 0
+        # `flashmoe bench cache` sets these to lists to record routing: every fetch's
+        # (layer, experts), and every read-ahead guess as (len(trace) then, layer, experts)
+        self.trace: list | None = None
+        self.guesses: list | None = None
         self._exec = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="flashmoe-io")
         self.peak_used_bytes = 0
         # Each expert block of a packed folder is checked against the manifest's CRC-32 the first
@@ -386,6 +390,8 @@ class ExpertStore:
         row = self.freq[layer]
         for e in wanted:  # a handful: cheaper than a fancy-indexed add
             row[e] += 1
+        if self.trace is not None:
+            self.trace.append((layer, tuple(sorted(wanted))))
 
     def _take_slots(self, pool: SlotPool, layer: int, wanted: set[int], n: int) -> list[int]:
         """Up to n slots for new experts: free ones, then the victims the policy picks. Never a

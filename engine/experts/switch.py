@@ -116,6 +116,8 @@ class StreamingSwitchGLU(nn.Module):
             mx.eval(x)
         h = np.array(x, copy=False).reshape(-1)
         guess = np.argpartition(-(w @ h), len(wanted) - 1)[: len(wanted)]
+        if store.guesses is not None:
+            store.guesses.append((len(store.trace or ()), nxt, tuple(sorted(int(e) for e in guess))))
         if store.prefetch_mode == "hint":
             store.hint(nxt, guess)
         else:

