@@ -22,27 +22,6 @@ def read_text(path: str | None) -> tuple[str, str]:
         raise UsageError(f"--text {path}: cannot read it as UTF-8 text ({e.__class__.__name__})") from None
 
 
-def record(loaded, ids: list[int]) -> tuple[list, list, list[float], int]:
-    """Feed `ids` one token at a time (as decoding does) and record every fetch, every read-ahead
-    guess, each next token's log-probability, and the engine's own cache hits."""
-    import mlx.core as mx
-
-    from flashmoe.engine.runtime.generate import Session
-
-    store, session = loaded.store, Session(loaded)
-    store.trace, store.guesses = [], []
-    logprobs, hits = [], 0
-    store.take_stats()
-    try:
-        for tok, nxt in zip(ids, ids[1:]):
-            logits = loaded.model(mx.array([[tok]]), cache=session.cache)[0, -1].astype(mx.float32)
-            logprobs.append((logits[nxt] - mx.logsumexp(logits)).item())
-            hits += sum(s.hits for s in store.step_done().values())
-        return store.trace, store.guesses, logprobs, hits
-    finally:
-        store.trace = store.guesses = None
-
-
 def default_slots(k: int, experts: int) -> list[int]:
     """Slots per layer to replay: K (the least a token needs) up to every expert, with 2K and 4K."""
     steps = {k, experts, *(v for v in (2 * k, 4 * k) if v <= experts)}
@@ -68,6 +47,7 @@ def curve(rows: list[dict], width: int = 56, height: int = 12) -> list[str]:
 
 def cmd_bench_cache(args) -> int:
     from flashmoe.engine.experts.cache_sim import align_guesses, replay, routing_stats
+    from flashmoe.engine.experts.trace import record
     from flashmoe.engine.options import resolve_dtype
     from flashmoe.engine.runtime.generate import model_bits
     from flashmoe.engine.runtime.loader import load

@@ -90,7 +90,7 @@ def test_routing_stats_arithmetic():
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_the_replay_counts_what_the_expert_store_counts(model_factory, policy):
     """The same trace through the real engine (a tiny cache, so it evicts) and through replay."""
-    from flashmoe.cli.bench_cache import record
+    from flashmoe.engine.experts.trace import record
     from flashmoe.engine.runtime.loader import load
     from tests.test_streaming_exact import PROMPT
 

@@ -1,0 +1,23 @@
+"""Recording which experts a model routes to, token by token, for `flashmoe bench cache`."""
+from __future__ import annotations
+
+
+def record(loaded, ids: list[int]) -> tuple[list, list, list[float], int]:
+    """Feed `ids` one token at a time (as decoding does) and record every fetch, every read-ahead
+    guess, each next token's log-probability, and the engine's own cache hits."""
+    import mlx.core as mx
+
+    from flashmoe.engine.runtime.generate import Session
+
+    store, session = loaded.store, Session(loaded)
+    store.trace, store.guesses = [], []
+    logprobs, hits = [], 0
+    store.take_stats()
+    try:
+        for tok, nxt in zip(ids, ids[1:]):
+            logits = loaded.model(mx.array([[tok]]), cache=session.cache)[0, -1].astype(mx.float32)
+            logprobs.append((logits[nxt] - mx.logsumexp(logits)).item())
+            hits += sum(s.hits for s in store.step_done().values())
+        return store.trace, store.guesses, logprobs, hits
+    finally:
+        store.trace = store.guesses = None
