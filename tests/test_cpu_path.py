@@ -254,7 +254,11 @@ def test_gather_sends_busy_experts_to_sgemm_and_the_rest_to_the_kernels(monkeypa
     assert products == [1]
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
     ga, gb = gather_qmm_pair(x, (q, s, b), (q, s, b), ids, 4, 64)
-    assert products == [1, 1] and np.array_equal(ga, got) and np.array_equal(gb, got)
+    # one sgemm over [gate|up] side by side: OpenBLAS's AVX-512 kernels give the same bits as two
+    # calls, its AVX2 ones (another VM type) do not; the same result to float rounding either way
+    assert products == [1, 1]
+    for g in (ga, gb):
+        assert np.abs(g - got).max() <= 1e-6 * np.abs(got).max()
 
 
 def test_causal_attention_matches_mlx():
