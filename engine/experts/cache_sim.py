@@ -30,18 +30,22 @@ def replay(trace: Trace, slots: int, policy: str, layers: int | None = None) -> 
     return {"lru": _lru, "lfu": _lfu, "belady": _belady}[policy](trace, slots, layers)
 
 
+def _missing(want: list, cache) -> list:
+    """The keys of a fetch that are not cached (the rest are its hits)."""
+    return [key for key in want if key not in cache]
+
+
 def _lru(trace, slots, layers):
     cache: OrderedDict[tuple[int, int], None] = OrderedDict()
     hits = lookups = 0
     for layer, experts in trace:
         want = [(layer, e) for e in experts]
+        missing = _missing(want, cache)
+        hits, lookups = hits + len(want) - len(missing), lookups + len(want)
         for key in want:
-            lookups += 1
             if key in cache:
-                hits += 1
                 cache.move_to_end(key)
         wanted = set(want)
-        missing = [k for k in want if k not in cache]
         while len(cache) + len(missing) > slots:
             victim = next(k for k in cache if k not in wanted)
             del cache[victim]
@@ -61,15 +65,10 @@ def _lfu(trace, slots, layers):
                 freq[key] *= 0.5
             fetches = 0
         want = [(layer, e) for e in experts]
+        missing = _missing(want, used_at)
+        hits, lookups = hits + len(want) - len(missing), lookups + len(want)
         for key in want:
             freq[key] += 1
-        missing = []
-        for key in want:
-            lookups += 1
-            if key in used_at:
-                hits += 1
-            else:
-                missing.append(key)
             used_at[key] = tick
         over = len(used_at) - slots
         if over > 0:
@@ -96,13 +95,8 @@ def _belady(trace, slots, layers):
     hits = lookups = 0
     for i, (layer, experts) in enumerate(trace):
         want = [(layer, e) for e in experts]
-        missing = []
-        for key in want:
-            lookups += 1
-            if key in cache:
-                hits += 1
-            else:
-                missing.append(key)
+        missing = _missing(want, cache)
+        hits, lookups = hits + len(want) - len(missing), lookups + len(want)
         wanted = set(want)
         over = len(cache) + len(missing) - slots
         if over > 0:
