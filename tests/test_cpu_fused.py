@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("numba")
 
-from flashmoe.engine.cpu.fused import CpuAttention, CpuMLP, RopeTable  # noqa: E402
+from flashmoe.engine.cpu.fused import CpuAttention, CpuMLP, CpuMoE, RopeTable  # noqa: E402
 from flashmoe.engine.cpu import attn as cpu_attn  # noqa: E402
 from flashmoe.engine.runtime.loader import load  # noqa: E402
 from tests.test_streaming_exact import PROMPT, greedy  # noqa: E402
@@ -86,19 +86,23 @@ def test_rope_table_refuses_what_is_not_a_pairwise_rotation():
 
 
 def _counts(lm) -> tuple[int, int, int]:
-    kinds = [type(m).__name__ for _, m in lm.model.named_modules()]
-    # a shared expert's CpuMLP sits inside its SharedAhead
-    return kinds.count("CpuAttention"), kinds.count("CpuMLP") + kinds.count("SharedAhead"), kinds.count("CpuMoE")
+    modules = [m for _, m in lm.model.named_modules()]
+    kinds = [type(m).__name__ for m in modules]
+    # a shared expert's CpuMLP sits inside its SharedAhead, or inside the fused block it belongs to
+    in_moe = sum(isinstance(m._orig.module[m._shared], CpuMLP) for m in modules if isinstance(m, CpuMoE) and m._shared)
+    return (kinds.count("CpuAttention"), kinds.count("CpuMLP") + kinds.count("SharedAhead") + in_moe,
+            kinds.count("CpuMoE"))
 
 
 @pytest.mark.parametrize("arch,attention,mlp,moe", [
     ("qwen3_moe", True, False, True), ("mixtral", True, False, True), ("olmoe", True, False, True),
-    ("glm4_moe", True, True, False), ("deepseek_v3", False, True, False), ("qwen3_next", False, True, False)])
+    ("glm4_moe", True, True, False), ("deepseek_v3", False, True, False), ("qwen3_next", False, True, True)])
 def test_blocks_are_replaced_only_where_the_probe_passes(model_factory, arch, attention, mlp, moe):
     """deepseek_v3 (latent attention) has no q/k/v projections; qwen3_next's gated attention has
     them but computes something else: the probe refuses it and the original module stays. MoE
-    blocks with shared experts or grouped / sigmoid routing (glm4_moe, deepseek_v3, qwen3_next)
-    keep mlx-lm's block."""
+    blocks with grouped / sigmoid routing (glm4_moe, deepseek_v3) keep mlx-lm's block (their
+    shared experts run fused beside it); qwen3_next's softmax block with a gated shared expert is
+    fused whole."""
     lm = load(model_factory(arch, 4, converted=True), kernels="cpu", load_tokenizer=False)
     n_attn, n_mlp, n_moe = _counts(lm)
     assert (n_attn > 0) == attention and n_attn == lm.fused["attention"]
@@ -143,7 +147,7 @@ def test_trimmed_cache_continues_exactly(model_factory):
 def test_fused_mlp_keeps_prefill_rows_apart(model_factory):
     lm = load(model_factory("glm4_moe", 4, converted=True), kernels="cpu", load_tokenizer=False)
     mlp = next(m for _, m in lm.model.named_modules() if isinstance(m, CpuMLP))
-    x = mx.array(rand(2, 5, mlp._orig.module.gate_proj._w.shape[1] * 32 // mlp._orig.module.gate_proj._bits))
+    x = mx.array(rand(2, 5, mlp._orig.module.gate_proj.in_features))
     assert close(np.array(mlp(x)), np.array(mlp._orig.module(x)), 1e-5)
 
 
@@ -218,7 +222,7 @@ def test_layer_timing_still_splits_fused_layers(model_factory):
     eng.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
 def test_shared_expert_runs_while_the_experts_load(model_factory, arch):
     """With cache 0 every routed expert is read on every step; the shared expert is computed
     while those reads are in flight and handed to the block, once per MoE block and forward pass,
@@ -271,3 +275,32 @@ def test_info_load_prints_the_compute_paths(model_factory):
     assert r.returncode == 0 and "as loaded (mlx kernels): attention and other matmuls on MLX" in r.stdout
     r = run_cli("info", folder, "--kernels", "mlx")
     assert r.returncode == 2 and r.stderr.strip() == "flashmoe: error: --kernels is for --load (the kernels to load the model with)"
+
+
+def test_fused_block_computes_its_shared_expert_while_the_experts_load(model_factory):
+    """qwen3_next's block (softmax routing, a shared expert behind a sigmoid gate) is fused whole:
+    with cache 0 every step reads its experts, and once per block and forward pass the shared
+    expert is computed inside the store's fetch, while those reads are in flight; the tokens stay
+    those of MLX's kernels."""
+    from flashmoe.engine.cpu.fused import CpuMoE
+
+    path = model_factory("qwen3_next", 4, converted=True)
+    want = greedy(load(path, kernels="mlx", load_tokenizer=False).model, PROMPT, 8)
+    lm = load(path, kernels="cpu", expert_cache=0, load_tokenizer=False)
+    blocks = [m for _, m in lm.model.named_modules() if isinstance(m, CpuMoE)]
+    assert blocks and all(b._shared == "shared_expert" and b._shared_gate is not None for b in blocks)
+    fetches, store_fetch = [], lm.store.fetch
+
+    def fetch(layer, experts, ready=None, during=None):
+        inside = []
+        if during is not None:
+            original = during
+            during = lambda: (inside.append(True), original())  # noqa: E731
+        lut = store_fetch(layer, experts, ready=ready, during=during)
+        fetches.append(bool(inside))
+        return lut
+
+    lm.store.fetch = fetch
+    assert greedy(lm.model, PROMPT, 8) == want
+    assert sum(fetches) == 9 * len(blocks)  # once per block and forward pass (a prefill's later groups have none)
+    assert lm.store.stats[lm.layers[0].layer].misses > 0

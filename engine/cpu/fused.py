@@ -40,44 +40,50 @@ class Fused:
 
     def __init__(self, linears: list[CpuQuantizedLinear]):
         self.bits, self.gs = linears[0]._bits, linears[0]._gs
-        self.w = np.concatenate([l._w for l in linears])
-        self.s = np.concatenate([l._s for l in linears])
-        self.b = np.concatenate([l._b for l in linears])
-        self.sizes = [l._w.shape[0] for l in linears]
+        self.sizes = [l.out_features for l in linears]
         self.bias = None
         if any(l._bias is not None for l in linears):
             self.bias = np.concatenate([l._bias if l._bias is not None else np.zeros(n, np.float32)
                                         for l, n in zip(linears, self.sizes)])
-        start = 0
-        for l, n in zip(linears, self.sizes):
+        if all(l.tiled is not None for l in linears):
+            from flashmoe.engine.cpu.tiled import Tiled
+
+            self.tiled, views, self.starts = Tiled.stack([l.tiled for l in linears])
+            for l, v in zip(linears, views):
+                l.rebind_tiled(v)
+            if self.bias is not None:  # laid out as the stacked output is: parts start on a tile
+                bias = np.zeros(self.tiled.n, np.float32)
+                for start, n, part in zip(self.starts, self.sizes, np.split(self.bias, np.cumsum(self.sizes)[:-1])):
+                    bias[start:start + n] = part
+                self.bias = bias
+            return
+        self.tiled = None
+        self.w = np.concatenate([l._w for l in linears])
+        self.s = np.concatenate([l._s for l in linears])
+        self.b = np.concatenate([l._b for l in linears])
+        self.starts = list(np.cumsum([0] + self.sizes[:-1]))
+        for l, start, n in zip(linears, self.starts, self.sizes):
             l.rebind(self.w[start:start + n], self.s[start:start + n], self.b[start:start + n])
-            start += n
 
     @staticmethod
     def compatible(linears) -> bool:
         return (all(isinstance(l, CpuQuantizedLinear) for l in linears)
-                and len({(l._bits, l._gs, l._w.shape[1]) for l in linears}) == 1)
+                and len({(l._bits, l._gs, l.in_features) for l in linears}) == 1)
 
     def __call__(self, x2: np.ndarray) -> list[np.ndarray]:
         from flashmoe.engine.cpu.qmm import qmm
 
-        out = qmm(x2, self.w, self.s, self.b, self.bits, self.gs)
+        if self.tiled is not None:
+            out = self.tiled.matmul(x2)
+        else:
+            out = qmm(x2, self.w, self.s, self.b, self.bits, self.gs)
         if self.bias is not None:
-            out += self.bias
-        parts, start = [], 0
-        for n in self.sizes:
-            parts.append(out[:, start:start + n])
-            start += n
-        return parts
+            out = out + self.bias
+        return [out[:, start:start + n] for start, n in zip(self.starts, self.sizes)]
 
 
 def _linear_np(lin: CpuQuantizedLinear, x2: np.ndarray) -> np.ndarray:
-    from flashmoe.engine.cpu.qmm import qmm
-
-    out = qmm(x2, lin._w, lin._s, lin._b, lin._bits, lin._gs)
-    if lin._bias is not None:
-        out += lin._bias
-    return out
+    return lin.matmul(x2)
 
 
 def _mx(a: np.ndarray) -> mx.array:
@@ -187,8 +193,8 @@ class CpuAttention(_Wraps):
         if not all(isinstance(p, CpuQuantizedLinear) for p in projs) or not Fused.compatible(projs[:3]):
             raise ValueError("projections are not all on the CPU kernels")
         self.H, self.Hk = _heads(attn, HEADS), _heads(attn, KV_HEADS)
-        self.hd = projs[0]._w.shape[0] // self.H
-        if self.H % self.Hk or projs[1]._w.shape[0] != self.Hk * self.hd or projs[2]._w.shape[0] != self.Hk * self.hd:
+        self.hd = projs[0].out_features // self.H
+        if self.H % self.Hk or projs[1].out_features != self.Hk * self.hd or projs[2].out_features != self.Hk * self.hd:
             raise ValueError("head counts do not fit the projections")
         self.scale = np.float32(attn.scale)
         self.q_norm = _rms_parts(getattr(attn, "q_norm", None), self.H, self.hd)
@@ -420,38 +426,57 @@ def route(logits: np.ndarray, k: int, routing: str):
     return ids, scores
 
 
+def _linear_fn(lin):
+    """A router-like linear layer (CpuQuantizedLinear, or a float32 nn.Linear) as x2 -> x2 @ W.T."""
+    if isinstance(lin, CpuQuantizedLinear):
+        return lin.matmul
+    if type(lin) is nn.Linear and lin.weight.dtype == mx.float32:
+        w = _np(lin.weight)
+        bias = _np(lin.bias) if "bias" in lin else None
+        return lambda x2: x2 @ w.T + bias if bias is not None else x2 @ w.T
+    raise ValueError("unsupported linear layer")
+
+
 class CpuMoE(_Wraps):
-    """A sparse MoE block (router, top-k, streamed experts, weighted sum) in one sync: the router
-    runs on the kernel or numpy's BLAS instead of MLX's small ops. Blocks with shared experts or
-    other routings keep the original (which already streams its experts on the kernels)."""
+    """A sparse MoE block (router, top-k, streamed experts, weighted sum, and a shared expert if
+    it has one) in one sync: the router runs on the kernel or numpy's BLAS instead of MLX's small
+    ops, and the shared expert while the routed experts are read. A shared expert is added as is
+    (`shared_experts`, DeepSeek's name) or through a sigmoid gate (`shared_expert` with
+    `shared_expert_gate`: Qwen2-MoE, Qwen3-Next); the probe at load checks which the block does.
+    Other routings and blocks keep the original (whose experts already stream on the kernels)."""
 
     def __init__(self, block: nn.Module, routing: str):
         super().__init__()
         from flashmoe.engine.experts.switch import StreamingSwitchGLU
 
-        switch, gate = getattr(block, "switch_mlp", None), getattr(block, "gate", None)
+        switch = getattr(block, "switch_mlp", None)
         if not isinstance(switch, StreamingSwitchGLU) or not switch.on_cpu_kernels:
             raise ValueError("experts are not streamed on the CPU kernels")
-        if any(hasattr(block, n) for n in ("shared_expert", "shared_experts", "shared_mlp")):
-            raise ValueError("shared experts")
+        if "shared_mlp" in block or ("shared_expert" in block and "shared_experts" in block):
+            raise ValueError("shared experts of an unknown kind")
         self.k = next((getattr(block, n) for n in ("top_k", "num_experts_per_tok")
                        if isinstance(getattr(block, n, None), int)), None)
         if self.k is None:
             raise ValueError("no top_k")
-        if isinstance(gate, CpuQuantizedLinear):
-            self._router = lambda x2: _linear_np(gate, x2)
-        elif type(gate) is nn.Linear and gate.weight.dtype == mx.float32:
-            w = _np(gate.weight)
-            bias = _np(gate.bias) if "bias" in gate else None
-            self._router = lambda x2: x2 @ w.T + bias if bias is not None else x2 @ w.T
-        else:
-            raise ValueError("unsupported router")
+        self._router = _linear_fn(getattr(block, "gate", None))
+        self._shared = next((n for n in SHARED_NAMES if n in block), None)
+        gate = block.get("shared_expert_gate") if self._shared else None
+        self._shared_gate = _linear_fn(gate) if gate is not None else None
         self.routing = routing
         self._orig = Hidden(block)
         self._switch = switch
 
     def __call__(self, x):
         return _mx(self.np(_np(x).reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1))
+
+    def shared_np(self, x2: np.ndarray) -> np.ndarray:
+        """The shared expert's output, through its gate."""
+        m = self._orig.module[self._shared]
+        m = m._orig.module if isinstance(m, SharedAhead) else m
+        out = m.np(x2) if isinstance(m, CpuMLP) else _np(m(_mx(x2)))  # (a plain module: the probe)
+        if self._shared_gate is not None:
+            out = out * (np.float32(1.0) / (np.float32(1.0) + np.exp(-self._shared_gate(x2))))
+        return out
 
     def np(self, x2: np.ndarray, experts=None) -> np.ndarray:
         """x2 [R, D] -> [R, D]; `experts` stands in for the streamed experts (the probe)."""
@@ -460,8 +485,16 @@ class CpuMoE(_Wraps):
         t0 = perf_counter()
         ids, scores = route(self._router(x2), self.k, self.routing)
         self._switch.add_route_time(perf_counter() - t0)
-        y = (experts or self._switch.experts_np)(x2, ids)  # [R, k, D]
-        return (y * scores[..., None].astype(np.float32)).sum(axis=-2)
+        shared = []
+        if experts is not None:
+            y = experts(x2, ids)
+        else:
+            during = (lambda: shared.append(self.shared_np(x2))) if self._shared else None
+            y = self._switch.experts_np(x2, ids, during=during)  # [R, k, D]
+        out = (y * scores[..., None].astype(np.float32)).sum(axis=-2)
+        if self._shared:
+            out = out + (shared[0] if shared else self.shared_np(x2))
+        return out
 
 
 class _FakeExperts(nn.Module):
@@ -553,8 +586,7 @@ def _probe_mlp(new: CpuMLP, mlp: nn.Module, dim: int) -> bool:
 
 
 def _input_dim(module: nn.Module, first: str) -> int:
-    lin = getattr(module, first)
-    return lin._w.shape[1] * 32 // lin._bits
+    return getattr(module, first).in_features
 
 
 def install(model: nn.Module) -> dict:
@@ -599,7 +631,9 @@ def install(model: nn.Module) -> dict:
         if ok:
             replacements.append((name, new))
             counts[kind] += 1
-    for name, new in replacements:
+    # deepest first: a block's parts (a MoE block's shared expert) are replaced inside the block
+    # before the block itself is wrapped, so the wrapper computes with the replaced parts
+    for name, new in sorted(replacements, key=lambda r: -r[0].count(".")):
         set_module(model, name, new)
     counts["shared_ahead"] = sum(_install_shared(m) for _, m in model.named_modules() if "switch_mlp" in m)
     _install_layers(model, counts)

@@ -37,36 +37,67 @@ def _f32_view(a: mx.array) -> np.ndarray:
 
 
 class CpuQuantizedLinear(nn.Module):
-    """nn.QuantizedLinear (affine) computed by the CPU kernel."""
+    """nn.QuantizedLinear (affine) computed by the CPU kernels: repacked in tiles of 16 rows
+    (engine/cpu/tiled.py) at 2, 4 and 8 bits, read in MLX's own layout (qmm.py) otherwise."""
 
     def __init__(self, ql: nn.QuantizedLinear):
+        from flashmoe.engine.cpu import tiled
+
         super().__init__()
-        self._w = _f32_view(ql["weight"]).view(np.uint32)
-        self._s = np.ascontiguousarray(_f32_view(ql["scales"]), dtype=np.float32)
-        self._b = np.ascontiguousarray(_f32_view(ql["biases"]), dtype=np.float32)
+        w = _f32_view(ql["weight"]).view(np.uint32)
+        s = np.ascontiguousarray(_f32_view(ql["scales"]), dtype=np.float32)
+        b = np.ascontiguousarray(_f32_view(ql["biases"]), dtype=np.float32)
         self._bias = _f32_view(ql["bias"]) if "bias" in ql else None
         self._bits, self._gs = ql.bits, ql.group_size
-        self._keep = Hidden(ql)  # its arrays back the views above
+        self.in_features, self.out_features = w.shape[1] * 32 // ql.bits, w.shape[0]
+        if tiled.supports(ql.bits, ql.group_size):
+            self._t = tiled.Tiled.from_mlx(w, s, b, ql.bits, ql.group_size)
+            self._w = self._s = self._b = None
+            self._keep = None  # the tiles are a copy: MLX's arrays can go
+        else:
+            self._t = None
+            self._w, self._s, self._b = w, s, b
+            self._keep = Hidden(ql)  # its arrays back the views above
+
+    @property
+    def tiled(self):
+        """The weights as tiles (engine/cpu/tiled.py), or None (read in MLX's layout)."""
+        return self._t
 
     def rebind(self, w: np.ndarray, s: np.ndarray, b: np.ndarray) -> None:
         """Use these (equal) arrays instead, e.g. rows of a fused matrix; frees the originals."""
         self._w, self._s, self._b = w, s, b
+        self._own_bias()
+
+    def rebind_tiled(self, t) -> None:
+        """Use this (equal) tiled matrix instead, e.g. a view of a fused one; frees the original."""
+        self._t = t
+        self._own_bias()
+
+    def _own_bias(self) -> None:
         if self._bias is not None:
             self._bias = self._bias.copy()
         self._keep = None
 
     head = False  # the output head: in a prefill (last_logits_only) it computes the last row only
 
+    def matmul(self, x2: np.ndarray) -> np.ndarray:
+        """x2 [R, in] float32 -> [R, out], with the bias."""
+        from flashmoe.engine.cpu.qmm import qmm
+
+        out = self._t.matmul(x2) if self._t is not None else qmm(x2, self._w, self._s, self._b, self._bits, self._gs)
+        return out + self._bias if self._bias is not None else out
+
     def __call__(self, x: mx.array) -> mx.array:
-        from flashmoe.engine.cpu.qmm import qmm, to_numpy
+        from flashmoe.engine.cpu.qmm import to_numpy
 
         if self.head and _LAST_ONLY.on and x.ndim == 3 and x.shape[1] > 1:
             x = x[:, -1:]
         mx.eval(x)
-        out = qmm(to_numpy(x), self._w, self._s, self._b, self._bits, self._gs)
-        if self._bias is not None:
-            out += self._bias
-        return mx.array(out).astype(x.dtype) if x.dtype != mx.float32 else mx.array(out)
+        xn = to_numpy(x)
+        out = self.matmul(np.ascontiguousarray(xn.reshape(-1, xn.shape[-1]), dtype=np.float32))
+        out = mx.array(np.ascontiguousarray(out).reshape(*xn.shape[:-1], -1))
+        return out.astype(x.dtype) if x.dtype != mx.float32 else out
 
 
 class _LastOnly(threading.local):
@@ -89,16 +120,20 @@ def last_logits_only():
 
 
 class CpuQuantizedEmbedding(nn.Module):
-    """Looks rows up as MLX does; `as_linear` (a tied lm_head) runs on the CPU kernel."""
+    """Looks rows up as MLX does; `as_linear` (a tied lm_head) runs on the CPU kernels. Where the
+    head is tiled, the rows are looked up in the tiles too, so the weights are held once."""
 
     def __init__(self, qe: nn.QuantizedEmbedding):
         super().__init__()
-        self._inner = Hidden(qe)
-        self._linear = Hidden(CpuQuantizedLinear(qe))
-        self._linear.module.head = True  # called only as a tied output head
+        head = CpuQuantizedLinear(qe)
+        head.head = True  # called only as a tied output head
+        self._linear = Hidden(head)
+        self._inner = Hidden(qe) if head.tiled is None else None
 
     def __call__(self, x):
-        return self._inner.module(x)
+        if self._inner is not None:
+            return self._inner.module(x)
+        return mx.array(self._linear.module.tiled.rows(np.array(x)))
 
     def as_linear(self, x):
         return self._linear.module(x)

@@ -1,0 +1,96 @@
+"""engine/cpu/tiled.py: matrices repacked in tiles of 16 rows, against MLX's quantize / dequantize.
+
+The products are held to test_kernels.py's two bounds (the brief's 1e-4 relative one, and the
+float32 summation bound against a float64 reference); dequantized rows must be mx.dequantize's
+bit for bit, since prefill multiplies them with sgemm and an embedding lookup returns them.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from flashmoe.engine.cpu import tiled as T  # noqa: E402
+from flashmoe.engine.cpu.qmm import qmm  # noqa: E402
+from tests.test_kernels import check, quantize  # noqa: E402
+
+RNG = np.random.default_rng(99)
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_matmul_matches_mlx(bits, gs):
+    # rows: fewer than a tile, a tile and a bit, many tiles; x rows in passes of 4, 2 and 1
+    for out, k in ((3, gs), (17, 3 * gs), (64, 1024)):
+        wq, s, b, dq = quantize(RNG.standard_normal((out, k)).astype(np.float32), bits, gs)
+        t = T.Tiled.from_mlx(wq, s, b, bits, gs)
+        assert (t.n, t.k) == (out, k)
+        for m in (1, 2, 3, 7, 64):  # 64 rows: dequantize + sgemm
+            x = RNG.standard_normal((m, k)).astype(np.float32)
+            check(np.ascontiguousarray(t.matmul(x)), x, wq, s, b, dq, bits, gs)
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_serial_and_parallel_give_the_same_numbers(monkeypatch, parallel):
+    """Lanes are rows: how rows are split over threads cannot change a row's sum."""
+    from flashmoe.engine.cpu import qmm as Q
+
+    wq, s, b, _ = quantize(RNG.standard_normal((100, 1024)).astype(np.float32), 4, 64)
+    t = T.Tiled.from_mlx(wq, s, b, 4, 64)
+    x = RNG.standard_normal((5, 1024)).astype(np.float32)
+    for name in ("SERIAL_BELOW", "SERIAL_BELOW_WITHOUT_TBB"):
+        monkeypatch.setattr(Q, name, 0 if parallel else 1 << 62)
+    got = t.matmul(x)
+    monkeypatch.undo()
+    for name in ("SERIAL_BELOW", "SERIAL_BELOW_WITHOUT_TBB"):
+        monkeypatch.setattr(Q, name, 1 << 62)
+    assert np.array_equal(got, t.matmul(x))
+    # one row at a time: the same sums as in passes of 4 and 2
+    assert np.array_equal(got, np.concatenate([t.matmul(x[i:i + 1]) for i in range(5)]))
+
+
+@pytest.mark.parametrize("bits,gs", [(4, 64), (8, 32), (2, 128)])
+def test_dequantize_and_rows_are_mlx_bit_for_bit(bits, gs):
+    wq, s, b, dq = quantize(RNG.standard_normal((37, 2 * gs)).astype(np.float32), bits, gs)
+    t = T.Tiled.from_mlx(wq, s, b, bits, gs)
+    assert np.array_equal(t.dequantize(), dq)
+    ids = np.array([[36, 0, 5], [16, 16, 15]])
+    got = t.rows(ids)
+    assert got.shape == (2, 3, 2 * gs) and np.array_equal(got, dq[ids])
+    emb = mx.dequantize(mx.array(wq)[mx.array(ids)], mx.array(s)[mx.array(ids)], mx.array(b)[mx.array(ids)],
+                        group_size=gs, bits=bits)
+    assert np.array_equal(got, np.array(emb))
+
+
+def test_stack_gives_each_part_and_views_that_stand_alone():
+    parts = [quantize(RNG.standard_normal((n, 128)).astype(np.float32), 4, 64) for n in (20, 16, 3)]
+    tiles = [T.Tiled.from_mlx(wq, s, b, 4, 64) for wq, s, b, _ in parts]
+    whole, views, starts = T.Tiled.stack(tiles)
+    assert starts == [0, 32, 48] and whole.n == 64
+    x = RNG.standard_normal((2, 128)).astype(np.float32)
+    out = whole.matmul(x)
+    for (wq, s, b, dq), view, start, tile in zip(parts, views, starts, tiles):
+        n = wq.shape[0]
+        assert np.array_equal(out[:, start:start + n], tile.matmul(x))
+        assert np.array_equal(view.matmul(x), tile.matmul(x))
+        assert np.shares_memory(view.wt, whole.wt)
+    assert np.array_equal(whole.matmul(x)[:, 20:32], np.zeros((2, 12), np.float32))  # padding rows
+    with pytest.raises(ValueError, match="differ"):
+        T.Tiled.stack([tiles[0], T.Tiled.from_mlx(*quantize(RNG.standard_normal((4, 64)).astype(np.float32), 4, 64)[:3], 4, 64)])
+
+
+def test_tiled_and_mlx_layout_kernels_agree():
+    """The two CPU kernels (tiles for resident weights, MLX's layout for streamed experts) give
+    the same products to float32 rounding."""
+    wq, s, b, _ = quantize(RNG.standard_normal((200, 576)).astype(np.float32), 8, 64)
+    x = RNG.standard_normal((3, 576)).astype(np.float32)
+    a, ref = T.Tiled.from_mlx(wq, s, b, 8, 64).matmul(x), qmm(x, wq, s, b, 8, 64)
+    assert np.abs(a - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_unsupported_formats_are_refused():
+    assert not T.supports(3, 64) and not T.supports(4, 16) and T.supports(8, 128)
+    wq, s, b, _ = quantize(RNG.standard_normal((4, 64)).astype(np.float32), 3, 32)
+    with pytest.raises(ValueError, match="3-bit"):
+        T.Tiled.from_mlx(wq, s, b, 3, 32)
