@@ -248,6 +248,7 @@ def test_compute_paths_name_what_load_chose(model_factory):
     cpu = load(folder, kernels="cpu", expert_cache=0, load_tokenizer=False)
     n = cpu.num_layers
     assert compute_paths(cpu) == {
+        "one-token steps on numpy from embedding to final norm (one sync per token)": list(range(n)),
         "decoder layer fused whole (one sync per layer)": list(range(n)),
         "attention as one fused CPU block": list(range(n)),
         "MoE as one fused CPU block": list(range(n)),
@@ -304,3 +305,32 @@ def test_fused_block_computes_its_shared_expert_while_the_experts_load(model_fac
     assert greedy(lm.model, PROMPT, 8) == want
     assert sum(fetches) == 9 * len(blocks)  # once per block and forward pass (a prefill's later groups have none)
     assert lm.store.stats[lm.layers[0].layer].misses > 0
+
+
+def test_whole_decode_step_runs_on_numpy_and_gives_mlx_tokens(model_factory, monkeypatch):
+    """Every layer fused: the inner model is wrapped, one-token steps go embedding -> layers ->
+    norm on numpy (the per-layer MLX round trip not taken), prompt chunks through the original,
+    and the tokens are those of MLX's kernels."""
+    from flashmoe.engine.cpu import decode_step
+    from flashmoe.engine.cpu.fused import CpuDecoderLayer
+
+    path = model_factory("qwen3_moe", 4, converted=True)
+    want = greedy(load(path, kernels="mlx", load_tokenizer=False).model, PROMPT, 12)
+    lm = load(path, kernels="cpu", load_tokenizer=False)
+    assert lm.fused["model_step"] == 1 and isinstance(lm.model.model, decode_step.CpuModelStep)
+    steps, original = [], decode_step.CpuModelStep.fast
+    monkeypatch.setattr(decode_step.CpuModelStep, "fast", lambda *a: steps.append(original(*a)) or steps[-1])
+    assert greedy(lm.model, PROMPT, 12) == want
+    assert steps == [False] + [True] * 12  # the prompt, then every decode step
+
+
+def test_whole_decode_step_is_refused_where_the_probe_disagrees(model_factory, monkeypatch):
+    """A model whose inner module does more than embed -> layers -> norm keeps its own: here the
+    probe is shown an embedding scaled behind its back."""
+    from flashmoe.engine.cpu import decode_step
+
+    original = decode_step._embedding
+    monkeypatch.setattr(decode_step, "_embedding", lambda e: (lambda ids, f=original(e): f(ids) * 2))
+    lm = load(model_factory("qwen3_moe", 4, converted=True), kernels="cpu", load_tokenizer=False)
+    assert lm.fused["model_step"] == 0 and not isinstance(lm.model.model, decode_step.CpuModelStep)
+    assert lm.fused["layer"] == lm.num_layers

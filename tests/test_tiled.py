@@ -31,23 +31,22 @@ def test_matmul_matches_mlx(bits, gs):
             check(np.ascontiguousarray(t.matmul(x)), x, wq, s, b, dq, bits, gs)
 
 
-@pytest.mark.parametrize("parallel", [False, True])
-def test_serial_and_parallel_give_the_same_numbers(monkeypatch, parallel):
+def test_serial_and_parallel_give_the_same_numbers(monkeypatch):
     """Lanes are rows: how rows are split over threads cannot change a row's sum."""
     from flashmoe.engine.cpu import qmm as Q
 
     wq, s, b, _ = quantize(RNG.standard_normal((100, 1024)).astype(np.float32), 4, 64)
-    t = T.Tiled.from_mlx(wq, s, b, 4, 64)
     x = RNG.standard_normal((5, 1024)).astype(np.float32)
-    for name in ("SERIAL_BELOW", "SERIAL_BELOW_WITHOUT_TBB"):
-        monkeypatch.setattr(Q, name, 0 if parallel else 1 << 62)
-    got = t.matmul(x)
-    monkeypatch.undo()
-    for name in ("SERIAL_BELOW", "SERIAL_BELOW_WITHOUT_TBB"):
-        monkeypatch.setattr(Q, name, 1 << 62)
-    assert np.array_equal(got, t.matmul(x))
-    # one row at a time: the same sums as in passes of 4 and 2
-    assert np.array_equal(got, np.concatenate([t.matmul(x[i:i + 1]) for i in range(5)]))
+    got = {}
+    for parallel in (False, True):
+        for name in ("SERIAL_BELOW", "SERIAL_BELOW_WITHOUT_TBB"):
+            monkeypatch.setattr(Q, name, 0 if parallel else 1 << 62)
+        t = T.Tiled.from_mlx(wq, s, b, 4, 64)  # a new one: the choice is made on first use
+        got[parallel] = t.matmul(x)
+        assert (1 >= t._parallel_rows) == (5 >= t._parallel_rows) == parallel
+        # one row at a time: the same sums as in passes of 4 and 2
+        assert np.array_equal(got[parallel], np.concatenate([t.matmul(x[i:i + 1]) for i in range(5)]))
+    assert np.array_equal(got[False], got[True])
 
 
 @pytest.mark.parametrize("bits,gs", [(4, 64), (8, 32), (2, 128)])

@@ -330,9 +330,12 @@ class CpuDecoderLayer(_Wraps):
     def __call__(self, x, mask=None, cache=None, **kwargs):
         if not CpuAttention.fast(x, mask, cache, kwargs):
             return self._orig.module(x, mask, cache, **kwargs)
+        return _mx(self.step_np(_np(x).reshape(1, -1), cache).reshape(1, 1, -1))
+
+    def step_np(self, x2: np.ndarray, cache) -> np.ndarray:
+        """One decode step: x2 [1, D] -> [1, D] (the cache must pass CpuAttention.fast)."""
         from flashmoe.engine.cpu.attn import rms_norm_rows
 
-        x2 = _np(x).reshape(1, -1)
         (w1, eps1), (w2, eps2) = self._norms
         n1 = x2.copy()
         rms_norm_rows(n1, w1, eps1)
@@ -340,10 +343,10 @@ class CpuDecoderLayer(_Wraps):
         if isinstance(attn, CpuAttention):
             h = x2 + attn.decode_np(n1, cache)
         else:  # wrapped (layer timing): through MLX
-            h = x2 + _np(attn(_mx(n1.reshape(1, 1, -1)), mask, cache)).reshape(1, -1)
+            h = x2 + _np(attn(_mx(n1.reshape(1, 1, -1)), None, cache)).reshape(1, -1)
         n2 = h.copy()
         rms_norm_rows(n2, w2, eps2)
-        return _mx((h + self[self._ffn].np(n2)).reshape(1, 1, -1))
+        return h + self[self._ffn].np(n2)
 
 
 class _StubFFN(nn.Module):
@@ -637,6 +640,9 @@ def install(model: nn.Module) -> dict:
         set_module(model, name, new)
     counts["shared_ahead"] = sum(_install_shared(m) for _, m in model.named_modules() if "switch_mlp" in m)
     _install_layers(model, counts)
+    from flashmoe.engine.cpu import decode_step
+
+    counts["model_step"] = int(decode_step.install(model))
     _release_freed_memory()
     return counts
 

@@ -130,6 +130,11 @@ class CpuQuantizedEmbedding(nn.Module):
         self._linear = Hidden(head)
         self._inner = Hidden(qe) if head.tiled is None else None
 
+    @property
+    def tiled(self):
+        """The table as tiles (engine/cpu/tiled.py), or None (looked up by MLX)."""
+        return self._linear.module.tiled
+
     def __call__(self, x):
         if self._inner is not None:
             return self._inner.module(x)

@@ -221,6 +221,7 @@ class Tiled:
         self.wt, self.st, self.bt = wt, st, bt
         self.n, self.bits, self.gs = n, bits, gs
         self.k = wt.shape[1] * 32 // bits
+        self._fn = None  # the compiled kernel, found on first use
 
     @classmethod
     def from_mlx(cls, w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, gs: int) -> "Tiled":
@@ -260,15 +261,18 @@ class Tiled:
     def matmul(self, x2: np.ndarray) -> np.ndarray:
         """x2 [M, K] float32 -> [M, N]: the kernels below GEMM_ROWS rows, else dequantize + sgemm.
         The result may be a view with a row stride past N (its last tile's padding)."""
-        from flashmoe.engine.cpu.qmm import SERIAL_BELOW, SERIAL_BELOW_WITHOUT_TBB, threading_layer
-
         if x2.shape[0] >= GEMM_ROWS:
             wf = self.dequantize(out=_buffer(self.n, self.k))
             with all_cores():
                 return x2 @ wf.T
-        serial_below = SERIAL_BELOW if threading_layer() == "tbb" else SERIAL_BELOW_WITHOUT_TBB
-        parallel = x2.shape[0] * self.wt.shape[0] * TILE * self.k >= serial_below
-        return _kernel(self.bits, self.gs)(self.wt, self.st, self.bt, x2, parallel)[:, :self.n]
+        if self._fn is None:  # once: the kernel, and from how many x rows a call uses every core
+            from flashmoe.engine.cpu.qmm import SERIAL_BELOW, SERIAL_BELOW_WITHOUT_TBB, threading_layer
+
+            serial_below = SERIAL_BELOW if threading_layer() == "tbb" else SERIAL_BELOW_WITHOUT_TBB
+            self._parallel_rows = -(-serial_below // (self.wt.shape[0] * TILE * self.k))
+            self._fn = _kernel(self.bits, self.gs)
+        out = self._fn(self.wt, self.st, self.bt, x2, x2.shape[0] >= self._parallel_rows)
+        return out if out.shape[1] == self.n else out[:, :self.n]
 
     def dequantize(self, rows: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """The float32 rows (all N, or those asked for), as mx.dequantize gives them."""

@@ -12,11 +12,14 @@ def compute_paths(loaded) -> dict[str, list[int]]:
     block, the decoder layers it is computed that way in."""
     fused_types: dict = {}
     cpu_linear = cpu_attention = None
+    whole_step = False
     if loaded.kernels == "cpu":
+        from flashmoe.engine.cpu.decode_step import CpuModelStep
         from flashmoe.engine.cpu.fused import CpuAttention, CpuDecoderLayer, CpuMLP, CpuMoE
         from flashmoe.engine.cpu.install import CpuQuantizedLinear
 
         fused_types = {CpuDecoderLayer: "decoder layer", CpuAttention: "attention", CpuMLP: "MLP", CpuMoE: "MoE"}
+        whole_step = any(isinstance(m, CpuModelStep) for _, m in loaded.model.named_modules())
         cpu_linear, cpu_attention = CpuQuantizedLinear, CpuAttention
     out: dict[str, list[int]] = {}
 
@@ -31,6 +34,8 @@ def compute_paths(loaded) -> dict[str, list[int]]:
     for i, layer in enumerate(decoder_layers(loaded.model)):
         modules = [layer] + [m for _, m in layer.named_modules()]
         fused = {fused_types[type(m)] for m in modules if type(m) in fused_types}
+        if whole_step:
+            say("one-token steps on numpy from embedding to final norm (one sync per token)", i)
         for kind in ("decoder layer", "attention", "MLP", "MoE"):
             if kind in fused:
                 say(f"{kind} as one fused CPU block" if kind != "decoder layer"
