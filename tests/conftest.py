@@ -28,21 +28,57 @@ USER_HOME = _user_home()  # read before the session fixture below replaces it
 @pytest.fixture(scope="session", autouse=True)
 def private_flashmoe_home(tmp_path_factory):
     """Every test runs with a FLASHMOE_HOME of its own, so `flashmoe logs` after pytest shows nothing
-    the user did not do. The user's demo model (and the wheel it was built from) are linked in
-    when they exist, so the demo is not rebuilt; otherwise it is built once, here."""
-    from flashmoe.engine.formats.convert import is_converted
-    from flashmoe.engine.formats.demo import DEMO_NAME
+    the user did not do. The demo model (and the wheel it was built from) are linked in: the user's
+    when they exist, else one built for this run, once for all workers. Before any test, the CPU
+    kernels are compiled once (numba's disk cache), by whichever worker comes first: otherwise
+    every worker and every subprocess that needed a kernel before it was cached compiled it
+    again (about 100 s of compiling in all, on two cores)."""
+    import fcntl
 
-    home = tmp_path_factory.mktemp("flashmoe-home")
+    from flashmoe.engine.cpu.warm import warm
+    from flashmoe.engine.formats.convert import is_converted
+    from flashmoe.engine.formats.demo import DEMO_NAME, ensure_demo
+
     demo = f"models/{DEMO_NAME}"
+    source = USER_HOME
+    shared = tmp_path_factory.getbasetemp().parent  # one folder for all of this run's workers
+    with open(shared / "flashmoe-setup.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        warm()
+        if not is_converted(USER_HOME / demo):
+            source = shared / "flashmoe-demo-home"
+            mp = pytest.MonkeyPatch()
+            mp.setenv("FLASHMOE_HOME", str(source))
+            try:
+                ensure_demo()
+            except Exception as e:  # noqa: BLE001 - the tests that need the demo fail on their own
+                print(f"conftest: building the demo failed ({e}); the tests that need it will say why")
+            finally:
+                mp.undo()
+    home = tmp_path_factory.mktemp("flashmoe-home")
     for sub in (demo, "downloads"):
-        if (USER_HOME / sub).is_dir() and (sub != demo or is_converted(USER_HOME / sub)):
+        if (source / sub).is_dir():
             (home / sub).parent.mkdir(parents=True, exist_ok=True)
-            (home / sub).symlink_to(USER_HOME / sub, target_is_directory=True)
+            (home / sub).symlink_to(source / sub, target_is_directory=True)
     mp = pytest.MonkeyPatch()
     mp.setenv("FLASHMOE_HOME", str(home))
     yield home
     mp.undo()
+
+
+@pytest.fixture(scope="session")
+def demo_references(tmp_path_factory, private_flashmoe_home):
+    """(the demo's float32 carve, the dense float32 SmolLM2): mlx-lm folders the demo tests compare
+    against, built once for all of this run's workers (about 16 s each)."""
+    import fcntl
+
+    from flashmoe.engine.formats.demo import carved_reference, dense_reference
+
+    shared = tmp_path_factory.getbasetemp().parent
+    with open(shared / "flashmoe-setup.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        dense = dense_reference(shared / "demo-dense")
+        return carved_reference(shared / "demo-carved", dense=dense), dense
 
 
 @pytest.fixture(scope="module", autouse=True)

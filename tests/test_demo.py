@@ -36,12 +36,11 @@ def home(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def folders(home, tmp_path_factory):
-    """(streamed demo, its float32 carve, the dense float32 model) - built once for the module."""
-    from flashmoe.engine.formats.demo import carved_reference, dense_reference, ensure_demo
+def folders(home, demo_references):
+    """(streamed demo, its float32 carve, the dense float32 model)."""
+    from flashmoe.engine.formats.demo import ensure_demo
 
-    base = tmp_path_factory.mktemp("demo-ref")
-    return ensure_demo(), carved_reference(base / "carved"), dense_reference(base / "dense")
+    return ensure_demo(), *demo_references
 
 
 def resident(folder, k=None):
@@ -67,7 +66,8 @@ def test_paris_golden_and_identical_to_resident_mlx_lm(folders):
     from tests.test_streaming_exact import greedy
 
     demo, carved, _ = folders
-    lm = load(demo, expert_cache=0)  # cache 0: every token really streams its experts
+    # cache 0: every token really streams its experts; on the CPU kernels, as `flashmoe run` does
+    lm = load(demo, expert_cache=0, kernels="cpu")
     assert lm.config["model_type"] == "qwen2_moe" and len(lm.layers) == 30
     assert lm.top_k == DEMO_TOP_K == DEMO_EXPERTS // 2 and lm.layers[0].num_experts == DEMO_EXPERTS
     events = list(generate(lm, Session(lm), GenerationRequest(messages=QUESTION, max_tokens=24)))
@@ -88,7 +88,7 @@ def test_every_expert_routed_is_resident_mlx_lm_at_k_equals_e(folders):
     from tests.test_streaming_exact import greedy
 
     demo, carved, _ = folders
-    lm = load(demo, expert_cache=0, experts_per_token=DEMO_EXPERTS)
+    lm = load(demo, expert_cache=0, experts_per_token=DEMO_EXPERTS, kernels="cpu")
     prompt = prompt_ids(lm)
     ref = resident(carved, DEMO_EXPERTS)
     assert mx.abs(lm.model(mx.array([prompt])) - ref(mx.array([prompt]))).max().item() <= 1e-3

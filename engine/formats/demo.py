@@ -60,17 +60,29 @@ def ensure_demo(progress=None) -> Path:
     gguf = _gguf(progress)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".demo-src-") as tmp:
-        progress("reading the dense model from the GGUF", 1, 4)
+        progress("reading the dense model from the GGUF", 1, 5)
         dense = gguf_to_hf_folder(gguf, Path(tmp) / "dense")
         progress(f"carving each layer's FFN into a 512-neuron shared slice + {DEMO_EXPERTS} "
-                 f"experts of 64, with the fitted routers", 2, 4)
+                 f"experts of 64, with the fitted routers", 2, 5)
         src = carve_dense(dense, Path(tmp) / "carved", experts_per_token=DEMO_TOP_K)
         shutil.rmtree(dense)
-        progress(f"quantizing to {DEMO_BITS}-bit and packing the experts", 3, 4)
+        progress(f"quantizing to {DEMO_BITS}-bit and packing the experts", 3, 5)
         convert(src, out, bits=DEMO_BITS, group_size=64,
-                progress=lambda what, d, t: progress(f"packing: {what}", 3, 4))
-    progress("demo model ready", 4, 4)
+                progress=lambda what, d, t: progress(f"packing: {what}", 3, 5))
+    if _cpu_kernels_used():
+        # once per install (numba's disk cache): here, said, instead of inside the first answer
+        from flashmoe.engine.cpu.warm import jobs_for, warm
+
+        progress("compiling the CPU kernels it needs (once; about half a minute)", 4, 5)
+        warm(jobs_for(DEMO_BITS))
+    progress("demo model ready", 5, 5)
     return out
+
+
+def _cpu_kernels_used() -> bool:
+    from flashmoe.engine.cpu.install import resolve
+
+    return resolve("auto") == "cpu"
 
 
 def build_upcycled(out: Path) -> Path:
@@ -92,11 +104,15 @@ def dense_reference(folder: Path, progress=None) -> Path:
     return folder
 
 
-def carved_reference(folder: Path, experts_per_token: int = DEMO_TOP_K) -> Path:
-    """The demo's float32 qwen2_moe folder before quantization (for the exactness tests)."""
+def carved_reference(folder: Path, experts_per_token: int = DEMO_TOP_K, dense: Path | None = None) -> Path:
+    """The demo's float32 qwen2_moe folder before quantization (for the exactness tests), carved
+    from `dense` (dense_reference's folder) or from a temporary one."""
     from flashmoe.engine.formats.demo_carve import carve_dense
 
     if not (folder / "config.json").exists():
+        if dense is not None:
+            carve_dense(dense, folder, experts_per_token=experts_per_token)
+            return folder
         with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".dense-") as tmp:
             carve_dense(dense_reference(Path(tmp) / "dense"), folder,
                         experts_per_token=experts_per_token)

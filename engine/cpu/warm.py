@@ -1,0 +1,86 @@
+"""Compile the CPU kernels ahead of their first use (numba keeps them in its disk cache).
+
+A fresh install compiles each kernel the first time a model needs it: about 40 s before the
+first token of the demo on this project's 2-core VM, spent inside whatever command came first,
+and paid again by every process that needs the same kernel before one has written it to the
+cache (a test suite's workers, say). `python -m flashmoe.engine.cpu.warm` compiles them all
+once, the families split over two processes, and `flashmoe demo` runs it after building the
+demo. Each call below is shaped like the engine's own calls, so the disk cache holds the
+specialisations the engine asks for.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+# (what, bits, group size): qmm = MLX's layout (streamed experts, other widths), tiled = resident
+JOBS = ([("qmm", b, 64) for b in (8, 4, 3, 2)]
+        + [("tiled", b, g) for b in (8, 4, 2) for g in (64, 32, 128)]
+        + [("small", 0, 0)])
+
+
+def jobs_for(bits: int, group_size: int = 64) -> list:
+    """What a model of these bits needs (the demo: 8-bit, groups of 64)."""
+    return [("qmm", bits, group_size), ("tiled", bits, group_size), ("small", 0, 0)]
+
+
+def _run(job) -> None:
+    what, bits, gs = job
+    if what == "qmm":
+        from flashmoe.engine.cpu import qmm
+
+        rng = np.random.default_rng(0)
+        w = rng.integers(0, 2**32, (2, 32, 2 * gs * bits // 32), dtype=np.uint32)
+        s = np.ones((2, 32, 2), np.float32)
+        for rows in (1, 3):
+            x = np.ones((rows, 2 * gs), np.float32)
+            idx = np.zeros((rows, 2), np.int64)
+            qmm.gather_qmm(x, w, s, s, idx, bits, gs)
+            qmm.gather_qmm_pair(x, (w, s, s), (w, s, s), idx, bits, gs)
+            qmm.qmm(x, w[0], s[0], s[0], bits, gs)
+    elif what == "tiled":
+        from flashmoe.engine.cpu.tiled import Tiled
+
+        t = Tiled.from_mlx(np.zeros((20, gs * bits // 32), np.uint32), np.zeros((20, 1), np.float32),
+                           np.zeros((20, 1), np.float32), bits, gs)
+        for rows in (1, 2, 7):
+            t.matmul(np.zeros((rows, gs), np.float32))
+        t.rows(np.zeros((1, 1), np.int64))
+    else:
+        from flashmoe.engine.cpu import attn, gemm
+
+        attn.warmup()
+        for bits in (8, 4, 3, 2):
+            gemm.dequantize(np.zeros((1, 2 * bits), np.uint32), np.zeros((1, 1), np.float32),
+                            np.zeros((1, 1), np.float32), bits, 64)
+
+
+def _run_all(jobs) -> None:
+    for job in jobs:
+        _run(job)
+
+
+def warm(jobs=JOBS, processes: int = 2) -> float:
+    """Compile these kernel families (or load them from the cache); returns the seconds taken."""
+    import multiprocessing
+
+    t0 = time.perf_counter()
+    shares = [jobs[i::processes] for i in range(processes)]
+    if processes <= 1:
+        _run_all(jobs)
+    else:
+        ctx = multiprocessing.get_context("spawn")  # no MLX or numba state inherited
+        procs = [ctx.Process(target=_run_all, args=(share,)) for share in shares]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise RuntimeError("compiling the CPU kernels failed (see above)")
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    print(f"CPU kernels compiled or found in numba's cache in {warm():.1f} s", file=sys.stderr)
