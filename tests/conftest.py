@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,15 @@ def _user_home() -> Path:
 USER_HOME = _user_home()  # read before the session fixture below replaces it
 
 
+def _build_demo(home: Path) -> None:
+    from flashmoe.engine.formats.demo import ensure_demo
+
+    try:
+        ensure_demo(home=home, compile_kernels=False)  # the fixture compiles them all
+    except Exception as e:  # noqa: BLE001 - the tests that need the demo fail on their own
+        print(f"conftest: building the demo failed ({e}); the tests that need it will say why")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def private_flashmoe_home(tmp_path_factory):
     """Every test runs with a FLASHMOE_HOME of its own, so `flashmoe logs` after pytest shows nothing
@@ -37,24 +47,22 @@ def private_flashmoe_home(tmp_path_factory):
 
     from flashmoe.engine.cpu.warm import warm
     from flashmoe.engine.formats.convert import is_converted
-    from flashmoe.engine.formats.demo import DEMO_NAME, ensure_demo
+    from flashmoe.engine.formats.demo import DEMO_NAME
 
     demo = f"models/{DEMO_NAME}"
     source = USER_HOME
     shared = tmp_path_factory.getbasetemp().parent  # one folder for all of this run's workers
     with open(shared / "flashmoe-setup.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        warm()
+        build = None
         if not is_converted(USER_HOME / demo):
             source = shared / "flashmoe-demo-home"
-            mp = pytest.MonkeyPatch()
-            mp.setenv("FLASHMOE_HOME", str(source))
-            try:
-                ensure_demo()
-            except Exception as e:  # noqa: BLE001 - the tests that need the demo fail on their own
-                print(f"conftest: building the demo failed ({e}); the tests that need it will say why")
-            finally:
-                mp.undo()
+            if not is_converted(source / demo):
+                build = threading.Thread(target=_build_demo, args=(source,))
+                build.start()  # beside the compiling, which runs in two processes of its own
+        warm()
+        if build is not None:
+            build.join()
     home = tmp_path_factory.mktemp("flashmoe-home")
     for sub in (demo, "downloads"):
         if (source / sub).is_dir():

@@ -17,7 +17,7 @@ import numpy as np
 
 # (what, bits, group size): qmm = MLX's layout (streamed experts, other widths), tiled = resident
 JOBS = ([("qmm", b, 64) for b in (8, 4, 3, 2)]
-        + [("tiled", b, g) for b in (8, 4, 2) for g in (64, 32, 128)]
+        + [("tiled", b, g) for b, g in ((8, 64), (4, 64), (2, 64), (4, 32), (8, 128), (2, 32))]
         + [("small", 0, 0)])
 
 

