@@ -305,6 +305,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def entry() -> int:
+    """The `flashmoe` command (and `python -m flashmoe.cli`): main() in a process of its own."""
+    # flashmoe never runs torch, but mlx-lm imports transformers, which imports torch whole when
+    # it is installed (the test extra installs it): 1.5 of the 3 s each start spent importing.
+    # A None in sys.modules makes transformers see no torch. Only here, in a process of our own:
+    # main() also runs inside other processes (the tests), where torch may be wanted.
+    sys.modules.setdefault("torch", None)
+    return main()
+
+
 def main(argv: list[str] | None = None) -> int:
     from . import signals
 

@@ -13,7 +13,8 @@ routers, the output head) is read the same way every token, so at load time it i
 (rows past N are zero: NB = ceil(N / 16)). A kernel lane is then one output row: word i of 16
 rows is one contiguous load, each of its values multiplies one x value broadcast to every lane,
 and each group's sum is scaled and added per lane. No shuffle and no horizontal sum: 10-11 G
-values/s on one thread, 1.5-2x the old kernels (benchmarks/bench_kernels.py --tiled).
+values/s on one thread, 1.1-1.8x the old kernels on the small matrices of a decode step
+(benchmarks/bench_tiled.py; figures in benchmarks/RESULTS.md).
 
 The values and their products are those of qmm.py: a value that does not end its word is masked
 in place (q * 2**sh, exact) and x is multiplied by 2**-sh to make up for it; products are float32,
