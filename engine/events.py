@@ -32,6 +32,9 @@ class ModelLoaded(Event):
     context: int | None = None  # the model's context in tokens (config_check.context_length), None: unknown
     resident_experts: str | None = None  # why every expert is in memory (--allow-resident-experts), or None
     trained_top_k: int | None = None  # the config's experts per token, when --experts-per-token changed it
+    preloading: int = 0  # experts being read into the cache from the usage file (experts/usage.py)
+    preloading_bytes: int = 0
+    usage_file: str = ""  # where this run's expert usage is kept ("" with --expert-usage off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +100,7 @@ class GenerationFinished(Event):
     hit_rate: float  # expert cache hits / lookups during decode
     top_k: int
     bits: int | None
-    cache_state: str  # "cold": the expert slots were empty when it started; else "warm"
+    cache_state: str  # "cold": the expert slots were empty when it started; "preloaded": seeded from the usage file; else "warm"
     prefetch_hit_rate: float = 0.0  # --prefetch: read-ahead experts that were then used
     text: str = ""  # the whole reply
     tail: str = ""  # reply text not yet sent in TokenGenerated events (held back, then released)

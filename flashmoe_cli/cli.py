@@ -26,9 +26,11 @@ EPILOG = """exit codes: 0 ok, 1 generation failure, 2 usage, 3 model load or I/O
 S = argparse.SUPPRESS  # settings flags default to "not given", so config and env can fill them
 
 
-def _add_engine_options(p: argparse.ArgumentParser, k_list: bool = False) -> None:
+def _add_engine_options(p: argparse.ArgumentParser, k_list: bool = False, usage: bool = True) -> None:
     """How the engine loads and streams: shared by run, chat, agent and the benchmarks
-    (k_list: --experts-per-token takes a list, N,N,..., for benchmarks that compare K)."""
+    (k_list: --experts-per-token takes a list, N,N,..., for benchmarks that compare K; usage:
+    --expert-usage, for the commands that keep a usage file, not the speed and cache benchmarks,
+    which measure cold and warm caches themselves)."""
     p.add_argument("--expert-cache", type=parse_size, default=S, metavar="SIZE",
                    help="byte budget of the expert cache, e.g. 2GB, 512MB; 0 keeps only what the "
                         "current token needs (default: every expert, at most a quarter of the RAM)")
@@ -50,6 +52,11 @@ def _add_engine_options(p: argparse.ArgumentParser, k_list: bool = False) -> Non
     p.add_argument("--no-verify-reads", dest="verify_reads", action="store_const", const="off", default=S,
                    help="do not check each expert against the manifest's CRC-32 the first time it is read "
                         "(setting verify_reads = on|off; default on; cost: `flashmoe bench speed`)")
+    if usage:
+        p.add_argument("--expert-usage", choices=("on", "off"), default=S,
+                       help="on (default): count which experts this model's runs ask for, in expert-usage.json "
+                            "beside the model (else under FLASHMOE_HOME/usage), and read the most used into the "
+                            "expert cache at start; off: neither (setting expert_usage)")
     if k_list:
         p.add_argument("--experts-per-token", dest="experts_per_token_list", type=argtypes.lengths,
                        default=None, metavar="N,N,...",
@@ -198,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also run cold with the page cache dropped before every token (a model larger than RAM)")
     bs.add_argument("--skip-disk", action="store_true", help="do not measure the disk")
     bs.add_argument("--out", type=output_file, metavar="FILE", help="write the results as JSON")
-    _add_engine_options(bs)
+    _add_engine_options(bs, usage=False)
 
     bc = bench_sub.add_parser("cache", help="routing on real text, and LRU / LFU against Belady's optimum "
                                             "over the recorded trace, at a range of cache sizes")
@@ -211,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--slots", type=argtypes.lengths, default=None, metavar="N,N,...",
                     help="cache sizes to replay, in slots per MoE layer (default: K up to every expert)")
     bc.add_argument("--out", type=output_file, metavar="FILE", help="write the results as JSON")
-    _add_engine_options(bc)
+    _add_engine_options(bc, usage=False)
 
     bq = bench_sub.add_parser("quality", help="perplexity and KL from a reference per model and K, beside bytes "
                                               "read per token and speed")
@@ -226,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--tools", metavar="FILE", default=None,
                     help="a `flashmoe bench tools --out` file: its valid-call rates join the table")
     bq.add_argument("--out", type=output_file, metavar="FILE", help="write the results as JSON")
-    _add_engine_options(bq, k_list=True)
+    _add_engine_options(bq, k_list=True, usage=False)
 
     serve = sub.add_parser("serve", help="serve the model over HTTP: OpenAI- and Anthropic-compatible API",
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -52,6 +52,7 @@ SETTINGS = {
     "prefetch": ("off", PREFETCH_CHOICES),
     "cache_policy": ("lfu", CACHE_POLICY_CHOICES),
     "verify_reads": ("on", ("on", "off")),
+    "expert_usage": ("on", ("on", "off")),
     "truncate_prompt": ("off", TRUNCATE_CHOICES),
     "thinking": (None, THINKING_CHOICES),
 }

@@ -26,6 +26,7 @@ class EngineOptions:
     prefetch: str = "off"
     cache_policy: str = "lfu"
     verify_reads: bool = True
+    expert_usage: bool = True  # the usage file kept across runs, and preloading from it (experts/usage.py)
     allow_resident_experts: bool = False
     truncate_prompt: str = "off"
     experts_per_token: int | None = None  # None: as the model was trained
@@ -41,6 +42,7 @@ class EngineOptions:
                    allow_resident_experts=getattr(args, "allow_resident_experts", False),
                    truncate_prompt=getattr(args, "truncate_prompt", "off"),
                    experts_per_token=getattr(args, "experts_per_token", None),
+                   expert_usage=getattr(args, "expert_usage", "on") != "off",
                    prompt_cache_bytes=getattr(args, "prompt_cache", 2 << 30), **disk_cache(args))
 
 
@@ -76,7 +78,8 @@ def make_engine(opts: EngineOptions):
                   prefetch=opts.prefetch, cache_policy=opts.cache_policy, verify_reads=opts.verify_reads,
                   allow_resident_experts=opts.allow_resident_experts, truncate_prompt=opts.truncate_prompt,
                   prompt_cache_bytes=opts.prompt_cache_bytes, prompt_cache_dir=opts.prompt_cache_dir,
-                  prompt_cache_disk_bytes=opts.prompt_cache_disk_bytes, experts_per_token=opts.experts_per_token)
+                  prompt_cache_disk_bytes=opts.prompt_cache_disk_bytes, experts_per_token=opts.experts_per_token,
+                  expert_usage=opts.expert_usage)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ def summary(done, loaded) -> str:
         f"hit rate {done.hit_rate:.0%}",
         f"io wait {done.io_wait_s / done.decode_s:.0%}" if done.decode_s > 0 else "io wait -",
         f"K={done.top_k}" + (f" of {loaded.trained_top_k}" if getattr(loaded, "trained_top_k", None) else ""), bits, f"{done.cache_state} expert cache"
-        + (f" {human_bytes(loaded.cache_bytes)} {loaded.cache_policy}" if loaded.cache_policy else ""),
+        + (f" {human_bytes(loaded.cache_bytes)} {loaded.cache_policy}" if loaded.cache_policy else "")
+        + (f" ({loaded.preloading} experts, {human_bytes(loaded.preloading_bytes)} from the usage file)"
+           if done.cache_state == "preloaded" and getattr(loaded, "preloading", 0) else ""),
         f"{loaded.model_type} ({loaded.mode}, {loaded.kernels} kernels)",
     ]
     if loaded.resident_experts:  # --allow-resident-experts: never a line that looks like streaming

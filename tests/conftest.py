@@ -70,6 +70,9 @@ def private_flashmoe_home(tmp_path_factory):
             (home / sub).symlink_to(source / sub, target_is_directory=True)
     mp = pytest.MonkeyPatch()
     mp.setenv("FLASHMOE_HOME", str(home))
+    # No usage files (engine/experts/usage.py) unless a test asks: the demo folder is shared by
+    # every worker, and what one test's run learned would change another's cache figures.
+    mp.setenv("FLASHMOE_EXPERT_USAGE", "off")
     yield home
     mp.undo()
 

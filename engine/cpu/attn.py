@@ -65,16 +65,34 @@ def rope_rows(x, a, b, partner):
             x[r, d] = tmp[d]
 
 
+@njit(cache=True, fastmath={"contract", "reassoc"}, nogil=True)
+def _scores(qs, K, T, out):
+    """out[h, j, t] = qs[h, j] . K[h, t] for t < T: qs [Hk, g, D], K [Hk, capacity, D].
+
+    Each K row is read once for the g query heads that share it. Reassociation lets LLVM
+    vectorise the sum over D (the order differs from BLAS's too; both are float32 sums)."""
+    Hk, g, D = qs.shape
+    for h in range(Hk):
+        for t in range(T):
+            for j in range(g):
+                acc = float32(0.0)
+                for d in range(D):
+                    acc += qs[h, j, d] * K[h, t, d]
+                out[h, j, t] = acc
+
+
 def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, T: int, scale) -> np.ndarray:
     """Softmax attention of one position: q [H, D] over the first T positions of K, V
     [Hk, capacity, D] (grouped heads: head h reads kv head h // (H // Hk)). Returns [H, D].
 
-    Two batched matmuls (numpy's BLAS), one per kv head group: each K / V row is read once for
-    all the query heads that share it. 2-3x faster than a numba loop per head at 70-1000
-    positions (29 vs 56 us for 32 heads of 128 at 70 positions; 0.2 vs 0.7 ms at 1000)."""
+    Scores by the numba loop above, the weighted sum of V rows by a batched matmul (numpy's
+    BLAS). sgemm is slow on the scores' shape (K rows against 1-8 query rows, [T, D] x [D, g]):
+    the loop halves attention at 1000 positions (0.21 -> 0.09 ms for 9 heads of 64 over 3 kv
+    heads; 1.1 -> 0.46 ms for 32 of 128 over 8; benchmarks/RESULTS.md)."""
     Hk = K.shape[0]
     H, D = q.shape
-    s = np.matmul((q * np.float32(scale)).reshape(Hk, H // Hk, D), K[:, :T].transpose(0, 2, 1))
+    s = np.empty((Hk, H // Hk, T), np.float32)
+    _scores(np.ascontiguousarray(q * np.float32(scale)).reshape(Hk, H // Hk, D), K, T, s)
     s -= s.max(axis=-1, keepdims=True)
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
@@ -156,3 +174,4 @@ def warmup() -> None:
     rms_norm_rows(x, np.ones(16, np.float32), np.float32(1e-6))
     rope_rows(x, np.ones(16, np.float32), np.zeros(16, np.float32), np.arange(16))
     silu_mul(x, x.copy())
+    _scores(np.ones((1, 1, 16), np.float32), np.ones((1, 2, 16), np.float32), 1, np.empty((1, 1, 1), np.float32))

@@ -188,6 +188,14 @@ class ExpertStore:
         # How often each (layer, expert) was asked for, all halved every LFU_HALF_LIFE tokens'
         # worth of fetches so that a change of topic is followed; and a clock (fetches) for recency.
         self.freq = np.zeros((max(l.layer for l in layers) + 1, max(l.num_experts for l in layers)))
+        # The same counts never halved, and how many tokens' worth of fetches they cover: what
+        # the usage file (usage.py) learns from this process.
+        self.asked = np.zeros_like(self.freq)
+        self.asked_steps = 0
+        self._first_layer = min(l.layer for l in layers)
+        self.preloaded = 0  # experts read into free slots at start from the usage file (preload)
+        self.preloaded_bytes = 0
+        self.misses_total = 0  # experts read on demand since load (every layer, every step)
         self._fetches = 0
         self._tick = 0
         # `flashmoe bench cache` sets these to lists to record routing: every fetch's
@@ -195,6 +203,8 @@ class ExpertStore:
         self.trace: list | None = None
         self.guesses: list | None = None
         self._exec = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="flashmoe-io")
+        # preload's reads get threads of their own: a miss is never queued behind them
+        self._preload_exec: ThreadPoolExecutor | None = None
         self.peak_used_bytes = 0
         # Each expert block of a packed folder is checked against the manifest's CRC-32 the first
         # time this process reads it (direct mode has no checksums): a flipped bit on the disk is
@@ -329,6 +339,7 @@ class ExpertStore:
         stats.io_wait_s += wait
         stats.misses += len(misses)
         stats.bytes_read += len(misses) * info.expert_bytes
+        self.misses_total += len(misses)
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         return lut
 
@@ -387,9 +398,12 @@ class ExpertStore:
         if self._fetches >= LFU_HALF_LIFE * len(self.layers):
             self.freq *= 0.5
             self._fetches = 0
-        row = self.freq[layer]
+        row, asked = self.freq[layer], self.asked[layer]
         for e in wanted:  # a handful: cheaper than a fancy-indexed add
             row[e] += 1
+            asked[e] += 1
+        if layer == self._first_layer:
+            self.asked_steps += 1
         if self.trace is not None:
             self.trace.append((layer, tuple(sorted(wanted))))
 
@@ -414,6 +428,9 @@ class ExpertStore:
         score = self.freq[pool.layer_of, pool.expert_of] * 2.0 ** 32 + pool.used_at
         keep = taken + [pool.table[k] for k in [*((layer, e) for e in wanted), *self._inflight] if k in pool.table]
         score[keep] = np.inf
+        # a slot with no expert is one an earlier call took for a read not yet put (fetch asks
+        # twice when read-ahead or preload held too many slots): never a victim
+        score[pool.layer_of < 0] = np.inf
         order = np.argpartition(score, n - 1)[:n] if n < len(score) else np.arange(len(score))
         victims = [int(i) for i in order[np.argsort(score[order])] if score[i] != np.inf]
         for slot in victims:
@@ -483,16 +500,49 @@ class ExpertStore:
             raise
 
     def _settle_prefetches(self, layer: int, wanted: set[int], stats: LayerStats) -> None:
-        """Wait for read-ahead of experts this layer wants; forget finished ones it does not."""
+        """Wait for read-ahead of experts this layer wants; settle finished ones it does not
+        (their slots stay, cached, for later). Unfinished ones it does not want stay in flight:
+        a preload of hundreds of experts is not waited for by the first token that passes."""
         for key in [k for k in self._inflight if k[0] == layer]:
-            fut = self._inflight.pop(key)
             if key[1] in wanted:
+                fut = self._inflight.pop(key)
                 t0 = perf_counter()
                 self._landed(key, fut)
                 stats.io_wait_s += perf_counter() - t0
                 stats.prefetch_used += 1
-            else:
-                self._landed(key, fut)  # a prediction that missed: its slot stays, cached, for later
+            elif self._inflight[key].done():
+                self._landed(key, self._inflight.pop(key))
+
+    # -- preload (usage.py) ----------------------------------------------------------------
+    def preload(self, hot, counts: np.ndarray | None = None, steps: int = 0) -> int:
+        """Start reading `hot` ((layer, expert) pairs, hottest first) into free slots, leaving
+        each pool top_k slots free for the first misses, and return at once; returns how many
+        reads started. `counts` [layers, experts] over `steps` tokens (the usage file's) seed the
+        LFU counts, scaled to one half-life's worth of tokens, so that what was hot in earlier
+        runs is not the first thing evicted. Reads land while generation runs; a fetch that
+        wants one waits for it (like read-ahead), others are settled as they finish."""
+        if counts is not None and steps > 0:
+            rows, cols = min(counts.shape[0], self.freq.shape[0]), min(counts.shape[1], self.freq.shape[1])
+            self.freq[:rows, :cols] += counts[:rows, :cols] * (LFU_HALF_LIFE / steps)
+        if self._preload_exec is None:
+            self._preload_exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flashmoe-preload")
+        started = 0
+        for layer, e in hot:
+            pool, info = self._pool_of.get(layer), self.layers.get(layer)
+            if pool is None or not 0 <= e < info.num_experts or (layer, e) in pool.table:
+                continue
+            if len(pool.free) <= self.top_k:
+                continue  # this pool is full; another may not be
+            slot = pool.free.pop()
+            pool.put((layer, e), slot, self._tick)
+            jobs = [(ext, pool.slot_views(slot, ext.first, ext.last), pool.conversions(ext.first, ext.last))
+                    for ext in info.extents(self.root, e)]
+            self._inflight[(layer, e)] = self._preload_exec.submit(self._read_all, jobs,
+                                                                   self._check_for(info, e, pool, slot))
+            started += 1
+            self.preloaded_bytes += info.expert_bytes
+        self.preloaded += started
+        return started
 
     def note_output(self, y: mx.array) -> None:
         """Remember a lazy result that reads the slots, so a later eviction evaluates it first.
@@ -597,6 +647,8 @@ class ExpertStore:
             done[:] = False
 
     def close(self) -> None:
+        if self._preload_exec is not None:
+            self._preload_exec.shutdown(wait=True, cancel_futures=True)
         self._exec.shutdown(wait=True)
         for fd in self._fds.values():
             os.close(fd)

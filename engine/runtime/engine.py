@@ -18,6 +18,13 @@ from flashmoe.engine.runtime.config_check import context_length
 from flashmoe.engine.runtime.generate import TRUNCATE_MODES, GenerationRequest, Session, generate, model_bits
 
 _STOP = object()
+USAGE_SAVE_EVERY_S = 60.0  # a long-lived server keeps its usage file current; others write at close
+
+
+def _warn(text: str) -> None:
+    import logging
+
+    logging.getLogger("flashmoe").warning("flashmoe: warning: %s", text)
 
 
 class Handle:
@@ -54,9 +61,12 @@ class Engine:
                  prefetch: bool | str = False, cache_policy: str = "lfu", verify_reads: bool = True,
                  truncate_prompt: str = "off", allow_resident_experts: bool = False,
                  prompt_cache_bytes: int = 2 << 30, prompt_cache_dir=None, prompt_cache_disk_bytes: int = 8 << 30,
-                 experts_per_token: int | None = None):
+                 experts_per_token: int | None = None, expert_usage: bool = False, usage_file=None):
         """truncate_prompt: for requests that do not say, what to do with a prompt longer than the
-        model's context (generate.TRUNCATE_MODES). The rest are loader.load's options."""
+        model's context (generate.TRUNCATE_MODES). expert_usage: learn which experts this model's
+        runs use in a file kept across runs, and preload the hottest at start (experts/usage.py);
+        usage_file: that file, instead of the one beside the model (benchmarks).
+        The rest are loader.load's options."""
         if truncate_prompt not in TRUNCATE_MODES:
             raise ValueError(f"truncate_prompt must be one of {', '.join(TRUNCATE_MODES)}, got {truncate_prompt!r}")
         self.model_path = model_path
@@ -75,6 +85,10 @@ class Engine:
         self._sessions: dict[str, Session] = {}
         self._prompt_cache = (prompt_cache_bytes, prompt_cache_dir, prompt_cache_disk_bytes)
         self.pool = None  # PromptCachePool, made with the model
+        self._expert_usage = expert_usage
+        self._usage_file = usage_file
+        self.usage = None  # experts/usage.Usage, with expert_usage and a streamed model
+        self._usage_saved_at = 0.0
         # mlx-lm imports transformers; doing that first on a non-main thread can abort the
         # process at exit ("terminate called without an active exception"), so import it here.
         import mlx_lm.utils  # noqa: F401  (pyflakes: needed for its side effect)
@@ -123,6 +137,8 @@ class Engine:
                 kernels=lm.kernels, cache_policy=lm.store.policy if lm.store else "",
                 context=context_length(lm.config), resident_experts=lm.resident_experts,
                 trained_top_k=lm.trained_top_k)
+            if self._expert_usage and lm.store is not None:
+                self.loaded_info = self._start_usage(lm)
         except BaseException as e:  # reported to the caller by wait_loaded
             self.load_error = e
         if self.loaded is not None:
@@ -148,6 +164,8 @@ class Engine:
                 self._sessions.pop(item[1], None)
                 continue
             self._serve(item)
+            self._save_usage(every_s=USAGE_SAVE_EVERY_S)
+        self._save_usage()
         if self.loaded is not None:
             self.loaded.close()
         self._stopped.set()
@@ -155,6 +173,28 @@ class Engine:
         # streams are torn down and the process can abort at exit. A parked daemon thread
         # simply ends with the process.
         threading.Event().wait()
+
+    def _start_usage(self, lm) -> ModelLoaded:
+        """Read the usage file and start preloading from it; what ModelLoaded then says."""
+        from flashmoe.engine.experts.usage import Usage
+
+        self.usage = Usage(lm.store, lm.path, self._usage_file)
+        started, warning = self.usage.start()
+        if warning:
+            _warn(warning)
+        self._usage_saved_at = perf_counter()
+        return dataclasses.replace(self.loaded_info, preloading=started, preloading_bytes=lm.store.preloaded_bytes,
+                                   usage_file=str(self.usage.path))
+
+    def _save_usage(self, every_s: float = 0.0) -> None:
+        """Add this process's expert counts to the usage file (at most every `every_s` seconds)."""
+        if self.usage is None or perf_counter() - self._usage_saved_at < every_s:
+            return
+        warning = self.usage.save()
+        self._usage_saved_at = perf_counter()
+        if warning:
+            _warn(warning)
+            self.usage = None  # said once; not tried again
 
     def _serve(self, handle: Handle) -> None:
         if self.loaded is None:

@@ -203,6 +203,8 @@ def generate(loaded, session: Session, request: GenerationRequest,
     loaded.telemetry.mode = request.timing
     # "cold": the expert slots start empty (first turn after load, or after evict_all).
     cold = store is not None and store.used_bytes == 0
+    # "preloaded": the first turn of a process whose cache was seeded from the usage file
+    preloaded = store is not None and store.preloaded > 0 and store.asked_steps == 0
 
     ids, opened = render_prompt_text(loaded, request)
     if not ids:
@@ -288,7 +290,7 @@ def generate(loaded, session: Session, request: GenerationRequest,
         prefill_s=prefill_s, decode_s=decode_s, io_wait_s=figures.io_wait_s,
         bytes_per_token=figures.bytes_read / fed if fed else 0.0,
         hit_rate=figures.hits / figures.lookups if figures.lookups else 0.0,
-        top_k=loaded.top_k, bits=model_bits(loaded.config), cache_state="cold" if cold else "warm",
+        top_k=loaded.top_k, bits=model_bits(loaded.config), cache_state="cold" if cold else "preloaded" if preloaded else "warm",
         text=text, tail=tail,
         prefetch_hit_rate=figures.prefetch_used / figures.prefetched if figures.prefetched else 0.0,
         truncated_prompt_tokens=dropped)
