@@ -9,6 +9,8 @@ machine load hit all engines alike; per-engine figures are medians over every me
 
 Engines
   flashmoe kernels=cpu   engine.loader.load(path, kernels="cpu", dtype="float32")  (numba kernels)
+  flashmoe kernels=cpu-int8  (--int8) the same with kernels="cpu-int8": resident matrices' decode rows
+                         on two-term int8 activations and VNNI dot products (engine/cpu/int8.py)
   flashmoe kernels=mlx   engine.loader.load(path, kernels="mlx", dtype="float32")  (MLX's kernels)
                          generation through engine.generate.generate(..., timing="off"); decode
                          tok/s = GenerationFinished.generation_tps (forward passes after the
@@ -714,7 +716,7 @@ def configs_for(model: dict, a) -> list[dict]:
                             kernels="mlx", path=model["flashmoe"], expert_cache=10**12, prewarm_all=True,
                             warmup=0, runs=1, state="expert cache holds every expert (prewarmed)"))
     else:
-        for k in ("cpu",) if a.no_mlx_kernels else ("cpu", "mlx"):
+        for k in ("cpu",) + (("cpu-int8",) if a.int8 else ()) + (() if a.no_mlx_kernels else ("mlx",)):
             out.append(dict(base, engine="flashmoe", label=f"flashmoe kernels={k}", kernels=k,
                             path=model["flashmoe"], state="default expert cache (engine default budget), warm"))
         if model.get("mlx_float") and not a.no_mlx_lm:
@@ -946,6 +948,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-mlx-lm", action="store_true", help="skip resident mlx-lm")
     p.add_argument("--no-mlx-kernels", action="store_true",
                    help="skip flashmoe kernels=mlx (MLX's CPU kernels: minutes per long prompt)")
+    p.add_argument("--int8", action="store_true",
+                   help="also time flashmoe kernels=cpu-int8 (decode rows on int8 activations, engine/cpu/int8.py)")
     p.add_argument("--child-timeout", type=float, default=3600)
     p.add_argument("--out", type=Path, help="write every figure as JSON")
     a = p.parse_args(argv)

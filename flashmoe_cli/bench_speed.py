@@ -33,7 +33,8 @@ def cmd_bench_speed(args) -> int:
     bits = model_bits(loaded.config)
     expert = (sum(l.expert_bytes for l in loaded.layers) / len(loaded.layers)) if loaded.layers else 0
     machine = f"{os.cpu_count()}x {cpu_model()}, {platform.system()} {platform.release()}"
-    model_line = (f"{loaded.config['model_type']} ({loaded.mode}, {loaded.kernels} kernels"
+    model_line = (f"{loaded.config['model_type']} ({loaded.mode}, "
+                  f"{'cpu-int8' if loaded.int8_matrices else loaded.kernels} kernels"
                   f", prefetch {args.prefetch}), "
                   f"{bits or 'float'}{'-bit' if bits else ''}, "
                   f"K={loaded.top_k}{f' of {loaded.trained_top_k}' if loaded.trained_top_k else ''}, "

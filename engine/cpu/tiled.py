@@ -223,6 +223,7 @@ class Tiled:
         self.n, self.bits, self.gs = n, bits, gs
         self.k = wt.shape[1] * 32 // bits
         self._fn = None  # the compiled kernel, found on first use
+        self.int8 = False  # decode rows on int8 activations (int8.py, --kernels cpu-int8)
 
     @classmethod
     def from_mlx(cls, w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, gs: int) -> "Tiled":
@@ -270,8 +271,14 @@ class Tiled:
             from flashmoe.engine.cpu.qmm import SERIAL_BELOW, SERIAL_BELOW_WITHOUT_TBB, threading_layer
 
             serial_below = SERIAL_BELOW if threading_layer() == "tbb" else SERIAL_BELOW_WITHOUT_TBB
+            if self.int8:
+                from flashmoe.engine.cpu import int8
+
+                serial_below *= int8.SERIAL_FACTOR
+                self._fn = int8.kernel(self.bits, self.gs)
+            else:
+                self._fn = _kernel(self.bits, self.gs)
             self._parallel_rows = -(-serial_below // (self.wt.shape[0] * TILE * self.k))
-            self._fn = _kernel(self.bits, self.gs)
         out = self._fn(self.wt, self.st, self.bt, x2, x2.shape[0] >= self._parallel_rows)
         return out if out.shape[1] == self.n else out[:, :self.n]
 

@@ -45,6 +45,9 @@ def compute_paths(loaded) -> dict[str, list[int]]:
         if "attention" not in fused:
             linear = [m for m in modules if cpu_linear is not None and isinstance(m, cpu_linear)]
             say("attention and other matmuls on the CPU kernels" if linear else "attention and other matmuls on MLX", i)
+        if getattr(loaded, "int8_matrices", 0) and any(getattr(getattr(m, "tiled", None), "int8", False)
+                                                        for m in modules):
+            say("resident matmuls of decode steps on int8 activations (VNNI dot products, approximate)", i)
         switches = by_layer.get(i, [])
         if switches:
             say("streamed experts on the CPU kernels" if all(s.on_cpu_kernels for s in switches)

@@ -134,7 +134,7 @@ class Engine:
                 experts=lm.layers[0].num_experts if lm.layers else 0, top_k=lm.top_k,
                 bits=model_bits(lm.config), cache_bytes=lm.store.capacity_bytes if lm.store else 0,
                 load_s=perf_counter() - t0, chat_template=lm.tokenizer.template_source if lm.tokenizer else "",
-                kernels=lm.kernels, cache_policy=lm.store.policy if lm.store else "",
+                kernels="cpu-int8" if lm.int8_matrices else lm.kernels, cache_policy=lm.store.policy if lm.store else "",
                 context=context_length(lm.config), resident_experts=lm.resident_experts,
                 trained_top_k=lm.trained_top_k)
             if self._expert_usage and lm.store is not None:

@@ -1,0 +1,95 @@
+"""`--kernels cpu-int8`: tiled matrices times int8-quantized activations (engine/cpu/int8.py)."""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from flashmoe.engine.cpu import int8
+from flashmoe.engine.cpu.tiled import Tiled
+from flashmoe.engine.runtime.loader import load
+from tests.conftest import run_cli
+
+# the default (two terms) at every size; one term, llama.cpp's way, at group 64 (compiling each costs seconds)
+CASES = [(bits, gs, 2, 5e-4) for bits in int8.BITS for gs in int8.GROUP_SIZES] + [(bits, 64, 1, 0.06) for bits in int8.BITS]
+
+
+def _tiled(rng, n, k, bits, gs):
+    w, s, b = mx.quantize(mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05), group_size=gs, bits=bits)
+    return Tiled.from_mlx(np.array(w), np.array(s), np.array(b), bits, gs), np.array(mx.dequantize(w, s, b, gs, bits))
+
+
+def _exact(t: Tiled, wf: np.ndarray, x: np.ndarray, terms: int) -> np.ndarray:
+    """What the int8 kernel computes, from its own definition: x rounded per group to int8 steps
+    (and with two terms what that left, rounded again), the integer dot products of the weights'
+    q values with each, scaled, plus bias times the exact sums."""
+    gs = t.gs
+    xg = x.reshape(x.shape[0], -1, gs).astype(np.float32)
+    sums = xg.astype(np.float64).sum(-1)
+    r, parts = xg.copy(), []
+    for _ in range(terms):
+        dx = np.abs(r).max(-1, keepdims=True) / np.float32(127)
+        q = np.rint(r * np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, 1), 0)).astype(np.int64)
+        r = (r - dx * q.astype(np.float32)).astype(np.float32)
+        parts.append((dx.astype(np.float64), q))
+    n = t.n
+    s = t.st.transpose(0, 2, 1).reshape(-1, t.st.shape[1])[:n].astype(np.float64)
+    b = t.bt.transpose(0, 2, 1).reshape(-1, t.bt.shape[1])[:n].astype(np.float64)
+    q = np.rint((wf.reshape(n, -1, gs) - b[:, :, None]) / np.where(s == 0, 1, s)[:, :, None]).astype(np.int64)
+    scaled = sum(np.einsum("ngk,mgk->mng", q, xq) * dx[:, None, :, 0] for dx, xq in parts)
+    return (scaled * s[None] + b[None] * sums[:, None, :]).sum(-1)
+
+
+@pytest.mark.parametrize("bits, gs, terms, bound", CASES)
+def test_kernel_is_its_definition_and_close_to_the_float_product(bits, gs, terms, bound):
+    rng = np.random.default_rng(bits * 1000 + gs)
+    t, wf = _tiled(rng, 100, 2 * 128 * 3, bits, gs)  # 100 rows: a padded last tile
+    x = rng.standard_normal((3, 768)).astype(np.float32)
+    x[1, :gs] = 0  # an all-zero group: step 0, no division by it
+    x[2, 7] = 40.0  # an outlier channel, as real hidden states have
+    for parallel in (False, True):
+        got = int8.kernel(bits, gs, terms)(t.wt, t.st, t.bt, x, parallel)[:, :100]
+        ref = _exact(t, wf, x, terms)
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max() + 1e-6  # float32 rounding only
+        exact = x.astype(np.float64) @ wf.T.astype(np.float64)
+        err = np.abs(got - exact).max() / np.abs(exact).max()
+        assert 0 < err <= bound  # activation rounding, not the float path under another name
+
+
+@pytest.mark.parametrize("bits", int8.BITS)
+def test_vnni_and_plain_vector_code_give_the_same_integers(bits):
+    """The VPDPBUSD kernel and the one built from plain vector IR agree bit for bit (integer
+    sums); the plain one always runs, the VNNI one only where the CPU has the instruction."""
+    rng = np.random.default_rng(bits)
+    t, _ = _tiled(rng, 64, 512, bits, 64)
+    x = rng.standard_normal((2, 512)).astype(np.float32) * 3
+    for terms in (1, 2):
+        plain = int8.kernel(bits, 64, terms, vnni=False)(t.wt, t.st, t.bt, x, False)
+        assert np.isfinite(plain).all()
+        if int8.has_vnni():
+            assert np.array_equal(int8.kernel(bits, 64, terms, vnni=True)(t.wt, t.st, t.bt, x, False), plain)
+
+
+def test_cpu_int8_switches_every_resident_matrix_and_stays_close(model_factory):
+    path = model_factory("qwen3_moe", 4, converted=True)
+    ref = load(path, kernels="cpu", load_tokenizer=False)
+    lm = load(path, kernels="cpu-int8", load_tokenizer=False)
+    tiled = int8.use_int8(ref.model)  # what there is to switch (switches ref too: counted, not used below)
+    assert lm.int8_matrices == tiled > 0
+    from mlx_lm.models.cache import make_prompt_cache
+
+    logits = []
+    for m in (load(path, kernels="cpu", load_tokenizer=False), lm):
+        cache = make_prompt_cache(m.model)
+        mx.eval(m.model(mx.array([[1, 2, 3, 4]]), cache=cache))
+        logits.append(np.array(m.model(mx.array([[5]]), cache=cache)[0, -1]))  # one decode row
+    a, b = logits
+    assert not np.array_equal(a, b)  # the decode row did go through int8
+    assert np.abs(a - b).max() <= 2e-3 * np.abs(a).max()  # two int8 terms: near the float result
+
+
+def test_cli_takes_cpu_int8_and_says_so(model_factory):
+    path = model_factory("qwen3_moe", 4, converted=True)
+    r = run_cli("run", "-m", path, "--kernels", "cpu-int8", "--max-tokens", "4", "hi")
+    assert r.returncode == 0, r.stderr
+    assert "cpu-int8 kernels" in r.stderr
