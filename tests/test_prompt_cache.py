@@ -123,3 +123,29 @@ def test_a_new_engine_resumes_a_conversation_from_its_saved_cache(model_factory,
     finally:
         e3.close()
     assert done3.reused_prompt_tokens == 0 and text2 == text3
+
+
+def test_the_expert_usage_file_written_between_runs_does_not_orphan_saved_caches(model_factory, tmp_path):
+    """Every run rewrites expert-usage.json beside the model (experts/usage.py); a saved cache is
+    keyed by the model's files, and must still be found by the next run."""
+    import shutil
+
+    from flashmoe.engine.experts.usage import FILE
+    from flashmoe.engine.runtime.engine import Engine
+
+    folder = shutil.copytree(model_factory("qwen3_moe"), tmp_path / "model")
+    kv = tmp_path / "kv"
+    first = [SYSTEM, {"role": "user", "content": "Tell me about the sea."}]
+    e1 = Engine(folder, prompt_cache_dir=kv, expert_usage=True)
+    try:
+        reply, done1 = generate_all(e1, first, "conversation-1")
+    finally:
+        e1.close()
+    assert (folder / FILE).is_file()
+    resumed = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "And the sky?"}]
+    e2 = Engine(folder, prompt_cache_dir=kv, expert_usage=True)
+    try:
+        _, done2 = generate_all(e2, resumed, "conversation-1")
+    finally:
+        e2.close()
+    assert done2.reused_prompt_tokens >= done1.prompt_tokens

@@ -32,7 +32,8 @@ from flashmoe.engine.formats.safetensors_io import write_streaming
 
 # Files copied as they are: tokenizer, chat template, generation settings.
 _COPY_SUFFIXES = (".json", ".jinja", ".model", ".txt", ".tiktoken")
-_NOT_COPIED = {"config.json", "model.safetensors.index.json"}
+# (the usage file is what runs of the source learned: the converted folder learns its own)
+_NOT_COPIED = {"config.json", "model.safetensors.index.json", "expert-usage.json"}
 
 Progress = Callable[[str, int, int], None]
 

@@ -134,15 +134,19 @@ class PromptCachePool:
 
 def model_identity(path) -> str:
     """What a saved cache must have been computed by: the config and the weight and tokenizer
-    files (names, sizes and times), hashed. A cache from any other model is refused."""
+    files (names, sizes and times), hashed. A cache from any other model is refused. The expert
+    usage file, rewritten by every run (experts/usage.py), is not the model: left out."""
     import hashlib
     from pathlib import Path
+
+    from flashmoe.engine.experts.usage import FILE as USAGE_FILE
 
     folder = Path(path)
     h = hashlib.sha256()
     h.update((folder / "config.json").read_bytes() if (folder / "config.json").is_file() else b"")
     for f in sorted(folder.rglob("*")):
-        if f.is_file() and f.suffix in (".safetensors", ".bin", ".json", ".gguf") and f.name != "config.json":
+        if (f.is_file() and f.suffix in (".safetensors", ".bin", ".json", ".gguf")
+                and f.name not in ("config.json", USAGE_FILE)):
             st = f.stat()
             h.update(f"{f.relative_to(folder)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
