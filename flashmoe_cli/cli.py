@@ -68,8 +68,8 @@ def _add_engine_options(p: argparse.ArgumentParser, k_list: bool = False, usage:
                         "(fewer: less to read per token, at a cost in quality; the summary says K=N of TRAINED)")
     p.add_argument("--disk-cache", type=parse_size, default=None, metavar="SIZE",
                    help="room for prompt caches saved under FLASHMOE_HOME/kv, so a resumed conversation or a "
-                        "restarted server does not run its prompt again (default 8GB for chat and serve, "
-                        "0 (none) for run, agent and the benchmarks)")
+                        "restarted server does not run its prompt again (default 8GB for chat, serve, agent "
+                        "and run --tools, whose tool instructions repeat; 0 (none) for a plain run and the benchmarks)")
     p.add_argument("--allow-resident-experts", action="store_true",
                    help="load a model whose experts cannot stream (its expert blocks are not mlx-lm switch "
                         "layers) with every expert in memory; without it such a model fails to load")

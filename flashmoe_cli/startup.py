@@ -47,17 +47,22 @@ class EngineOptions:
 
 
 DISK_CACHE_BYTES = 8 << 30
-DISK_CACHE_BY_DEFAULT = ("chat", "serve")  # conversations that come back; `run` and `agent`: --disk-cache
+# Conversations that come back; and tools turns (`agent`, `run --tools`), whose ~1,000 tokens of
+# tool instructions are the same every time: a second tools turn on the demo waits 0.4-0.5 s for
+# its first token instead of 3.3-4 s (benchmarks/RESULTS.md). A plain `run`: --disk-cache.
+DISK_CACHE_BY_DEFAULT = ("chat", "serve")
 
 
 def disk_cache(args) -> dict:
     """Where prompt caches are saved (FLASHMOE_HOME/kv) and how much room they get: --disk-cache,
-    else on for chat and serve, off for the one-shot commands."""
+    else on for chat, serve and tools turns, off for a plain `run`."""
     from flashmoe.engine.formats.demo import flashmoe_home
 
     size = getattr(args, "disk_cache", None)
     if size is None:
-        size = DISK_CACHE_BYTES if getattr(args, "command", None) in DISK_CACHE_BY_DEFAULT else 0
+        command = getattr(args, "command", None)
+        tools = command == "agent" or (command == "run" and bool(getattr(args, "tools", None)))
+        size = DISK_CACHE_BYTES if command in DISK_CACHE_BY_DEFAULT or tools else 0
     return {"prompt_cache_disk_bytes": size, "prompt_cache_dir": str(flashmoe_home() / "kv") if size else None}
 
 

@@ -149,3 +149,36 @@ def test_the_expert_usage_file_written_between_runs_does_not_orphan_saved_caches
     finally:
         e2.close()
     assert done2.reused_prompt_tokens >= done1.prompt_tokens
+
+
+def test_disk_cache_is_on_by_default_where_prompts_repeat():
+    from types import SimpleNamespace
+
+    from flashmoe.cli.startup import DISK_CACHE_BYTES, disk_cache
+
+    def size(**kw):
+        return disk_cache(SimpleNamespace(disk_cache=None, **kw))["prompt_cache_disk_bytes"]
+
+    assert size(command="chat") == size(command="serve") == size(command="agent") == DISK_CACHE_BYTES
+    assert size(command="run", tools=["builtin"]) == DISK_CACHE_BYTES  # tool instructions repeat
+    assert size(command="run", tools=None) == 0  # a one-shot prompt: nothing to come back to
+    assert disk_cache(SimpleNamespace(disk_cache=0, command="agent"))["prompt_cache_dir"] is None
+
+
+@pytest.mark.slow
+def test_a_second_tools_run_starts_from_the_first_ones_saved_prefix():
+    """`flashmoe run --tools builtin` twice on the demo, different questions: the second runs only
+    what follows the shared system prompt and tool instructions."""
+    import json
+
+    from tests.conftest import run_cli
+
+    def done(question):
+        r = run_cli("run", "--tools", "builtin", "--max-tokens", "2", "--json", question, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return next(e for e in map(json.loads, r.stdout.splitlines()) if e.get("event") == "done")
+
+    first, second = done("List the files here."), done("What is in the README?")
+    # (this worker's FLASHMOE_HOME is shared by its tests: the first may find a saved cache too)
+    assert first["prompt_tokens"] > 500
+    assert second["reused_prompt_tokens"] >= first["prompt_tokens"] - 20
