@@ -134,11 +134,19 @@ def expert_outputs_norm(a, wd, expert_of, experts):
                         for e in range(experts)], 1)
 
 
-def refine_router(x, norms, router, steps=300):
-    """Train the router to rank the experts as their output norms do (listwise softmax)."""
+def balanced_log_norms(norms, balance: float):
+    """log ||expert output|| per token, less `balance` times each expert's mean over the tokens:
+    0 ranks the experts as their outputs do (the experts with large outputs win on every token),
+    1 ranks each expert against its own usual size (every expert wins as often on average)."""
+    target = torch.log(norms + 1e-6)
+    return target - balance * target.mean(0, keepdim=True)
+
+
+def refine_router(x, norms, router, steps=300, balance: float = 0.0):
+    """Train the router to rank the experts as their (balanced) output norms do (listwise softmax)."""
     w = torch.nn.Parameter(router.clone())
     opt = torch.optim.Adam([w], lr=3e-3)
-    target = torch.softmax(torch.log(norms + 1e-6) * 4.0, dim=-1)
+    target = torch.softmax(balanced_log_norms(norms, balance) * 4.0, dim=-1)
     for _ in range(steps):
         opt.zero_grad()
         loss = -(target * torch.log_softmax(x @ w.T, -1)).sum(-1).mean()
@@ -172,7 +180,7 @@ def fit_correction(a, weights, wd, rank, ridge=1e-3):
     return left.float(), vh[:rank].float()
 
 
-def fit_layer(mlp, x, experts, shared, top_k, rank, spread, rng) -> Carve:
+def fit_layer(mlp, x, experts, shared, top_k, rank, spread, rng, balance: float = 0.0) -> Carve:
     with torch.no_grad():
         a = torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)  # [T, N]
         wd = mlp.down_proj.weight  # [D, N]
@@ -187,9 +195,9 @@ def fit_layer(mlp, x, experts, shared, top_k, rank, spread, rng) -> Carve:
         expert_of[rest] = balanced_kmeans(feat, experts, 10, rng)
         expert_of = torch.from_numpy(expert_of)
         norms = expert_outputs_norm(a, wd, expert_of, experts)
-        target = torch.log(norms + 1e-6)
+        target = balanced_log_norms(norms, balance)
         router = torch.linalg.lstsq(x, target - target.mean(1, keepdim=True)).solution.T
-    router = refine_router(x, norms, router.contiguous())
+    router = refine_router(x, norms, router.contiguous(), balance=balance)
     with torch.no_grad():
         logits = x @ router.T
         gate = router * (spread / (logits - logits.mean(1, keepdim=True)).std())
@@ -261,6 +269,9 @@ def main() -> int:
     p.add_argument("--top-k", type=int, default=8, help="experts per token the fit is for")
     p.add_argument("--rank", type=int, default=16, help="rank of the down_proj correction")
     p.add_argument("--spread", type=float, default=0.1, help="std of the router logits")
+    p.add_argument("--balance", type=float, default=0.0,
+                   help="0 (shipped): rank experts by output size; up to 1: by size against each expert's usual "
+                        "size, which spreads the load as trained MoEs' balance losses do")
     p.add_argument("--calib-tokens", type=int, default=4096, help="pydoc calibration tokens")
     p.add_argument("--chat-samples", type=int, default=16,
                    help="chats the dense model writes itself, added to the calibration text")
@@ -301,7 +312,7 @@ def main() -> int:
         for i, layer in enumerate(layers):  # in order: each layer sees what the carved ones give
             x = mlp_inputs(model, calib, 512, only=i)
             carves.append(fit_layer(dense_mlps[i], x, args.experts, args.shared, args.top_k,
-                                    args.rank, args.spread, rng))
+                                    args.rank, args.spread, rng, args.balance))
             layer.mlp = MoEMLP(dense_mlps[i], carves[-1], args.top_k)
             log(f"layer {i} fitted ({time.time() - t0:.0f}s)")
         top_k = args.top_k
@@ -321,7 +332,7 @@ def main() -> int:
     log(f"K={top_k}: {tok.decode(answer[0, question['input_ids'].shape[1]:])!r}")
     if not args.eval:
         save(carves, dict(experts=args.experts, shared=args.shared, top_k=top_k, rank=args.rank,
-                          spread=args.spread, calib_tokens=calib.numel(),
+                          spread=args.spread, balance=args.balance, calib_tokens=calib.numel(),
                           chat_tokens=args.chat_samples * args.chat_tokens, dense_ppl=dense_ppl,
                           ppl_at_top_k=results.get(top_k, float("nan"))), args.out)
         log(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)")

@@ -14,17 +14,17 @@ def decode_cost(loaded, ids: list[int]) -> dict:
     expert cache as the scoring left it: warm)."""
     import mlx.core as mx
 
-    from flashmoe.engine.runtime.generate import Session
+    from mlx_lm.models.cache import make_prompt_cache
 
-    warm = Session(loaded)  # compile what this K's shapes need first, outside the timing
+    warm = make_prompt_cache(loaded.model)  # compile what this K's shapes need first, outside the timing
     for tok in ids[:2]:
-        mx.eval(loaded.model(mx.array([[tok]]), cache=warm.cache))
-    session, read, hits, lookups = Session(loaded), 0, 0, 0
+        mx.eval(loaded.model(mx.array([[tok]]), cache=warm))
+    cache, read, hits, lookups = make_prompt_cache(loaded.model), 0, 0, 0  # each token after the ones before
     if loaded.store is not None:
         loaded.store.take_stats()
     t0 = time.perf_counter()
     for tok in ids:
-        mx.eval(loaded.model(mx.array([[tok]]), cache=session.cache))
+        mx.eval(loaded.model(mx.array([[tok]]), cache=cache))
         if loaded.store is not None:
             for s in loaded.store.step_done().values():
                 read, hits, lookups = read + s.bytes_read, hits + s.hits, lookups + s.hits + s.misses

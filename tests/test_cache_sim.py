@@ -105,6 +105,25 @@ def test_the_replay_counts_what_the_expert_store_counts(model_factory, policy):
     assert replay(trace, slots, policy, len(lm.layers))[0] == hits
 
 
+def test_recorded_tokens_see_the_ones_before_them(model_factory):
+    """record() feeds one token at a time, as decoding does: each token's log-probability must be
+    what one causal forward over the whole text gives it (a bug once fed every token alone, with
+    no KV cache: routing without context, and every routing figure of `bench cache` with it)."""
+    import mlx.core as mx
+
+    from flashmoe.engine.experts.trace import record
+    from flashmoe.engine.runtime.loader import load
+    from tests.test_streaming_exact import PROMPT
+
+    lm = load(model_factory("qwen3_moe", 4, converted=True), kernels="cpu")
+    ids = (PROMPT * 2)[:24]
+    _, _, logprobs, _ = record(lm, ids)
+    logits = lm.model(mx.array([ids[:-1]]))[0].astype(mx.float32)
+    want = (logits - mx.logsumexp(logits, axis=-1, keepdims=True))[mx.arange(len(ids) - 1), mx.array(ids[1:])]
+    assert max(abs(a - b) for a, b in zip(logprobs, want.tolist())) < 1e-3
+    lm.close()
+
+
 def test_bench_cache_cli(model_factory, tmp_path):
     from tests.conftest import run_cli
 
