@@ -517,13 +517,12 @@ class ExpertStore:
     def preload(self, hot, counts: np.ndarray | None = None, steps: int = 0) -> int:
         """Start reading `hot` ((layer, expert) pairs, hottest first) into free slots, leaving
         each pool top_k slots free for the first misses, and return at once; returns how many
-        reads started. `counts` [layers, experts] over `steps` tokens (the usage file's) seed the
+        reads started. `counts` (shaped as self.freq) over `steps` tokens (the usage file's) seed the
         LFU counts, scaled to one half-life's worth of tokens, so that what was hot in earlier
         runs is not the first thing evicted. Reads land while generation runs; a fetch that
         wants one waits for it (like read-ahead), others are settled as they finish."""
         if counts is not None and steps > 0:
-            rows, cols = min(counts.shape[0], self.freq.shape[0]), min(counts.shape[1], self.freq.shape[1])
-            self.freq[:rows, :cols] += counts[:rows, :cols] * (LFU_HALF_LIFE / steps)
+            self.freq += counts * (LFU_HALF_LIFE / steps)
         if self._preload_exec is None:
             self._preload_exec = ThreadPoolExecutor(max_workers=2, thread_name_prefix="flashmoe-preload")
         started = 0

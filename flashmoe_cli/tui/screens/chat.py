@@ -188,6 +188,8 @@ class ChatScreen(Screen):
                   f"expert cache {human_bytes(info.cache_bytes)}"
                   + (f" ({info.cache_policy})" if info.cache_policy else "") + f", loaded in {info.load_s:.1f} s\n"
                   + (f"Experts resident, not streamed (--allow-resident-experts): {resident}\n" if resident else "")
+                  + (f"Preloading the {info.preloading} most used experts ({human_bytes(info.preloading_bytes)}) "
+                     f"from {info.usage_file}\n" if getattr(info, "preloading", 0) else "")
                   + (DEMO_NOTE + "\n" if is_demo(info.model) else "")
                   + "Type a message and press Enter. /help lists the commands, F1 the keys.", title="model",
                   before=self._queued)
