@@ -7,7 +7,8 @@ offline text (see flashmoe.engine.formats.demo_text), calibration and held-out t
     python benchmarks/fit_demo_routing.py --dense DIR          # fit, measure, write the npz
     python benchmarks/fit_demo_routing.py --dense DIR --eval   # measure the shipped npz
 
-DIR is the dense SmolLM2 folder: `flashmoe demo --dense DIR` writes it from the wheel's GGUF.
+DIR is the dense SmolLM2 folder, written from the wheel's GGUF by
+`python -c "from pathlib import Path; from flashmoe.engine.formats.demo import dense_reference; dense_reference(Path('DIR'))"`.
 
 Per layer: the FFN's 1536 neurons are split into an always-on shared slice (the neurons with the
 largest mean contribution on calibration text) and E routed experts of equal size (balanced

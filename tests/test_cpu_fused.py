@@ -253,9 +253,16 @@ def test_compute_paths_name_what_load_chose(model_factory):
         "attention as one fused CPU block": list(range(n)),
         "MoE as one fused CPU block": list(range(n)),
         "prompt chunks' attention on numpy's BLAS": list(range(n)),
-        "streamed experts on the CPU kernels": list(range(n)),
+        "streamed experts on the CPU kernels, repacked into tiles as they land": list(range(n)),
     }
     cpu.close()
+    int8 = load(folder, kernels="cpu-int8", expert_cache=0, load_tokenizer=False)
+    assert compute_paths(int8)["streamed experts on the CPU kernels, repacked into tiles as they land, "
+                               "decode rows on int8 activations (approximate)"] == list(range(n))
+    int8.close()
+    three = load(model_factory("qwen3_moe", 3, converted=True), kernels="cpu", expert_cache=0, load_tokenizer=False)
+    assert compute_paths(three)["streamed experts on the CPU kernels (in the layout read)"] == list(range(n))
+    three.close()
     mlx = load(folder, kernels="mlx", expert_cache=0, load_tokenizer=False)
     assert compute_paths(mlx) == {"attention and other matmuls on MLX": list(range(n)),
                                   "streamed experts on MLX": list(range(n))}

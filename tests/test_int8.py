@@ -76,6 +76,8 @@ def test_cpu_int8_switches_every_resident_matrix_and_stays_close(model_factory):
     lm = load(path, kernels="cpu-int8", load_tokenizer=False)
     tiled = int8.use_int8(ref.model)  # what there is to switch (switches ref too: counted, not used below)
     assert lm.int8_matrices == tiled > 0
+    banks = [s.tiled_bank for s in lm.switches.values()]  # the streamed experts' slot banks too
+    assert banks and all(b is not None and b.int8 for b in banks)
     from mlx_lm.models.cache import make_prompt_cache
 
     logits = []

@@ -108,25 +108,25 @@ def matmul_t(x2: np.ndarray, w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: 
         return x2 @ wf.T
 
 
-def gather_grouped(x2: np.ndarray, idx: np.ndarray, k: int, weights: list[tuple], bits: int, group_size: int,
+def gather_grouped(x2: np.ndarray, idx: np.ndarray, k: int, sizes: list[int], n_in: int, dequant,
                    kernel) -> list[np.ndarray] | None:
-    """gather_qmm for each (w, s, b) of `weights` (stacked experts, one shape), with every expert
-    that GEMM_ROWS or more entries of idx chose computed as one sgemm over its rows; the other
-    entries go to `kernel(x_rows, idx_rows, 1)` (qmm.py's kernels; returns one array per weight
-    set, or one array). None when no expert has that many rows: the kernels take all of it."""
+    """A gather matmul against stacked experts (one or more weight sets of `sizes` outputs each,
+    `n_in` inputs: a SwiGLU's gate and up), with every expert that GEMM_ROWS or more entries of
+    idx chose computed as one sgemm over its rows; `dequant(j, e, out)` writes expert e of set j
+    as float32 [sizes[j], n_in]. The other entries go to `kernel(x_rows, idx_rows, 1)` (the decode
+    kernels; returns one array per weight set, or one array). None when no expert has that many
+    rows: the kernels take all of it."""
     big = np.nonzero(np.bincount(idx) >= GEMM_ROWS)[0]
     if big.size == 0:
         return None
-    outs = [np.empty((idx.size, w.shape[1]), np.float32) for w, _, _ in weights]
-    sizes = [w.shape[1] for w, _, _ in weights]
-    n_in = weights[0][0].shape[2] * 32 // bits
+    outs = [np.empty((idx.size, n), np.float32) for n in sizes]
     for e in big:
         entries = np.nonzero(idx == e)[0]
         # every weight set of this expert in one matrix (a SwiGLU's gate and up): one sgemm
         wf = _buffer(sum(sizes), n_in)
         start = 0
-        for (w, s, b), n in zip(weights, sizes):
-            dequantize(w[e], s[e], b[e], bits, group_size, wf[start:start + n])
+        for j, n in enumerate(sizes):
+            dequant(j, e, wf[start:start + n])
             start += n
         with all_cores():
             y = x2[entries // k] @ wf.T

@@ -166,25 +166,23 @@ def quantize_x(x, bits, gs, terms):
 
 _RUN_TEMPLATE = """
 @njit(cache=True, fastmath={"contract"}, nogil=True)
-def _tile(flat, st, bt, xflat, dx, xs, t, nw, passes, out, acc):
-    M = dx.shape[0]
+def _row(flat, st, bt, xflat, dx, xs, t, nw, passes, m, out, acc):
     ng = st.shape[1]
     wpg = nw // ng
-    for m in range(M):
-        for l in range(16):
-            out[m, t * 16 + l] = float32(0.0)
-        for g in range(ng):
-            tile_dot(flat, (t * nw + g * wpg) * 16, wpg, xflat, m * TERMS * passes * nw + g * wpg, nw, acc)
-            s = xs[m, g]
-            d0 = dx[m, 0, g]
-            if TERMS == 1:
-                for l in range(16):
-                    out[m, t * 16 + l] += st[t, g, l] * (d0 * float32(acc[l])) + bt[t, g, l] * s
-            else:
-                d1 = dx[m, 1, g]
-                for l in range(16):
-                    out[m, t * 16 + l] += st[t, g, l] * (d0 * float32(acc[l]) + d1 * float32(acc[16 + l])) \
-                        + bt[t, g, l] * s
+    for l in range(16):
+        out[m, t * 16 + l] = float32(0.0)
+    for g in range(ng):
+        tile_dot(flat, (t * nw + g * wpg) * 16, wpg, xflat, m * TERMS * passes * nw + g * wpg, nw, acc)
+        s = xs[m, g]
+        d0 = dx[m, 0, g]
+        if TERMS == 1:
+            for l in range(16):
+                out[m, t * 16 + l] += st[t, g, l] * (d0 * float32(acc[l])) + bt[t, g, l] * s
+        else:
+            d1 = dx[m, 1, g]
+            for l in range(16):
+                out[m, t * 16 + l] += st[t, g, l] * (d0 * float32(acc[l]) + d1 * float32(acc[16 + l])) \\
+                    + bt[t, g, l] * s
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -194,15 +192,53 @@ def _run(wt, st, bt, x, parallel):
     passes = xw.shape[2]
     flat = wt.reshape(-1)
     xflat = xw.reshape(-1)
-    out = np.empty((x.shape[0], NB * 16), np.float32)
+    M = x.shape[0]
+    out = np.empty((M, NB * 16), np.float32)
     acc = np.empty((NB, 16 * TERMS), np.int32)
     if parallel:
         for t in prange(NB):
-            _tile(flat, st, bt, xflat, dx, xs, t, nw, passes, out, acc[t])
+            for m in range(M):
+                _row(flat, st, bt, xflat, dx, xs, t, nw, passes, m, out, acc[t])
     else:
         for t in range(NB):
-            _tile(flat, st, bt, xflat, dx, xs, t, nw, passes, out, acc[t])
+            for m in range(M):
+                _row(flat, st, bt, xflat, dx, xs, t, nw, passes, m, out, acc[t])
     return out
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel):
+    # entry i: x row i against slot slots[i] of two banks of tiled matrices (tiled_experts.py)
+    P = x.shape[0]
+    NBa = wa.shape[1]
+    NT = NBa + wb.shape[1]
+    nw = wa.shape[2]
+    xw, dx, xs = quantize_x(x, BITS, GS, TERMS)
+    passes = xw.shape[2]
+    xflat = xw.reshape(-1)
+    oa = np.empty((P, NBa * 16), np.float32)
+    ob = np.empty((P, wb.shape[1] * 16), np.float32)
+    nit = P * NT
+    acc = np.empty((nit, 16 * TERMS), np.int32)
+    if parallel:
+        for it in prange(nit):
+            i = it // NT
+            t = it % NT
+            s = slots[i]
+            if t < NBa:
+                _row(wa[s].reshape(-1), sa[s], ba[s], xflat, dx, xs, t, nw, passes, i, oa, acc[it])
+            else:
+                _row(wb[s].reshape(-1), sb[s], bb[s], xflat, dx, xs, t - NBa, nw, passes, i, ob, acc[it])
+    else:
+        for it in range(nit):
+            i = it // NT
+            t = it % NT
+            s = slots[i]
+            if t < NBa:
+                _row(wa[s].reshape(-1), sa[s], ba[s], xflat, dx, xs, t, nw, passes, i, oa, acc[it])
+            else:
+                _row(wb[s].reshape(-1), sb[s], bb[s], xflat, dx, xs, t - NBa, nw, passes, i, ob, acc[it])
+    return oa, ob
 """
 
 _compiled: dict = {}
@@ -219,19 +255,31 @@ def kernel(bits: int, gs: int, terms: int = 2, vnni: bool | None = None):
         ns = dict(globals(), tile_dot=_tile_dot(bits, terms, vnni), BITS=bits, GS=gs, TERMS=terms)
         # numba caches by the function's qualified name and source: one name per variant
         tag = f"{bits}_{gs}_{terms}_{int(vnni)}"
-        src = _RUN_TEMPLATE.replace("_tile(", f"_tile{tag}(").replace("def _run(", f"def _run{tag}(")
+        src = (_RUN_TEMPLATE.replace("_row(", f"_row{tag}(").replace("def _run(", f"def _run{tag}(")
+               .replace("def _gather(", f"def _gather{tag}("))
         exec(compile(src, __file__, "exec"), ns)  # noqa: S102 - our own template
         fn = _compiled[key] = ns[f"_run{tag}"]
+        _compiled[("gather", *key)] = ns[f"_gather{tag}"]
     return fn
+
+
+def gather_kernel(bits: int, gs: int, terms: int = 2, vnni: bool | None = None):
+    """The slot-bank entry point (tiled_experts.py) of `kernel`'s arithmetic:
+    fn(wa, sa, ba, wb, sb, bb, x [P, K], slots [P], parallel) -> (out_a, out_b)."""
+    vnni = has_vnni() if vnni is None else vnni
+    kernel(bits, gs, terms, vnni)
+    return _compiled[("gather", bits, gs, terms, vnni)]
 
 
 def use_int8(model) -> int:
     """Switch every tiled matrix that `model` reaches (its modules, the fused blocks' stacked
-    matrices, a tied head behind its embedding) and int8 kernels support to them, for decode
-    rows only (prefill keeps dequantize + sgemm); returns how many were switched."""
+    matrices, a tied head behind its embedding, the streamed experts' slot banks) and int8
+    kernels support to them, for decode rows only (prefill keeps dequantize + sgemm); returns
+    how many were switched (a bank counts once)."""
     import mlx.core as mx
 
     from flashmoe.engine.cpu.tiled import Tiled
+    from flashmoe.engine.cpu.tiled_experts import TiledBank
 
     switched, seen, todo = set(), set(), [model]
     while todo:
@@ -242,6 +290,11 @@ def use_int8(model) -> int:
         if isinstance(obj, Tiled):
             if supports(obj.bits, obj.gs):
                 obj.int8, obj._fn = True, None
+                switched.add(id(obj))
+            continue
+        if isinstance(obj, TiledBank):  # streamed experts in tiles: every format of them or none
+            if all(supports(*f) for f in obj.formats.values()):
+                obj.int8 = True
                 switched.add(id(obj))
             continue
         if isinstance(obj, dict):  # an mlx Module is one too: its children and parameters

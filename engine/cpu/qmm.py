@@ -76,7 +76,7 @@ import numba
 import numpy as np
 from numba import float32, njit, prange
 
-from flashmoe.engine.cpu.gemm import GEMM_ROWS, gather_grouped, matmul_t
+from flashmoe.engine.cpu.gemm import GEMM_ROWS, dequantize, gather_grouped, matmul_t
 
 
 def _preload_tbb() -> str | None:
@@ -572,7 +572,8 @@ def gather_qmm(x, w, scales, biases, indices, bits: int = 4, group_size: int = 6
     if idx.min() < 0 or idx.max() >= E:
         raise IndexError(f"expert index out of range 0..{E - 1}")
     k = indices.size // R
-    grouped = gather_grouped(x2, idx, k, [(w, scales, biases)], bits, group_size,
+    grouped = gather_grouped(x2, idx, k, [w.shape[1]], x2.shape[1],
+                             lambda j, e, out: dequantize(w[e], scales[e], biases[e], bits, group_size, out),
                              lambda xr, ir, kr: _call(bits, xr, ir, kr, w, scales, biases, group_size))
     out = grouped[0] if grouped is not None else _call(bits, x2, idx, k, w, scales, biases, group_size)
     return out.reshape(*indices.shape, w.shape[1])
@@ -602,7 +603,9 @@ def gather_qmm_pair(x, a, b, indices, bits: int = 4, group_size: int = 64):
         return _kernel_pair(bits)(xr, ir, kr, wa, sa, ba, wb, sb, bb, group_size, parallel)
 
     k = indices.size // R
-    grouped = gather_grouped(x2, idx, k, [(wa, sa, ba), (wb, sb, bb)], bits, group_size, kernel)
+    sets = ((wa, sa, ba), (wb, sb, bb))
+    grouped = gather_grouped(x2, idx, k, [wa.shape[1]] * 2, x2.shape[1],
+                             lambda j, e, out: dequantize(*(t[e] for t in sets[j]), bits, group_size, out), kernel)
     oa, ob = grouped if grouped is not None else kernel(x2, idx, k)
     shape = (*indices.shape, wa.shape[1])
     return oa.reshape(shape), ob.reshape(shape)

@@ -153,6 +153,39 @@ def _run{B}_{G}(wt, st, bt, x, parallel):
             p = it // NB
             _item{B}_{G}(wt, st, bt, xk, xs, it % NB, starts[p], sizes[p], sc[it], out)
     return out
+
+
+@njit(cache=True, fastmath=False, parallel=True, nogil=True)
+def _gather{B}_{G}(wa, sa, ba, wb, sb, bb, x, slots, parallel):
+    # entry i: x row i against slot slots[i] of two banks of tiled matrices [S, NB, ., 16]
+    # (wb may have no tiles): one tile of one entry per work item
+    P = x.shape[0]
+    NBa = wa.shape[1]
+    NT = NBa + wb.shape[1]
+    xk, xs = _prep{B}_{G}(x)
+    oa = np.empty((P, NBa * 16), np.float32)
+    ob = np.empty((P, wb.shape[1] * 16), np.float32)
+    nit = P * NT
+    sc = np.empty((nit, 2, 16), np.float32)
+    if parallel:
+        for it in prange(nit):
+            i = it // NT
+            t = it % NT
+            s = slots[i]
+            if t < NBa:
+                _tile{B}_{G}_1(wa[s], sa[s], ba[s], xk, xs, t, i, sc[it, 0:1], sc[it, 1:2], oa)
+            else:
+                _tile{B}_{G}_1(wb[s], sb[s], bb[s], xk, xs, t - NBa, i, sc[it, 0:1], sc[it, 1:2], ob)
+    else:
+        for it in range(nit):
+            i = it // NT
+            t = it % NT
+            s = slots[i]
+            if t < NBa:
+                _tile{B}_{G}_1(wa[s], sa[s], ba[s], xk, xs, t, i, sc[it, 0:1], sc[it, 1:2], oa)
+            else:
+                _tile{B}_{G}_1(wb[s], sb[s], bb[s], xk, xs, t - NBa, i, sc[it, 0:1], sc[it, 1:2], ob)
+    return oa, ob
 """
 
 
@@ -176,7 +209,14 @@ def _kernel(bits: int, gs: int):
         ns = dict(globals())
         exec(compile(_kernel_source(bits, gs), __file__, "exec"), ns)  # noqa: S102 - our own template
         fn = _compiled[(bits, gs)] = ns[f"_run{bits}_{gs}"]
+        _compiled[("gather", bits, gs)] = ns[f"_gather{bits}_{gs}"]
     return fn
+
+
+def gather_kernel(bits: int, gs: int):
+    """The entry point of the slot-bank kernels (engine/cpu/tiled_experts.py) for one format."""
+    _kernel(bits, gs)
+    return _compiled[("gather", bits, gs)]
 
 
 # --------------------------------------------------------------------------------------------

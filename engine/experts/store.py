@@ -129,8 +129,12 @@ class SlotPool:
         self.layer_of = np.full(slots, -1, dtype=np.int64)
         self.expert_of = np.zeros(slots, dtype=np.int64)
         self.used_at = np.zeros(slots, dtype=np.float64)
+        # True while a slot holds its expert's bytes as read; a compute path that repacks slots
+        # in place (engine/cpu/tiled_experts.py) clears it, and every put sets it again.
+        self.raw = np.ones(slots, dtype=bool)
 
     def put(self, key: tuple[int, int], slot: int, tick: int) -> None:
+        self.raw[slot] = True
         self.table[key] = slot
         self.layer_of[slot], self.expert_of[slot], self.used_at[slot] = key[0], key[1], tick
 

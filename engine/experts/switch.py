@@ -41,6 +41,11 @@ class StreamingSwitchGLU(nn.Module):
         return self._cpu is not None
 
     @property
+    def tiled_bank(self):
+        """The slot bank in tiles (engine/cpu/tiled_experts.py), or None."""
+        return self._cpu.bank if self._cpu is not None else None
+
+    @property
     def num_experts(self) -> int:
         return self._store.layers[self._layer].num_experts
 
@@ -162,12 +167,15 @@ class _CpuExperts:
 
     def __init__(self, inner, pool):
         from flashmoe.engine.cpu.qmm import to_numpy
+        from flashmoe.engine.cpu.tiled_experts import TiledBank
 
         self.w = {}
         for n in self.PROJS:
             proj = getattr(inner, n)
-            self.w[n] = (to_numpy(pool.arrays[f"{n}.weight"]), to_numpy(pool.arrays[f"{n}.scales"]),
+            self.w[n] = (to_numpy(pool.arrays[f"{n}.weight"]).view(np.uint32), to_numpy(pool.arrays[f"{n}.scales"]),
                          to_numpy(pool.arrays[f"{n}.biases"]), proj.bits, proj.group_size)
+        # Where the format allows, slots are repacked into tiles as they land (tiled_experts.py)
+        self.bank = TiledBank(self.w, pool.raw) if TiledBank.supports(self.w) else None
         self.wait_before = 0.0
 
     def _swiglu(self, rows, slots):
@@ -176,6 +184,15 @@ class _CpuExperts:
         from flashmoe.engine.cpu.attn import silu_mul
         from flashmoe.engine.cpu.qmm import gather_qmm, gather_qmm_pair
 
+        if self.bank is not None:
+            bank, flat = self.bank, slots.reshape(-1)
+            k = flat.size // rows.shape[0]
+            bank.ready(flat)
+            if bank.formats["gate_proj"] == bank.formats["up_proj"] and bank.n["gate_proj"] == bank.n["up_proj"]:
+                g, u = bank.gather(rows, flat, k, ("gate_proj", "up_proj"))
+            else:
+                (g,), (u,) = bank.gather(rows, flat, k, ("gate_proj",)), bank.gather(rows, flat, k, ("up_proj",))
+            return bank.gather(silu_mul(g, u), flat, 1, ("down_proj",))[0]
         gate, up = self.w["gate_proj"], self.w["up_proj"]
         if gate[3:] == up[3:] and gate[0].shape == up[0].shape:  # one kernel call for both
             g, u = gather_qmm_pair(rows, gate[:3], up[:3], slots, *gate[3:])

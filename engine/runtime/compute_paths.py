@@ -50,7 +50,13 @@ def compute_paths(loaded) -> dict[str, list[int]]:
             say("resident matmuls of decode steps on int8 activations (VNNI dot products, approximate)", i)
         switches = by_layer.get(i, [])
         if switches:
-            say("streamed experts on the CPU kernels" if all(s.on_cpu_kernels for s in switches)
-                else "streamed experts on MLX", i)
+            if not all(s.on_cpu_kernels for s in switches):
+                say("streamed experts on MLX", i)
+            elif all(s.tiled_bank is not None for s in switches):
+                bank_int8 = all(s.tiled_bank.int8 for s in switches)
+                say("streamed experts on the CPU kernels, repacked into tiles as they land"
+                    + (", decode rows on int8 activations (approximate)" if bank_int8 else ""), i)
+            else:
+                say("streamed experts on the CPU kernels (in the layout read)", i)
     return out
 

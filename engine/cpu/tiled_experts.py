@@ -1,0 +1,95 @@
+"""Streamed experts in tiles: each expert in the slot bank is repacked, in place, into tiled.py's
+layout once its read has landed, so the experts a token routes to run on the same kernels as the
+resident matrices instead of qmm.py's row-layout ones (the demo's 8-bit experts: 213 -> about
+100 us per gate+up pair on two cores).
+
+A slot holds an expert's parts as read: packed words [N, K*bits/32], scales and biases
+[N, K/group]. With N a multiple of 16 the tiled form, [N/16, K*bits/32, 16] and [N/16, K/group,
+16], has exactly as many elements, so it is written over the same bytes: the cache holds no
+second copy. The pool marks the slots that still hold the bytes as read (SlotPool.raw, set on
+every put, so a slot given to another expert is read and repacked again); the bank repacks those
+before it multiplies them. The checksum of a read is checked before (engine/experts/store.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flashmoe.engine.cpu import tiled
+from flashmoe.engine.cpu.gemm import GEMM_ROWS
+
+
+class TiledBank:
+    """The tiled view of one pool's expert projections; `parts[name] = (w, s, b, bits, gs)` are
+    the pool's arrays as numpy views [S, N, ...] in MLX's layout."""
+
+    def __init__(self, parts: dict[str, tuple], raw: np.ndarray):
+        self._raw = raw
+        self._mlx = {n: p[:3] for n, p in parts.items()}
+        self.formats = {n: p[3:] for n, p in parts.items()}
+        self.tiles = {}
+        for n, (w, s, b, bits, gs) in parts.items():
+            S, N = w.shape[:2]
+            self.tiles[n] = (w.reshape(S, N // 16, w.shape[2], 16), s.reshape(S, N // 16, s.shape[2], 16),
+                             b.reshape(S, N // 16, b.shape[2], 16))
+        self.n = {n: p[0].shape[1] for n, p in parts.items()}
+        self.int8 = False  # decode entries on int8 activations (int8.py, --kernels cpu-int8)
+        self._fns = {}
+        self.k = {n: p[0].shape[2] * 32 // p[3] for n, p in parts.items()}
+
+    @staticmethod
+    def supports(parts: dict[str, tuple]) -> bool:
+        """Every part in a tiled format, N a multiple of 16, the arrays contiguous float32 / uint32."""
+        return all(tiled.supports(bits, gs) and w.shape[1] % 16 == 0
+                   and all(a.flags.c_contiguous for a in (w, s, b))
+                   and w.dtype == np.uint32 and s.dtype == b.dtype == np.float32
+                   for w, s, b, bits, gs in parts.values())
+
+    def ready(self, slots: np.ndarray) -> None:
+        """Repack the slots among these that still hold their bytes as read."""
+        raw = self._raw[slots]
+        if not raw.any():  # the usual case: every slot was repacked when it landed
+            return
+        for slot in np.unique(slots[raw]):
+            for name, (w, s, b) in self._mlx.items():
+                wt, st, bt = self.tiles[name]
+                tiled._repack(w[slot].copy(), s[slot].copy(), b[slot].copy(), wt[slot], st[slot], bt[slot])
+            self._raw[slot] = False
+
+    def gather(self, x2: np.ndarray, idx: np.ndarray, k: int, names: tuple[str, ...]) -> list[np.ndarray]:
+        """For each entry i of idx (slots, flat): x2[i // k] @ W[idx[i]].T, for each projection
+        named (one or two of one format and width): a list of [idx.size, N] arrays. Every slot
+        in idx must have been made ready."""
+        from flashmoe.engine.cpu.gemm import gather_grouped
+
+        if idx.size >= GEMM_ROWS:  # (decoding never is: no expert has rows enough for sgemm)
+            grouped = gather_grouped(x2, idx, k, [self.n[n] for n in names], self.k[names[0]],
+                                     lambda j, e, out: self._dequantize(names[j], e, out),
+                                     lambda xr, ir, kr: self._kernel(xr, ir, names))
+            if grouped is not None:
+                return grouped
+        rows = x2 if k == 1 else x2[np.arange(idx.size) // k]
+        return list(self._kernel(np.ascontiguousarray(rows), idx, names))
+
+    def _kernel(self, rows: np.ndarray, slots: np.ndarray, names) -> tuple[np.ndarray, ...]:
+        from flashmoe.engine.cpu.qmm import SERIAL_BELOW, SERIAL_BELOW_WITHOUT_TBB, threading_layer
+
+        bits, gs = self.formats[names[0]]
+        a = self.tiles[names[0]]
+        b = self.tiles[names[1]] if len(names) > 1 else tuple(t[:, :0] for t in a)
+        key = (bits, gs, self.int8)
+        if key not in self._fns:  # once per format: the kernel, and from how much work a call uses every core
+            serial_below = SERIAL_BELOW if threading_layer() == "tbb" else SERIAL_BELOW_WITHOUT_TBB
+            if self.int8:
+                from flashmoe.engine.cpu import int8
+
+                self._fns[key] = (int8.gather_kernel(bits, gs), serial_below * int8.SERIAL_FACTOR)
+            else:
+                self._fns[key] = (tiled.gather_kernel(bits, gs), serial_below)
+        fn, serial_below = self._fns[key]
+        work = rows.shape[0] * sum(self.n[n] for n in names) * rows.shape[1]
+        oa, ob = fn(*a, *b, rows, np.ascontiguousarray(slots, dtype=np.int64), work >= serial_below)
+        return (oa, ob) if len(names) > 1 else (oa,)
+
+    def _dequantize(self, name: str, slot: int, out: np.ndarray) -> None:
+        bits, gs = self.formats[name]
+        tiled._dequantize(*(t[slot] for t in self.tiles[name]), bits, gs, np.arange(self.n[name]), out)

@@ -1,0 +1,125 @@
+"""engine/cpu/tiled_experts.py: streamed experts repacked into tiles in their slots.
+
+Each product is held to test_kernels.py's bounds against the expert's own mx.dequantize'd
+weights; the repack must leave exactly the tiles Tiled.from_mlx builds, happen once per fill of a
+slot, and happen again when the slot is given to another expert.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+from flashmoe.engine.cpu import tiled as T  # noqa: E402
+from flashmoe.engine.cpu.tiled_experts import TiledBank  # noqa: E402
+from tests.test_kernels import check, quantize  # noqa: E402
+
+RNG = np.random.default_rng(7)
+
+
+def bank_of(S, shapes, bits, gs):
+    """A bank over S slots of random experts; returns it, the slots' arrays as read (copies) and
+    their dequantized weights, per projection."""
+    parts, as_read, dq = {}, {}, {}
+    for name, (n, k) in shapes.items():
+        w, s, b, d = quantize(RNG.standard_normal((S, n, k)).astype(np.float32), bits, gs)
+        parts[name] = (w.copy(), s.copy(), b.copy(), bits, gs)  # writable, as a slot bank is
+        as_read[name], dq[name] = (w.copy(), s.copy(), b.copy()), d
+    raw = np.ones(S, dtype=bool)
+    return TiledBank(parts, raw), parts, as_read, dq, raw
+
+
+@pytest.mark.parametrize("bits,gs", [(8, 64), (4, 64), (2, 32), (4, 128)])
+def test_gather_matches_each_experts_dequantized_weights(bits, gs):
+    shapes = {"gate_proj": (32, 2 * gs), "up_proj": (32, 2 * gs), "down_proj": (2 * gs, 32 if gs == 32 else gs)}
+    bank, parts, as_read, dq, raw = bank_of(5, shapes, bits, gs)
+    assert TiledBank.supports(parts)
+    # decode: one row, each of its k slots; a few rows; and 70 rows on one slot (dequantize + sgemm)
+    for rows, slots in ((1, np.array([3, 0, 4])), (3, np.array([1, 1, 2, 0, 4, 3])), (70, np.full(70, 2))):
+        k = slots.size // rows
+        x = RNG.standard_normal((rows, 2 * gs)).astype(np.float32)
+        bank.ready(slots)
+        g, u = bank.gather(x, slots, k, ("gate_proj", "up_proj"))
+        for name, got in (("gate_proj", g), ("up_proj", u)):
+            for i, slot in enumerate(slots):
+                w, s, b = as_read[name]
+                check(got[i:i + 1], x[i // k:i // k + 1], w[slot], s[slot], b[slot], dq[name][slot], bits, gs)
+        h = RNG.standard_normal((slots.size, shapes["down_proj"][1])).astype(np.float32)
+        (d,) = bank.gather(h, slots, 1, ("down_proj",))
+        for i, slot in enumerate(slots):
+            w, s, b = as_read["down_proj"]
+            check(d[i:i + 1], h[i:i + 1], w[slot], s[slot], b[slot], dq["down_proj"][slot], bits, gs)
+    assert not raw[[0, 1, 2, 3, 4]].any()
+
+
+def test_repack_is_in_place_once_per_fill_and_again_after_a_put():
+    """Through a real SlotPool: bytes land in a slot as the store writes them, the bank repacks
+    that slot in the pool's own memory, and a put() of another expert makes it raw again."""
+    from flashmoe.engine.cpu.qmm import to_numpy
+    from flashmoe.engine.experts.layout import Part
+    from flashmoe.engine.experts.store import SlotPool
+
+    experts = {n: quantize(RNG.standard_normal((3, 48, 128)).astype(np.float32), 4, 64)[:3] for n in ("gate_proj", "up_proj")}
+    layout = [Part(f"{n}.{a}", "U32" if a == "weight" else "F32", t.shape[1:])
+              for n, ts in experts.items() for a, t in zip(("weight", "scales", "biases"), ts)]
+    pool = SlotPool(layout, slots=2)
+    bank = TiledBank({n: (*(to_numpy(pool.arrays[f"{n}.{a}"]) for a in ("weight", "scales", "biases")), 4, 64)
+                      for n in experts}, pool.raw)
+
+    def land(slot, e):  # what ExpertStore._read does: the on-disk bytes into the slot's views
+        pool.put((0, e), slot, 0)
+        for view, arr in zip(pool.slot_views(slot, 0, len(layout)), (t[e] for ts in experts.values() for t in ts)):
+            view[:] = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
+
+    def tiles(e):
+        return T.Tiled.from_mlx(*(t[e] for t in experts["gate_proj"]), 4, 64)
+
+    w = to_numpy(pool.arrays["gate_proj.weight"])
+    land(1, 0)
+    land(0, 2)
+    assert pool.raw.tolist() == [True, True]
+    bank.ready(np.array([1]))
+    assert np.array_equal(w[1].reshape(-1), tiles(0).wt.reshape(-1))  # the same bytes hold the tiles
+    assert np.array_equal(w[0], experts["gate_proj"][0][2]) and pool.raw.tolist() == [True, False]
+    bank.ready(np.array([1, 1, 0]))  # slot 1 is not repacked twice (that would scramble it)
+    assert np.array_equal(w[1].reshape(-1), tiles(0).wt.reshape(-1))
+    assert np.array_equal(w[0].reshape(-1), tiles(2).wt.reshape(-1))
+    land(1, 1)  # slot 1 given to another expert: raw again, and repacked again
+    assert pool.raw.tolist() == [False, True]
+    bank.ready(np.array([1]))
+    assert np.array_equal(w[1].reshape(-1), tiles(1).wt.reshape(-1))
+    x = RNG.standard_normal((1, 128)).astype(np.float32)
+    (g,) = bank.gather(x, np.array([1]), 1, ("gate_proj",))
+    assert np.allclose(g, T.Tiled.from_mlx(*(t[1] for t in experts["gate_proj"]), 4, 64).matmul(x), rtol=0, atol=0)
+
+
+def test_formats_the_tiles_cannot_take_keep_the_row_layout():
+    w, s, b, _ = quantize(RNG.standard_normal((2, 24, 64)).astype(np.float32), 4, 64)  # 24 rows: not whole tiles
+    assert not TiledBank.supports({"down_proj": (w, s, b, 4, 64)})
+    w, s, b, _ = quantize(RNG.standard_normal((2, 32, 64)).astype(np.float32), 3, 64)  # 3-bit: no tiled kernels
+    assert not TiledBank.supports({"down_proj": (w, s, b, 3, 64)})
+    w, s, b, _ = quantize(RNG.standard_normal((2, 32, 64)).astype(np.float32), 4, 64)
+    assert TiledBank.supports({"down_proj": (w, s, b, 4, 64)})
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int8_gather_is_the_int8_kernel_on_each_slots_tiles(bits):
+    """--kernels cpu-int8 switches the bank too; each entry gives what the int8 kernel gives on
+    that slot's own tiled matrix, bit for bit (the same arithmetic, per row)."""
+    from flashmoe.engine.cpu.int8 import use_int8
+
+    shapes = {"gate_proj": (32, 128), "up_proj": (32, 128), "down_proj": (128, 32 * 2)}
+    bank, parts, as_read, dq, raw = bank_of(4, shapes, bits, 64)
+    assert use_int8([bank]) == 1 and bank.int8
+    slots = np.array([2, 0, 3, 2])
+    x = RNG.standard_normal((2, 128)).astype(np.float32)
+    bank.ready(slots)
+    g, u = bank.gather(x, slots, 2, ("gate_proj", "up_proj"))
+    for name, got in (("gate_proj", g), ("up_proj", u)):
+        for i, slot in enumerate(slots):
+            t = T.Tiled.from_mlx(*(a[slot] for a in as_read[name]), bits, 64)
+            t.int8 = True
+            assert np.array_equal(got[i], t.matmul(x[i // 2:i // 2 + 1])[0])
+            ref = x[i // 2] @ dq[name][slot].T
+            assert np.abs(got[i] - ref).max() <= 1e-3 * (1 + np.abs(ref).max())
