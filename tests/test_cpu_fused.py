@@ -37,6 +37,33 @@ def test_attend_matches_mlx_sdpa(H, Hk, T):
     assert close(got, np.array(want)[0, :, 0])
 
 
+@pytest.mark.parametrize("norms", ["none", "per head", "all heads"])
+def test_decode_scores_is_the_separate_steps_bit_for_bit(norms):
+    """decode_scores (one numba call from the fused q/k/v row to the scores) does what the
+    separate steps did: norms, rope, the cache write, q * scale, the scores. Bit for bit, since
+    the probe at load and the exactness tests were set against those."""
+    H, Hk, hd, pos = 8, 2, 32, 9
+    row = rand(H * hd + 2 * Hk * hd + 16)  # a stacked projection's row: q | k | v (| padding)
+    q0, k0, v0 = 0, H * hd, H * hd + Hk * hd
+    K, V = rand(Hk, 16, hd), rand(Hk, 16, hd)
+    a, b, partner = rand(hd), rand(hd), np.roll(np.arange(hd), hd // 2).astype(np.int64)
+    none = (np.zeros(0, np.float32), np.float32(0), False)
+    qn = {"none": none, "per head": (rand(hd), np.float32(1e-6), True), "all heads": (rand(H * hd), np.float32(1e-5), False)}[norms]
+    kn = {"none": none, "per head": (rand(hd), np.float32(1e-6), True), "all heads": (rand(Hk * hd), np.float32(1e-5), False)}[norms]
+    K2, V2 = K.copy(), V.copy()
+    s = cpu_attn.decode_scores(row, q0, k0, v0, H, Hk, hd, *qn, *kn, a, b, partner, K2, V2, pos, np.float32(0.125))
+    got = cpu_attn.softmax_values(s, V2)
+    q, k = row[q0:k0].copy().reshape(H, hd), row[k0:v0].copy().reshape(Hk, hd)
+    for t, (w, eps, per_head) in ((q, qn), (k, kn)):
+        if w.size:
+            cpu_attn.rms_norm_rows(t if per_head else t.reshape(1, -1), w, eps)
+    cpu_attn.rope_rows(q, a, b, partner)
+    cpu_attn.rope_rows(k, a, b, partner)
+    K[:, pos], V[:, pos] = k, row[v0:v0 + Hk * hd].reshape(Hk, hd)
+    assert np.array_equal(K2, K) and np.array_equal(V2, V)
+    assert np.array_equal(got, cpu_attn.attend(q, K, V, pos + 1, np.float32(0.125)))
+
+
 def test_rms_norm_and_silu_match_mlx():
     x, w, u = rand(3, 48), rand(48), rand(3, 48)
     got = x.copy()

@@ -81,6 +81,45 @@ def _scores(qs, K, T, out):
                 out[h, j, t] = acc
 
 
+@njit(cache=True, fastmath=False, nogil=True)
+def decode_scores(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_head,
+                  a, b, partner, K, V, pos, scale):
+    """Everything of one decode step's attention between the fused q/k/v projection and the
+    softmax, in one call: q, k, v from `row` (the projection's output, bias added) at columns q0,
+    k0, v0; the q and k RMS norms (empty weights: none; per head, or over all heads); the rotary
+    embedding (a, b: this position's table row); this position's k and v written into K, V
+    [Hk, capacity, hd] at `pos`; returns the scores of q * scale over positions 0 .. pos,
+    [Hk, H // Hk, pos + 1]. The arithmetic of the separate steps (attend's), op for op."""
+    q = row[q0:q0 + H * hd].copy().reshape(H, hd)
+    k = row[k0:k0 + Hk * hd].copy().reshape(Hk, hd)
+    if qn.shape[0]:
+        rms_norm_rows(q if q_per_head else q.reshape(1, H * hd), qn, qeps)
+    if kn.shape[0]:
+        rms_norm_rows(k if k_per_head else k.reshape(1, Hk * hd), kn, keps)
+    rope_rows(q, a, b, partner)
+    rope_rows(k, a, b, partner)
+    for h in range(Hk):
+        for d in range(hd):
+            K[h, pos, d] = k[h, d]
+            V[h, pos, d] = row[v0 + h * hd + d]
+    qs = np.empty((H, hd), np.float32)
+    for h in range(H):
+        for d in range(hd):
+            qs[h, d] = q[h, d] * scale
+    s = np.empty((Hk, H // Hk, pos + 1), np.float32)
+    _scores(qs.reshape(Hk, H // Hk, hd), K, pos + 1, s)
+    return s
+
+
+def softmax_values(s: np.ndarray, V: np.ndarray) -> np.ndarray:
+    """The softmax of scores s [Hk, g, T] (in place), times V's first T positions: [Hk * g, D]."""
+    T = s.shape[-1]
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return np.matmul(s, V[:, :T]).reshape(-1, V.shape[-1])
+
+
 def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, T: int, scale) -> np.ndarray:
     """Softmax attention of one position: q [H, D] over the first T positions of K, V
     [Hk, capacity, D] (grouped heads: head h reads kv head h // (H // Hk)). Returns [H, D].
@@ -93,10 +132,7 @@ def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, T: int, scale) -> np.nda
     H, D = q.shape
     s = np.empty((Hk, H // Hk, T), np.float32)
     _scores(np.ascontiguousarray(q * np.float32(scale)).reshape(Hk, H // Hk, D), K, T, s)
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
-    return np.matmul(s, V[:, :T]).reshape(H, D)
+    return softmax_values(s, V)
 
 
 QUERY_TILE = 128  # query rows per block of the causal prefill: bounds the score matrix

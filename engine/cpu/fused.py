@@ -61,7 +61,7 @@ class Fused:
         self.w = np.concatenate([l._w for l in linears])
         self.s = np.concatenate([l._s for l in linears])
         self.b = np.concatenate([l._b for l in linears])
-        self.starts = list(np.cumsum([0] + self.sizes[:-1]))
+        self.starts = [int(v) for v in np.cumsum([0] + self.sizes[:-1])]
         for l, start, n in zip(linears, self.starts, self.sizes):
             l.rebind(self.w[start:start + n], self.s[start:start + n], self.b[start:start + n])
 
@@ -70,15 +70,18 @@ class Fused:
         return (all(isinstance(l, CpuQuantizedLinear) for l in linears)
                 and len({(l._bits, l._gs, l.in_features) for l in linears}) == 1)
 
-    def __call__(self, x2: np.ndarray) -> list[np.ndarray]:
+    def stacked(self, x2: np.ndarray) -> np.ndarray:
+        """x2 [R, in] -> [R, width]: every part's output, part i from column starts[i]."""
         from flashmoe.engine.cpu.qmm import qmm
 
         if self.tiled is not None:
             out = self.tiled.matmul(x2)
         else:
             out = qmm(x2, self.w, self.s, self.b, self.bits, self.gs)
-        if self.bias is not None:
-            out = out + self.bias
+        return out + self.bias if self.bias is not None else out
+
+    def __call__(self, x2: np.ndarray) -> list[np.ndarray]:
+        out = self.stacked(x2)
         return [out[:, start:start + n] for start, n in zip(self.starts, self.sizes)]
 
 
@@ -206,6 +209,8 @@ class CpuAttention(_Wraps):
         self._orig = Hidden(attn)
         self._qkv = Fused(projs[:3])
         self._o = projs[3]
+        none = (np.zeros(0, np.float32), np.float32(0), False)  # no norm, as decode_scores takes it
+        self._norm_args = (*(self.q_norm or none), *(self.k_norm or none))
 
     @staticmethod
     def fast(x, mask, cache, kwargs) -> bool:
@@ -256,27 +261,16 @@ class CpuAttention(_Wraps):
 
     def decode_np(self, x2: np.ndarray, cache) -> np.ndarray:
         """x2 [1, D] -> [1, D_out]; writes this position's keys and values into the cache."""
-        from flashmoe.engine.cpu.attn import attend, rms_norm_rows, rope_rows
+        from flashmoe.engine.cpu.attn import decode_scores, softmax_values
         from flashmoe.engine.cpu.qmm import to_numpy
 
-        q, k, v = self._qkv(x2)
-        H, Hk, hd = self.H, self.Hk, self.hd
-        q = np.ascontiguousarray(q).reshape(H, hd)
-        k = np.ascontiguousarray(k).reshape(Hk, hd)
-        for t, norm, n in ((q, self.q_norm, H), (k, self.k_norm, Hk)):
-            if norm is not None:
-                w, eps, per_head = norm
-                rms_norm_rows(t if per_head else t.reshape(1, n * hd), w, eps)
         pos = cache.offset
         a, b = self._rope.row(pos)
-        rope_rows(q, a, b, self._rope.partner)
-        rope_rows(k, a, b, self._rope.partner)
         K, V = to_numpy(cache.keys)[0], to_numpy(cache.values)[0]  # [Hk, capacity, hd], written in place
-        K[:, pos] = k
-        V[:, pos] = v.reshape(Hk, hd)
+        s = decode_scores(self._qkv.stacked(x2)[0], *self._qkv.starts, self.H, self.Hk, self.hd, *self._norm_args,
+                          a, b, self._rope.partner, K, V, pos, self.scale)
         cache.offset = pos + 1
-        o = attend(q, K, V, pos + 1, self.scale)
-        return _linear_np(self._o, o.reshape(1, -1))
+        return _linear_np(self._o, softmax_values(s, V).reshape(1, -1))
 
 
 class CpuMLP(_Wraps):
