@@ -1,7 +1,7 @@
 """Streamed experts in tiles: each expert in the slot bank is repacked, in place, into tiled.py's
 layout once its read has landed, so the experts a token routes to run on the same kernels as the
-resident matrices instead of qmm.py's row-layout ones (the demo's 8-bit experts: 213 -> about
-100 us per gate+up pair on two cores).
+resident matrices instead of qmm.py's row-layout ones (the upcycled demo's 8-bit experts, on two
+cores: gate and up 213 -> 64-82 us per expert, down 70 -> 35-40 us; benchmarks/RESULTS.md).
 
 A slot holds an expert's parts as read: packed words [N, K*bits/32], scales and biases
 [N, K/group]. With N a multiple of 16 the tiled form, [N/16, K*bits/32, 16] and [N/16, K/group,
