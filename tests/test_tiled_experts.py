@@ -123,3 +123,22 @@ def test_int8_gather_is_the_int8_kernel_on_each_slots_tiles(bits):
             assert np.array_equal(got[i], t.matmul(x[i // 2:i // 2 + 1])[0])
             ref = x[i // 2] @ dq[name][slot].T
             assert np.abs(got[i] - ref).max() <= 1e-3 * (1 + np.abs(ref).max())
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_swiglu_in_one_call_is_the_three_gathers(int8):
+    """A decode step's experts in one kernel call give what gate, up, SiLU and down give one
+    gather at a time, bit for bit; formats that differ between projections decline (None)."""
+    from flashmoe.engine.cpu.attn import silu_mul
+
+    bank, *_ = bank_of(6, {"gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64)}, 8, 64)
+    bank.int8 = int8
+    slots = np.array([5, 1, 0, 3])
+    x = RNG.standard_normal((1, 128)).astype(np.float32)
+    bank.ready(slots)
+    got = bank.swiglu(x, slots, 4)
+    g, u = bank.gather(x, slots, 4, ("gate_proj", "up_proj"))
+    (want,) = bank.gather(silu_mul(g, u), slots, 1, ("down_proj",))
+    assert got.shape == (4, 128) and np.array_equal(got, want)
+    bank.formats["down_proj"] = (8, 32)  # as if down were quantized otherwise
+    assert bank.swiglu(x, slots, 4) is None

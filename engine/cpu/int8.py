@@ -165,7 +165,7 @@ def quantize_x(x, bits, gs, terms):
 
 
 _RUN_TEMPLATE = """
-@njit(cache=True, fastmath={"contract"}, nogil=True)
+@njit(cache=True, fastmath=False, nogil=True)  # no FMA contraction: the same floats wherever it is inlined
 def _row(flat, st, bt, xflat, dx, xs, t, nw, passes, m, out, acc):
     ng = st.shape[1]
     wpg = nw // ng
@@ -239,6 +239,15 @@ def _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel):
             else:
                 _row(wb[s].reshape(-1), sb[s], bb[s], xflat, dx, xs, t - NBa, nw, passes, i, ob, acc[it])
     return oa, ob
+
+
+@njit(cache=True, nogil=True)
+def _swiglu(wa, sa, ba, wb, sb, bb, wd, sd, bd, x, slots, parallel):
+    # a decode step's experts in one call: entry i, down(silu(gate(x[i])) * up(x[i])) of slot slots[i]
+    g, u = _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel)
+    none = (np.empty((1, 0, wd.shape[2], 16), wd.dtype), np.empty((1, 0, sd.shape[2], 16), sd.dtype))
+    y, _ = _gather(wd, sd, bd, none[0], none[1], none[1], silu_mul(g, u), slots, parallel)
+    return y
 """
 
 _compiled: dict = {}
@@ -252,23 +261,27 @@ def kernel(bits: int, gs: int, terms: int = 2, vnni: bool | None = None):
     key = (bits, gs, terms, vnni)
     fn = _compiled.get(key)
     if fn is None:
-        ns = dict(globals(), tile_dot=_tile_dot(bits, terms, vnni), BITS=bits, GS=gs, TERMS=terms)
+        from flashmoe.engine.cpu.attn import silu_mul
+
+        ns = dict(globals(), tile_dot=_tile_dot(bits, terms, vnni), BITS=bits, GS=gs, TERMS=terms, silu_mul=silu_mul)
         # numba caches by the function's qualified name and source: one name per variant
         tag = f"{bits}_{gs}_{terms}_{int(vnni)}"
         src = (_RUN_TEMPLATE.replace("_row(", f"_row{tag}(").replace("def _run(", f"def _run{tag}(")
-               .replace("def _gather(", f"def _gather{tag}("))
+               .replace("_gather(", f"_gather{tag}(").replace("def _swiglu(", f"def _swiglu{tag}("))
         exec(compile(src, __file__, "exec"), ns)  # noqa: S102 - our own template
         fn = _compiled[key] = ns[f"_run{tag}"]
         _compiled[("gather", *key)] = ns[f"_gather{tag}"]
+        _compiled[("swiglu", *key)] = ns[f"_swiglu{tag}"]
     return fn
 
 
-def gather_kernel(bits: int, gs: int, terms: int = 2, vnni: bool | None = None):
-    """The slot-bank entry point (tiled_experts.py) of `kernel`'s arithmetic:
-    fn(wa, sa, ba, wb, sb, bb, x [P, K], slots [P], parallel) -> (out_a, out_b)."""
+def gather_kernel(bits: int, gs: int, what: str = "gather", terms: int = 2, vnni: bool | None = None):
+    """A slot-bank entry point (tiled_experts.py) of `kernel`'s arithmetic: "gather",
+    fn(wa, sa, ba, wb, sb, bb, x [P, K], slots [P], parallel) -> (out_a, out_b), or "swiglu",
+    fn(gate, up and down banks, x, slots, parallel) -> down(silu(gate) * up) [P, N_down]."""
     vnni = has_vnni() if vnni is None else vnni
     kernel(bits, gs, terms, vnni)
-    return _compiled[("gather", bits, gs, terms, vnni)]
+    return _compiled[(what, bits, gs, terms, vnni)]
 
 
 def use_int8(model) -> int:

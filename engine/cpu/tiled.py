@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import float32, njit, prange
 
+from flashmoe.engine.cpu.attn import silu_mul  # noqa: F401 - the generated kernels call it
 from flashmoe.engine.cpu.gemm import GEMM_ROWS, _buffer, all_cores
 
 TILE = 16
@@ -186,6 +187,15 @@ def _gather{B}_{G}(wa, sa, ba, wb, sb, bb, x, slots, parallel):
             else:
                 _tile{B}_{G}_1(wb[s], sb[s], bb[s], xk, xs, t - NBa, i, sc[it, 0:1], sc[it, 1:2], ob)
     return oa, ob
+
+
+@njit(cache=True, fastmath=False, nogil=True)
+def _swiglu{B}_{G}(wa, sa, ba, wb, sb, bb, wd, sd, bd, x, slots, parallel):
+    # a decode step's experts in one call: entry i, down(silu(gate(x[i])) * up(x[i])) of slot slots[i]
+    g, u = _gather{B}_{G}(wa, sa, ba, wb, sb, bb, x, slots, parallel)
+    none = (np.empty((1, 0, wd.shape[2], 16), wd.dtype), np.empty((1, 0, sd.shape[2], 16), sd.dtype))
+    y, _ = _gather{B}_{G}(wd, sd, bd, none[0], none[1], none[1], silu_mul(g, u), slots, parallel)
+    return y
 """
 
 
@@ -210,13 +220,15 @@ def _kernel(bits: int, gs: int):
         exec(compile(_kernel_source(bits, gs), __file__, "exec"), ns)  # noqa: S102 - our own template
         fn = _compiled[(bits, gs)] = ns[f"_run{bits}_{gs}"]
         _compiled[("gather", bits, gs)] = ns[f"_gather{bits}_{gs}"]
+        _compiled[("swiglu", bits, gs)] = ns[f"_swiglu{bits}_{gs}"]
     return fn
 
 
-def gather_kernel(bits: int, gs: int):
-    """The entry point of the slot-bank kernels (engine/cpu/tiled_experts.py) for one format."""
+def gather_kernel(bits: int, gs: int, what: str = "gather"):
+    """An entry point of the slot-bank kernels (engine/cpu/tiled_experts.py) for one format:
+    "gather" (one or two projections) or "swiglu" (a decode step's gate, up, SiLU and down)."""
     _kernel(bits, gs)
-    return _compiled[("gather", bits, gs)]
+    return _compiled[(what, bits, gs)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -70,22 +70,39 @@ class TiledBank:
         rows = x2 if k == 1 else x2[np.arange(idx.size) // k]
         return list(self._kernel(np.ascontiguousarray(rows), idx, names))
 
-    def _kernel(self, rows: np.ndarray, slots: np.ndarray, names) -> tuple[np.ndarray, ...]:
+    def swiglu(self, x2: np.ndarray, idx: np.ndarray, k: int) -> np.ndarray | None:
+        """down(silu(gate(x)) * up(x)) for each entry of idx (as `gather`) in one kernel call:
+        a decode step, with the three projections in one format and gate and up of one size.
+        None where that does not hold (the caller gathers each projection then)."""
+        names = ("gate_proj", "up_proj", "down_proj")
+        if idx.size >= GEMM_ROWS or len({self.formats[n] for n in names}) > 1 or self.n[names[0]] != self.n[names[1]]:
+            return None
+        rows = np.ascontiguousarray(x2 if k == 1 else x2[np.arange(idx.size) // k])
+        fn, serial_below = self._fn(*self.formats["down_proj"], "swiglu")
+        work = idx.size * (2 * self.n[names[0]] * rows.shape[1] + self.n[names[2]] * self.k[names[2]])
+        return fn(*(t for n in names for t in self.tiles[n]), rows, np.ascontiguousarray(idx, dtype=np.int64),
+                  work >= serial_below)
+
+    def _fn(self, bits: int, gs: int, what: str):
+        """(kernel, from how much work a call uses every core), found once per format."""
         from flashmoe.engine.cpu.qmm import SERIAL_BELOW, SERIAL_BELOW_WITHOUT_TBB, threading_layer
 
-        bits, gs = self.formats[names[0]]
-        a = self.tiles[names[0]]
-        b = self.tiles[names[1]] if len(names) > 1 else tuple(t[:, :0] for t in a)
-        key = (bits, gs, self.int8)
-        if key not in self._fns:  # once per format: the kernel, and from how much work a call uses every core
+        key = (bits, gs, what, self.int8)
+        if key not in self._fns:
             serial_below = SERIAL_BELOW if threading_layer() == "tbb" else SERIAL_BELOW_WITHOUT_TBB
             if self.int8:
                 from flashmoe.engine.cpu import int8
 
-                self._fns[key] = (int8.gather_kernel(bits, gs), serial_below * int8.SERIAL_FACTOR)
+                self._fns[key] = (int8.gather_kernel(bits, gs, what), serial_below * int8.SERIAL_FACTOR)
             else:
-                self._fns[key] = (tiled.gather_kernel(bits, gs), serial_below)
-        fn, serial_below = self._fns[key]
+                self._fns[key] = (tiled.gather_kernel(bits, gs, what), serial_below)
+        return self._fns[key]
+
+    def _kernel(self, rows: np.ndarray, slots: np.ndarray, names) -> tuple[np.ndarray, ...]:
+        bits, gs = self.formats[names[0]]
+        a = self.tiles[names[0]]
+        b = self.tiles[names[1]] if len(names) > 1 else tuple(t[:, :0] for t in a)
+        fn, serial_below = self._fn(bits, gs, "gather")
         work = rows.shape[0] * sum(self.n[n] for n in names) * rows.shape[1]
         oa, ob = fn(*a, *b, rows, np.ascontiguousarray(slots, dtype=np.int64), work >= serial_below)
         return (oa, ob) if len(names) > 1 else (oa,)

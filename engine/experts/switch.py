@@ -188,6 +188,9 @@ class _CpuExperts:
             bank, flat = self.bank, slots.reshape(-1)
             k = flat.size // rows.shape[0]
             bank.ready(flat)
+            y = bank.swiglu(rows, flat, k)  # a decode step: one kernel call
+            if y is not None:
+                return y
             if bank.formats["gate_proj"] == bank.formats["up_proj"] and bank.n["gate_proj"] == bank.n["up_proj"]:
                 g, u = bank.gather(rows, flat, k, ("gate_proj", "up_proj"))
             else:
