@@ -140,5 +140,9 @@ def test_swiglu_in_one_call_is_the_three_gathers(int8):
     g, u = bank.gather(x, slots, 4, ("gate_proj", "up_proj"))
     (want,) = bank.gather(silu_mul(g, u), slots, 1, ("down_proj",))
     assert got.shape == (4, 128) and np.array_equal(got, want)
-    bank.formats["down_proj"] = (8, 32)  # as if down were quantized otherwise
-    assert bank.swiglu(x, slots, 4) is None
+    mixed, *_ = bank_of(6, {"gate_proj": (64, 128), "up_proj": (64, 128)}, 8, 64)
+    _, parts, *_ = bank_of(6, {"down_proj": (128, 64)}, 8, 32)  # down quantized otherwise
+    mixed = TiledBank({**{n: (*mixed._mlx[n], 8, 64) for n in ("gate_proj", "up_proj")},
+                       "down_proj": parts["down_proj"]}, np.ones(6, dtype=bool))
+    mixed.ready(slots)
+    assert mixed.swiglu(x, slots, 4) is None

@@ -98,14 +98,9 @@ def decode_scores(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_
         rms_norm_rows(k if k_per_head else k.reshape(1, Hk * hd), kn, keps)
     rope_rows(q, a, b, partner)
     rope_rows(k, a, b, partner)
-    for h in range(Hk):
-        for d in range(hd):
-            K[h, pos, d] = k[h, d]
-            V[h, pos, d] = row[v0 + h * hd + d]
-    qs = np.empty((H, hd), np.float32)
-    for h in range(H):
-        for d in range(hd):
-            qs[h, d] = q[h, d] * scale
+    K[:, pos, :] = k
+    V[:, pos, :] = row[v0:v0 + Hk * hd].reshape(Hk, hd)
+    qs = q * scale
     s = np.empty((Hk, H // Hk, pos + 1), np.float32)
     _scores(qs.reshape(Hk, H // Hk, hd), K, pos + 1, s)
     return s

@@ -206,38 +206,36 @@ def _run(wt, st, bt, x, parallel):
     return out
 
 
+@njit(cache=True, nogil=True)
+def _gather_item(wa, sa, ba, wb, sb, bb, xflat, dx, xs, passes, slots, NT, it, acc, oa, ob):
+    # work item it: tile it % NT (bank a's, then b's) of entry it // NT
+    i = it // NT
+    t = it % NT
+    s = slots[i]
+    if t < wa.shape[1]:
+        _row(wa[s].reshape(-1), sa[s], ba[s], xflat, dx, xs, t, wa.shape[2], passes, i, oa, acc)
+    else:
+        _row(wb[s].reshape(-1), sb[s], bb[s], xflat, dx, xs, t - wa.shape[1], wa.shape[2], passes, i, ob, acc)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel):
     # entry i: x row i against slot slots[i] of two banks of tiled matrices (tiled_experts.py)
     P = x.shape[0]
-    NBa = wa.shape[1]
-    NT = NBa + wb.shape[1]
-    nw = wa.shape[2]
+    NT = wa.shape[1] + wb.shape[1]
     xw, dx, xs = quantize_x(x, BITS, GS, TERMS)
     passes = xw.shape[2]
     xflat = xw.reshape(-1)
-    oa = np.empty((P, NBa * 16), np.float32)
+    oa = np.empty((P, wa.shape[1] * 16), np.float32)
     ob = np.empty((P, wb.shape[1] * 16), np.float32)
     nit = P * NT
     acc = np.empty((nit, 16 * TERMS), np.int32)
     if parallel:
         for it in prange(nit):
-            i = it // NT
-            t = it % NT
-            s = slots[i]
-            if t < NBa:
-                _row(wa[s].reshape(-1), sa[s], ba[s], xflat, dx, xs, t, nw, passes, i, oa, acc[it])
-            else:
-                _row(wb[s].reshape(-1), sb[s], bb[s], xflat, dx, xs, t - NBa, nw, passes, i, ob, acc[it])
+            _gather_item(wa, sa, ba, wb, sb, bb, xflat, dx, xs, passes, slots, NT, it, acc[it], oa, ob)
     else:
         for it in range(nit):
-            i = it // NT
-            t = it % NT
-            s = slots[i]
-            if t < NBa:
-                _row(wa[s].reshape(-1), sa[s], ba[s], xflat, dx, xs, t, nw, passes, i, oa, acc[it])
-            else:
-                _row(wb[s].reshape(-1), sb[s], bb[s], xflat, dx, xs, t - NBa, nw, passes, i, ob, acc[it])
+            _gather_item(wa, sa, ba, wb, sb, bb, xflat, dx, xs, passes, slots, NT, it, acc[it], oa, ob)
     return oa, ob
 
 
@@ -267,7 +265,8 @@ def kernel(bits: int, gs: int, terms: int = 2, vnni: bool | None = None):
         # numba caches by the function's qualified name and source: one name per variant
         tag = f"{bits}_{gs}_{terms}_{int(vnni)}"
         src = (_RUN_TEMPLATE.replace("_row(", f"_row{tag}(").replace("def _run(", f"def _run{tag}(")
-               .replace("_gather(", f"_gather{tag}(").replace("def _swiglu(", f"def _swiglu{tag}("))
+               .replace("_gather(", f"_gather{tag}(").replace("_gather_item(", f"_gather_item{tag}(")
+               .replace("def _swiglu(", f"def _swiglu{tag}("))
         exec(compile(src, __file__, "exec"), ns)  # noqa: S102 - our own template
         fn = _compiled[key] = ns[f"_run{tag}"]
         _compiled[("gather", *key)] = ns[f"_gather{tag}"]

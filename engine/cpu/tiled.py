@@ -156,36 +156,35 @@ def _run{B}_{G}(wt, st, bt, x, parallel):
     return out
 
 
+@njit(cache=True, fastmath=False, nogil=True)
+def _gather_item{B}_{G}(wa, sa, ba, wb, sb, bb, xk, xs, slots, NT, it, sc, oa, ob):
+    # work item it: tile it % NT (bank a's, then b's) of entry it // NT
+    i = it // NT
+    t = it % NT
+    s = slots[i]
+    if t < wa.shape[1]:
+        _tile{B}_{G}_1(wa[s], sa[s], ba[s], xk, xs, t, i, sc[0:1], sc[1:2], oa)
+    else:
+        _tile{B}_{G}_1(wb[s], sb[s], bb[s], xk, xs, t - wa.shape[1], i, sc[0:1], sc[1:2], ob)
+
+
 @njit(cache=True, fastmath=False, parallel=True, nogil=True)
 def _gather{B}_{G}(wa, sa, ba, wb, sb, bb, x, slots, parallel):
     # entry i: x row i against slot slots[i] of two banks of tiled matrices [S, NB, ., 16]
     # (wb may have no tiles): one tile of one entry per work item
     P = x.shape[0]
-    NBa = wa.shape[1]
-    NT = NBa + wb.shape[1]
+    NT = wa.shape[1] + wb.shape[1]
     xk, xs = _prep{B}_{G}(x)
-    oa = np.empty((P, NBa * 16), np.float32)
+    oa = np.empty((P, wa.shape[1] * 16), np.float32)
     ob = np.empty((P, wb.shape[1] * 16), np.float32)
     nit = P * NT
     sc = np.empty((nit, 2, 16), np.float32)
     if parallel:
         for it in prange(nit):
-            i = it // NT
-            t = it % NT
-            s = slots[i]
-            if t < NBa:
-                _tile{B}_{G}_1(wa[s], sa[s], ba[s], xk, xs, t, i, sc[it, 0:1], sc[it, 1:2], oa)
-            else:
-                _tile{B}_{G}_1(wb[s], sb[s], bb[s], xk, xs, t - NBa, i, sc[it, 0:1], sc[it, 1:2], ob)
+            _gather_item{B}_{G}(wa, sa, ba, wb, sb, bb, xk, xs, slots, NT, it, sc[it], oa, ob)
     else:
         for it in range(nit):
-            i = it // NT
-            t = it % NT
-            s = slots[i]
-            if t < NBa:
-                _tile{B}_{G}_1(wa[s], sa[s], ba[s], xk, xs, t, i, sc[it, 0:1], sc[it, 1:2], oa)
-            else:
-                _tile{B}_{G}_1(wb[s], sb[s], bb[s], xk, xs, t - NBa, i, sc[it, 0:1], sc[it, 1:2], ob)
+            _gather_item{B}_{G}(wa, sa, ba, wb, sb, bb, xk, xs, slots, NT, it, sc[it], oa, ob)
     return oa, ob
 
 

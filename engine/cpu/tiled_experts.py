@@ -34,6 +34,10 @@ class TiledBank:
         self.n = {n: p[0].shape[1] for n, p in parts.items()}
         self.int8 = False  # decode entries on int8 activations (int8.py, --kernels cpu-int8)
         self._fns = {}
+        # gate and up in one call where they share format and size; all three where down does too
+        f, n = self.formats, self.n
+        self.pair = "gate_proj" in f and (f["gate_proj"], n["gate_proj"]) == (f.get("up_proj"), n.get("up_proj"))
+        self.one_call = self.pair and f.get("down_proj") == f["gate_proj"]
         self.k = {n: p[0].shape[2] * 32 // p[3] for n, p in parts.items()}
 
     @staticmethod
@@ -67,17 +71,16 @@ class TiledBank:
                                      lambda xr, ir, kr: self._kernel(xr, ir, names))
             if grouped is not None:
                 return grouped
-        rows = x2 if k == 1 else x2[np.arange(idx.size) // k]
-        return list(self._kernel(np.ascontiguousarray(rows), idx, names))
+        return list(self._kernel(_entry_rows(x2, idx, k), idx, names))
 
     def swiglu(self, x2: np.ndarray, idx: np.ndarray, k: int) -> np.ndarray | None:
         """down(silu(gate(x)) * up(x)) for each entry of idx (as `gather`) in one kernel call:
         a decode step, with the three projections in one format and gate and up of one size.
         None where that does not hold (the caller gathers each projection then)."""
-        names = ("gate_proj", "up_proj", "down_proj")
-        if idx.size >= GEMM_ROWS or len({self.formats[n] for n in names}) > 1 or self.n[names[0]] != self.n[names[1]]:
+        if idx.size >= GEMM_ROWS or not self.one_call:
             return None
-        rows = np.ascontiguousarray(x2 if k == 1 else x2[np.arange(idx.size) // k])
+        names = ("gate_proj", "up_proj", "down_proj")
+        rows = _entry_rows(x2, idx, k)
         fn, serial_below = self._fn(*self.formats["down_proj"], "swiglu")
         work = idx.size * (2 * self.n[names[0]] * rows.shape[1] + self.n[names[2]] * self.k[names[2]])
         return fn(*(t for n in names for t in self.tiles[n]), rows, np.ascontiguousarray(idx, dtype=np.int64),
@@ -110,3 +113,8 @@ class TiledBank:
     def _dequantize(self, name: str, slot: int, out: np.ndarray) -> None:
         bits, gs = self.formats[name]
         tiled._dequantize(*(t[slot] for t in self.tiles[name]), bits, gs, np.arange(self.n[name]), out)
+
+
+def _entry_rows(x2: np.ndarray, idx: np.ndarray, k: int) -> np.ndarray:
+    """Entry i's input row, x2[i // k], for every entry of idx (contiguous)."""
+    return np.ascontiguousarray(x2 if k == 1 else x2[np.arange(idx.size) // k])

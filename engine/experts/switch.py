@@ -191,7 +191,7 @@ class _CpuExperts:
             y = bank.swiglu(rows, flat, k)  # a decode step: one kernel call
             if y is not None:
                 return y
-            if bank.formats["gate_proj"] == bank.formats["up_proj"] and bank.n["gate_proj"] == bank.n["up_proj"]:
+            if bank.pair:
                 g, u = bank.gather(rows, flat, k, ("gate_proj", "up_proj"))
             else:
                 (g,), (u,) = bank.gather(rows, flat, k, ("gate_proj",)), bank.gather(rows, flat, k, ("up_proj",))
