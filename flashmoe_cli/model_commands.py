@@ -94,9 +94,13 @@ def cmd_verify(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from flashmoe.engine.formats.demo import remove_demo
-
     if args.rebuild:
-        remove_demo()
+        from flashmoe.engine.formats.demo import ensure_demo
+
+        from .paths import ensure_home
+
+        ensure_home()
+        print(ensure_demo(progress=Progress(), rebuild=True))
+        return ExitCode.OK
     print(resolve_model(None))
     return ExitCode.OK

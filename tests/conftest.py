@@ -46,8 +46,7 @@ def private_flashmoe_home(tmp_path_factory):
     import fcntl
 
     from flashmoe.engine.cpu.warm import warm
-    from flashmoe.engine.formats.convert import is_converted
-    from flashmoe.engine.formats.demo import DEMO_NAME
+    from flashmoe.engine.formats.demo import DEMO_NAME, is_current
 
     demo = f"models/{DEMO_NAME}"
     source = USER_HOME
@@ -55,9 +54,9 @@ def private_flashmoe_home(tmp_path_factory):
     with open(shared / "flashmoe-setup.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         build = None
-        if not is_converted(USER_HOME / demo):
+        if not is_current(USER_HOME / demo):  # built, and from the fit this checkout ships
             source = shared / "flashmoe-demo-home"
-            if not is_converted(source / demo):
+            if not is_current(source / demo):
                 build = threading.Thread(target=_build_demo, args=(source,))
                 build.start()  # beside the compiling, which runs in two processes of its own
         warm()

@@ -17,10 +17,7 @@ import pytest
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PPL_TOKENS = 2048  # of the held-out text, in 512-token windows: what the fit script reports
-# The target is 1.5x the dense model's perplexity; the shipped fit measures 1.50x (torch,
-# benchmarks/fit_demo_routing.py) and 1.503x (this float32 numpy forward): at the target, not
-# under it with room, so the test holds the measured bound the closing note states.
-PPL_BOUND = 1.55
+PPL_BOUND = 1.5  # the target, against the dense model's perplexity
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +67,7 @@ def test_paris_golden_and_identical_to_resident_mlx_lm(folders):
     lm = load(demo, expert_cache=0, kernels="cpu")
     assert lm.config["model_type"] == "qwen2_moe" and len(lm.layers) == 30
     assert lm.top_k == DEMO_TOP_K == DEMO_EXPERTS // 2 and lm.layers[0].num_experts == DEMO_EXPERTS
-    events = list(generate(lm, Session(lm), GenerationRequest(messages=QUESTION, max_tokens=24)))
+    events = list(generate(lm, Session(lm), GenerationRequest(messages=QUESTION, max_tokens=64)))  # answers in ~45
     done = events[-1]
     assert "Paris" in done.text, done.text
     assert done.reason == "stop" and done.bytes_per_token > 0

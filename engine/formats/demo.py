@@ -47,29 +47,46 @@ def _gguf(progress, home: Path | None = None) -> Path:
     return find_smollm2_gguf((home or flashmoe_home()) / "downloads")
 
 
-def ensure_demo(progress=None, home: Path | None = None, compile_kernels: bool = True) -> Path:
-    """The demo model's folder (under `home`, default FLASHMOE_HOME), building it first if it is
-    not there yet; a build also compiles the CPU kernels it needs, unless told not to."""
-    from flashmoe.engine.formats.convert import convert, is_converted
-    from flashmoe.engine.formats.demo_carve import carve_dense
-    from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
+FIT_STAMP = "demo_fit.sha256"  # in the demo's folder: the shipped fit it was built from
 
+
+def _fit_digest() -> str:
+    import hashlib
+
+    from flashmoe.engine.formats.demo_carve import ROUTING
+
+    return hashlib.sha256(ROUTING.read_bytes()).hexdigest()
+
+
+def is_current(out: Path) -> bool:
+    """Whether `out` is a built demo from the fit this package ships (a newer flashmoe may ship
+    another: then the demo is built again, never kept from the old fit without a word)."""
+    from flashmoe.engine.formats.convert import is_converted
+
+    stamp = out / FIT_STAMP
+    return is_converted(out) and stamp.is_file() and stamp.read_text().strip() == _fit_digest()
+
+
+def ensure_demo(progress=None, home: Path | None = None, compile_kernels: bool = True,
+                rebuild: bool = False) -> Path:
+    """The demo model's folder (under `home`, default FLASHMOE_HOME), building it first if it is
+    not there yet, was built from another fit, or `rebuild`; a build also compiles the CPU kernels
+    it needs, unless told not to. The new folder is built beside the old one and takes its place
+    only when complete: a failed build leaves the old one as it was."""
     out = demo_path(home)
-    if is_converted(out):
+    if is_current(out) and not rebuild:
         return out
     progress = progress or (lambda *a: None)
+    if out.exists() and not rebuild:
+        progress("the demo was built from another routing fit than this flashmoe ships: building it again", 0, 5)
     gguf = _gguf(progress, home)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".demo-src-") as tmp:
-        progress("reading the dense model from the GGUF", 1, 5)
-        dense = gguf_to_hf_folder(gguf, Path(tmp) / "dense")
-        progress(f"carving each layer's FFN into a 512-neuron shared slice + {DEMO_EXPERTS} "
-                 f"experts of 64, with the fitted routers", 2, 5)
-        src = carve_dense(dense, Path(tmp) / "carved", experts_per_token=DEMO_TOP_K)
-        shutil.rmtree(dense)
-        progress(f"quantizing to {DEMO_BITS}-bit and packing the experts", 3, 5)
-        convert(src, out, bits=DEMO_BITS, group_size=64,
-                progress=lambda what, d, t: progress(f"packing: {what}", 3, 5))
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".demo-build-") as tmp:
+        new = _build(gguf, Path(tmp), progress)
+        (new / FIT_STAMP).write_text(_fit_digest() + "\n")
+        if out.exists():
+            out.rename(Path(tmp) / "old")  # removed with tmp
+        new.rename(out)
     if compile_kernels and _cpu_kernels_used():
         # once per install (numba's disk cache): here, said, instead of inside the first answer
         from flashmoe.engine.cpu.warm import jobs_for, warm
@@ -78,6 +95,25 @@ def ensure_demo(progress=None, home: Path | None = None, compile_kernels: bool =
         warm(jobs_for(DEMO_BITS))
     progress("demo model ready", 5, 5)
     return out
+
+
+def _build(gguf: Path, tmp: Path, progress) -> Path:
+    """The demo, converted, as tmp/"demo" (tmp is scratch space)."""
+    from flashmoe.engine.formats.convert import convert
+    from flashmoe.engine.formats.demo_carve import carve_dense
+    from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
+
+    progress("reading the dense model from the GGUF", 1, 5)
+    dense = gguf_to_hf_folder(gguf, tmp / "dense")
+    progress(f"carving each layer's FFN into a 512-neuron shared slice + {DEMO_EXPERTS} "
+             f"experts of 64, with the fitted routers", 2, 5)
+    src = carve_dense(dense, tmp / "carved", experts_per_token=DEMO_TOP_K)
+    shutil.rmtree(dense)
+    progress(f"quantizing to {DEMO_BITS}-bit and packing the experts", 3, 5)
+    convert(src, tmp / "demo", bits=DEMO_BITS, group_size=64,
+            progress=lambda what, d, t: progress(f"packing: {what}", 3, 5))
+    shutil.rmtree(src)
+    return tmp / "demo"
 
 
 def _cpu_kernels_used() -> bool:
@@ -118,7 +154,3 @@ def carved_reference(folder: Path, experts_per_token: int = DEMO_TOP_K, dense: P
             carve_dense(dense_reference(Path(tmp) / "dense"), folder,
                         experts_per_token=experts_per_token)
     return folder
-
-
-def remove_demo() -> None:
-    shutil.rmtree(demo_path(), ignore_errors=True)
