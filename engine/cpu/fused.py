@@ -29,6 +29,7 @@ import mlx.nn as nn
 import numpy as np
 
 from flashmoe.engine.cpu.install import CpuQuantizedLinear, set_module
+from flashmoe.engine.cpu.routing import MODES, combine, route  # noqa: F401 (route: the probe and tests)
 from flashmoe.engine.hidden import Hidden
 
 PROBE_TOL = 1e-4  # relative to the output's largest magnitude
@@ -400,27 +401,7 @@ def _install_shared(block: nn.Module) -> bool:
     return True
 
 
-ROUTINGS = ("topk_softmax", "softmax_topk_norm", "softmax_topk")
-
-
-def _softmax(z: np.ndarray) -> np.ndarray:
-    e = np.exp(z - z.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
-
-
-def route(logits: np.ndarray, k: int, routing: str):
-    """(expert ids [R, k], weights [R, k]) as mlx-lm's MoE blocks compute them: Mixtral takes
-    the top k logits and softmaxes those; Qwen3-MoE and OLMoE softmax all, take the top k and
-    (norm_topk_prob) renormalise them."""
-    if routing == "topk_softmax":
-        ids = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
-        return ids, _softmax(np.take_along_axis(logits, ids, axis=-1))
-    probs = _softmax(logits)
-    ids = np.argpartition(-probs, k - 1, axis=-1)[:, :k]
-    scores = np.take_along_axis(probs, ids, axis=-1)
-    if routing == "softmax_topk_norm":
-        scores = scores / scores.sum(axis=-1, keepdims=True)
-    return ids, scores
+ROUTINGS = tuple(MODES)  # how mlx-lm's MoE blocks route (routing.route)
 
 
 def _linear_fn(lin):
@@ -488,10 +469,9 @@ class CpuMoE(_Wraps):
         else:
             during = (lambda: shared.append(self.shared_np(x2))) if self._shared else None
             y = self._switch.experts_np(x2, ids, during=during)  # [R, k, D]
-        out = (y * scores[..., None].astype(np.float32)).sum(axis=-2)
-        if self._shared:
-            out = out + (shared[0] if shared else self.shared_np(x2))
-        return out
+        if self._shared and not shared:
+            shared.append(self.shared_np(x2))
+        return combine(y, scores, shared[0] if shared else None)
 
 
 class _FakeExperts(nn.Module):
