@@ -9,7 +9,9 @@ agree to float32 rounding. Reductions keep 16 explicit partial sums so LLVM can 
 from __future__ import annotations
 
 import numpy as np
-from numba import float32, njit
+from llvmlite import ir
+from numba import float32, int32, njit, types
+from numba.extending import intrinsic
 
 
 @njit(cache=True, fastmath=False, nogil=True)
@@ -39,6 +41,20 @@ def _dot(a, b, n):
         t0 += a[i] * b[i]
     return (((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))) + \
         (((t8 + t9) + (t10 + t11)) + ((t12 + t13) + (t14 + t15)))
+
+
+@njit(cache=True, fastmath=False, nogil=True)
+def _sum(a, n):
+    """sum(a[:n]) in float32 with 16 partial sums (as _dot)."""
+    t = np.zeros(16, np.float32)
+    m = n - n % 16
+    for i in range(0, m, 16):
+        for j in range(16):
+            t[j] += a[i + j]
+    for i in range(m, n):
+        t[0] += a[i]
+    return (((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]))) + \
+        (((t[8] + t[9]) + (t[10] + t[11])) + ((t[12] + t[13]) + (t[14] + t[15])))
 
 
 @njit(cache=True, fastmath=False, nogil=True)
@@ -106,12 +122,54 @@ def decode_scores(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_
     return s
 
 
+@intrinsic
+def _float_from_bits(typingctx, bits):
+    """The float32 whose bits are the int32 `bits` (LLVM bitcast: vectorises with the loop)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@njit(inline="always", fastmath=False)
+def _exp(x):
+    """exp(x) in float32: Cephes' expf (range reduction by ln 2, degree-6 polynomial, 2**n from
+    the exponent bits), within 1.4e-7 of the true value; 0 below -87.3 (also for -inf). Unlike
+    a call to libm's expf, LLVM vectorises a loop over it: numba has no vector exp (no SVML)."""
+    under = x < float32(-87.3)
+    x = min(max(x, float32(-87.3)), float32(88.7))
+    n = np.floor(x * float32(1.44269504088896341) + float32(0.5))
+    r = x - n * float32(0.693359375) - n * float32(-2.12194440e-4)
+    p = float32(1.9875691500e-4)
+    p = p * r + float32(1.3981999507e-3)
+    p = p * r + float32(8.3334519073e-3)
+    p = p * r + float32(4.1665795894e-2)
+    p = p * r + float32(1.6666665459e-1)
+    p = p * r + float32(5.0000001201e-1)
+    y = (p * r * r + r + float32(1.0)) * _float_from_bits(int32(n + float32(127.0)) << 23)
+    return float32(0.0) if under else y
+
+
+@njit(cache=True, fastmath=False, nogil=True)
+def softmax_rows(s):
+    """Each row of s [R, T] to its softmax, in place: max, exp and sum, divide, in one call where
+    numpy took five (a decode step's 9 rows of 40 scores: 8.5 us in numpy, 2.1 here)."""
+    R, T = s.shape
+    for r in range(R):
+        x = s[r]
+        m = x[0]
+        for t in range(1, T):
+            m = max(m, x[t])
+        for t in range(T):
+            x[t] = _exp(x[t] - m)
+        total = _sum(x, T)
+        for t in range(T):
+            x[t] = x[t] / total
+
+
 def softmax_values(s: np.ndarray, V: np.ndarray) -> np.ndarray:
     """The softmax of scores s [Hk, g, T] (in place), times V's first T positions: [Hk * g, D]."""
     T = s.shape[-1]
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
+    softmax_rows(s.reshape(-1, T))
     return np.matmul(s, V[:, :T]).reshape(-1, V.shape[-1])
 
 
@@ -205,4 +263,5 @@ def warmup() -> None:
     rms_norm_rows(x, np.ones(16, np.float32), np.float32(1e-6))
     rope_rows(x, np.ones(16, np.float32), np.zeros(16, np.float32), np.arange(16))
     silu_mul(x, x.copy())
+    softmax_rows(x.copy())
     _scores(np.ones((1, 1, 16), np.float32), np.ones((1, 2, 16), np.float32), 1, np.empty((1, 1, 1), np.float32))

@@ -49,9 +49,12 @@ def _run(job) -> None:
             t.matmul(np.zeros((rows, gs), np.float32))
         t.rows(np.zeros((1, 1), np.int64))
     else:
-        from flashmoe.engine.cpu import attn, gemm
+        from flashmoe.engine.cpu import attn, gemm, routing
 
         attn.warmup()
+        for mode in routing.MODES:
+            routing.route(np.zeros((1, 4), np.float32), 2, mode)
+        routing.combine(np.zeros((1, 2, 4), np.float32), np.zeros((1, 2), np.float32))
         for bits in (8, 4, 3, 2):
             gemm.dequantize(np.zeros((1, 2 * bits), np.uint32), np.zeros((1, 1), np.float32),
                             np.zeros((1, 1), np.float32), bits, 64)
