@@ -701,6 +701,10 @@ def configs_for(model: dict, a) -> list[dict]:
         out.append(dict(base, engine="flashmoe", label="flashmoe kernels=cpu, cache=all, prewarmed",
                         kernels="cpu", path=model["flashmoe"], expert_cache=10**12, prewarm_all=True,
                         state="expert cache holds every expert (prewarmed); page cache dropped"))
+        if a.int8:
+            out.append(dict(base, engine="flashmoe", label="flashmoe kernels=cpu-int8, cache=all, prewarmed",
+                            kernels="cpu-int8", path=model["flashmoe"], expert_cache=10**12, prewarm_all=True,
+                            state="expert cache holds every expert (prewarmed); page cache dropped"))
         gb = f"{a.synthetic_cache_gb:g} GB"
         out.append(dict(base, engine="flashmoe", label=f"flashmoe kernels=cpu, cache={gb}, cold",
                         kernels="cpu", path=model["flashmoe"], expert_cache=cache_small, cold=True, drop="decode",
@@ -949,7 +953,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-mlx-kernels", action="store_true",
                    help="skip flashmoe kernels=mlx (MLX's CPU kernels: minutes per long prompt)")
     p.add_argument("--int8", action="store_true",
-                   help="also time flashmoe kernels=cpu-int8 (decode rows on int8 activations, engine/cpu/int8.py)")
+                   help="also time flashmoe kernels=cpu-int8 (decode rows on int8 activations, engine/cpu/int8.py; on the synthetic model with every expert cached)")
     p.add_argument("--child-timeout", type=float, default=3600)
     p.add_argument("--out", type=Path, help="write every figure as JSON")
     a = p.parse_args(argv)

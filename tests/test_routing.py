@@ -41,10 +41,14 @@ def test_route_picks_numpys_experts_with_its_scores(routing, rows, experts, k):
         np.testing.assert_allclose(scores[r], [by_id[e] for e in ids[r]], rtol=2e-6, atol=1e-9)
 
 
-def test_route_ties_and_bad_logits():
+def test_route_ties_masked_experts_and_nan():
     ids, scores = route(np.zeros((1, 16), np.float32), 4, "softmax_topk_norm")
     assert len(set(ids[0])) == 4 and np.allclose(scores, 0.25)  # equal logits: distinct experts
-    with pytest.raises(ValueError, match="not finite"):
+    masked = np.array([[0.5, -np.inf, 2.0, -np.inf, 1.0]], np.float32)  # -inf: an expert never to pick
+    for routing in MODES:
+        ids, scores = route(masked, 2, routing)
+        assert list(ids[0]) == [2, 4] and np.isfinite(scores).all()
+    with pytest.raises(ValueError, match="NaN"):
         route(np.array([[0.0, np.nan, 1.0, 2.0]], np.float32), 2, "topk_softmax")
 
 
