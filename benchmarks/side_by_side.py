@@ -40,10 +40,11 @@ Models
              SmolLM2's 49152-token tokenizer. The same float weights (deterministic per tensor)
              are written as an MLX 4-bit g64 folder (converted to flashmoe, then removed) and as a
              Q4_0 GGUF for llama.cpp. flashmoe runs with an expert cache that holds every expert
-             (prewarmed), and with a smaller cache (--synthetic-cache-gb) with the expert files
-             dropped from the page cache (posix_fadvise DONTNEED) before the run and after prefill
-             ("cold"), or before every forward pass ("cold each tok"). llama.cpp runs warm only
-             (its mmapped pages cannot be dropped while it holds them).
+             (prewarmed: read, and repacked into tiles as the first tokens would), and with a
+             smaller cache (--synthetic-cache-gb) with the expert files dropped from the page
+             cache (posix_fadvise DONTNEED) before the run and after prefill ("cold"), or before
+             every forward pass ("cold each tok"). llama.cpp runs warm only (its mmapped pages
+             cannot be dropped while it holds them).
 
 Usage
   python benchmarks/side_by_side.py --out /tmp/side_by_side.json
@@ -161,6 +162,7 @@ def open_flashmoe(path: str, kernels: str, expert_cache):
 
 def child_flashmoe(spec: dict) -> dict:
     from flashmoe.engine.events import GenerationFinished, TokenGenerated
+    from flashmoe.engine.experts.switch import repack_cached
     from flashmoe.engine.runtime.generate import GenerationRequest, Session, generate, render_prompt
 
     t0 = time.perf_counter()
@@ -183,6 +185,7 @@ def child_flashmoe(spec: dict) -> dict:
         for l in loaded.layers:
             store.fetch(l.layer, list(range(l.num_experts)))
         store.step_done()
+        repack_cached(loaded.model)  # in tiles already, as after the first tokens that use them
         drop_from_page_cache(files)  # the slots hold everything; the page cache copy is not needed
     runs = []
     for i in range(spec["warmup"] + spec["runs"]):

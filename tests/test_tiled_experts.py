@@ -146,3 +146,28 @@ def test_swiglu_in_one_call_is_the_three_gathers(int8):
                        "down_proj": parts["down_proj"]}, np.ones(6, dtype=bool))
     mixed.ready(slots)
     assert mixed.swiglu(x, slots, 4) is None
+
+
+def test_repack_cached_readies_a_prewarmed_cache_and_changes_no_token(model_factory):
+    """switch.repack_cached: experts fetched ahead of any token (a benchmark's prewarm) are all
+    repacked at once, and the greedy tokens are those of a run that repacks each on first use."""
+    from flashmoe.engine.experts.switch import StreamingSwitchGLU, repack_cached
+    from flashmoe.engine.runtime.loader import load
+    from tests.test_streaming_exact import PROMPT, greedy
+
+    packed = model_factory("qwen3_moe", 8, converted=True)
+
+    def prewarmed():
+        lm = load(packed, load_tokenizer=False, kernels="cpu")
+        for layer in lm.layers:
+            lm.store.fetch(layer.layer, list(range(layer.num_experts)))
+        lm.store.step_done()
+        return lm
+
+    lazy, eager = prewarmed(), prewarmed()
+    blocks = [m for m in eager.model.modules() if isinstance(m, StreamingSwitchGLU) and m.tiled_bank is not None]
+    held = [(m, np.array(sorted(m._store.pool(m._layer).table.values()))) for m in blocks]
+    assert held and all(m.tiled_bank._raw[slots].all() for m, slots in held)  # as read
+    assert repack_cached(eager.model) == sum(layer.num_experts for layer in eager.layers)
+    assert not any(m.tiled_bank._raw[slots].any() for m, slots in held)
+    assert greedy(eager.model, PROMPT, 8) == greedy(lazy.model, PROMPT, 8)
