@@ -29,7 +29,7 @@ import mlx.nn as nn
 import numpy as np
 
 from flashmoe.engine.cpu.install import CpuQuantizedLinear, set_module
-from flashmoe.engine.cpu.routing import MODES, combine, route  # noqa: F401 (route: the probe and tests)
+from flashmoe.engine.cpu.routing import MODES, combine, route
 from flashmoe.engine.hidden import Hidden
 
 PROBE_TOL = 1e-4  # relative to the output's largest magnitude
@@ -469,9 +469,9 @@ class CpuMoE(_Wraps):
         else:
             during = (lambda: shared.append(self.shared_np(x2))) if self._shared else None
             y = self._switch.experts_np(x2, ids, during=during)  # [R, k, D]
-        if self._shared and not shared:
-            shared.append(self.shared_np(x2))
-        return combine(y, scores, shared[0] if shared else None)
+        if self._shared:  # computed during the reads, or now (the probe, or no reads)
+            return combine(y, scores, shared[0] if shared else self.shared_np(x2))
+        return combine(y, scores)
 
 
 class _FakeExperts(nn.Module):

@@ -51,7 +51,7 @@ class TiledBank:
     def ready(self, slots: np.ndarray) -> None:
         """Repack the slots among these that still hold their bytes as read."""
         raw = self._raw[slots]
-        if not raw.any():  # the usual case: every slot was repacked when it landed
+        if not raw.any():  # the usual case: an earlier token already repacked every one
             return
         for slot in np.unique(slots[raw]):
             for name, (w, s, b) in self._mlx.items():
