@@ -9,8 +9,8 @@ machine load hit all engines alike; per-engine figures are medians over every me
 
 Engines
   flashmoe kernels=cpu   engine.loader.load(path, kernels="cpu", dtype="float32")  (numba kernels)
-  flashmoe kernels=cpu-int8  (--int8) the same with kernels="cpu-int8": resident matrices' decode rows
-                         on two-term int8 activations and VNNI dot products (engine/cpu/int8.py)
+  flashmoe kernels=cpu-int8  (--int8) the same with kernels="cpu-int8": the tiled matrices (decode and
+                         prefill) on two-term int8 activations and VNNI dot products (engine/cpu/int8.py)
   flashmoe kernels=mlx   engine.loader.load(path, kernels="mlx", dtype="float32")  (MLX's kernels)
                          generation through engine.generate.generate(..., timing="off"); decode
                          tok/s = GenerationFinished.generation_tps (forward passes after the
@@ -956,7 +956,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-mlx-kernels", action="store_true",
                    help="skip flashmoe kernels=mlx (MLX's CPU kernels: minutes per long prompt)")
     p.add_argument("--int8", action="store_true",
-                   help="also time flashmoe kernels=cpu-int8 (decode rows on int8 activations, engine/cpu/int8.py; on the synthetic model with every expert cached)")
+                   help="also time flashmoe kernels=cpu-int8 (matmuls on int8 activations, engine/cpu/int8.py; on the synthetic model with every expert cached)")
     p.add_argument("--child-timeout", type=float, default=3600)
     p.add_argument("--out", type=Path, help="write every figure as JSON")
     a = p.parse_args(argv)

@@ -74,6 +74,12 @@ def test_rms_norm_and_silu_match_mlx():
     gu = rand(2, 96)  # strided halves of one matrix, as the fused gate/up call returns them
     assert close(cpu_attn.silu_mul(gu[:, :48], gu[:, 48:]),
                  np.array(nn.silu(mx.array(gu[:, :48])) * mx.array(gu[:, 48:])))
+    # a prefill's rows run on every core: each is what it gives alone; large |g| saturates
+    many = rand(cpu_attn.SILU_ROWS_PARALLEL + 3, 48) * np.float32(30)
+    u2 = rand(*many.shape)
+    got = cpu_attn.silu_mul(many, u2)
+    assert np.array_equal(got, np.concatenate([cpu_attn.silu_mul(many[i:i + 1], u2[i:i + 1]) for i in range(len(many))]))
+    assert close(got, np.array(nn.silu(mx.array(many)) * mx.array(u2)))
 
 
 def _ropes():
@@ -285,7 +291,7 @@ def test_compute_paths_name_what_load_chose(model_factory):
     cpu.close()
     int8 = load(folder, kernels="cpu-int8", expert_cache=0, load_tokenizer=False)
     assert compute_paths(int8)["streamed experts on the CPU kernels, repacked into tiles as they land, "
-                               "decode rows on int8 activations (approximate)"] == list(range(n))
+                               "on int8 activations (approximate)"] == list(range(n))
     int8.close()
     three = load(model_factory("qwen3_moe", 3, converted=True), kernels="cpu", expert_cache=0, load_tokenizer=False)
     assert compute_paths(three)["streamed experts on the CPU kernels (in the layout read)"] == list(range(n))

@@ -70,6 +70,24 @@ def test_vnni_and_plain_vector_code_give_the_same_integers(bits):
             assert np.array_equal(int8.kernel(bits, 64, terms, vnni=True)(t.wt, t.st, t.bt, x, False), plain)
 
 
+@pytest.mark.parametrize("bits", int8.BITS)
+def test_a_row_gets_the_same_floats_alone_and_in_a_prefill(bits):
+    """Prefill rows (many: ROWS to a pass over the weights, quantized on every core, where the
+    float path would dequantize and call sgemm) are each what that row gives alone, as a decode
+    step computes it: bit for bit, so a prompt's cache does not depend on its chunking."""
+    from flashmoe.engine.cpu.gemm import GEMM_ROWS
+
+    rng = np.random.default_rng(bits + 3)
+    t, wf = _tiled(rng, 40, 256, bits, 64)
+    t.int8 = True
+    x = rng.standard_normal((GEMM_ROWS + 7, 256)).astype(np.float32)
+    assert x.shape[0] >= int8.MANY_ROWS and x.shape[0] % int8.ROWS
+    many = t.matmul(x)
+    assert np.array_equal(many, np.concatenate([t.matmul(x[i:i + 1]) for i in range(x.shape[0])]))
+    exact = x.astype(np.float64) @ wf.T.astype(np.float64)
+    assert 0 < np.abs(many - exact).max() <= 5e-4 * np.abs(exact).max()
+
+
 def test_cpu_int8_switches_every_resident_matrix_and_stays_close(model_factory):
     path = model_factory("qwen3_moe", 4, converted=True)
     ref = load(path, kernels="cpu", load_tokenizer=False)

@@ -22,7 +22,7 @@ RNG = np.random.default_rng(99)
 # generated per (bits, group size), and each costs seconds to compile
 @pytest.mark.parametrize("bits,gs", [(2, 64), (4, 64), (8, 64), (4, 32), (8, 128), (2, 32)])
 def test_matmul_matches_mlx(bits, gs):
-    # rows: fewer than a tile, a tile and a bit, many tiles; x rows in passes of 4, 2 and 1
+    # rows: fewer than a tile, a tile and a bit, many tiles; x rows in passes of 4 and 1
     for out, k in ((3, gs), (17, 3 * gs), (64, 1024)):
         wq, s, b, dq = quantize(RNG.standard_normal((out, k)).astype(np.float32), bits, gs)
         t = T.Tiled.from_mlx(wq, s, b, bits, gs)
@@ -45,7 +45,7 @@ def test_serial_and_parallel_give_the_same_numbers(monkeypatch):
         t = T.Tiled.from_mlx(wq, s, b, 4, 64)  # a new one: the choice is made on first use
         got[parallel] = t.matmul(x)
         assert (1 >= t._parallel_rows) == (5 >= t._parallel_rows) == parallel
-        # one row at a time: the same sums as in passes of 4 and 2
+        # one row at a time: the same sums as in passes of 4
         assert np.array_equal(got[parallel], np.concatenate([t.matmul(x[i:i + 1]) for i in range(5)]))
     assert np.array_equal(got[False], got[True])
 

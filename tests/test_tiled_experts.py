@@ -123,6 +123,17 @@ def test_int8_gather_is_the_int8_kernel_on_each_slots_tiles(bits):
             assert np.array_equal(got[i], t.matmul(x[i // 2:i // 2 + 1])[0])
             ref = x[i // 2] @ dq[name][slot].T
             assert np.abs(got[i] - ref).max() <= 1e-3 * (1 + np.abs(ref).max())
+    # a prefill's entries (GEMM_ROWS or more): sorted by slot, every expert's rows in one pass
+    # over its weights, each entry still what it gives alone
+    from flashmoe.engine.cpu.gemm import GEMM_ROWS
+
+    many = RNG.permutation(np.repeat([3, 1, 0, 2], GEMM_ROWS // 2))[:GEMM_ROWS + 5]
+    xm = RNG.standard_normal((many.size, 128)).astype(np.float32)
+    bank.ready(many)
+    g, u = bank.gather(xm, many, 1, ("gate_proj", "up_proj"))
+    alone = [bank.gather(xm[i:i + 1], many[i:i + 1], 1, ("gate_proj", "up_proj")) for i in range(many.size)]
+    assert np.array_equal(g, np.concatenate([a[0] for a in alone]))
+    assert np.array_equal(u, np.concatenate([a[1] for a in alone]))
 
 
 @pytest.mark.parametrize("int8", [False, True])

@@ -238,16 +238,34 @@ def attend_causal(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale) -> np.ndar
     return out
 
 
+@njit(cache=True, fastmath=False, nogil=True, error_model="numpy")  # (IEEE division: it vectorises)
+def _silu_mul_row(g, u, out, r):
+    for n in range(g.shape[1]):
+        v = g[r, n]
+        out[r, n] = v * (float32(1.0) / (float32(1.0) + _exp(-v))) * u[r, n]
+
+
+@njit(cache=True, fastmath=False, nogil=True, parallel=True)
+def _silu_mul_rows(g, u, out):
+    for r in prange(g.shape[0]):
+        _silu_mul_row(g, u, out, r)
+
+
+SILU_ROWS_PARALLEL = 16  # from how many rows silu_mul shares them among the cores (prefill)
+
+
 @njit(cache=True, fastmath=False, nogil=True)
 def silu_mul(g, u):
     """silu(g) * u for g, u [R, N] (mlx-lm's SwiGLU; either may be a strided view), as a new
-    contiguous array."""
+    contiguous array. exp is `_exp`, which LLVM vectorises (libm's expf made a prefill chunk's
+    SwiGLU, 512 x 2 x 1536 values, cost 6 ms); many rows run on every core."""
     R, N = g.shape
     out = np.empty((R, N), np.float32)
-    for r in range(R):
-        for n in range(N):
-            v = g[r, n]
-            out[r, n] = v * (float32(1.0) / (float32(1.0) + np.exp(-v))) * u[r, n]
+    if R >= SILU_ROWS_PARALLEL:
+        _silu_mul_rows(g, u, out)
+    else:
+        for r in range(R):
+            _silu_mul_row(g, u, out, r)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Decode matmuls on int8 activations with the CPU's integer dot product (`--kernels cpu-int8`).
+"""Quantized matmuls on int8 activations with the CPU's integer dot product (`--kernels cpu-int8`).
 
 llama.cpp multiplies its quantized weights with activations quantized to int8 and sums the
 products with VPDPBUSD (AVX-512 VNNI): 64 unsigned-byte x signed-byte products in one
@@ -22,9 +22,13 @@ default (tests/test_int8.py holds the kernel to its definition and to the float 
 
 VPDPBUSD is emitted through an LLVM intrinsic (numba.extending.intrinsic). On a CPU without
 AVX-512 VNNI the same kernel is generated from plain vector IR (widen, multiply, add each lane's
-4 products): the same integers, about a quarter of the speed.
+4 products): the same integers, about a quarter of the speed. The kernel keeps its sums in vector
+registers and reads each weight word once for up to ROWS x rows (vector_ir.py), which made prefill
+on int8 activations beat dequantize + sgemm: with `--kernels cpu-int8` every row count runs here.
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 from llvmlite import ir
@@ -32,14 +36,17 @@ from numba import float32, int32, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from flashmoe.engine.cpu import vector_ir as vir
+
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 # A call runs on every core from SERIAL_FACTOR times the float kernels' size (qmm.SERIAL_BELOW):
 # 3-4x faster per value, so a thread pool's start costs more of a call. Measured (4-bit g64, one
 # row, TBB): 576 x 576 16 us on one thread, 32 on two; 960 x 576 23 / 20; 3072 x 576 73 / 61.
 SERIAL_FACTOR = 4
-_I32 = ir.IntType(32)
-_V16 = ir.VectorType(_I32, 16)
+ROWS = 4  # x rows per pass over a tile's words when a call has several (prefill)
+MANY_ROWS = 16  # from how many rows a call quantizes them on every core
+_I32, _V16 = vir.I32, vir.V16
 
 
 def has_vnni() -> bool:
@@ -67,48 +74,77 @@ def _dot_lanes(builder, acc, w, x, vnni: bool):
     return acc
 
 
-def _tile_dot(bits: int, terms: int, vnni: bool):
-    """An intrinsic: tile_dot(wt, w0, n, xw, x0, stride, acc) sets acc[16 t: 16 t + 16] (int32),
-    for each term t < `terms`, to the integer dot products of 16 rows over n words: words
-    wt[w0 + 16 j + l] (j < n) against x words xw[x0 + t * passes * stride + p * stride + j], where
-    pass p is the low (0) or high (1) nibbles at 4 bits, and the only pass at 8."""
+def _tile_out(bits: int, terms: int, vnni: bool, rows: int):
+    """An intrinsic: tile_out(wt, w0, nw, ng, xw, x0, dx, d0, xs, s0, st, bt, sb0, out, o0, ostride)
+    writes the 16 outputs of one tile for `rows` consecutive x rows, all groups in one loop that
+    keeps the sums in vector registers (the per-group epilogue written in numba stored and
+    reloaded them: 1.3-2.5x slower), each weight word loaded once for all the rows.
+
+    The tile's words are wt[w0 + 16 j + l] (j < nw words per row, ng groups); x row r's words
+    xw[x0 + r * terms * passes * nw + (t * passes + p) * nw + j] for term t and pass p (the low (0)
+    or high (1) nibbles at 4 bits, the only pass at 8), its steps dx[d0 + r * terms * ng + t * ng + g],
+    its group sums xs[s0 + r * ng + g]; the tile's scales and biases st / bt[sb0 + 16 g + l].
+    out[o0 + r * ostride + l] is set to
+
+        sum over g of  st * (dx0 * dot0 + dx1 * dot1) + bt * xs
+
+    with every product and sum a separate float32 operation in that order (no FMA), so a row
+    gets the same floats however many rows share its call."""
     passes = 32 // bits // 4  # x words per weight word
 
     @intrinsic
-    def tile_dot(typingctx, wt, w0, n, xw, x0, stride, acc):
-        sig = types.void(wt, w0, n, xw, x0, stride, acc)
+    def tile_out(typingctx, wt, w0, nw, ng, xw, x0, dx, d0, xs, s0, st, bt, sb0, out, o0, ostride):
+        sig = types.void(wt, w0, nw, ng, xw, x0, dx, d0, xs, s0, st, bt, sb0, out, o0, ostride)
 
         def codegen(context, builder, signature, args):
-            wt_, w0_, n_, xw_, x0_, stride_, acc_ = args
-            wdata = context.make_array(signature.args[0])(context, builder, wt_).data
-            xdata = context.make_array(signature.args[3])(context, builder, xw_).data
-            adata = context.make_array(signature.args[6])(context, builder, acc_).data
-            totals = [cgutils.alloca_once_value(builder, ir.Constant(_V16, [0] * 16)) for _ in range(terms)]
-            undef = ir.Constant(_V16, None)
-            splat = ir.Constant(_V16, [0] * 16)
-            with cgutils.for_range(builder, n_) as loop:
-                j = loop.index
-                at = builder.add(w0_, builder.mul(j, ir.Constant(j.type, 16)))
-                w = builder.load(builder.bitcast(builder.gep(wdata, [at]), _V16.as_pointer()), align=4)
-                accs = [builder.load(t) for t in totals]
-                for p in range(passes):
-                    wp = w if bits == 8 else builder.and_(builder.lshr(w, ir.Constant(_V16, [4 * p] * 16)),
-                                                          ir.Constant(_V16, [0x0F0F0F0F] * 16))
+            e = vir.Emitter(builder)
+            wdata, xdata, dxdata, xsdata, stdata, btdata, odata = (
+                vir.array_data(context, builder, signature, args, i) for i in (0, 4, 6, 8, 10, 11, 13))
+            w0_, nw_, ng_, x0_, d0_, s0_, sb0_, o0_, ostride_ = (e.i64(args[i]) for i in (1, 2, 3, 5, 7, 9, 12, 14, 15))
+            wpg = builder.sdiv(nw_, ng_)
+            # where row r's x words, steps, sums and outputs start
+            xrow = [e.at(x0_, (nw_, r * terms * passes)) for r in range(rows)]
+            drow = [e.at(d0_, (ng_, r * terms)) for r in range(rows)]
+            srow = [e.at(s0_, (ng_, r)) for r in range(rows)]
+            orow = [e.at(o0_, (ostride_, r)) for r in range(rows)]
+            totals = [cgutils.alloca_once_value(builder, ir.Constant(vir.VF16, [0.0] * 16)) for _ in range(rows)]
+            dots = [[cgutils.alloca_once(builder, vir.V16) for _ in range(terms)] for _ in range(rows)]
+            with cgutils.for_range(builder, ng_) as groups:
+                g = groups.index
+                for d in (d for row in dots for d in row):
+                    builder.store(ir.Constant(vir.V16, [0] * 16), d)
+                with cgutils.for_range(builder, wpg) as words:
+                    j = builder.add(builder.mul(g, wpg), words.index)
+                    w = e.vload(wdata, e.at(w0_, (j, 16)), vir.V16)
+                    accs = [[builder.load(d) for d in row] for row in dots]
+                    for p in range(passes):
+                        wp = w if bits == 8 else builder.and_(builder.lshr(w, ir.Constant(vir.V16, [4 * p] * 16)),
+                                                              ir.Constant(vir.V16, [0x0F0F0F0F] * 16))
+                        for r in range(rows):
+                            for t in range(terms):
+                                xv = e.load(xdata, builder.add(e.at(xrow[r], (nw_, t * passes + p)), j))
+                                accs[r][t] = _dot_lanes(builder, accs[r][t], wp, e.splat(xv, vir.V16), vnni)
+                    for row, acc in zip(dots, accs):
+                        for d, a in zip(row, acc):
+                            builder.store(a, d)
+                at = e.at(sb0_, (g, 16))
+                scale, bias = e.vload(stdata, at, vir.VF16), e.vload(btdata, at, vir.VF16)
+                for r in range(rows):
+                    inner = None
                     for t in range(terms):
-                        off = builder.mul(stride_, ir.Constant(stride_.type, t * passes + p))
-                        xv = builder.load(builder.gep(xdata, [builder.add(builder.add(x0_, off), j)]))
-                        xb = builder.shuffle_vector(builder.insert_element(undef, xv, ir.Constant(_I32, 0)), undef, splat)
-                        accs[t] = _dot_lanes(builder, accs[t], wp, xb, vnni)
-                for t in range(terms):
-                    builder.store(accs[t], totals[t])
-            for t in range(terms):
-                dst = builder.gep(adata, [ir.Constant(_I32, 16 * t)])
-                builder.store(builder.load(totals[t]), builder.bitcast(dst, _V16.as_pointer()), align=4)
+                        step = e.splat(e.load(dxdata, builder.add(e.at(drow[r], (ng_, t)), g)), vir.VF16)
+                        term = builder.fmul(step, builder.sitofp(builder.load(dots[r][t]), vir.VF16))
+                        inner = term if inner is None else builder.fadd(inner, term)
+                    xsum = e.splat(e.load(xsdata, builder.add(srow[r], g)), vir.VF16)
+                    part = builder.fadd(builder.fmul(scale, inner), builder.fmul(bias, xsum))
+                    builder.store(builder.fadd(builder.load(totals[r]), part), totals[r])
+            for r in range(rows):
+                e.vstore(builder.load(totals[r]), odata, orow[r])
             return context.get_dummy_value()
 
         return sig, codegen
 
-    return tile_dot
+    return tile_out
 
 
 @njit(cache=True, nogil=True)
@@ -118,125 +154,156 @@ def _pack4(b0, b1, b2, b3):
 
 
 @njit(cache=True, nogil=True)
+def _quantize_row(x, m, gs, terms, xw, dx, xs, q, r):
+    """quantize_x for row m, with q / r scratch of K values."""
+    K = x.shape[1]
+    ng, nw = dx.shape[2], xw.shape[3]
+    for k in range(K):
+        r[k] = x[m, k]
+    for g in range(ng):
+        s = float32(0.0)
+        for k in range(g * gs, (g + 1) * gs):
+            s += r[k]
+        xs[m, g] = s
+    for t in range(terms):
+        for g in range(ng):
+            amax = float32(0.0)
+            for k in range(g * gs, (g + 1) * gs):
+                a = r[k] if r[k] >= 0 else -r[k]
+                if a > amax:
+                    amax = a
+            d = amax / float32(127.0)
+            dx[m, t, g] = d
+            inv = float32(1.0) / d if d > 0 else float32(0.0)
+            for k in range(g * gs, (g + 1) * gs):
+                q[k] = int32(np.rint(r[k] * inv))
+                r[k] = r[k] - d * float32(q[k])
+        if xw.shape[2] == 1:  # 8 bits: a word's 4 values in order
+            for i in range(nw):
+                xw[m, t, 0, i] = _pack4(q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3])
+        else:  # 4 bits: the even values (low nibbles), then the odd ones
+            for i in range(nw):
+                b = 8 * i
+                xw[m, t, 0, i] = _pack4(q[b], q[b + 2], q[b + 4], q[b + 6])
+                xw[m, t, 1, i] = _pack4(q[b + 1], q[b + 3], q[b + 5], q[b + 7])
+
+
+@njit(cache=True, nogil=True)
+def _quantized(M, K, bits, gs, terms):
+    nw = K * bits // 32
+    return (np.empty((M, terms, 32 // bits // 4, nw), np.int32), np.empty((M, terms, K // gs), np.float32),
+            np.empty((M, K // gs), np.float32))
+
+
+@njit(cache=True, nogil=True)
 def quantize_x(x, bits, gs, terms):
     """x [M, K] float32 -> (xw [M, terms, passes, K*bits/32] int32: the int8 values in the order
     the weight words need them, dx [M, terms, K/gs] each group's step, xs [M, K/gs] each group's
     exact sum). Term 0 is x rounded to int8 steps; term 1 (terms=2) what that left, rounded to
     steps 1/127 of its largest value: x ~ dx0 * q0 + dx1 * q1, to about 1/64000 of a group's peak."""
     M, K = x.shape
-    ng = K // gs
-    nw = K * bits // 32
-    passes = 32 // bits // 4
-    xw = np.empty((M, terms, passes, nw), np.int32)
-    dx = np.empty((M, terms, ng), np.float32)
-    xs = np.empty((M, ng), np.float32)
+    xw, dx, xs = _quantized(M, K, bits, gs, terms)
     q = np.empty(K, np.int32)
     r = np.empty(K, np.float32)
     for m in range(M):
-        for k in range(K):
-            r[k] = x[m, k]
-        for g in range(ng):
-            s = float32(0.0)
-            for k in range(g * gs, (g + 1) * gs):
-                s += r[k]
-            xs[m, g] = s
-        for t in range(terms):
-            for g in range(ng):
-                amax = float32(0.0)
-                for k in range(g * gs, (g + 1) * gs):
-                    a = r[k] if r[k] >= 0 else -r[k]
-                    if a > amax:
-                        amax = a
-                d = amax / float32(127.0)
-                dx[m, t, g] = d
-                inv = float32(1.0) / d if d > 0 else float32(0.0)
-                for k in range(g * gs, (g + 1) * gs):
-                    q[k] = int32(np.rint(r[k] * inv))
-                    r[k] = r[k] - d * float32(q[k])
-            if bits == 8:
-                for i in range(nw):
-                    xw[m, t, 0, i] = _pack4(q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3])
-            else:
-                for i in range(nw):
-                    b = 8 * i
-                    xw[m, t, 0, i] = _pack4(q[b], q[b + 2], q[b + 4], q[b + 6])
-                    xw[m, t, 1, i] = _pack4(q[b + 1], q[b + 3], q[b + 5], q[b + 7])
+        _quantize_row(x, m, gs, terms, xw, dx, xs, q, r)
+    return xw, dx, xs
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def quantize_rows(x, bits, gs, terms):
+    """quantize_x with the rows shared among the cores (prefill: hundreds of rows)."""
+    M, K = x.shape
+    xw, dx, xs = _quantized(M, K, bits, gs, terms)
+    for m in prange(M):
+        _quantize_row(x, m, gs, terms, xw, dx, xs, np.empty(K, np.int32), np.empty(K, np.float32))
     return xw, dx, xs
 
 
 _RUN_TEMPLATE = """
-@njit(cache=True, fastmath=False, nogil=True)  # no FMA contraction: the same floats wherever it is inlined
-def _row(flat, st, bt, xflat, dx, xs, t, nw, passes, m, out, acc):
-    ng = st.shape[1]
-    wpg = nw // ng
-    for l in range(16):
-        out[m, t * 16 + l] = float32(0.0)
-    for g in range(ng):
-        tile_dot(flat, (t * nw + g * wpg) * 16, wpg, xflat, m * TERMS * passes * nw + g * wpg, nw, acc)
-        s = xs[m, g]
-        d0 = dx[m, 0, g]
-        if TERMS == 1:
-            for l in range(16):
-                out[m, t * 16 + l] += st[t, g, l] * (d0 * float32(acc[l])) + bt[t, g, l] * s
+@njit(cache=True, nogil=True)
+def _rows(wflat, sflat, bflat, tile, nw, ng, xflat, dflat, xsflat, m0, M, out, ostride, col):
+    # tile `tile` (counted over the flat arrays) of a tiled matrix against x rows m0 .. m0 + M - 1,
+    # ROWS rows per pass over its words; row m's 16 outputs go to out[m * ostride + col:][:16]
+    passes = 32 // BITS // 4
+    m = m0
+    while m < m0 + M:
+        at = (tile * nw * 16, m * TERMS * passes * nw, m * TERMS * ng, m * ng, tile * ng * 16, m * ostride + col)
+        if m0 + M - m >= ROWS:
+            tile_outs(wflat, at[0], nw, ng, xflat, at[1], dflat, at[2], xsflat, at[3], sflat, bflat, at[4], out, at[5], ostride)
+            m += ROWS
         else:
-            d1 = dx[m, 1, g]
-            for l in range(16):
-                out[m, t * 16 + l] += st[t, g, l] * (d0 * float32(acc[l]) + d1 * float32(acc[16 + l])) \\
-                    + bt[t, g, l] * s
+            tile_out1(wflat, at[0], nw, ng, xflat, at[1], dflat, at[2], xsflat, at[3], sflat, bflat, at[4], out, at[5], ostride)
+            m += 1
+
+
+@njit(cache=True, nogil=True)
+def _quantize(x):
+    # one row is quantized on the calling thread; prefill's hundreds on every core
+    if x.shape[0] >= MANY_ROWS:
+        return quantize_rows(x, BITS, GS, TERMS)
+    return quantize_x(x, BITS, GS, TERMS)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def _run(wt, st, bt, x, parallel):
     NB, nw, _ = wt.shape
-    xw, dx, xs = quantize_x(x, BITS, GS, TERMS)
-    passes = xw.shape[2]
-    flat = wt.reshape(-1)
-    xflat = xw.reshape(-1)
+    ng = st.shape[1]
+    xw, dx, xs = _quantize(x)
+    wflat, sflat, bflat = wt.reshape(-1), st.reshape(-1), bt.reshape(-1)
+    xflat, dflat, xsflat = xw.reshape(-1), dx.reshape(-1), xs.reshape(-1)
     M = x.shape[0]
     out = np.empty((M, NB * 16), np.float32)
-    acc = np.empty((NB, 16 * TERMS), np.int32)
+    oflat = out.reshape(-1)
     if parallel:
         for t in prange(NB):
-            for m in range(M):
-                _row(flat, st, bt, xflat, dx, xs, t, nw, passes, m, out, acc[t])
+            _rows(wflat, sflat, bflat, t, nw, ng, xflat, dflat, xsflat, 0, M, oflat, NB * 16, t * 16)
     else:
         for t in range(NB):
-            for m in range(M):
-                _row(flat, st, bt, xflat, dx, xs, t, nw, passes, m, out, acc[t])
+            _rows(wflat, sflat, bflat, t, nw, ng, xflat, dflat, xsflat, 0, M, oflat, NB * 16, t * 16)
     return out
 
 
 @njit(cache=True, nogil=True)
-def _gather_item(wa, sa, ba, wb, sb, bb, xflat, dx, xs, passes, slots, NT, it, acc, oa, ob):
-    # work item it: tile it % NT (bank a's, then b's) of entry it // NT
-    i = it // NT
-    t = it % NT
-    s = slots[i]
-    if t < wa.shape[1]:
-        _row(wa[s].reshape(-1), sa[s], ba[s], xflat, dx, xs, t, wa.shape[2], passes, i, oa, acc)
+def _group_item(wa, sa, ba, wb, sb, bb, nw, ng, xflat, dflat, xsflat, slots, starts, NA, NB, it, oa, ob):
+    # work item it: tile it % (NA + NB) (bank a's NA tiles, then b's NB) of group it // (NA + NB),
+    # x rows starts[e] .. starts[e + 1] - 1 against slot slots[e]
+    e = it // (NA + NB)
+    t = it % (NA + NB)
+    m0, M = starts[e], starts[e + 1] - starts[e]
+    if t < NA:
+        _rows(wa, sa, ba, slots[e] * NA + t, nw, ng, xflat, dflat, xsflat, m0, M, oa, NA * 16, t * 16)
     else:
-        _row(wb[s].reshape(-1), sb[s], bb[s], xflat, dx, xs, t - wa.shape[1], wa.shape[2], passes, i, ob, acc)
+        _rows(wb, sb, bb, slots[e] * NB + t - NA, nw, ng, xflat, dflat, xsflat, m0, M, ob, NB * 16, (t - NA) * 16)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel):
-    # entry i: x row i against slot slots[i] of two banks of tiled matrices (tiled_experts.py)
+def _grouped(wa, sa, ba, wb, sb, bb, x, slots, starts, parallel):
+    # x rows starts[e] .. starts[e + 1] - 1 against slot slots[e] of two banks of tiled matrices
+    # [S, NB, ., 16] (wb may have no tiles): each weight word read once for a group's rows
     P = x.shape[0]
-    NT = wa.shape[1] + wb.shape[1]
-    xw, dx, xs = quantize_x(x, BITS, GS, TERMS)
-    passes = xw.shape[2]
-    xflat = xw.reshape(-1)
-    oa = np.empty((P, wa.shape[1] * 16), np.float32)
-    ob = np.empty((P, wb.shape[1] * 16), np.float32)
-    nit = P * NT
-    acc = np.empty((nit, 16 * TERMS), np.int32)
+    NA, NB, nw, ng = wa.shape[1], wb.shape[1], wa.shape[2], sa.shape[2]
+    xw, dx, xs = _quantize(x)
+    xflat, dflat, xsflat = xw.reshape(-1), dx.reshape(-1), xs.reshape(-1)
+    a = (wa.reshape(-1), sa.reshape(-1), ba.reshape(-1))
+    b = (wb.reshape(-1), sb.reshape(-1), bb.reshape(-1))
+    oa = np.empty((P, NA * 16), np.float32)
+    ob = np.empty((P, NB * 16), np.float32)
+    oaf, obf = oa.reshape(-1), ob.reshape(-1)
+    nit = slots.shape[0] * (NA + NB)
     if parallel:
         for it in prange(nit):
-            _gather_item(wa, sa, ba, wb, sb, bb, xflat, dx, xs, passes, slots, NT, it, acc[it], oa, ob)
+            _group_item(*a, *b, nw, ng, xflat, dflat, xsflat, slots, starts, NA, NB, it, oaf, obf)
     else:
         for it in range(nit):
-            _gather_item(wa, sa, ba, wb, sb, bb, xflat, dx, xs, passes, slots, NT, it, acc[it], oa, ob)
+            _group_item(*a, *b, nw, ng, xflat, dflat, xsflat, slots, starts, NA, NB, it, oaf, obf)
     return oa, ob
+
+
+@njit(cache=True, nogil=True)
+def _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel):
+    # entry i: x row i against slot slots[i] (a decode step's experts: one row per group)
+    return _grouped(wa, sa, ba, wb, sb, bb, x, slots, np.arange(slots.shape[0] + 1), parallel)
 
 
 @njit(cache=True, nogil=True)
@@ -261,16 +328,17 @@ def kernel(bits: int, gs: int, terms: int = 2, vnni: bool | None = None):
     if fn is None:
         from flashmoe.engine.cpu.attn import silu_mul
 
-        ns = dict(globals(), tile_dot=_tile_dot(bits, terms, vnni), BITS=bits, GS=gs, TERMS=terms, silu_mul=silu_mul)
+        ns = dict(globals(), tile_out1=_tile_out(bits, terms, vnni, 1), tile_outs=_tile_out(bits, terms, vnni, ROWS), BITS=bits, GS=gs, TERMS=terms, silu_mul=silu_mul)
         # numba caches by the function's qualified name and source: one name per variant
         tag = f"{bits}_{gs}_{terms}_{int(vnni)}"
-        src = (_RUN_TEMPLATE.replace("_row(", f"_row{tag}(").replace("def _run(", f"def _run{tag}(")
-               .replace("_gather(", f"_gather{tag}(").replace("_gather_item(", f"_gather_item{tag}(")
-               .replace("def _swiglu(", f"def _swiglu{tag}("))
+        src = _RUN_TEMPLATE
+        for name in ("_rows", "_quantize", "_run", "_group_item", "_grouped", "_gather", "_swiglu"):
+            src = re.sub(rf"\b{name}\(", f"{name}{tag}(", src)
         exec(compile(src, __file__, "exec"), ns)  # noqa: S102 - our own template
         fn = _compiled[key] = ns[f"_run{tag}"]
         _compiled[("gather", *key)] = ns[f"_gather{tag}"]
         _compiled[("swiglu", *key)] = ns[f"_swiglu{tag}"]
+        _compiled[("grouped", *key)] = ns[f"_grouped{tag}"]
     return fn
 
 
@@ -286,8 +354,8 @@ def gather_kernel(bits: int, gs: int, what: str = "gather", terms: int = 2, vnni
 def use_int8(model) -> int:
     """Switch every tiled matrix that `model` reaches (its modules, the fused blocks' stacked
     matrices, a tied head behind its embedding, the streamed experts' slot banks) and int8
-    kernels support to them, for decode rows only (prefill keeps dequantize + sgemm); returns
-    how many were switched (a bank counts once)."""
+    kernels support to them, for every row count (decode and prefill); returns how many were
+    switched (a bank counts once)."""
     import mlx.core as mx
 
     from flashmoe.engine.cpu.tiled import Tiled

@@ -14,7 +14,9 @@ routers, the output head) is read the same way every token, so at load time it i
 rows is one contiguous load, each of its values multiplies one x value broadcast to every lane,
 and each group's sum is scaled and added per lane. No shuffle and no horizontal sum: 10-11 G
 values/s on one thread, 1.1-1.8x the old kernels on the small matrices of a decode step
-(benchmarks/bench_tiled.py; figures in benchmarks/RESULTS.md).
+(benchmarks/bench_tiled.py; figures in benchmarks/RESULTS.md). The kernel itself is an LLVM
+intrinsic (`_tile_out`) that keeps every sum in a vector register across a row of groups, and
+decodes each weight word once for up to ROWS x rows: 1.6-2.4x the same loops written in numba.
 
 The values and their products are those of qmm.py: a value that does not end its word is masked
 in place (q * 2**sh, exact) and x is multiplied by 2**-sh to make up for it; products are float32,
@@ -28,9 +30,15 @@ qmm.py's kernels. Many-row products (prefill) dequantize a tiled matrix and use 
 """
 from __future__ import annotations
 
-import numpy as np
-from numba import float32, njit, prange
+import re
 
+import numpy as np
+from llvmlite import ir
+from numba import float32, njit, prange, types  # noqa: F401 - float32, prange: the generated loops use them
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from flashmoe.engine.cpu import vector_ir as vir
 from flashmoe.engine.cpu.attn import silu_mul  # noqa: F401 - the generated kernels call it
 from flashmoe.engine.cpu.gemm import GEMM_ROWS, _buffer, all_cores
 
@@ -48,7 +56,80 @@ def supports(bits: int, group_size: int) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Generated kernels: one per (bits, group size, x rows per tile pass).
+# The kernels: one intrinsic per (bits, x rows per pass), the loops around it per (bits, group size).
+
+
+def _tile_out(bits: int, rows: int):
+    """An intrinsic: tile_out(wt, w0, nw, ng, xk, x0, xs, s0, st, bt, sb0, out, o0, ostride) writes
+    the 16 outputs of one tile for `rows` consecutive x rows, each weight word decoded once for all
+    of them, every sum in a vector register (engine/cpu/vector_ir.py says why).
+
+    The tile's words are wt[w0 + 16 j + l] (j < nw words per row, ng groups); x row r's value k of
+    word j (times 2**-_shift) is xk[x0 + r * vpw * nw + k * nw + j], its group sums xs[s0 + r * ng + g];
+    the tile's scales and biases st / bt[sb0 + 16 g + l]. out[o0 + r * ostride + l] is set to the
+    sum over groups of st * d + bt * xs, d the group's dot product, per word
+
+        d += (q0 x0 + q4 x4) + (q1 x1 + q5 x5) + (q2 x2 + q6 x6) + (q3 x3 + q7 x7)
+
+    (PARTIALS sums of every PARTIALS-th value; at 8 bits one product each). Only FMA contraction
+    is allowed, so a row gets the same floats however many rows share its pass."""
+    vpw = 32 // bits
+    parts = min(PARTIALS, vpw)
+    flags = tuple(KERNEL_FASTMATH)
+
+    @intrinsic
+    def tile_out(typingctx, wt, w0, nw, ng, xk, x0, xs, s0, st, bt, sb0, out, o0, ostride):
+        sig = types.void(wt, w0, nw, ng, xk, x0, xs, s0, st, bt, sb0, out, o0, ostride)
+
+        def codegen(context, builder, signature, args):
+            e = vir.Emitter(builder)
+            wdata, xdata, xsdata, stdata, btdata, odata = (
+                vir.array_data(context, builder, signature, args, i) for i in (0, 4, 6, 8, 9, 11))
+            w0_, nw_, ng_, x0_, s0_, sb0_, o0_, ostride_ = (e.i64(args[i]) for i in (1, 2, 3, 5, 7, 10, 12, 13))
+            wpg = builder.sdiv(nw_, ng_)
+            xrow = [e.at(x0_, (nw_, r * vpw)) for r in range(rows)]
+            srow = [e.at(s0_, (ng_, r)) for r in range(rows)]
+            orow = [e.at(o0_, (ostride_, r)) for r in range(rows)]
+            zero = ir.Constant(vir.VF16, [0.0] * 16)
+            totals = [cgutils.alloca_once_value(builder, zero) for _ in range(rows)]
+            dots = [cgutils.alloca_once(builder, vir.VF16) for _ in range(rows)]
+            with cgutils.for_range(builder, ng_) as groups:
+                g = groups.index
+                for d in dots:
+                    builder.store(zero, d)
+                with cgutils.for_range(builder, wpg) as words:
+                    j = builder.add(builder.mul(g, wpg), words.index)
+                    w = e.vload(wdata, e.at(w0_, (j, 16)), vir.V16)
+                    q = []
+                    for k in range(vpw):  # value k of each lane's word, times 2**_shift (exact)
+                        sh = k * bits
+                        v = (builder.and_(w, ir.Constant(vir.V16, [((1 << bits) - 1) << sh] * 16)) if sh + bits < 32
+                             else builder.lshr(w, ir.Constant(vir.V16, [sh] * 16)))
+                        q.append(builder.sitofp(v, vir.VF16))
+                    for r in range(rows):
+                        xv = [e.splat(e.load(xdata, builder.add(e.at(xrow[r], (nw_, k)), j)), vir.VF16) for k in range(vpw)]
+                        total = None
+                        for p in range(parts):
+                            part = None
+                            for k in range(p, vpw, parts):
+                                prod = builder.fmul(q[k], xv[k], flags=flags)
+                                part = prod if part is None else builder.fadd(part, prod, flags=flags)
+                            total = part if total is None else builder.fadd(total, part, flags=flags)
+                        builder.store(builder.fadd(builder.load(dots[r]), total, flags=flags), dots[r])
+                at = e.at(sb0_, (g, 16))
+                scale, bias = e.vload(stdata, at, vir.VF16), e.vload(btdata, at, vir.VF16)
+                for r in range(rows):
+                    xsum = e.splat(e.load(xsdata, builder.add(srow[r], g)), vir.VF16)
+                    part = builder.fadd(builder.fmul(scale, builder.load(dots[r]), flags=flags),
+                                        builder.fmul(bias, xsum, flags=flags), flags=flags)
+                    builder.store(builder.fadd(builder.load(totals[r]), part, flags=flags), totals[r])
+            for r in range(rows):
+                e.vstore(builder.load(totals[r]), odata, orow[r])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile_out
 
 
 def _shift(bits: int, k: int) -> int:
@@ -57,156 +138,112 @@ def _shift(bits: int, k: int) -> int:
     return sh if sh + bits < 32 else 0
 
 
-def _value(bits: int, k: int) -> str:
-    """Value k of word w, times 2**_shift(bits, k), as a uint32 expression."""
-    sh = k * bits
-    if sh + bits < 32:
-        return f"(w & np.uint32({((1 << bits) - 1) << sh}))"
-    return f"(w >> np.uint32({sh}))"
-
-
-def _tile_source(bits: int, gs: int, rows: int) -> str:
-    """One tile (16 weight rows) against x rows m0 .. m0+rows-1.
-
-    xk [M, vpw, nw]: value k of word i of x row m at xk[m, k, i] (times 2**-_shift); xs [M, ng]:
-    the sum of each group of x; acc, d [rows, 16] scratch; out [M, NB*16]."""
-    vpw = 32 // bits
-    words = gs // vpw  # words per group
-    name = f"_tile{bits}_{gs}_{rows}"
-    L = ["@njit(cache=True, fastmath=KERNEL_FASTMATH, nogil=True)",
-         f"def {name}(wt, st, bt, xk, xs, t, m0, acc, d, out):",
-         "    ng = st.shape[1]",
-         "    for l in range(16):"]
-    L += [f"        acc[{r}, l] = float32(0.0)" for r in range(rows)]
-    L += ["    for g in range(ng):",
-          "        for l in range(16):"]
-    L += [f"            d[{r}, l] = float32(0.0)" for r in range(rows)]
-    L += [f"        for i in range(g * {words}, (g + 1) * {words}):"]
-    L += [f"            x{r}_{k} = xk[m0 + {r}, {k}, i]" for r in range(rows) for k in range(vpw)]
-    L += ["            for l in range(16):",
-          "                w = wt[t, i, l]"]
-    L += [f"                q{k} = float32(np.int32({_value(bits, k)}))" for k in range(vpw)]
-    parts = min(PARTIALS, vpw)
-    for r in range(rows):
-        sums = [" + ".join(f"q{k} * x{r}_{k}" for k in range(p, vpw, parts)) for p in range(parts)]
-        L.append(f"                d[{r}, l] += " + " + ".join(f"({s})" for s in sums))
-    L += ["        for l in range(16):"]
-    L += [f"            acc[{r}, l] += st[t, g, l] * d[{r}, l] + bt[t, g, l] * xs[m0 + {r}, g]" for r in range(rows)]
-    L += ["    for l in range(16):"]
-    L += [f"        out[m0 + {r}, t * 16 + l] = acc[{r}, l]" for r in range(rows)]
-    return "\n".join(L) + "\n"
-
+ROWS = 4  # x rows per pass over a tile's words when a call has several
 
 _RUN_TEMPLATE = """
 @njit(cache=True, fastmath=False, nogil=True)
-def _prep{B}_{G}(x):
+def _prep(x):
+    # xk [M, VPW, nw]: value k of word i of row m at xk[m, k, i], times 2**-_shift; xs the group sums
     M, K = x.shape
-    nw = K // {VPW}
-    xk = np.empty((M, {VPW}, nw), np.float32)
-    xs = np.empty((M, K // {G}), np.float32)
+    nw = K // VPW
+    xk = np.empty((M, VPW, nw), np.float32)
+    xs = np.empty((M, K // GS), np.float32)
     for m in range(M):
         for i in range(nw):
-            for k in range({VPW}):
-                xk[m, k, i] = x[m, i * {VPW} + k] * _XSCALE{B}[k]
-        for g in range(K // {G}):
+            for k in range(VPW):
+                xk[m, k, i] = x[m, i * VPW + k] * XSCALE[k]
+        for g in range(K // GS):
             a = float32(0.0)
-            for j in range(g * {G}, (g + 1) * {G}):
+            for j in range(g * GS, (g + 1) * GS):
                 a += x[m, j]
             xs[m, g] = a
     return xk, xs
 
 
-@njit(cache=True, fastmath=False, nogil=True)
-def _item{B}_{G}(wt, st, bt, xk, xs, t, m0, rows, sc, out):
-    if rows == 4:
-        _tile{B}_{G}_4(wt, st, bt, xk, xs, t, m0, sc[0:4], sc[4:8], out)
-    elif rows == 2:
-        _tile{B}_{G}_2(wt, st, bt, xk, xs, t, m0, sc[0:2], sc[2:4], out)
-    else:
-        _tile{B}_{G}_1(wt, st, bt, xk, xs, t, m0, sc[0:1], sc[1:2], out)
+@njit(cache=True, nogil=True)
+def _rows(wflat, sflat, bflat, tile, nw, ng, xflat, xsflat, m0, M, out, ostride, col):
+    # tile `tile` (counted over the flat arrays) against x rows m0 .. m0 + M - 1, ROWS rows per
+    # pass over its words; row m's 16 outputs go to out[m * ostride + col:][:16]
+    m = m0
+    while m < m0 + M:
+        at = (tile * nw * 16, m * VPW * nw, m * ng, tile * ng * 16, m * ostride + col)
+        if m0 + M - m >= ROWS:
+            tile_outs(wflat, at[0], nw, ng, xflat, at[1], xsflat, at[2], sflat, bflat, at[3], out, at[4], ostride)
+            m += ROWS
+        else:
+            tile_out1(wflat, at[0], nw, ng, xflat, at[1], xsflat, at[2], sflat, bflat, at[3], out, at[4], ostride)
+            m += 1
 
 
-@njit(cache=True, fastmath=False, parallel=True, nogil=True)
-def _run{B}_{G}(wt, st, bt, x, parallel):
+@njit(cache=True, nogil=True, parallel=True)
+def _run(wt, st, bt, x, parallel):
+    NB, nw, _ = wt.shape
+    ng = st.shape[1]
+    xk, xs = _prep(x)
+    wflat, sflat, bflat, xflat, xsflat = wt.reshape(-1), st.reshape(-1), bt.reshape(-1), xk.reshape(-1), xs.reshape(-1)
     M = x.shape[0]
-    NB = wt.shape[0]
-    xk, xs = _prep{B}_{G}(x)
-    # x rows in passes of 4, then 2, then 1: each decoded weight serves a pass's rows
-    n4 = M // 4
-    n2 = (M - 4 * n4) // 2
-    npass = n4 + n2 + (M - 4 * n4 - 2 * n2)
-    starts = np.empty(npass, np.int64)
-    sizes = np.empty(npass, np.int64)
-    m = 0
-    for p in range(npass):
-        sizes[p] = 4 if p < n4 else (2 if p < n4 + n2 else 1)
-        starts[p] = m
-        m += sizes[p]
     out = np.empty((M, NB * 16), np.float32)
-    nit = NB * npass
-    sc = np.empty((nit, 8, 16), np.float32)
+    oflat = out.reshape(-1)
     if parallel:
-        for it in prange(nit):
-            p = it // NB
-            _item{B}_{G}(wt, st, bt, xk, xs, it % NB, starts[p], sizes[p], sc[it], out)
+        for t in prange(NB):
+            _rows(wflat, sflat, bflat, t, nw, ng, xflat, xsflat, 0, M, oflat, NB * 16, t * 16)
     else:
-        for it in range(nit):
-            p = it // NB
-            _item{B}_{G}(wt, st, bt, xk, xs, it % NB, starts[p], sizes[p], sc[it], out)
+        for t in range(NB):
+            _rows(wflat, sflat, bflat, t, nw, ng, xflat, xsflat, 0, M, oflat, NB * 16, t * 16)
     return out
 
 
-@njit(cache=True, fastmath=False, nogil=True)
-def _gather_item{B}_{G}(wa, sa, ba, wb, sb, bb, xk, xs, slots, NT, it, sc, oa, ob):
-    # work item it: tile it % NT (bank a's, then b's) of entry it // NT
-    i = it // NT
-    t = it % NT
-    s = slots[i]
-    if t < wa.shape[1]:
-        _tile{B}_{G}_1(wa[s], sa[s], ba[s], xk, xs, t, i, sc[0:1], sc[1:2], oa)
+@njit(cache=True, nogil=True)
+def _gather_item(wa, sa, ba, wb, sb, bb, nw, ng, xflat, xsflat, slots, NA, NB, it, oa, ob):
+    # work item it: tile it % (NA + NB) (bank a's NA tiles, then b's NB) of entry it // (NA + NB)
+    i = it // (NA + NB)
+    t = it % (NA + NB)
+    if t < NA:
+        _rows(wa, sa, ba, slots[i] * NA + t, nw, ng, xflat, xsflat, i, 1, oa, NA * 16, t * 16)
     else:
-        _tile{B}_{G}_1(wb[s], sb[s], bb[s], xk, xs, t - wa.shape[1], i, sc[0:1], sc[1:2], ob)
+        _rows(wb, sb, bb, slots[i] * NB + t - NA, nw, ng, xflat, xsflat, i, 1, ob, NB * 16, (t - NA) * 16)
 
 
-@njit(cache=True, fastmath=False, parallel=True, nogil=True)
-def _gather{B}_{G}(wa, sa, ba, wb, sb, bb, x, slots, parallel):
+@njit(cache=True, nogil=True, parallel=True)
+def _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel):
     # entry i: x row i against slot slots[i] of two banks of tiled matrices [S, NB, ., 16]
     # (wb may have no tiles): one tile of one entry per work item
     P = x.shape[0]
-    NT = wa.shape[1] + wb.shape[1]
-    xk, xs = _prep{B}_{G}(x)
-    oa = np.empty((P, wa.shape[1] * 16), np.float32)
-    ob = np.empty((P, wb.shape[1] * 16), np.float32)
-    nit = P * NT
-    sc = np.empty((nit, 2, 16), np.float32)
+    NA, NB, nw, ng = wa.shape[1], wb.shape[1], wa.shape[2], sa.shape[2]
+    xk, xs = _prep(x)
+    xflat, xsflat = xk.reshape(-1), xs.reshape(-1)
+    a = (wa.reshape(-1), sa.reshape(-1), ba.reshape(-1))
+    b = (wb.reshape(-1), sb.reshape(-1), bb.reshape(-1))
+    oa = np.empty((P, NA * 16), np.float32)
+    ob = np.empty((P, NB * 16), np.float32)
+    oaf, obf = oa.reshape(-1), ob.reshape(-1)
+    nit = P * (NA + NB)
     if parallel:
         for it in prange(nit):
-            _gather_item{B}_{G}(wa, sa, ba, wb, sb, bb, xk, xs, slots, NT, it, sc[it], oa, ob)
+            _gather_item(*a, *b, nw, ng, xflat, xsflat, slots, NA, NB, it, oaf, obf)
     else:
         for it in range(nit):
-            _gather_item{B}_{G}(wa, sa, ba, wb, sb, bb, xk, xs, slots, NT, it, sc[it], oa, ob)
+            _gather_item(*a, *b, nw, ng, xflat, xsflat, slots, NA, NB, it, oaf, obf)
     return oa, ob
 
 
-@njit(cache=True, fastmath=False, nogil=True)
-def _swiglu{B}_{G}(wa, sa, ba, wb, sb, bb, wd, sd, bd, x, slots, parallel):
+@njit(cache=True, nogil=True)
+def _swiglu(wa, sa, ba, wb, sb, bb, wd, sd, bd, x, slots, parallel):
     # a decode step's experts in one call: entry i, down(silu(gate(x[i])) * up(x[i])) of slot slots[i]
-    g, u = _gather{B}_{G}(wa, sa, ba, wb, sb, bb, x, slots, parallel)
+    g, u = _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel)
     none = (np.empty((1, 0, wd.shape[2], 16), wd.dtype), np.empty((1, 0, sd.shape[2], 16), sd.dtype))
-    y, _ = _gather{B}_{G}(wd, sd, bd, none[0], none[1], none[1], silu_mul(g, u), slots, parallel)
+    y, _ = _gather(wd, sd, bd, none[0], none[1], none[1], silu_mul(g, u), slots, parallel)
     return y
 """
 
 
-for _b in BITS:
-    globals()[f"_XSCALE{_b}"] = np.array([2.0 ** -_shift(_b, k) for k in range(32 // _b)], np.float32)
-del _b
-
-
 def _kernel_source(bits: int, gs: int) -> str:
-    """The numba source of the kernels for one (bits, group size): print it to read what runs."""
-    return ("\n".join(_tile_source(bits, gs, r) for r in (1, 2, 4))
-            + _RUN_TEMPLATE.replace("{B}", str(bits)).replace("{G}", str(gs)).replace("{VPW}", str(32 // bits)))
+    """The numba source of the loops for one (bits, group size), each name tagged with them
+    (numba caches a function by its qualified name): print it to read what runs."""
+    src = _RUN_TEMPLATE
+    for name in ("_prep", "_rows", "_run", "_gather_item", "_gather", "_swiglu"):
+        src = re.sub(rf"\b{name}\(", f"{name}{bits}_{gs}(", src)
+    return src
 
 
 _compiled: dict = {}
@@ -215,7 +252,8 @@ _compiled: dict = {}
 def _kernel(bits: int, gs: int):
     fn = _compiled.get((bits, gs))
     if fn is None:
-        ns = dict(globals())
+        ns = dict(globals(), tile_out1=_tile_out(bits, 1), tile_outs=_tile_out(bits, ROWS), VPW=32 // bits, GS=gs,
+                  XSCALE=np.array([2.0 ** -_shift(bits, k) for k in range(32 // bits)], np.float32))
         exec(compile(_kernel_source(bits, gs), __file__, "exec"), ns)  # noqa: S102 - our own template
         fn = _compiled[(bits, gs)] = ns[f"_run{bits}_{gs}"]
         _compiled[("gather", bits, gs)] = ns[f"_gather{bits}_{gs}"]
@@ -274,7 +312,7 @@ class Tiled:
         self.n, self.bits, self.gs = n, bits, gs
         self.k = wt.shape[1] * 32 // bits
         self._fn = None  # the compiled kernel, found on first use
-        self.int8 = False  # decode rows on int8 activations (int8.py, --kernels cpu-int8)
+        self.int8 = False  # rows on int8 activations (int8.py, --kernels cpu-int8)
 
     @classmethod
     def from_mlx(cls, w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, gs: int) -> "Tiled":
@@ -312,9 +350,10 @@ class Tiled:
         return self.wt.nbytes + self.st.nbytes + self.bt.nbytes
 
     def matmul(self, x2: np.ndarray) -> np.ndarray:
-        """x2 [M, K] float32 -> [M, N]: the kernels below GEMM_ROWS rows, else dequantize + sgemm.
+        """x2 [M, K] float32 -> [M, N]: the kernels below GEMM_ROWS rows, else dequantize + sgemm
+        (int8 kernels take every row count: `int8`).
         The result may be a view with a row stride past N (its last tile's padding)."""
-        if x2.shape[0] >= GEMM_ROWS:
+        if x2.shape[0] >= GEMM_ROWS and not self.int8:  # (the int8 kernels beat sgemm at any rows)
             wf = self.dequantize(out=_buffer(self.n, self.k))
             with all_cores():
                 return x2 @ wf.T

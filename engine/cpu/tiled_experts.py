@@ -32,7 +32,7 @@ class TiledBank:
             self.tiles[n] = (w.reshape(S, N // 16, w.shape[2], 16), s.reshape(S, N // 16, s.shape[2], 16),
                              b.reshape(S, N // 16, b.shape[2], 16))
         self.n = {n: p[0].shape[1] for n, p in parts.items()}
-        self.int8 = False  # decode entries on int8 activations (int8.py, --kernels cpu-int8)
+        self.int8 = False  # entries on int8 activations (int8.py, --kernels cpu-int8)
         self._fns = {}
         # gate and up in one call where they share format and size; all three where down does too
         f, n = self.formats, self.n
@@ -65,6 +65,8 @@ class TiledBank:
         in idx must have been made ready."""
         from flashmoe.engine.cpu.gemm import gather_grouped
 
+        if idx.size >= GEMM_ROWS and self.int8:  # prefill on int8 activations: every expert's rows at once
+            return list(self._grouped(x2, idx, k, names))
         if idx.size >= GEMM_ROWS:  # (decoding never is: no expert has rows enough for sgemm)
             grouped = gather_grouped(x2, idx, k, [self.n[n] for n in names], self.k[names[0]],
                                      lambda j, e, out: self._dequantize(names[j], e, out),
@@ -109,6 +111,24 @@ class TiledBank:
         work = rows.shape[0] * sum(self.n[n] for n in names) * rows.shape[1]
         oa, ob = fn(*a, *b, rows, np.ascontiguousarray(slots, dtype=np.int64), work >= serial_below)
         return (oa, ob) if len(names) > 1 else (oa,)
+
+    def _grouped(self, x2: np.ndarray, idx: np.ndarray, k: int, names) -> tuple[np.ndarray, ...]:
+        """`gather` with the entries sorted by slot, so that each expert's weights are read once
+        for all the rows routed to it (int8 kernels: they take any number of rows)."""
+        order = np.argsort(idx, kind="stable")
+        slots, starts = np.unique(idx[order], return_index=True)
+        bits, gs = self.formats[names[0]]
+        a = self.tiles[names[0]]
+        b = self.tiles[names[1]] if len(names) > 1 else tuple(t[:, :0] for t in a)
+        fn, _ = self._fn(bits, gs, "grouped")
+        got = fn(*a, *b, np.ascontiguousarray(x2[order // k]), slots.astype(np.int64),
+                 np.append(starts, idx.size).astype(np.int64), True)
+        outs = []
+        for part in got[:len(names)]:
+            out = np.empty_like(part)
+            out[order] = part
+            outs.append(out)
+        return tuple(outs)
 
     def _dequantize(self, name: str, slot: int, out: np.ndarray) -> None:
         bits, gs = self.formats[name]

@@ -47,7 +47,7 @@ def compute_paths(loaded) -> dict[str, list[int]]:
             say("attention and other matmuls on the CPU kernels" if linear else "attention and other matmuls on MLX", i)
         if getattr(loaded, "int8_matrices", 0) and any(getattr(getattr(m, "tiled", None), "int8", False)
                                                         for m in modules):
-            say("resident matmuls of decode steps on int8 activations (VNNI dot products, approximate)", i)
+            say("resident matmuls on int8 activations (VNNI dot products, approximate)", i)
         switches = by_layer.get(i, [])
         if switches:
             if not all(s.on_cpu_kernels for s in switches):
@@ -55,7 +55,7 @@ def compute_paths(loaded) -> dict[str, list[int]]:
             elif all(s.tiled_bank is not None for s in switches):
                 bank_int8 = all(s.tiled_bank.int8 for s in switches)
                 say("streamed experts on the CPU kernels, repacked into tiles as they land"
-                    + (", decode rows on int8 activations (approximate)" if bank_int8 else ""), i)
+                    + (", on int8 activations (approximate)" if bank_int8 else ""), i)
             else:
                 say("streamed experts on the CPU kernels (in the layout read)", i)
     return out

@@ -41,7 +41,7 @@ class LoadedModel:
     telemetry: Telemetry = field(default_factory=Telemetry)  # shared with the streaming modules
     tokenizer: object = None
     kernels: str = "mlx"  # which matmul kernels run: "mlx" or "cpu"
-    int8_matrices: int = 0  # --kernels cpu-int8: resident matrices whose decode rows use int8 activations
+    int8_matrices: int = 0  # --kernels cpu-int8: resident matrices multiplied on int8 activations
     clock: object = None  # timing.LayerClock, installed on the first --timing layer request
     fused: dict = field(default_factory=dict)  # cpu kernels: attention / MLP blocks fused (engine/cpu/fused.py)
     block_kinds: dict = field(default_factory=dict)  # expert block path -> its class and activation
@@ -489,8 +489,9 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
 
     kernels "cpu" runs every affine quantized matmul on the numba CPU kernels (engine/cpu/install.py;
     it implies float32), "mlx" on MLX's own, "auto" picks cpu when MLX runs on the CPU. "cpu-int8"
-    is "cpu" with the resident matrices' decode rows on int8-quantized activations and the CPU's
-    integer dot product (engine/cpu/int8.py): faster, not exact (greedy tokens may differ).
+    is "cpu" with the tiled matrices (resident and streamed experts, decode and prefill) on
+    int8-quantized activations and the CPU's integer dot product (engine/cpu/int8.py): faster,
+    not exact (greedy tokens may differ).
 
     prefetch: while a layer computes, start reading the experts the next MoE layer's router
     would pick for the current hidden state (decode only; its hit rate is in the telemetry):
@@ -511,7 +512,7 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     from flashmoe.engine.cpu.install import resolve
 
     kernels = resolve(kernels)
-    int8 = kernels == "cpu-int8"  # the CPU kernels, decode rows on int8 activations (cpu/int8.py)
+    int8 = kernels == "cpu-int8"  # the CPU kernels on int8 activations (cpu/int8.py)
     if int8:
         kernels = "cpu"
     if kernels == "cpu":
