@@ -69,7 +69,7 @@ def main() -> int:
     p.add_argument("-m", "--model", help="model folder (default: the demo model)")
     p.add_argument("--prompt", default="What is the capital of France?")
     p.add_argument("--requests", type=int, default=3)
-    p.add_argument("--kernels", default="auto", choices=("auto", "mlx", "cpu"))
+    p.add_argument("--kernels", default="auto", choices=("auto", "mlx", "cpu", "cpu-int8"))
     p.add_argument("--tools", action="store_true",
                    help="send each prompt as `flashmoe run --tools builtin` does: through the AgentLoop, with "
                         "the built-in tools' instructions in the prompt")

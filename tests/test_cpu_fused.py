@@ -27,7 +27,7 @@ def close(got, want, tol=1e-5) -> bool:
     return got.shape == want.shape and np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max())
 
 
-@pytest.mark.parametrize("H,Hk,T", [(4, 4, 1), (8, 2, 37), (6, 3, 300), (32, 4, 5)])
+@pytest.mark.parametrize("H,Hk,T", [(4, 4, 1), (8, 2, 37), (6, 3, 300), (32, 4, 5), (32, 4, 1100)])
 def test_attend_matches_mlx_sdpa(H, Hk, T):
     D = 64
     q, K, V = rand(H, D), rand(Hk, T + 7, D), rand(Hk, T + 7, D)  # capacity beyond T is ignored
@@ -35,6 +35,20 @@ def test_attend_matches_mlx_sdpa(H, Hk, T):
     want = mx.fast.scaled_dot_product_attention(
         mx.array(q)[None, :, None], mx.array(K[:, :T])[None], mx.array(V[:, :T])[None], scale=D ** -0.5)
     assert close(got, np.array(want)[0, :, 0])
+
+
+def test_long_caches_scores_on_every_core_are_the_serial_sums():
+    """Past SCORES_PARALLEL_FROM the scores run in blocks of positions on every core: each
+    score is the same sum, bit for bit, as the one-thread loop gives."""
+    Hk, g, D, T = 4, 8, 64, 3 * cpu_attn.SCORE_BLOCK + 5
+    assert Hk * g * D * T >= cpu_attn.SCORES_PARALLEL_FROM
+    qs, K = rand(Hk, g, D), rand(Hk, T + 3, D)
+    got, want = np.empty((Hk, g, T), np.float32), np.empty((Hk, g, T), np.float32)
+    cpu_attn._scores(qs, K, T, got)
+    for h in range(Hk):
+        cpu_attn._scores_block(qs, K, h, 0, T, want)
+    assert np.array_equal(got, want)
+    assert close(got, np.einsum("hjd,htd->hjt", qs.astype(np.float64), K[:, :T].astype(np.float64)), 1e-5)
 
 
 @pytest.mark.parametrize("norms", ["none", "per head", "all heads"])
