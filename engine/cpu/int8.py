@@ -75,16 +75,17 @@ def _dot_lanes(builder, acc, w, x, vnni: bool):
 
 
 def _tile_out(bits: int, terms: int, vnni: bool, rows: int):
-    """An intrinsic: tile_out(wt, w0, nw, ng, xw, x0, dx, d0, xs, s0, st, bt, sb0, out, o0, ostride)
-    writes the 16 outputs of one tile for `rows` consecutive x rows, all groups in one loop that
-    keeps the sums in vector registers (the per-group epilogue written in numba stored and
-    reloaded them: 1.3-2.5x slower), each weight word loaded once for all the rows.
+    """An intrinsic: tile_out(wt, w0, nw, ng, xw, dx, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride)
+    writes the 16 outputs of one tile for `rows` x rows, all groups in one loop that keeps the
+    sums in vector registers (vector_ir.py says why), each weight word loaded once for all the rows.
 
-    The tile's words are wt[w0 + 16 j + l] (j < nw words per row, ng groups); x row r's words
-    xw[x0 + r * terms * passes * nw + (t * passes + p) * nw + j] for term t and pass p (the low (0)
-    or high (1) nibbles at 4 bits, the only pass at 8), its steps dx[d0 + r * terms * ng + t * ng + g],
-    its group sums xs[s0 + r * ng + g]; the tile's scales and biases st / bt[sb0 + 16 g + l].
-    out[o0 + r * ostride + l] is set to
+    Pass row r is x row m = xrow[r0 + r] into out row o = orow[r0 + r] (a prefill's expert entries
+    read their token's row and write their own: no copies of either). The tile's words are
+    wt[w0 + 16 j + l] (j < nw words per row, ng groups); x row m's words
+    xw[m * terms * passes * nw + (t * passes + p) * nw + j] for term t and pass p (the low (0) or
+    high (1) nibbles at 4 bits, the only pass at 8), its steps dx[m * terms * ng + t * ng + g], its
+    group sums xs[m * ng + g]; the tile's scales and biases st / bt[sb0 + 16 g + l].
+    out[o * ostride + col + l] is set to
 
         sum over g of  st * (dx0 * dot0 + dx1 * dot1) + bt * xs
 
@@ -93,20 +94,22 @@ def _tile_out(bits: int, terms: int, vnni: bool, rows: int):
     passes = 32 // bits // 4  # x words per weight word
 
     @intrinsic
-    def tile_out(typingctx, wt, w0, nw, ng, xw, x0, dx, d0, xs, s0, st, bt, sb0, out, o0, ostride):
-        sig = types.void(wt, w0, nw, ng, xw, x0, dx, d0, xs, s0, st, bt, sb0, out, o0, ostride)
+    def tile_out(typingctx, wt, w0, nw, ng, xw, dx, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride):
+        sig = types.void(wt, w0, nw, ng, xw, dx, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride)
 
         def codegen(context, builder, signature, args):
             e = vir.Emitter(builder)
-            wdata, xdata, dxdata, xsdata, stdata, btdata, odata = (
-                vir.array_data(context, builder, signature, args, i) for i in (0, 4, 6, 8, 10, 11, 13))
-            w0_, nw_, ng_, x0_, d0_, s0_, sb0_, o0_, ostride_ = (e.i64(args[i]) for i in (1, 2, 3, 5, 7, 9, 12, 14, 15))
+            wdata, xdata, dxdata, xsdata, xrdata, ordata, stdata, btdata, odata = (
+                vir.array_data(context, builder, signature, args, i) for i in (0, 4, 5, 6, 7, 8, 10, 11, 13))
+            w0_, nw_, ng_, r0_, sb0_, col_, ostride_ = (e.i64(args[i]) for i in (1, 2, 3, 9, 12, 14, 15))
             wpg = builder.sdiv(nw_, ng_)
             # where row r's x words, steps, sums and outputs start
-            xrow = [e.at(x0_, (nw_, r * terms * passes)) for r in range(rows)]
-            drow = [e.at(d0_, (ng_, r * terms)) for r in range(rows)]
-            srow = [e.at(s0_, (ng_, r)) for r in range(rows)]
-            orow = [e.at(o0_, (ostride_, r)) for r in range(rows)]
+            xm = [e.i64(e.load(xrdata, builder.add(r0_, e.const(r)))) for r in range(rows)]
+            om = [e.i64(e.load(ordata, builder.add(r0_, e.const(r)))) for r in range(rows)]
+            xrow = [builder.mul(m, builder.mul(nw_, e.const(terms * passes))) for m in xm]
+            drow = [builder.mul(m, builder.mul(ng_, e.const(terms))) for m in xm]
+            srow = [builder.mul(m, ng_) for m in xm]
+            orow_ = [builder.add(builder.mul(o, ostride_), col_) for o in om]
             totals = [cgutils.alloca_once_value(builder, ir.Constant(vir.VF16, [0.0] * 16)) for _ in range(rows)]
             dots = [[cgutils.alloca_once(builder, vir.V16) for _ in range(terms)] for _ in range(rows)]
             with cgutils.for_range(builder, ng_) as groups:
@@ -139,7 +142,7 @@ def _tile_out(bits: int, terms: int, vnni: bool, rows: int):
                     part = builder.fadd(builder.fmul(scale, inner), builder.fmul(bias, xsum))
                     builder.store(builder.fadd(builder.load(totals[r]), part), totals[r])
             for r in range(rows):
-                e.vstore(builder.load(totals[r]), odata, orow[r])
+                e.vstore(builder.load(totals[r]), odata, orow_[r])
             return context.get_dummy_value()
 
         return sig, codegen
@@ -222,19 +225,19 @@ def quantize_rows(x, bits, gs, terms):
 
 _RUN_TEMPLATE = """
 @njit(cache=True, nogil=True)
-def _rows(wflat, sflat, bflat, tile, nw, ng, xflat, dflat, xsflat, m0, M, out, ostride, col):
-    # tile `tile` (counted over the flat arrays) of a tiled matrix against x rows m0 .. m0 + M - 1,
-    # ROWS rows per pass over its words; row m's 16 outputs go to out[m * ostride + col:][:16]
-    passes = 32 // BITS // 4
-    m = m0
-    while m < m0 + M:
-        at = (tile * nw * 16, m * TERMS * passes * nw, m * TERMS * ng, m * ng, tile * ng * 16, m * ostride + col)
-        if m0 + M - m >= ROWS:
-            tile_outs(wflat, at[0], nw, ng, xflat, at[1], dflat, at[2], xsflat, at[3], sflat, bflat, at[4], out, at[5], ostride)
-            m += ROWS
+def _rows(wflat, sflat, bflat, tile, nw, ng, xflat, dflat, xsflat, xrow, orow, r0, n, out, ostride, col):
+    # tile `tile` (counted over the flat arrays) for pass rows r0 .. r0 + n - 1: x row xrow[r]
+    # into out row orow[r], columns col .. col + 15; ROWS rows per pass over the tile's words
+    r = r0
+    while r < r0 + n:
+        if r0 + n - r >= ROWS:
+            tile_outs(wflat, tile * nw * 16, nw, ng, xflat, dflat, xsflat, xrow, orow, r, sflat, bflat,
+                      tile * ng * 16, out, col, ostride)
+            r += ROWS
         else:
-            tile_out1(wflat, at[0], nw, ng, xflat, at[1], dflat, at[2], xsflat, at[3], sflat, bflat, at[4], out, at[5], ostride)
-            m += 1
+            tile_out1(wflat, tile * nw * 16, nw, ng, xflat, dflat, xsflat, xrow, orow, r, sflat, bflat,
+                      tile * ng * 16, out, col, ostride)
+            r += 1
 
 
 @njit(cache=True, nogil=True)
@@ -253,35 +256,38 @@ def _run(wt, st, bt, x, parallel):
     wflat, sflat, bflat = wt.reshape(-1), st.reshape(-1), bt.reshape(-1)
     xflat, dflat, xsflat = xw.reshape(-1), dx.reshape(-1), xs.reshape(-1)
     M = x.shape[0]
+    ids = np.arange(M)
     out = np.empty((M, NB * 16), np.float32)
     oflat = out.reshape(-1)
     if parallel:
         for t in prange(NB):
-            _rows(wflat, sflat, bflat, t, nw, ng, xflat, dflat, xsflat, 0, M, oflat, NB * 16, t * 16)
+            _rows(wflat, sflat, bflat, t, nw, ng, xflat, dflat, xsflat, ids, ids, 0, M, oflat, NB * 16, t * 16)
     else:
         for t in range(NB):
-            _rows(wflat, sflat, bflat, t, nw, ng, xflat, dflat, xsflat, 0, M, oflat, NB * 16, t * 16)
+            _rows(wflat, sflat, bflat, t, nw, ng, xflat, dflat, xsflat, ids, ids, 0, M, oflat, NB * 16, t * 16)
     return out
 
 
 @njit(cache=True, nogil=True)
-def _group_item(wa, sa, ba, wb, sb, bb, nw, ng, xflat, dflat, xsflat, slots, starts, NA, NB, it, oa, ob):
+def _group_item(wa, sa, ba, wb, sb, bb, nw, ng, xflat, dflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oa, ob):
     # work item it: tile it % (NA + NB) (bank a's NA tiles, then b's NB) of group it // (NA + NB),
-    # x rows starts[e] .. starts[e + 1] - 1 against slot slots[e]
+    # entries starts[e] .. starts[e + 1] - 1 against slot slots[e]
     e = it // (NA + NB)
     t = it % (NA + NB)
-    m0, M = starts[e], starts[e + 1] - starts[e]
+    r0, n = starts[e], starts[e + 1] - starts[e]
     if t < NA:
-        _rows(wa, sa, ba, slots[e] * NA + t, nw, ng, xflat, dflat, xsflat, m0, M, oa, NA * 16, t * 16)
+        _rows(wa, sa, ba, slots[e] * NA + t, nw, ng, xflat, dflat, xsflat, xrow, orow, r0, n, oa, NA * 16, t * 16)
     else:
-        _rows(wb, sb, bb, slots[e] * NB + t - NA, nw, ng, xflat, dflat, xsflat, m0, M, ob, NB * 16, (t - NA) * 16)
+        _rows(wb, sb, bb, slots[e] * NB + t - NA, nw, ng, xflat, dflat, xsflat, xrow, orow, r0, n, ob, NB * 16,
+              (t - NA) * 16)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _grouped(wa, sa, ba, wb, sb, bb, x, slots, starts, parallel):
-    # x rows starts[e] .. starts[e + 1] - 1 against slot slots[e] of two banks of tiled matrices
-    # [S, NB, ., 16] (wb may have no tiles): each weight word read once for a group's rows
-    P = x.shape[0]
+def _grouped(wa, sa, ba, wb, sb, bb, x, xrow, orow, slots, starts, parallel):
+    # P = xrow.size entries, grouped by slot: entries starts[e] .. starts[e + 1] - 1 take x row
+    # xrow[i] against slot slots[e] of two banks of tiled matrices [S, NB, ., 16] (wb may have no
+    # tiles) into output row orow[i]; each weight word read once for a group's rows
+    P = xrow.shape[0]
     NA, NB, nw, ng = wa.shape[1], wb.shape[1], wa.shape[2], sa.shape[2]
     xw, dx, xs = _quantize(x)
     xflat, dflat, xsflat = xw.reshape(-1), dx.reshape(-1), xs.reshape(-1)
@@ -293,17 +299,18 @@ def _grouped(wa, sa, ba, wb, sb, bb, x, slots, starts, parallel):
     nit = slots.shape[0] * (NA + NB)
     if parallel:
         for it in prange(nit):
-            _group_item(*a, *b, nw, ng, xflat, dflat, xsflat, slots, starts, NA, NB, it, oaf, obf)
+            _group_item(*a, *b, nw, ng, xflat, dflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oaf, obf)
     else:
         for it in range(nit):
-            _group_item(*a, *b, nw, ng, xflat, dflat, xsflat, slots, starts, NA, NB, it, oaf, obf)
+            _group_item(*a, *b, nw, ng, xflat, dflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oaf, obf)
     return oa, ob
 
 
 @njit(cache=True, nogil=True)
 def _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel):
     # entry i: x row i against slot slots[i] (a decode step's experts: one row per group)
-    return _grouped(wa, sa, ba, wb, sb, bb, x, slots, np.arange(slots.shape[0] + 1), parallel)
+    ids = np.arange(slots.shape[0])
+    return _grouped(wa, sa, ba, wb, sb, bb, x, ids, ids, slots, np.arange(slots.shape[0] + 1), parallel)
 
 
 @njit(cache=True, nogil=True)

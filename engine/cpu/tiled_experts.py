@@ -113,22 +113,19 @@ class TiledBank:
         return (oa, ob) if len(names) > 1 else (oa,)
 
     def _grouped(self, x2: np.ndarray, idx: np.ndarray, k: int, names) -> tuple[np.ndarray, ...]:
-        """`gather` with the entries sorted by slot, so that each expert's weights are read once
-        for all the rows routed to it (int8 kernels: they take any number of rows)."""
+        """`gather` with the entries grouped by slot, so that each expert's weights are read once
+        for all the rows routed to it (int8 kernels: they take any number of rows). Each entry
+        reads its token's row of x2 and writes its own output row: x2 is quantized once per
+        token, not once per expert it chose."""
         order = np.argsort(idx, kind="stable")
         slots, starts = np.unique(idx[order], return_index=True)
         bits, gs = self.formats[names[0]]
         a = self.tiles[names[0]]
         b = self.tiles[names[1]] if len(names) > 1 else tuple(t[:, :0] for t in a)
         fn, _ = self._fn(bits, gs, "grouped")
-        got = fn(*a, *b, np.ascontiguousarray(x2[order // k]), slots.astype(np.int64),
+        got = fn(*a, *b, np.ascontiguousarray(x2), order // k, order, slots.astype(np.int64),
                  np.append(starts, idx.size).astype(np.int64), True)
-        outs = []
-        for part in got[:len(names)]:
-            out = np.empty_like(part)
-            out[order] = part
-            outs.append(out)
-        return tuple(outs)
+        return got[:len(names)]
 
     def _dequantize(self, name: str, slot: int, out: np.ndarray) -> None:
         bits, gs = self.formats[name]
