@@ -35,7 +35,7 @@ def test_gather_matches_each_experts_dequantized_weights(bits, gs):
     shapes = {"gate_proj": (32, 2 * gs), "up_proj": (32, 2 * gs), "down_proj": (2 * gs, 32 if gs == 32 else gs)}
     bank, parts, as_read, dq, raw = bank_of(5, shapes, bits, gs)
     assert TiledBank.supports(parts)
-    # decode: one row, each of its k slots; a few rows; and 70 rows on one slot (dequantize + sgemm)
+    # decode: one row, each of its k slots; a few rows; and 70 rows on one slot (a prefill: grouped)
     for rows, slots in ((1, np.array([3, 0, 4])), (3, np.array([1, 1, 2, 0, 4, 3])), (70, np.full(70, 2))):
         k = slots.size // rows
         x = RNG.standard_normal((rows, 2 * gs)).astype(np.float32)
@@ -123,17 +123,29 @@ def test_int8_gather_is_the_int8_kernel_on_each_slots_tiles(bits):
             assert np.array_equal(got[i], t.matmul(x[i // 2:i // 2 + 1])[0])
             ref = x[i // 2] @ dq[name][slot].T
             assert np.abs(got[i] - ref).max() <= 1e-3 * (1 + np.abs(ref).max())
-    # a prefill's entries (GEMM_ROWS or more): sorted by slot, every expert's rows in one pass
-    # over its weights, each entry still what it gives alone
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_prefill_entry_gets_what_it_gets_alone(int8):
+    """A prefill's entries (GEMM_ROWS or more) are grouped by slot, each expert's weights read
+    once for its rows, each entry reading its token's row (k of them per token) and writing its
+    own: every entry is still what it gives alone in a decode step, bit for bit."""
     from flashmoe.engine.cpu.gemm import GEMM_ROWS
 
-    many = RNG.permutation(np.repeat([3, 1, 0, 2], GEMM_ROWS // 2))[:GEMM_ROWS + 5]
-    xm = RNG.standard_normal((many.size, 128)).astype(np.float32)
-    bank.ready(many)
-    g, u = bank.gather(xm, many, 1, ("gate_proj", "up_proj"))
-    alone = [bank.gather(xm[i:i + 1], many[i:i + 1], 1, ("gate_proj", "up_proj")) for i in range(many.size)]
-    assert np.array_equal(g, np.concatenate([a[0] for a in alone]))
-    assert np.array_equal(u, np.concatenate([a[1] for a in alone]))
+    bank, *_ = bank_of(5, {"gate_proj": (32, 128), "up_proj": (32, 128), "down_proj": (128, 64)}, 8, 64)
+    bank.int8 = int8
+    k, tokens = 2, GEMM_ROWS // 2 + 3
+    idx = np.concatenate([RNG.choice(5, k, replace=False) for _ in range(tokens)]).astype(np.int64)
+    x = RNG.standard_normal((tokens, 128)).astype(np.float32)
+    bank.ready(np.arange(5))
+    g, u = bank.gather(x, idx, k, ("gate_proj", "up_proj"))
+    for i in range(idx.size):
+        ag, au = bank.gather(x[i // k:i // k + 1], idx[i:i + 1], 1, ("gate_proj", "up_proj"))
+        assert np.array_equal(g[i], ag[0]) and np.array_equal(u[i], au[0])
+    h = RNG.standard_normal((idx.size, 64)).astype(np.float32)
+    (d,) = bank.gather(h, idx, 1, ("down_proj",))
+    assert np.array_equal(d, np.concatenate([bank.gather(h[i:i + 1], idx[i:i + 1], 1, ("down_proj",))[0]
+                                             for i in range(idx.size)]))
 
 
 @pytest.mark.parametrize("int8", [False, True])

@@ -26,7 +26,8 @@ of fastmath is on. Results equal x @ mx.dequantize(W).T to float32 rounding (tes
 holds them to the same bounds as qmm.py's).
 
 2, 4 and 8 bits (no value crosses a word) with groups of 32, 64 or 128; other widths keep
-qmm.py's kernels. Many-row products (prefill) dequantize a tiled matrix and use sgemm (gemm.py).
+qmm.py's kernels. A resident matrix's many-row products (prefill) dequantize it and use sgemm
+(gemm.py); a prefill's streamed experts run here, grouped by expert (`_grouped`).
 """
 from __future__ import annotations
 
@@ -60,14 +61,16 @@ def supports(bits: int, group_size: int) -> bool:
 
 
 def _tile_out(bits: int, rows: int):
-    """An intrinsic: tile_out(wt, w0, nw, ng, xk, x0, xs, s0, st, bt, sb0, out, o0, ostride) writes
-    the 16 outputs of one tile for `rows` consecutive x rows, each weight word decoded once for all
-    of them, every sum in a vector register (engine/cpu/vector_ir.py says why).
+    """An intrinsic: tile_out(wt, w0, nw, ng, xk, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride)
+    writes the 16 outputs of one tile for `rows` x rows, each weight word decoded once for all of
+    them, every sum in a vector register (engine/cpu/vector_ir.py says why).
 
-    The tile's words are wt[w0 + 16 j + l] (j < nw words per row, ng groups); x row r's value k of
-    word j (times 2**-_shift) is xk[x0 + r * vpw * nw + k * nw + j], its group sums xs[s0 + r * ng + g];
-    the tile's scales and biases st / bt[sb0 + 16 g + l]. out[o0 + r * ostride + l] is set to the
-    sum over groups of st * d + bt * xs, d the group's dot product, per word
+    Pass row r is x row m = xrow[r0 + r] into out row o = orow[r0 + r] (a prefill's expert entries
+    read their token's row and write their own). The tile's words are wt[w0 + 16 j + l] (j < nw
+    words per row, ng groups); x row m's value k of word j (times 2**-_shift) is
+    xk[m * vpw * nw + k * nw + j], its group sums xs[m * ng + g]; the tile's scales and biases
+    st / bt[sb0 + 16 g + l]. out[o * ostride + col + l] is set to the sum over groups of
+    st * d + bt * xs, d the group's dot product, per word
 
         d += (q0 x0 + q4 x4) + (q1 x1 + q5 x5) + (q2 x2 + q6 x6) + (q3 x3 + q7 x7)
 
@@ -78,18 +81,20 @@ def _tile_out(bits: int, rows: int):
     flags = tuple(KERNEL_FASTMATH)
 
     @intrinsic
-    def tile_out(typingctx, wt, w0, nw, ng, xk, x0, xs, s0, st, bt, sb0, out, o0, ostride):
-        sig = types.void(wt, w0, nw, ng, xk, x0, xs, s0, st, bt, sb0, out, o0, ostride)
+    def tile_out(typingctx, wt, w0, nw, ng, xk, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride):
+        sig = types.void(wt, w0, nw, ng, xk, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride)
 
         def codegen(context, builder, signature, args):
             e = vir.Emitter(builder)
-            wdata, xdata, xsdata, stdata, btdata, odata = (
-                vir.array_data(context, builder, signature, args, i) for i in (0, 4, 6, 8, 9, 11))
-            w0_, nw_, ng_, x0_, s0_, sb0_, o0_, ostride_ = (e.i64(args[i]) for i in (1, 2, 3, 5, 7, 10, 12, 13))
+            wdata, xdata, xsdata, xrdata, ordata, stdata, btdata, odata = (
+                vir.array_data(context, builder, signature, args, i) for i in (0, 4, 5, 6, 7, 9, 10, 12))
+            w0_, nw_, ng_, r0_, sb0_, col_, ostride_ = (e.i64(args[i]) for i in (1, 2, 3, 8, 11, 13, 14))
             wpg = builder.sdiv(nw_, ng_)
-            xrow = [e.at(x0_, (nw_, r * vpw)) for r in range(rows)]
-            srow = [e.at(s0_, (ng_, r)) for r in range(rows)]
-            orow = [e.at(o0_, (ostride_, r)) for r in range(rows)]
+            xm = [e.i64(e.load(xrdata, builder.add(r0_, e.const(r)))) for r in range(rows)]
+            om = [e.i64(e.load(ordata, builder.add(r0_, e.const(r)))) for r in range(rows)]
+            xrow_ = [builder.mul(m, builder.mul(nw_, e.const(vpw))) for m in xm]
+            srow = [builder.mul(m, ng_) for m in xm]
+            orow_ = [builder.add(builder.mul(o, ostride_), col_) for o in om]
             zero = ir.Constant(vir.VF16, [0.0] * 16)
             totals = [cgutils.alloca_once_value(builder, zero) for _ in range(rows)]
             dots = [cgutils.alloca_once(builder, vir.VF16) for _ in range(rows)]
@@ -107,7 +112,7 @@ def _tile_out(bits: int, rows: int):
                              else builder.lshr(w, ir.Constant(vir.V16, [sh] * 16)))
                         q.append(builder.sitofp(v, vir.VF16))
                     for r in range(rows):
-                        xv = [e.splat(e.load(xdata, builder.add(e.at(xrow[r], (nw_, k)), j)), vir.VF16) for k in range(vpw)]
+                        xv = [e.splat(e.load(xdata, builder.add(e.at(xrow_[r], (nw_, k)), j)), vir.VF16) for k in range(vpw)]
                         total = None
                         for p in range(parts):
                             part = None
@@ -124,7 +129,7 @@ def _tile_out(bits: int, rows: int):
                                         builder.fmul(bias, xsum, flags=flags), flags=flags)
                     builder.store(builder.fadd(builder.load(totals[r]), part, flags=flags), totals[r])
             for r in range(rows):
-                e.vstore(builder.load(totals[r]), odata, orow[r])
+                e.vstore(builder.load(totals[r]), odata, orow_[r])
             return context.get_dummy_value()
 
         return sig, codegen
@@ -161,18 +166,19 @@ def _prep(x):
 
 
 @njit(cache=True, nogil=True)
-def _rows(wflat, sflat, bflat, tile, nw, ng, xflat, xsflat, m0, M, out, ostride, col):
-    # tile `tile` (counted over the flat arrays) against x rows m0 .. m0 + M - 1, ROWS rows per
-    # pass over its words; row m's 16 outputs go to out[m * ostride + col:][:16]
-    m = m0
-    while m < m0 + M:
-        at = (tile * nw * 16, m * VPW * nw, m * ng, tile * ng * 16, m * ostride + col)
-        if m0 + M - m >= ROWS:
-            tile_outs(wflat, at[0], nw, ng, xflat, at[1], xsflat, at[2], sflat, bflat, at[3], out, at[4], ostride)
-            m += ROWS
+def _rows(wflat, sflat, bflat, tile, nw, ng, xflat, xsflat, xrow, orow, r0, n, out, ostride, col):
+    # tile `tile` (counted over the flat arrays) for pass rows r0 .. r0 + n - 1: x row xrow[r]
+    # into out row orow[r], columns col .. col + 15; ROWS rows per pass over the tile's words
+    r = r0
+    while r < r0 + n:
+        if r0 + n - r >= ROWS:
+            tile_outs(wflat, tile * nw * 16, nw, ng, xflat, xsflat, xrow, orow, r, sflat, bflat, tile * ng * 16,
+                      out, col, ostride)
+            r += ROWS
         else:
-            tile_out1(wflat, at[0], nw, ng, xflat, at[1], xsflat, at[2], sflat, bflat, at[3], out, at[4], ostride)
-            m += 1
+            tile_out1(wflat, tile * nw * 16, nw, ng, xflat, xsflat, xrow, orow, r, sflat, bflat, tile * ng * 16,
+                      out, col, ostride)
+            r += 1
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -182,33 +188,37 @@ def _run(wt, st, bt, x, parallel):
     xk, xs = _prep(x)
     wflat, sflat, bflat, xflat, xsflat = wt.reshape(-1), st.reshape(-1), bt.reshape(-1), xk.reshape(-1), xs.reshape(-1)
     M = x.shape[0]
+    ids = np.arange(M)
     out = np.empty((M, NB * 16), np.float32)
     oflat = out.reshape(-1)
     if parallel:
         for t in prange(NB):
-            _rows(wflat, sflat, bflat, t, nw, ng, xflat, xsflat, 0, M, oflat, NB * 16, t * 16)
+            _rows(wflat, sflat, bflat, t, nw, ng, xflat, xsflat, ids, ids, 0, M, oflat, NB * 16, t * 16)
     else:
         for t in range(NB):
-            _rows(wflat, sflat, bflat, t, nw, ng, xflat, xsflat, 0, M, oflat, NB * 16, t * 16)
+            _rows(wflat, sflat, bflat, t, nw, ng, xflat, xsflat, ids, ids, 0, M, oflat, NB * 16, t * 16)
     return out
 
 
 @njit(cache=True, nogil=True)
-def _gather_item(wa, sa, ba, wb, sb, bb, nw, ng, xflat, xsflat, slots, NA, NB, it, oa, ob):
-    # work item it: tile it % (NA + NB) (bank a's NA tiles, then b's NB) of entry it // (NA + NB)
-    i = it // (NA + NB)
+def _group_item(wa, sa, ba, wb, sb, bb, nw, ng, xflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oa, ob):
+    # work item it: tile it % (NA + NB) (bank a's NA tiles, then b's NB) of group it // (NA + NB),
+    # entries starts[e] .. starts[e + 1] - 1 against slot slots[e]
+    e = it // (NA + NB)
     t = it % (NA + NB)
+    r0, n = starts[e], starts[e + 1] - starts[e]
     if t < NA:
-        _rows(wa, sa, ba, slots[i] * NA + t, nw, ng, xflat, xsflat, i, 1, oa, NA * 16, t * 16)
+        _rows(wa, sa, ba, slots[e] * NA + t, nw, ng, xflat, xsflat, xrow, orow, r0, n, oa, NA * 16, t * 16)
     else:
-        _rows(wb, sb, bb, slots[i] * NB + t - NA, nw, ng, xflat, xsflat, i, 1, ob, NB * 16, (t - NA) * 16)
+        _rows(wb, sb, bb, slots[e] * NB + t - NA, nw, ng, xflat, xsflat, xrow, orow, r0, n, ob, NB * 16, (t - NA) * 16)
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel):
-    # entry i: x row i against slot slots[i] of two banks of tiled matrices [S, NB, ., 16]
-    # (wb may have no tiles): one tile of one entry per work item
-    P = x.shape[0]
+def _grouped(wa, sa, ba, wb, sb, bb, x, xrow, orow, slots, starts, parallel):
+    # P = xrow.size entries, grouped by slot: entries starts[e] .. starts[e + 1] - 1 take x row
+    # xrow[i] against slot slots[e] of two banks of tiled matrices [S, NB, ., 16] (wb may have no
+    # tiles) into output row orow[i]; each weight word decoded once for up to ROWS of a group's rows
+    P = xrow.shape[0]
     NA, NB, nw, ng = wa.shape[1], wb.shape[1], wa.shape[2], sa.shape[2]
     xk, xs = _prep(x)
     xflat, xsflat = xk.reshape(-1), xs.reshape(-1)
@@ -217,14 +227,21 @@ def _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel):
     oa = np.empty((P, NA * 16), np.float32)
     ob = np.empty((P, NB * 16), np.float32)
     oaf, obf = oa.reshape(-1), ob.reshape(-1)
-    nit = P * (NA + NB)
+    nit = slots.shape[0] * (NA + NB)
     if parallel:
         for it in prange(nit):
-            _gather_item(*a, *b, nw, ng, xflat, xsflat, slots, NA, NB, it, oaf, obf)
+            _group_item(*a, *b, nw, ng, xflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oaf, obf)
     else:
         for it in range(nit):
-            _gather_item(*a, *b, nw, ng, xflat, xsflat, slots, NA, NB, it, oaf, obf)
+            _group_item(*a, *b, nw, ng, xflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oaf, obf)
     return oa, ob
+
+
+@njit(cache=True, nogil=True)
+def _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel):
+    # entry i: x row i against slot slots[i] (a decode step's experts: one row per group)
+    ids = np.arange(slots.shape[0])
+    return _grouped(wa, sa, ba, wb, sb, bb, x, ids, ids, slots, np.arange(slots.shape[0] + 1), parallel)
 
 
 @njit(cache=True, nogil=True)
@@ -241,7 +258,7 @@ def _kernel_source(bits: int, gs: int) -> str:
     """The numba source of the loops for one (bits, group size), each name tagged with them
     (numba caches a function by its qualified name): print it to read what runs."""
     src = _RUN_TEMPLATE
-    for name in ("_prep", "_rows", "_run", "_gather_item", "_gather", "_swiglu"):
+    for name in ("_prep", "_rows", "_run", "_group_item", "_grouped", "_gather", "_swiglu"):
         src = re.sub(rf"\b{name}\(", f"{name}{bits}_{gs}(", src)
     return src
 
@@ -258,12 +275,14 @@ def _kernel(bits: int, gs: int):
         fn = _compiled[(bits, gs)] = ns[f"_run{bits}_{gs}"]
         _compiled[("gather", bits, gs)] = ns[f"_gather{bits}_{gs}"]
         _compiled[("swiglu", bits, gs)] = ns[f"_swiglu{bits}_{gs}"]
+        _compiled[("grouped", bits, gs)] = ns[f"_grouped{bits}_{gs}"]
     return fn
 
 
 def gather_kernel(bits: int, gs: int, what: str = "gather"):
     """An entry point of the slot-bank kernels (engine/cpu/tiled_experts.py) for one format:
-    "gather" (one or two projections) or "swiglu" (a decode step's gate, up, SiLU and down)."""
+    "gather" (one or two projections), "swiglu" (a decode step's gate, up, SiLU and down) or
+    "grouped" (a prefill's entries grouped by slot, each reading its token's row)."""
     _kernel(bits, gs)
     return _compiled[(what, bits, gs)]
 
