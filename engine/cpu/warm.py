@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 
-# (what, bits, group size): qmm = MLX's layout (streamed experts, other widths), tiled = resident
+# (what, bits, group size): qmm = MLX's layout (other widths), tiled = resident matrices and the
+# streamed experts' slot banks (decode SwiGLU, grouped prefill)
 JOBS = ([("qmm", b, 64) for b in (8, 4, 3, 2)]
         + [("tiled", b, g) for b, g in ((8, 64), (4, 64), (2, 64), (4, 32), (8, 128), (2, 32))]
         + [("small", 0, 0)])
@@ -48,6 +49,7 @@ def _run(job) -> None:
         for rows in (1, 2, 7):
             t.matmul(np.zeros((rows, gs), np.float32))
         t.rows(np.zeros((1, 1), np.int64))
+        _bank_calls(bits, gs)
     else:
         from flashmoe.engine.cpu import attn, gemm, routing
 
@@ -58,6 +60,26 @@ def _run(job) -> None:
         for bits in (8, 4, 3, 2):
             gemm.dequantize(np.zeros((1, 2 * bits), np.uint32), np.zeros((1, 1), np.float32),
                             np.zeros((1, 1), np.float32), bits, 64)
+
+
+def _bank_calls(bits: int, gs: int) -> None:
+    """A streamed-expert slot bank's calls (tiled_experts.py): a decode step's SwiGLU, a
+    prefill's grouped gate / up and down."""
+    from flashmoe.engine.cpu.gemm import GEMM_ROWS
+    from flashmoe.engine.cpu.tiled_experts import TiledBank
+
+    S, inter, hidden = 2, gs, 2 * gs
+
+    def part(n, k):
+        return (np.zeros((S, n, k * bits // 32), np.uint32), np.zeros((S, n, k // gs), np.float32),
+                np.zeros((S, n, k // gs), np.float32), bits, gs)
+
+    bank = TiledBank({"gate_proj": part(inter, hidden), "up_proj": part(inter, hidden),
+                      "down_proj": part(hidden, inter)}, np.zeros(S, dtype=bool))
+    bank.swiglu(np.zeros((1, hidden), np.float32), np.array([0, 1]), 2)
+    idx = np.zeros(GEMM_ROWS, np.int64)
+    bank.gather(np.zeros((GEMM_ROWS // 2, hidden), np.float32), idx, 2, ("gate_proj", "up_proj"))
+    bank.gather(np.zeros((GEMM_ROWS, inter), np.float32), idx, 1, ("down_proj",))
 
 
 def _run_all(jobs) -> None:
