@@ -28,15 +28,14 @@ on int8 activations beat dequantize + sgemm: with `--kernels cpu-int8` every row
 """
 from __future__ import annotations
 
-import re
-
 import numpy as np
 from llvmlite import ir
 from numba import float32, int32, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from flashmoe.engine.cpu import vector_ir as vir
+from flashmoe.engine.cpu import tiled, vector_ir as vir
+from flashmoe.engine.cpu.attn import silu_mul  # noqa: F401 - the loops call it
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -44,7 +43,7 @@ GROUP_SIZES = (32, 64, 128)
 # 3-4x faster per value, so a thread pool's start costs more of a call. Measured (4-bit g64, one
 # row, TBB): 576 x 576 16 us on one thread, 32 on two; 960 x 576 23 / 20; 3072 x 576 73 / 61.
 SERIAL_FACTOR = 4
-ROWS = 4  # x rows per pass over a tile's words when a call has several (prefill)
+ROWS = tiled.ROWS  # x rows per pass over a tile's words when a call has several (prefill)
 MANY_ROWS = 16  # from how many rows a call quantizes them on every core
 _I32, _V16 = vir.I32, vir.V16
 
@@ -223,104 +222,17 @@ def quantize_rows(x, bits, gs, terms):
     return xw, dx, xs
 
 
-_RUN_TEMPLATE = """
+_PREPARE = """
 @njit(cache=True, nogil=True)
-def _rows(wflat, sflat, bflat, tile, nw, ng, xflat, dflat, xsflat, xrow, orow, r0, n, out, ostride, col):
-    # tile `tile` (counted over the flat arrays) for pass rows r0 .. r0 + n - 1: x row xrow[r]
-    # into out row orow[r], columns col .. col + 15; ROWS rows per pass over the tile's words
-    r = r0
-    while r < r0 + n:
-        if r0 + n - r >= ROWS:
-            tile_outs(wflat, tile * nw * 16, nw, ng, xflat, dflat, xsflat, xrow, orow, r, sflat, bflat,
-                      tile * ng * 16, out, col, ostride)
-            r += ROWS
-        else:
-            tile_out1(wflat, tile * nw * 16, nw, ng, xflat, dflat, xsflat, xrow, orow, r, sflat, bflat,
-                      tile * ng * 16, out, col, ostride)
-            r += 1
-
-
-@njit(cache=True, nogil=True)
-def _quantize(x):
-    # one row is quantized on the calling thread; prefill's hundreds on every core
+def _prepare(x):
+    # x as int8 terms (quantize_x), flat: one row on the calling thread, prefill's hundreds on every core
     if x.shape[0] >= MANY_ROWS:
-        return quantize_rows(x, BITS, GS, TERMS)
-    return quantize_x(x, BITS, GS, TERMS)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _run(wt, st, bt, x, parallel):
-    NB, nw, _ = wt.shape
-    ng = st.shape[1]
-    xw, dx, xs = _quantize(x)
-    wflat, sflat, bflat = wt.reshape(-1), st.reshape(-1), bt.reshape(-1)
-    xflat, dflat, xsflat = xw.reshape(-1), dx.reshape(-1), xs.reshape(-1)
-    M = x.shape[0]
-    ids = np.arange(M)
-    out = np.empty((M, NB * 16), np.float32)
-    oflat = out.reshape(-1)
-    if parallel:
-        for t in prange(NB):
-            _rows(wflat, sflat, bflat, t, nw, ng, xflat, dflat, xsflat, ids, ids, 0, M, oflat, NB * 16, t * 16)
+        xw, dx, xs = quantize_rows(x, BITS, GS, TERMS)
     else:
-        for t in range(NB):
-            _rows(wflat, sflat, bflat, t, nw, ng, xflat, dflat, xsflat, ids, ids, 0, M, oflat, NB * 16, t * 16)
-    return out
-
-
-@njit(cache=True, nogil=True)
-def _group_item(wa, sa, ba, wb, sb, bb, nw, ng, xflat, dflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oa, ob):
-    # work item it: tile it % (NA + NB) (bank a's NA tiles, then b's NB) of group it // (NA + NB),
-    # entries starts[e] .. starts[e + 1] - 1 against slot slots[e]
-    e = it // (NA + NB)
-    t = it % (NA + NB)
-    r0, n = starts[e], starts[e + 1] - starts[e]
-    if t < NA:
-        _rows(wa, sa, ba, slots[e] * NA + t, nw, ng, xflat, dflat, xsflat, xrow, orow, r0, n, oa, NA * 16, t * 16)
-    else:
-        _rows(wb, sb, bb, slots[e] * NB + t - NA, nw, ng, xflat, dflat, xsflat, xrow, orow, r0, n, ob, NB * 16,
-              (t - NA) * 16)
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _grouped(wa, sa, ba, wb, sb, bb, x, xrow, orow, slots, starts, parallel):
-    # P = xrow.size entries, grouped by slot: entries starts[e] .. starts[e + 1] - 1 take x row
-    # xrow[i] against slot slots[e] of two banks of tiled matrices [S, NB, ., 16] (wb may have no
-    # tiles) into output row orow[i]; each weight word read once for a group's rows
-    P = xrow.shape[0]
-    NA, NB, nw, ng = wa.shape[1], wb.shape[1], wa.shape[2], sa.shape[2]
-    xw, dx, xs = _quantize(x)
-    xflat, dflat, xsflat = xw.reshape(-1), dx.reshape(-1), xs.reshape(-1)
-    a = (wa.reshape(-1), sa.reshape(-1), ba.reshape(-1))
-    b = (wb.reshape(-1), sb.reshape(-1), bb.reshape(-1))
-    oa = np.empty((P, NA * 16), np.float32)
-    ob = np.empty((P, NB * 16), np.float32)
-    oaf, obf = oa.reshape(-1), ob.reshape(-1)
-    nit = slots.shape[0] * (NA + NB)
-    if parallel:
-        for it in prange(nit):
-            _group_item(*a, *b, nw, ng, xflat, dflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oaf, obf)
-    else:
-        for it in range(nit):
-            _group_item(*a, *b, nw, ng, xflat, dflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oaf, obf)
-    return oa, ob
-
-
-@njit(cache=True, nogil=True)
-def _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel):
-    # entry i: x row i against slot slots[i] (a decode step's experts: one row per group)
-    ids = np.arange(slots.shape[0])
-    return _grouped(wa, sa, ba, wb, sb, bb, x, ids, ids, slots, np.arange(slots.shape[0] + 1), parallel)
-
-
-@njit(cache=True, nogil=True)
-def _swiglu(wa, sa, ba, wb, sb, bb, wd, sd, bd, x, slots, parallel):
-    # a decode step's experts in one call: entry i, down(silu(gate(x[i])) * up(x[i])) of slot slots[i]
-    g, u = _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel)
-    none = (np.empty((1, 0, wd.shape[2], 16), wd.dtype), np.empty((1, 0, sd.shape[2], 16), sd.dtype))
-    y, _ = _gather(wd, sd, bd, none[0], none[1], none[1], silu_mul(g, u), slots, parallel)
-    return y
+        xw, dx, xs = quantize_x(x, BITS, GS, TERMS)
+    return xw.reshape(-1), dx.reshape(-1), xs.reshape(-1)
 """
+
 
 _compiled: dict = {}
 
@@ -333,19 +245,12 @@ def kernel(bits: int, gs: int, terms: int = 2, vnni: bool | None = None):
     key = (bits, gs, terms, vnni)
     fn = _compiled.get(key)
     if fn is None:
-        from flashmoe.engine.cpu.attn import silu_mul
-
-        ns = dict(globals(), tile_out1=_tile_out(bits, terms, vnni, 1), tile_outs=_tile_out(bits, terms, vnni, ROWS), BITS=bits, GS=gs, TERMS=terms, silu_mul=silu_mul)
-        # numba caches by the function's qualified name and source: one name per variant
-        tag = f"{bits}_{gs}_{terms}_{int(vnni)}"
-        src = _RUN_TEMPLATE
-        for name in ("_rows", "_quantize", "_run", "_group_item", "_grouped", "_gather", "_swiglu"):
-            src = re.sub(rf"\b{name}\(", f"{name}{tag}(", src)
-        exec(compile(src, __file__, "exec"), ns)  # noqa: S102 - our own template
-        fn = _compiled[key] = ns[f"_run{tag}"]
-        _compiled[("gather", *key)] = ns[f"_gather{tag}"]
-        _compiled[("swiglu", *key)] = ns[f"_swiglu{tag}"]
-        _compiled[("grouped", *key)] = ns[f"_grouped{tag}"]
+        ns = dict(globals(), tile_out1=_tile_out(bits, terms, vnni, 1), tile_outs=_tile_out(bits, terms, vnni, ROWS),
+                  BITS=bits, GS=gs, TERMS=terms)
+        fns = tiled.instantiate(_PREPARE, f"{bits}_{gs}_{terms}_{int(vnni)}", ns, __file__)
+        fn = _compiled[key] = fns["run"]
+        for what in ("gather", "swiglu", "grouped"):
+            _compiled[(what, *key)] = fns[what]
     return fn
 
 

@@ -61,8 +61,8 @@ def supports(bits: int, group_size: int) -> bool:
 
 
 def _tile_out(bits: int, rows: int):
-    """An intrinsic: tile_out(wt, w0, nw, ng, xk, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride)
-    writes the 16 outputs of one tile for `rows` x rows, each weight word decoded once for all of
+    """An intrinsic: tile_out(wt, w0, nw, ng, xk, dx, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride)
+    (int8.py's argument list; dx, its steps, unused here) writes the 16 outputs of one tile for `rows` x rows, each weight word decoded once for all of
     them, every sum in a vector register (engine/cpu/vector_ir.py says why).
 
     Pass row r is x row m = xrow[r0 + r] into out row o = orow[r0 + r] (a prefill's expert entries
@@ -81,14 +81,14 @@ def _tile_out(bits: int, rows: int):
     flags = tuple(KERNEL_FASTMATH)
 
     @intrinsic
-    def tile_out(typingctx, wt, w0, nw, ng, xk, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride):
-        sig = types.void(wt, w0, nw, ng, xk, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride)
+    def tile_out(typingctx, wt, w0, nw, ng, xk, dx, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride):
+        sig = types.void(wt, w0, nw, ng, xk, dx, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride)
 
         def codegen(context, builder, signature, args):
             e = vir.Emitter(builder)
             wdata, xdata, xsdata, xrdata, ordata, stdata, btdata, odata = (
-                vir.array_data(context, builder, signature, args, i) for i in (0, 4, 5, 6, 7, 9, 10, 12))
-            w0_, nw_, ng_, r0_, sb0_, col_, ostride_ = (e.i64(args[i]) for i in (1, 2, 3, 8, 11, 13, 14))
+                vir.array_data(context, builder, signature, args, i) for i in (0, 4, 6, 7, 8, 10, 11, 13))
+            w0_, nw_, ng_, r0_, sb0_, col_, ostride_ = (e.i64(args[i]) for i in (1, 2, 3, 9, 12, 14, 15))
             wpg = builder.sdiv(nw_, ng_)
             xm = [e.i64(e.load(xrdata, builder.add(r0_, e.const(r)))) for r in range(rows)]
             om = [e.i64(e.load(ordata, builder.add(r0_, e.const(r)))) for r in range(rows)]
@@ -145,39 +145,23 @@ def _shift(bits: int, k: int) -> int:
 
 ROWS = 4  # x rows per pass over a tile's words when a call has several
 
-_RUN_TEMPLATE = """
-@njit(cache=True, fastmath=False, nogil=True)
-def _prep(x):
-    # xk [M, VPW, nw]: value k of word i of row m at xk[m, k, i], times 2**-_shift; xs the group sums
-    M, K = x.shape
-    nw = K // VPW
-    xk = np.empty((M, VPW, nw), np.float32)
-    xs = np.empty((M, K // GS), np.float32)
-    for m in range(M):
-        for i in range(nw):
-            for k in range(VPW):
-                xk[m, k, i] = x[m, i * VPW + k] * XSCALE[k]
-        for g in range(K // GS):
-            a = float32(0.0)
-            for j in range(g * GS, (g + 1) * GS):
-                a += x[m, j]
-            xs[m, g] = a
-    return xk, xs
-
-
+# The loops around a kernel set's intrinsics, shared by tiled.py (float) and int8.py: each
+# instantiation supplies `_prepare(x)` -> (x values, their int8 steps, group sums), flat, and
+# tile_out1 / tile_outs, the intrinsics for 1 and ROWS x rows, with one argument list.
+SLOT_LOOPS = """
 @njit(cache=True, nogil=True)
-def _rows(wflat, sflat, bflat, tile, nw, ng, xflat, xsflat, xrow, orow, r0, n, out, ostride, col):
+def _rows(wflat, sflat, bflat, tile, nw, ng, xflat, dflat, xsflat, xrow, orow, r0, n, out, ostride, col):
     # tile `tile` (counted over the flat arrays) for pass rows r0 .. r0 + n - 1: x row xrow[r]
     # into out row orow[r], columns col .. col + 15; ROWS rows per pass over the tile's words
     r = r0
     while r < r0 + n:
         if r0 + n - r >= ROWS:
-            tile_outs(wflat, tile * nw * 16, nw, ng, xflat, xsflat, xrow, orow, r, sflat, bflat, tile * ng * 16,
-                      out, col, ostride)
+            tile_outs(wflat, tile * nw * 16, nw, ng, xflat, dflat, xsflat, xrow, orow, r, sflat, bflat,
+                      tile * ng * 16, out, col, ostride)
             r += ROWS
         else:
-            tile_out1(wflat, tile * nw * 16, nw, ng, xflat, xsflat, xrow, orow, r, sflat, bflat, tile * ng * 16,
-                      out, col, ostride)
+            tile_out1(wflat, tile * nw * 16, nw, ng, xflat, dflat, xsflat, xrow, orow, r, sflat, bflat,
+                      tile * ng * 16, out, col, ostride)
             r += 1
 
 
@@ -185,32 +169,33 @@ def _rows(wflat, sflat, bflat, tile, nw, ng, xflat, xsflat, xrow, orow, r0, n, o
 def _run(wt, st, bt, x, parallel):
     NB, nw, _ = wt.shape
     ng = st.shape[1]
-    xk, xs = _prep(x)
-    wflat, sflat, bflat, xflat, xsflat = wt.reshape(-1), st.reshape(-1), bt.reshape(-1), xk.reshape(-1), xs.reshape(-1)
+    xflat, dflat, xsflat = _prepare(x)
+    wflat, sflat, bflat = wt.reshape(-1), st.reshape(-1), bt.reshape(-1)
     M = x.shape[0]
     ids = np.arange(M)
     out = np.empty((M, NB * 16), np.float32)
     oflat = out.reshape(-1)
     if parallel:
         for t in prange(NB):
-            _rows(wflat, sflat, bflat, t, nw, ng, xflat, xsflat, ids, ids, 0, M, oflat, NB * 16, t * 16)
+            _rows(wflat, sflat, bflat, t, nw, ng, xflat, dflat, xsflat, ids, ids, 0, M, oflat, NB * 16, t * 16)
     else:
         for t in range(NB):
-            _rows(wflat, sflat, bflat, t, nw, ng, xflat, xsflat, ids, ids, 0, M, oflat, NB * 16, t * 16)
+            _rows(wflat, sflat, bflat, t, nw, ng, xflat, dflat, xsflat, ids, ids, 0, M, oflat, NB * 16, t * 16)
     return out
 
 
 @njit(cache=True, nogil=True)
-def _group_item(wa, sa, ba, wb, sb, bb, nw, ng, xflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oa, ob):
+def _group_item(wa, sa, ba, wb, sb, bb, nw, ng, xflat, dflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oa, ob):
     # work item it: tile it % (NA + NB) (bank a's NA tiles, then b's NB) of group it // (NA + NB),
     # entries starts[e] .. starts[e + 1] - 1 against slot slots[e]
     e = it // (NA + NB)
     t = it % (NA + NB)
     r0, n = starts[e], starts[e + 1] - starts[e]
     if t < NA:
-        _rows(wa, sa, ba, slots[e] * NA + t, nw, ng, xflat, xsflat, xrow, orow, r0, n, oa, NA * 16, t * 16)
+        _rows(wa, sa, ba, slots[e] * NA + t, nw, ng, xflat, dflat, xsflat, xrow, orow, r0, n, oa, NA * 16, t * 16)
     else:
-        _rows(wb, sb, bb, slots[e] * NB + t - NA, nw, ng, xflat, xsflat, xrow, orow, r0, n, ob, NB * 16, (t - NA) * 16)
+        _rows(wb, sb, bb, slots[e] * NB + t - NA, nw, ng, xflat, dflat, xsflat, xrow, orow, r0, n, ob, NB * 16,
+              (t - NA) * 16)
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -220,8 +205,7 @@ def _grouped(wa, sa, ba, wb, sb, bb, x, xrow, orow, slots, starts, parallel):
     # tiles) into output row orow[i]; each weight word decoded once for up to ROWS of a group's rows
     P = xrow.shape[0]
     NA, NB, nw, ng = wa.shape[1], wb.shape[1], wa.shape[2], sa.shape[2]
-    xk, xs = _prep(x)
-    xflat, xsflat = xk.reshape(-1), xs.reshape(-1)
+    xflat, dflat, xsflat = _prepare(x)
     a = (wa.reshape(-1), sa.reshape(-1), ba.reshape(-1))
     b = (wb.reshape(-1), sb.reshape(-1), bb.reshape(-1))
     oa = np.empty((P, NA * 16), np.float32)
@@ -230,10 +214,10 @@ def _grouped(wa, sa, ba, wb, sb, bb, x, xrow, orow, slots, starts, parallel):
     nit = slots.shape[0] * (NA + NB)
     if parallel:
         for it in prange(nit):
-            _group_item(*a, *b, nw, ng, xflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oaf, obf)
+            _group_item(*a, *b, nw, ng, xflat, dflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oaf, obf)
     else:
         for it in range(nit):
-            _group_item(*a, *b, nw, ng, xflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oaf, obf)
+            _group_item(*a, *b, nw, ng, xflat, dflat, xsflat, xrow, orow, slots, starts, NA, NB, it, oaf, obf)
     return oa, ob
 
 
@@ -254,13 +238,46 @@ def _swiglu(wa, sa, ba, wb, sb, bb, wd, sd, bd, x, slots, parallel):
 """
 
 
-def _kernel_source(bits: int, gs: int) -> str:
-    """The numba source of the loops for one (bits, group size), each name tagged with them
-    (numba caches a function by its qualified name): print it to read what runs."""
-    src = _RUN_TEMPLATE
-    for name in ("_prep", "_rows", "_run", "_group_item", "_grouped", "_gather", "_swiglu"):
-        src = re.sub(rf"\b{name}\(", f"{name}{bits}_{gs}(", src)
+def tagged(src: str, tag: str) -> str:
+    """src with every function it defines renamed name + tag: numba caches a function by its
+    qualified name, so each instantiation of a template needs its own names."""
+    for name in re.findall(r"^def (\w+)\(", src, flags=re.M):
+        src = re.sub(rf"\b{name}\(", f"{name}{tag}(", src)
     return src
+
+
+_PREPARE = """
+@njit(cache=True, fastmath=False, nogil=True)
+def _prepare(x):
+    # x values laid out for the kernel: value k of word i of row m at [m, k, i], times 2**-_shift;
+    # no int8 steps; each group's sum
+    M, K = x.shape
+    nw = K // VPW
+    xk = np.empty((M, VPW, nw), np.float32)
+    xs = np.empty((M, K // GS), np.float32)
+    for m in range(M):
+        for i in range(nw):
+            for k in range(VPW):
+                xk[m, k, i] = x[m, i * VPW + k] * XSCALE[k]
+        for g in range(K // GS):
+            a = float32(0.0)
+            for j in range(g * GS, (g + 1) * GS):
+                a += x[m, j]
+            xs[m, g] = a
+    return xk.reshape(-1), np.empty(0, np.float32), xs.reshape(-1)
+"""
+
+
+def instantiate(prepare: str, tag: str, ns: dict, filename: str) -> dict:
+    """Compile SLOT_LOOPS after a kernel set's `_prepare` source, every name tagged, in ns (which
+    holds the intrinsics and constants): the entry points "run", "gather", "swiglu", "grouped"."""
+    exec(compile(tagged(prepare + SLOT_LOOPS, tag), filename, "exec"), ns)  # noqa: S102 - our own template
+    return {what: ns[f"_{what}{tag}"] for what in ("run", "gather", "swiglu", "grouped")}
+
+
+def _kernel_source(bits: int, gs: int) -> str:
+    """The numba source of the loops for one (bits, group size): print it to read what runs."""
+    return tagged(_PREPARE + SLOT_LOOPS, f"{bits}_{gs}")
 
 
 _compiled: dict = {}
@@ -271,11 +288,10 @@ def _kernel(bits: int, gs: int):
     if fn is None:
         ns = dict(globals(), tile_out1=_tile_out(bits, 1), tile_outs=_tile_out(bits, ROWS), VPW=32 // bits, GS=gs,
                   XSCALE=np.array([2.0 ** -_shift(bits, k) for k in range(32 // bits)], np.float32))
-        exec(compile(_kernel_source(bits, gs), __file__, "exec"), ns)  # noqa: S102 - our own template
-        fn = _compiled[(bits, gs)] = ns[f"_run{bits}_{gs}"]
-        _compiled[("gather", bits, gs)] = ns[f"_gather{bits}_{gs}"]
-        _compiled[("swiglu", bits, gs)] = ns[f"_swiglu{bits}_{gs}"]
-        _compiled[("grouped", bits, gs)] = ns[f"_grouped{bits}_{gs}"]
+        fns = instantiate(_PREPARE, f"{bits}_{gs}", ns, __file__)
+        fn = _compiled[(bits, gs)] = fns["run"]
+        for what in ("gather", "swiglu", "grouped"):
+            _compiled[(what, bits, gs)] = fns[what]
     return fn
 
 
