@@ -256,8 +256,9 @@ def kernel(bits: int, gs: int, terms: int = 2, vnni: bool | None = None):
 
 def gather_kernel(bits: int, gs: int, what: str = "gather", terms: int = 2, vnni: bool | None = None):
     """A slot-bank entry point (tiled_experts.py) of `kernel`'s arithmetic: "gather",
-    fn(wa, sa, ba, wb, sb, bb, x [P, K], slots [P], parallel) -> (out_a, out_b), or "swiglu",
-    fn(gate, up and down banks, x, slots, parallel) -> down(silu(gate) * up) [P, N_down]."""
+    fn(wa, sa, ba, wb, sb, bb, x [R, K], xrow [P], slots [P], parallel) -> (out_a, out_b) (entry i
+    reads x row xrow[i]), "swiglu", fn(gate, up and down banks, x, xrow, slots, parallel) ->
+    down(silu(gate) * up) [P, N_down], or "grouped" (tiled.gather_kernel)."""
     vnni = has_vnni() if vnni is None else vnni
     kernel(bits, gs, terms, vnni)
     return _compiled[(what, bits, gs, terms, vnni)]

@@ -222,18 +222,19 @@ def _grouped(wa, sa, ba, wb, sb, bb, x, xrow, orow, slots, starts, parallel):
 
 
 @njit(cache=True, nogil=True)
-def _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel):
-    # entry i: x row i against slot slots[i] (a decode step's experts: one row per group)
+def _gather(wa, sa, ba, wb, sb, bb, x, xrow, slots, parallel):
+    # entry i: x row xrow[i] against slot slots[i], into output row i (a decode step's experts:
+    # each x row is prepared once, however many experts read it)
     ids = np.arange(slots.shape[0])
-    return _grouped(wa, sa, ba, wb, sb, bb, x, ids, ids, slots, np.arange(slots.shape[0] + 1), parallel)
+    return _grouped(wa, sa, ba, wb, sb, bb, x, xrow, ids, slots, np.arange(slots.shape[0] + 1), parallel)
 
 
 @njit(cache=True, nogil=True)
-def _swiglu(wa, sa, ba, wb, sb, bb, wd, sd, bd, x, slots, parallel):
-    # a decode step's experts in one call: entry i, down(silu(gate(x[i])) * up(x[i])) of slot slots[i]
-    g, u = _gather(wa, sa, ba, wb, sb, bb, x, slots, parallel)
+def _swiglu(wa, sa, ba, wb, sb, bb, wd, sd, bd, x, xrow, slots, parallel):
+    # a decode step's experts in one call: entry i, down(silu(gate(x[xrow[i]])) * up(..)) of slot slots[i]
+    g, u = _gather(wa, sa, ba, wb, sb, bb, x, xrow, slots, parallel)
     none = (np.empty((1, 0, wd.shape[2], 16), wd.dtype), np.empty((1, 0, sd.shape[2], 16), sd.dtype))
-    y, _ = _gather(wd, sd, bd, none[0], none[1], none[1], silu_mul(g, u), slots, parallel)
+    y, _ = _gather(wd, sd, bd, none[0], none[1], none[1], silu_mul(g, u), np.arange(slots.shape[0]), slots, parallel)
     return y
 """
 
