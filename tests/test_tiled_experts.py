@@ -156,13 +156,19 @@ def test_swiglu_in_one_call_is_the_three_gathers(int8):
 
     bank, *_ = bank_of(6, {"gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64)}, 8, 64)
     bank.int8 = int8
+    bank.ready(np.arange(6))
+    # one token's 4 experts; then 3 tokens of 2 experts each, entry i reading token i // 2's row
+    for slots, rows in ((np.array([5, 1, 0, 3]), 1), (np.array([5, 1, 0, 5, 2, 4]), 3)):
+        k = slots.size // rows
+        x = RNG.standard_normal((rows, 128)).astype(np.float32)
+        got = bank.swiglu(x, slots, k)
+        g, u = bank.gather(x, slots, k, ("gate_proj", "up_proj"))
+        (want,) = bank.gather(silu_mul(g, u), slots, 1, ("down_proj",))
+        assert got.shape == (slots.size, 128) and np.array_equal(got, want)
+        for i in range(slots.size):  # and each entry is what it gives alone, on its token's row
+            assert np.array_equal(got[i], bank.swiglu(x[i // k:i // k + 1], slots[i:i + 1], 1)[0])
     slots = np.array([5, 1, 0, 3])
-    x = RNG.standard_normal((1, 128)).astype(np.float32)
-    bank.ready(slots)
-    got = bank.swiglu(x, slots, 4)
-    g, u = bank.gather(x, slots, 4, ("gate_proj", "up_proj"))
-    (want,) = bank.gather(silu_mul(g, u), slots, 1, ("down_proj",))
-    assert got.shape == (4, 128) and np.array_equal(got, want)
+    x = x[:1]
     mixed, *_ = bank_of(6, {"gate_proj": (64, 128), "up_proj": (64, 128)}, 8, 64)
     _, parts, *_ = bank_of(6, {"down_proj": (128, 64)}, 8, 32)  # down quantized otherwise
     mixed = TiledBank({**{n: (*mixed._mlx[n], 8, 64) for n in ("gate_proj", "up_proj")},
