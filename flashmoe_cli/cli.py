@@ -108,6 +108,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 TEXT_FLAGS = {"system": "--system", "stop": "--stop", "cid": "--cid"}  # the prompt: headless.read_prompt
+TUI_FPS = 20  # the TUI's frames a second (cmd_chat says why)
 
 
 def decode_text_flags(args) -> None:
@@ -464,6 +465,11 @@ def cmd_chat(args) -> int:
         from .repl import run_repl
 
         return run_repl(args)
+    # Textual composes the screen up to 60 times a second; while a reply streams that took most
+    # of a core from the engine's kernels (2 cores: the demo decoded at 26-30 tok/s in the TUI,
+    # 66 headless). 20 frames a second gave 35-44 (RESULTS.md). Read when textual is imported;
+    # a TEXTUAL_FPS the user set wins.
+    os.environ.setdefault("TEXTUAL_FPS", str(TUI_FPS))
     from .tui.app import run_tui
 
     return run_tui(args)

@@ -190,3 +190,29 @@ def test_save_of_a_resumed_conversation_keeps_the_marks(tmp_path):
     session.send("third")
     session.finish("half of it", None, interrupted=True)
     assert session.save(tmp_path / "out.md").read_text().rstrip().endswith("**assistant** (interrupted)\n\nhalf of it")
+
+
+# -- the TUI draws fewer frames than Textual's default, unless the user says otherwise ----------
+@pytest.mark.parametrize("given,expected", [(None, str(cli.TUI_FPS)), ("45", "45")])
+def test_chat_caps_textual_frames_unless_the_user_set_them(monkeypatch, given, expected):
+    """At Textual's 60 frames a second the redraws of a streaming reply took CPU from the engine
+    (cli.TUI_FPS); cmd_chat sets TEXTUAL_FPS before textual is imported, never over the user's."""
+    import types
+
+    import flashmoe.cli.tui.app as tui_app
+
+    seen = {}
+
+    def run_tui(args):
+        seen["fps"] = os.environ.get("TEXTUAL_FPS")
+        return 0
+
+    monkeypatch.setattr(tui_app, "run_tui", run_tui)
+    monkeypatch.setenv("TEXTUAL_FPS", given or "")  # (so that the test's own setting is undone after it)
+    if given is None:
+        monkeypatch.delenv("TEXTUAL_FPS")
+    monkeypatch.setenv("TERM", "xterm-256color")
+    monkeypatch.setattr("sys.stdin", types.SimpleNamespace(isatty=lambda: True))
+    monkeypatch.setattr("sys.stdout", types.SimpleNamespace(isatty=lambda: True))
+    cli.cmd_chat(types.SimpleNamespace(no_tui=False))
+    assert seen["fps"] == expected

@@ -3,7 +3,7 @@
 Every turn goes this way, with --tools or not: without tools the loop's turn is one plain reply,
 so the TUI waits on the engine, splits the reply, saves it and counts its figures as headless
 `run` and the line REPL do (agent.py, stats.py). AgentLoop.run_turn blocks and calls back on the
-worker thread; AgentTurn turns its events into the chat screen's messages: visible text in ~30 ms
+worker thread; AgentTurn turns its events into the chat screen's messages: visible text in ~0.1 s
 batches (sent by a small flusher thread, so text never waits for the next token), prefill
 progress, the end of each model reply, tool calls with their results, the end of the turn; all
 posted under one lock, so they arrive in order. The figures (tokens, steps, per-layer timings)
@@ -32,7 +32,8 @@ from .messages import (
 )
 from .widgets import AssistantMessage
 
-BATCH_S = 0.03  # token text is batched this long before the Markdown is updated
+BATCH_S = 0.1  # token text is batched this long before the Markdown is updated (at 0.03 s the
+# redraws took CPU from the engine: cli.TUI_FPS)
 
 
 @dataclass
