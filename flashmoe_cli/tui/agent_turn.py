@@ -7,7 +7,7 @@ worker thread; AgentTurn turns its events into the chat screen's messages: visib
 batches (sent by a small flusher thread, so text never waits for the next token), prefill
 progress, the end of each model reply, tool calls with their results, the end of the turn; all
 posted under one lock, so they arrive in order. The figures (tokens, steps, per-layer timings)
-are not posted: they are the loop's TurnStats, which the screen's 10 Hz timer reads, so a fast
+are not posted: they are the loop's TurnStats, which the screen's 4 Hz timer reads, so a fast
 model never floods the UI.
 
 Approvals are the loop's approver's (approvers.ModalApprover: the chat screen asks with

@@ -4,7 +4,7 @@ The App (app.py) loads the engine and tells this screen when the model is in (mo
 not (model_failed); the rest is the screen's: the ChatSession, the transcript, the message box,
 the turn being generated (every turn, with --tools or not, is a turn of the AgentLoop on a
 thread worker, agent_turn.py; approvals ask with ApproveScreen), the live figures and the layer
-panel (drawn by a 10 Hz timer from the loop's TurnStats), the slash commands (commands.py runs
+panel (drawn by a 4 Hz timer from the loop's TurnStats), the slash commands (commands.py runs
 them; this screen is the Face they act on).
 
 The workers post their messages straight to this screen; widgets change only in the handlers
@@ -60,7 +60,8 @@ from ..widgets.status_bar import rss_bytes
 from ..widgets.transcript import ReasoningBlock
 from .approve import ApproveScreen
 
-REDRAW_S = 0.1  # the layer panel and the live figures are redrawn at most this often
+REDRAW_S = 0.25  # the layer panel and the live figures are redrawn at most this often (at 0.1 s,
+# drawing the panel's rows took CPU from the engine on 2 cores: RESULTS.md)
 RSS_EVERY = 10  # redraw ticks between memory readings
 PANEL_MIN_COLUMNS = 100  # narrower, the layer panel (48 columns) is hidden until F2 shows it
 UNMOUNT_WAIT_S = 5.0  # quitting mid-reply waits this long for the turn to save what it got
