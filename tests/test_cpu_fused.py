@@ -27,10 +27,15 @@ def close(got, want, tol=1e-5) -> bool:
     return got.shape == want.shape and np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max())
 
 
-@pytest.mark.parametrize("H,Hk,T", [(4, 4, 1), (8, 2, 37), (6, 3, 300), (32, 4, 5), (32, 4, 1100)])
+@pytest.mark.parametrize("H,Hk,T", [(4, 4, 1), (8, 2, 37), (6, 3, 300), (32, 4, 5), (32, 4, 1100), (9, 3, 600),
+                                     (9, 3, 4 * 256 + 3)])
 def test_attend_matches_mlx_sdpa(H, Hk, T):
+    """Short caches: scores, softmax, a matmul; from ATTEND_BLOCKS_FROM positions, blocks of
+    positions on every core joined flash-decoding's way (one peaked score among them)."""
     D = 64
     q, K, V = rand(H, D), rand(Hk, T + 7, D), rand(Hk, T + 7, D)  # capacity beyond T is ignored
+    K[0, T // 3] *= 20
+    assert (T >= cpu_attn.ATTEND_BLOCKS_FROM) == (T in (1100, 600, 4 * 256 + 3))
     got = cpu_attn.attend(q, K, V, T, np.float32(D ** -0.5))
     want = mx.fast.scaled_dot_product_attention(
         mx.array(q)[None, :, None], mx.array(K[:, :T])[None], mx.array(V[:, :T])[None], scale=D ** -0.5)

@@ -123,14 +123,14 @@ def _scores(qs, K, T, out):
 
 
 @njit(cache=True, fastmath=False, nogil=True)
-def decode_scores(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_head,
+def decode_qs(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_head,
                   a, b, partner, K, V, pos, scale):
     """Everything of one decode step's attention between the fused q/k/v projection and the
-    softmax, in one call: q, k, v from `row` (the projection's output, bias added) at columns q0,
+    scores, in one call: q, k, v from `row` (the projection's output, bias added) at columns q0,
     k0, v0; the q and k RMS norms (empty weights: none; per head, or over all heads); the rotary
     embedding (a, b: this position's table row); this position's k and v written into K, V
-    [Hk, capacity, hd] at `pos`; returns the scores of q * scale over positions 0 .. pos,
-    [Hk, H // Hk, pos + 1]. The arithmetic of the separate steps (attend's), op for op."""
+    [Hk, capacity, hd] at `pos`; returns q * scale as [Hk, H // Hk, hd] (for `attend_qs` over
+    positions 0 .. pos). The arithmetic of the separate steps (attend's), op for op."""
     q = row[q0:q0 + H * hd].copy().reshape(H, hd)
     k = row[k0:k0 + Hk * hd].copy().reshape(Hk, hd)
     if qn.shape[0]:
@@ -141,10 +141,19 @@ def decode_scores(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_
     rope_rows(k, a, b, partner)
     K[:, pos, :] = k
     V[:, pos, :] = row[v0:v0 + Hk * hd].reshape(Hk, hd)
-    qs = q * scale
+    return (q * scale).reshape(Hk, H // Hk, hd)
+
+
+def decode_scores(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_head,
+                  a, b, partner, K, V, pos, scale):
+    """decode_qs, then the scores over positions 0 .. pos: [Hk, H // Hk, pos + 1]."""
+    qs = decode_qs(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_head, a, b, partner, K, V,
+                   pos, scale)
     s = np.empty((Hk, H // Hk, pos + 1), np.float32)
-    _scores(qs.reshape(Hk, H // Hk, hd), K, pos + 1, s)
+    _scores(qs, K, pos + 1, s)
     return s
+
+
 
 
 @intrinsic
@@ -213,9 +222,91 @@ def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, T: int, scale) -> np.nda
     heads; 1.1 -> 0.46 ms for 32 of 128 over 8; benchmarks/RESULTS.md)."""
     Hk = K.shape[0]
     H, D = q.shape
-    s = np.empty((Hk, H // Hk, T), np.float32)
-    _scores(np.ascontiguousarray(q * np.float32(scale)).reshape(Hk, H // Hk, D), K, T, s)
+    return attend_qs(np.ascontiguousarray(q * np.float32(scale)).reshape(Hk, H // Hk, D), K, V, T)
+
+
+def attend_qs(qs: np.ndarray, K: np.ndarray, V: np.ndarray, T: int) -> np.ndarray:
+    """`attend` of the scaled queries qs [Hk, g, D]: [Hk * g, D]. From ATTEND_BLOCKS_FROM
+    positions in blocks on every core (`_attend_blocks`), below it as described above."""
+    if T >= ATTEND_BLOCKS_FROM:
+        return _attend_blocks(qs, K, V, T)
+    s = np.empty((qs.shape[0], qs.shape[1], T), np.float32)
+    _scores(qs, K, T, s)
     return softmax_values(s, V)
+
+
+ATTEND_BLOCK = 256  # positions per work item of a long cache's attention
+# From how many positions attention runs in blocks on every core: 9 heads of 64 over 3 kv heads,
+# 300 positions 30 -> 23-32 us, 1,057: 110-113 -> 80-91 us, 4,117: 334-392 -> 274-283 us; 32 heads
+# of 128 over 4, 1,057: 471-579 -> 313-344 us, 4,117: 2,029-2,237 -> 1,130-1,427 us (one call per
+# layer of 30 cycled, as a decode step reads them).
+ATTEND_BLOCKS_FROM = 2 * ATTEND_BLOCK
+
+
+@njit(cache=True, fastmath={"contract", "reassoc"}, nogil=True)
+def _attend_block(qs, K, V, h, b, t0, t1, s, m, l, acc):
+    """Block b (positions t0 .. t1 - 1) of kv head h for its g query heads: the scores into s
+    [g, ATTEND_BLOCK]; per query head the block's largest score m, sum of exp(score - m) l, and
+    those exps times V's rows, summed, acc [D] (flash-decoding: `_attend_blocks` joins them)."""
+    g, D = qs.shape[1], qs.shape[2]
+    n = t1 - t0
+    for t in range(t0, t1):
+        for j in range(g):
+            a = float32(0.0)
+            for d in range(D):
+                a += qs[h, j, d] * K[h, t, d]
+            s[j, t - t0] = a
+    for j in range(g):
+        top = s[j, 0]
+        for t in range(1, n):
+            top = max(top, s[j, t])
+        total = float32(0.0)
+        for t in range(n):
+            p = _exp(s[j, t] - top)
+            s[j, t] = p
+            total += p
+        m[h, j, b] = top
+        l[h, j, b] = total
+    a = np.zeros((g, D), np.float32)  # (contiguous: the sums over d vectorise)
+    for t in range(n):
+        for j in range(g):
+            p = s[j, t]
+            for d in range(D):
+                a[j, d] += p * V[h, t0 + t, d]
+    acc[h, :, b, :] = a
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _attend_blocks(qs, K, V, T):
+    """attend_qs over a long cache: each (kv head, block of ATTEND_BLOCK positions) on any core,
+    then per query head the blocks joined, weighted by exp(block max - overall max). Reads K and
+    V once, in one pass; the sums are in another order than the softmax-then-matmul path's."""
+    Hk, g, D = qs.shape
+    nb = (T + ATTEND_BLOCK - 1) // ATTEND_BLOCK
+    m = np.empty((Hk, g, nb), np.float32)
+    l = np.empty((Hk, g, nb), np.float32)
+    acc = np.empty((Hk, g, nb, D), np.float32)
+    for it in prange(Hk * nb):
+        h, b = it // nb, it % nb
+        t0 = b * ATTEND_BLOCK
+        _attend_block(qs, K, V, h, b, t0, min(T, t0 + ATTEND_BLOCK), np.empty((g, ATTEND_BLOCK), np.float32), m, l, acc)
+    out = np.empty((Hk * g, D), np.float32)
+    w = np.empty(nb, np.float32)
+    for h in range(Hk):
+        for j in range(g):
+            top = m[h, j, 0]
+            for b in range(1, nb):
+                top = max(top, m[h, j, b])
+            total = float32(0.0)
+            for b in range(nb):
+                w[b] = _exp(m[h, j, b] - top)
+                total += w[b] * l[h, j, b]
+            for d in range(D):
+                a = float32(0.0)
+                for b in range(nb):
+                    a += w[b] * acc[h, j, b, d]
+                out[h * g + j, d] = a / total
+    return out
 
 
 QUERY_TILE = 128  # query rows per block of the causal prefill: bounds the score matrix
@@ -303,3 +394,4 @@ def warmup() -> None:
     softmax_rows(x.copy())
     softmax_causal(np.ones((1, 2, 4), np.float32), 2)
     _scores(np.ones((1, 1, 16), np.float32), np.ones((1, 2, 16), np.float32), 1, np.empty((1, 1, 1), np.float32))
+    _attend_blocks(np.ones((1, 1, 16), np.float32), np.ones((1, 2, 16), np.float32), np.ones((1, 2, 16), np.float32), 2)

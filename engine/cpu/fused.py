@@ -262,16 +262,16 @@ class CpuAttention(_Wraps):
 
     def decode_np(self, x2: np.ndarray, cache) -> np.ndarray:
         """x2 [1, D] -> [1, D_out]; writes this position's keys and values into the cache."""
-        from flashmoe.engine.cpu.attn import decode_scores, softmax_values
+        from flashmoe.engine.cpu.attn import attend_qs, decode_qs
         from flashmoe.engine.cpu.qmm import to_numpy
 
         pos = cache.offset
         a, b = self._rope.row(pos)
         K, V = to_numpy(cache.keys)[0], to_numpy(cache.values)[0]  # [Hk, capacity, hd], written in place
-        s = decode_scores(self._qkv.stacked(x2)[0], *self._qkv.starts, self.H, self.Hk, self.hd, *self._norm_args,
-                          a, b, self._rope.partner, K, V, pos, self.scale)
+        qs = decode_qs(self._qkv.stacked(x2)[0], *self._qkv.starts, self.H, self.Hk, self.hd, *self._norm_args,
+                       a, b, self._rope.partner, K, V, pos, self.scale)
         cache.offset = pos + 1
-        return _linear_np(self._o, softmax_values(s, V).reshape(1, -1))
+        return _linear_np(self._o, attend_qs(qs, K, V, pos + 1).reshape(1, -1))
 
 
 class CpuMLP(_Wraps):
