@@ -124,7 +124,7 @@ def _scores(qs, K, T, out):
 
 @njit(cache=True, fastmath=False, nogil=True)
 def decode_qs(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_head,
-                  a, b, partner, K, V, pos, scale):
+              a, b, partner, K, V, pos, scale):
     """Everything of one decode step's attention between the fused q/k/v projection and the
     scores, in one call: q, k, v from `row` (the projection's output, bias added) at columns q0,
     k0, v0; the q and k RMS norms (empty weights: none; per head, or over all heads); the rotary
@@ -152,8 +152,6 @@ def decode_scores(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_
     s = np.empty((Hk, H // Hk, pos + 1), np.float32)
     _scores(qs, K, pos + 1, s)
     return s
-
-
 
 
 @intrinsic
