@@ -57,10 +57,10 @@ def test_long_caches_scores_on_every_core_are_the_serial_sums():
 
 
 @pytest.mark.parametrize("norms", ["none", "per head", "all heads"])
-def test_decode_scores_is_the_separate_steps_bit_for_bit(norms):
-    """decode_scores (one numba call from the fused q/k/v row to the scores) does what the
-    separate steps did: norms, rope, the cache write, q * scale, the scores. Bit for bit, since
-    the probe at load and the exactness tests were set against those."""
+def test_decode_qs_is_the_separate_steps_bit_for_bit(norms):
+    """decode_qs (one numba call from the fused q/k/v row to the scaled queries) then attend_qs
+    do what the separate steps did: norms, rope, the cache write, q * scale, attention. Bit for
+    bit, since the probe at load and the exactness tests were set against those."""
     H, Hk, hd, pos = 8, 2, 32, 9
     row = rand(H * hd + 2 * Hk * hd + 16)  # a stacked projection's row: q | k | v (| padding)
     q0, k0, v0 = 0, H * hd, H * hd + Hk * hd
@@ -70,8 +70,8 @@ def test_decode_scores_is_the_separate_steps_bit_for_bit(norms):
     qn = {"none": none, "per head": (rand(hd), np.float32(1e-6), True), "all heads": (rand(H * hd), np.float32(1e-5), False)}[norms]
     kn = {"none": none, "per head": (rand(hd), np.float32(1e-6), True), "all heads": (rand(Hk * hd), np.float32(1e-5), False)}[norms]
     K2, V2 = K.copy(), V.copy()
-    s = cpu_attn.decode_scores(row, q0, k0, v0, H, Hk, hd, *qn, *kn, a, b, partner, K2, V2, pos, np.float32(0.125))
-    got = cpu_attn.softmax_values(s, V2)
+    qs = cpu_attn.decode_qs(row, q0, k0, v0, H, Hk, hd, *qn, *kn, a, b, partner, K2, V2, pos, np.float32(0.125))
+    got = cpu_attn.attend_qs(qs, K2, V2, pos + 1)
     q, k = row[q0:k0].copy().reshape(H, hd), row[k0:v0].copy().reshape(Hk, hd)
     for t, (w, eps, per_head) in ((q, qn), (k, kn)):
         if w.size:

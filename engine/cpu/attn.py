@@ -144,16 +144,6 @@ def decode_qs(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_
     return (q * scale).reshape(Hk, H // Hk, hd)
 
 
-def decode_scores(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_head,
-                  a, b, partner, K, V, pos, scale):
-    """decode_qs, then the scores over positions 0 .. pos: [Hk, H // Hk, pos + 1]."""
-    qs = decode_qs(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_head, a, b, partner, K, V,
-                   pos, scale)
-    s = np.empty((Hk, H // Hk, pos + 1), np.float32)
-    _scores(qs, K, pos + 1, s)
-    return s
-
-
 @intrinsic
 def _float_from_bits(typingctx, bits):
     """The float32 whose bits are the int32 `bits` (LLVM bitcast: vectorises with the loop)."""

@@ -210,7 +210,7 @@ class CpuAttention(_Wraps):
         self._orig = Hidden(attn)
         self._qkv = Fused(projs[:3])
         self._o = projs[3]
-        none = (np.zeros(0, np.float32), np.float32(0), False)  # no norm, as decode_scores takes it
+        none = (np.zeros(0, np.float32), np.float32(0), False)  # no norm, as decode_qs takes it
         self._norm_args = (*(self.q_norm or none), *(self.k_norm or none))
 
     @staticmethod

@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import float32, int32, njit, prange, types
+from numba import float32, int32, njit, prange
 from numba.core import cgutils
-from numba.extending import intrinsic
 
 from flashmoe.engine.cpu import tiled, vector_ir as vir
 from flashmoe.engine.cpu.attn import silu_mul  # noqa: F401 - the loops call it
@@ -74,17 +73,11 @@ def _dot_lanes(builder, acc, w, x, vnni: bool):
 
 
 def _tile_out(bits: int, terms: int, vnni: bool, rows: int):
-    """An intrinsic: tile_out(wt, w0, nw, ng, xw, dx, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride)
-    writes the 16 outputs of one tile for `rows` x rows, all groups in one loop that keeps the
-    sums in vector registers (vector_ir.py says why), each weight word loaded once for all the rows.
-
-    Pass row r is x row m = xrow[r0 + r] into out row o = orow[r0 + r] (a prefill's expert entries
-    read their token's row and write their own: no copies of either). The tile's words are
-    wt[w0 + 16 j + l] (j < nw words per row, ng groups); x row m's words
+    """The int8 kernel as an intrinsic (vector_ir.tile_intrinsic): 16 outputs of one tile for
+    `rows` x rows, each weight word loaded once for all of them. x row m's words are
     xw[m * terms * passes * nw + (t * passes + p) * nw + j] for term t and pass p (the low (0) or
-    high (1) nibbles at 4 bits, the only pass at 8), its steps dx[m * terms * ng + t * ng + g], its
-    group sums xs[m * ng + g]; the tile's scales and biases st / bt[sb0 + 16 g + l].
-    out[o * ostride + col + l] is set to
+    high (1) nibbles at 4 bits, the only pass at 8), its steps dx[m * terms * ng + t * ng + g].
+    out is
 
         sum over g of  st * (dx0 * dot0 + dx1 * dot1) + bt * xs
 
@@ -92,61 +85,33 @@ def _tile_out(bits: int, terms: int, vnni: bool, rows: int):
     gets the same floats however many rows share its call."""
     passes = 32 // bits // 4  # x words per weight word
 
-    @intrinsic
-    def tile_out(typingctx, wt, w0, nw, ng, xw, dx, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride):
-        sig = types.void(wt, w0, nw, ng, xw, dx, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride)
+    def setup(rows_):  # where each row's x words and steps start
+        e, b = rows_.e, rows_.e.b
+        return [(b.mul(m, b.mul(rows_.nw, e.const(terms * passes))), b.mul(m, b.mul(rows_.ng, e.const(terms))))
+                for m in rows_.xm]
 
-        def codegen(context, builder, signature, args):
-            e = vir.Emitter(builder)
-            wdata, xdata, dxdata, xsdata, xrdata, ordata, stdata, btdata, odata = (
-                vir.array_data(context, builder, signature, args, i) for i in (0, 4, 5, 6, 7, 8, 10, 11, 13))
-            w0_, nw_, ng_, r0_, sb0_, col_, ostride_ = (e.i64(args[i]) for i in (1, 2, 3, 9, 12, 14, 15))
-            wpg = builder.sdiv(nw_, ng_)
-            # where row r's x words, steps, sums and outputs start
-            xm = [e.i64(e.load(xrdata, builder.add(r0_, e.const(r)))) for r in range(rows)]
-            om = [e.i64(e.load(ordata, builder.add(r0_, e.const(r)))) for r in range(rows)]
-            xrow = [builder.mul(m, builder.mul(nw_, e.const(terms * passes))) for m in xm]
-            drow = [builder.mul(m, builder.mul(ng_, e.const(terms))) for m in xm]
-            srow = [builder.mul(m, ng_) for m in xm]
-            orow_ = [builder.add(builder.mul(o, ostride_), col_) for o in om]
-            totals = [cgutils.alloca_once_value(builder, ir.Constant(vir.VF16, [0.0] * 16)) for _ in range(rows)]
-            dots = [[cgutils.alloca_once(builder, vir.V16) for _ in range(terms)] for _ in range(rows)]
-            with cgutils.for_range(builder, ng_) as groups:
-                g = groups.index
-                for d in (d for row in dots for d in row):
-                    builder.store(ir.Constant(vir.V16, [0] * 16), d)
-                with cgutils.for_range(builder, wpg) as words:
-                    j = builder.add(builder.mul(g, wpg), words.index)
-                    w = e.vload(wdata, e.at(w0_, (j, 16)), vir.V16)
-                    accs = [[builder.load(d) for d in row] for row in dots]
-                    for p in range(passes):
-                        wp = w if bits == 8 else builder.and_(builder.lshr(w, ir.Constant(vir.V16, [4 * p] * 16)),
-                                                              ir.Constant(vir.V16, [0x0F0F0F0F] * 16))
-                        for r in range(rows):
-                            for t in range(terms):
-                                xv = e.load(xdata, builder.add(e.at(xrow[r], (nw_, t * passes + p)), j))
-                                accs[r][t] = _dot_lanes(builder, accs[r][t], wp, e.splat(xv, vir.V16), vnni)
-                    for row, acc in zip(dots, accs):
-                        for d, a in zip(row, acc):
-                            builder.store(a, d)
-                at = e.at(sb0_, (g, 16))
-                scale, bias = e.vload(stdata, at, vir.VF16), e.vload(btdata, at, vir.VF16)
-                for r in range(rows):
-                    inner = None
-                    for t in range(terms):
-                        step = e.splat(e.load(dxdata, builder.add(e.at(drow[r], (ng_, t)), g)), vir.VF16)
-                        term = builder.fmul(step, builder.sitofp(builder.load(dots[r][t]), vir.VF16))
-                        inner = term if inner is None else builder.fadd(inner, term)
-                    xsum = e.splat(e.load(xsdata, builder.add(srow[r], g)), vir.VF16)
-                    part = builder.fadd(builder.fmul(scale, inner), builder.fmul(bias, xsum))
-                    builder.store(builder.fadd(builder.load(totals[r]), part), totals[r])
-            for r in range(rows):
-                e.vstore(builder.load(totals[r]), odata, orow_[r])
-            return context.get_dummy_value()
+    def word(rows_, j, w, dots):
+        e, b = rows_.e, rows_.e.b
+        for p in range(passes):
+            wp = w if bits == 8 else b.and_(b.lshr(w, ir.Constant(vir.V16, [4 * p] * 16)),
+                                            ir.Constant(vir.V16, [0x0F0F0F0F] * 16))
+            for r, (xrow, _) in enumerate(rows_.state):
+                for t in range(terms):
+                    xv = e.load(rows_.xdata, b.add(e.at(xrow, (rows_.nw, t * passes + p)), j))
+                    dots[r][t] = _dot_lanes(b, dots[r][t], wp, e.splat(xv, vir.V16), vnni)
+        return dots
 
-        return sig, codegen
+    def group(rows_, r, g, dots, scale, bias, xsum, total):
+        e, b = rows_.e, rows_.e.b
+        drow = rows_.state[r][1]
+        inner = None
+        for t in range(terms):
+            step = e.splat(e.load(rows_.dxdata, b.add(e.at(drow, (rows_.ng, t)), g)), vir.VF16)
+            term = b.fmul(step, b.sitofp(dots[t], vir.VF16))
+            inner = term if inner is None else b.fadd(inner, term)
+        return b.fadd(total, b.fadd(b.fmul(scale, inner), b.fmul(bias, xsum)))
 
-    return tile_out
+    return vir.tile_intrinsic(rows, vir.V16, terms, setup, word, group)
 
 
 @njit(cache=True, nogil=True)

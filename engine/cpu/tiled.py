@@ -35,9 +35,7 @@ import re
 
 import numpy as np
 from llvmlite import ir
-from numba import float32, njit, prange, types  # noqa: F401 - float32, prange: the generated loops use them
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import float32, njit, prange  # noqa: F401 - float32, prange: the generated loops use them
 
 from flashmoe.engine.cpu import vector_ir as vir
 from flashmoe.engine.cpu.attn import silu_mul  # noqa: F401 - the generated kernels call it
@@ -61,16 +59,11 @@ def supports(bits: int, group_size: int) -> bool:
 
 
 def _tile_out(bits: int, rows: int):
-    """An intrinsic: tile_out(wt, w0, nw, ng, xk, dx, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride)
-    (int8.py's argument list; dx, its steps, unused here) writes the 16 outputs of one tile for `rows` x rows, each weight word decoded once for all of
-    them, every sum in a vector register (engine/cpu/vector_ir.py says why).
-
-    Pass row r is x row m = xrow[r0 + r] into out row o = orow[r0 + r] (a prefill's expert entries
-    read their token's row and write their own). The tile's words are wt[w0 + 16 j + l] (j < nw
-    words per row, ng groups); x row m's value k of word j (times 2**-_shift) is
-    xk[m * vpw * nw + k * nw + j], its group sums xs[m * ng + g]; the tile's scales and biases
-    st / bt[sb0 + 16 g + l]. out[o * ostride + col + l] is set to the sum over groups of
-    st * d + bt * xs, d the group's dot product, per word
+    """The float kernel as an intrinsic (vector_ir.tile_intrinsic: int8.py's argument list; dx,
+    its steps, unused here): 16 outputs of one tile for `rows` x rows, each weight word decoded
+    once for all of them. x row m's value k of word j (times 2**-_shift) is
+    xk[m * vpw * nw + k * nw + j]; out = sum over groups of st * d + bt * xs, d the group's dot
+    product, per word
 
         d += (q0 x0 + q4 x4) + (q1 x1 + q5 x5) + (q2 x2 + q6 x6) + (q3 x3 + q7 x7)
 
@@ -80,61 +73,36 @@ def _tile_out(bits: int, rows: int):
     parts = min(PARTIALS, vpw)
     flags = tuple(KERNEL_FASTMATH)
 
-    @intrinsic
-    def tile_out(typingctx, wt, w0, nw, ng, xk, dx, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride):
-        sig = types.void(wt, w0, nw, ng, xk, dx, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride)
+    def setup(rows_):  # where each row's x values start
+        b, e = rows_.e.b, rows_.e
+        return [b.mul(m, b.mul(rows_.nw, e.const(vpw))) for m in rows_.xm]
 
-        def codegen(context, builder, signature, args):
-            e = vir.Emitter(builder)
-            wdata, xdata, xsdata, xrdata, ordata, stdata, btdata, odata = (
-                vir.array_data(context, builder, signature, args, i) for i in (0, 4, 6, 7, 8, 10, 11, 13))
-            w0_, nw_, ng_, r0_, sb0_, col_, ostride_ = (e.i64(args[i]) for i in (1, 2, 3, 9, 12, 14, 15))
-            wpg = builder.sdiv(nw_, ng_)
-            xm = [e.i64(e.load(xrdata, builder.add(r0_, e.const(r)))) for r in range(rows)]
-            om = [e.i64(e.load(ordata, builder.add(r0_, e.const(r)))) for r in range(rows)]
-            xrow_ = [builder.mul(m, builder.mul(nw_, e.const(vpw))) for m in xm]
-            srow = [builder.mul(m, ng_) for m in xm]
-            orow_ = [builder.add(builder.mul(o, ostride_), col_) for o in om]
-            zero = ir.Constant(vir.VF16, [0.0] * 16)
-            totals = [cgutils.alloca_once_value(builder, zero) for _ in range(rows)]
-            dots = [cgutils.alloca_once(builder, vir.VF16) for _ in range(rows)]
-            with cgutils.for_range(builder, ng_) as groups:
-                g = groups.index
-                for d in dots:
-                    builder.store(zero, d)
-                with cgutils.for_range(builder, wpg) as words:
-                    j = builder.add(builder.mul(g, wpg), words.index)
-                    w = e.vload(wdata, e.at(w0_, (j, 16)), vir.V16)
-                    q = []
-                    for k in range(vpw):  # value k of each lane's word, times 2**_shift (exact)
-                        sh = k * bits
-                        v = (builder.and_(w, ir.Constant(vir.V16, [((1 << bits) - 1) << sh] * 16)) if sh + bits < 32
-                             else builder.lshr(w, ir.Constant(vir.V16, [sh] * 16)))
-                        q.append(builder.sitofp(v, vir.VF16))
-                    for r in range(rows):
-                        xv = [e.splat(e.load(xdata, builder.add(e.at(xrow_[r], (nw_, k)), j)), vir.VF16) for k in range(vpw)]
-                        total = None
-                        for p in range(parts):
-                            part = None
-                            for k in range(p, vpw, parts):
-                                prod = builder.fmul(q[k], xv[k], flags=flags)
-                                part = prod if part is None else builder.fadd(part, prod, flags=flags)
-                            total = part if total is None else builder.fadd(total, part, flags=flags)
-                        builder.store(builder.fadd(builder.load(dots[r]), total, flags=flags), dots[r])
-                at = e.at(sb0_, (g, 16))
-                scale, bias = e.vload(stdata, at, vir.VF16), e.vload(btdata, at, vir.VF16)
-                for r in range(rows):
-                    xsum = e.splat(e.load(xsdata, builder.add(srow[r], g)), vir.VF16)
-                    part = builder.fadd(builder.fmul(scale, builder.load(dots[r]), flags=flags),
-                                        builder.fmul(bias, xsum, flags=flags), flags=flags)
-                    builder.store(builder.fadd(builder.load(totals[r]), part, flags=flags), totals[r])
-            for r in range(rows):
-                e.vstore(builder.load(totals[r]), odata, orow_[r])
-            return context.get_dummy_value()
+    def word(rows_, j, w, dots):
+        e, b = rows_.e, rows_.e.b
+        q = []
+        for k in range(vpw):  # value k of each lane's word, times 2**_shift (exact)
+            sh = k * bits
+            v = (b.and_(w, ir.Constant(vir.V16, [((1 << bits) - 1) << sh] * 16)) if sh + bits < 32
+                 else b.lshr(w, ir.Constant(vir.V16, [sh] * 16)))
+            q.append(b.sitofp(v, vir.VF16))
+        for r, xrow in enumerate(rows_.state):
+            xv = [e.splat(e.load(rows_.xdata, b.add(e.at(xrow, (rows_.nw, k)), j)), vir.VF16) for k in range(vpw)]
+            total = None
+            for p in range(parts):
+                part = None
+                for k in range(p, vpw, parts):
+                    prod = b.fmul(q[k], xv[k], flags=flags)
+                    part = prod if part is None else b.fadd(part, prod, flags=flags)
+                total = part if total is None else b.fadd(total, part, flags=flags)
+            dots[r] = [b.fadd(dots[r][0], total, flags=flags)]
+        return dots
 
-        return sig, codegen
+    def group(rows_, r, g, dots, scale, bias, xsum, total):
+        b = rows_.e.b
+        part = b.fadd(b.fmul(scale, dots[0], flags=flags), b.fmul(bias, xsum, flags=flags), flags=flags)
+        return b.fadd(total, part, flags=flags)
 
-    return tile_out
+    return vir.tile_intrinsic(rows, vir.VF16, 1, setup, word, group)
 
 
 def _shift(bits: int, k: int) -> int:

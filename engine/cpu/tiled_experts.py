@@ -94,13 +94,16 @@ class TiledBank:
                 self._fns[key] = (tiled.gather_kernel(bits, gs, what), serial_below)
         return self._fns[key]
 
-    def _kernel(self, x2: np.ndarray, xrow: np.ndarray, slots: np.ndarray, names) -> tuple[np.ndarray, ...]:
-        bits, gs = self.formats[names[0]]
+    def _banks(self, names) -> tuple:
+        """The tiles of the one or two projections named, as the kernels take them (a second bank
+        with no tiles when there is one)."""
         a = self.tiles[names[0]]
-        b = self.tiles[names[1]] if len(names) > 1 else tuple(t[:, :0] for t in a)
-        fn, serial_below = self._fn(bits, gs, "gather")
+        return (*a, *(self.tiles[names[1]] if len(names) > 1 else tuple(t[:, :0] for t in a)))
+
+    def _kernel(self, x2: np.ndarray, xrow: np.ndarray, slots: np.ndarray, names) -> tuple[np.ndarray, ...]:
+        fn, serial_below = self._fn(*self.formats[names[0]], "gather")
         work = xrow.shape[0] * sum(self.n[n] for n in names) * x2.shape[1]
-        oa, ob = fn(*a, *b, x2, xrow, np.ascontiguousarray(slots, dtype=np.int64), work >= serial_below)
+        oa, ob = fn(*self._banks(names), x2, xrow, np.ascontiguousarray(slots, dtype=np.int64), work >= serial_below)
         return (oa, ob) if len(names) > 1 else (oa,)
 
     def _grouped(self, x2: np.ndarray, idx: np.ndarray, k: int, names) -> tuple[np.ndarray, ...]:
@@ -112,11 +115,8 @@ class TiledBank:
         against a row per entry, 2.4x (benchmarks/RESULTS.md)."""
         order = np.argsort(idx, kind="stable")
         slots, starts = np.unique(idx[order], return_index=True)
-        bits, gs = self.formats[names[0]]
-        a = self.tiles[names[0]]
-        b = self.tiles[names[1]] if len(names) > 1 else tuple(t[:, :0] for t in a)
-        fn, _ = self._fn(bits, gs, "grouped")
-        got = fn(*a, *b, np.ascontiguousarray(x2), order // k, order, slots.astype(np.int64),
+        fn, _ = self._fn(*self.formats[names[0]], "grouped")
+        got = fn(*self._banks(names), np.ascontiguousarray(x2), order // k, order, slots.astype(np.int64),
                  np.append(starts, idx.size).astype(np.int64), True)
         return got[:len(names)]
 

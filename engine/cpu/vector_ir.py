@@ -6,6 +6,9 @@ that a scratch array aliases nothing), which cost 1.3-2.5x (benchmarks/RESULTS.m
 from __future__ import annotations
 
 from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 I32 = ir.IntType(32)
 I64 = ir.IntType(64)
@@ -53,3 +56,72 @@ class Emitter:
 def array_data(context, builder, signature, args, i):
     """The data pointer of array argument i of an intrinsic."""
     return context.make_array(signature.args[i])(context, builder, args[i]).data
+
+
+class Rows:
+    """What a tile kernel's callbacks see of one pass: the emitter, nw (words per row), ng
+    (groups), xm (each pass row's x row, i64), the data pointers of xk (x values or int8 words),
+    dx (int8 steps) and the kernel's own per-row state (from its `setup`)."""
+
+    def __init__(self, e, nw, ng, xm, xdata, dxdata):
+        self.e, self.nw, self.ng, self.xm, self.xdata, self.dxdata = e, nw, ng, xm, xdata, dxdata
+        self.state = None
+
+
+def tile_intrinsic(rows: int, dot_type, dots_per_row: int, setup, word, group):
+    """An intrinsic tile_out(wt, w0, nw, ng, xk, dx, xs, xrow, orow, r0, st, bt, sb0, out, col,
+    ostride) that writes the 16 outputs of one tile for `rows` x rows: pass row r is x row
+    xrow[r0 + r] into out row orow[r0 + r]; the tile's words are wt[w0 + 16 j + l] (j < nw, ng
+    groups), its scales and biases st / bt[sb0 + 16 g + l], x row m's group sums xs[m * ng + g];
+    out[o * ostride + col + l] gets the sum over groups. Every sum stays in a vector register.
+
+    The kernel set (tiled.py: float; int8.py: VNNI) gives the arithmetic:
+    - setup(rows_) -> per-row state (where each x row's values start), kept in rows_.state;
+    - word(rows_, j, w, dots) -> dots: word j (w, 16 lanes) added into each row's `dots_per_row`
+      sums of `dot_type`, for every pass row;
+    - group(rows_, r, g, dots, scale, bias, xsum, total) -> total: group g's part of row r added."""
+
+    @intrinsic
+    def tile_out(typingctx, wt, w0, nw, ng, xk, dx, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride):
+        sig = types.void(wt, w0, nw, ng, xk, dx, xs, xrow, orow, r0, st, bt, sb0, out, col, ostride)
+
+        def codegen(context, builder, signature, args):
+            e = Emitter(builder)
+            wdata, xdata, dxdata, xsdata, xrdata, ordata, stdata, btdata, odata = (
+                array_data(context, builder, signature, args, i) for i in (0, 4, 5, 6, 7, 8, 10, 11, 13))
+            w0_, nw_, ng_, r0_, sb0_, col_, ostride_ = (e.i64(args[i]) for i in (1, 2, 3, 9, 12, 14, 15))
+            wpg = builder.sdiv(nw_, ng_)
+            xm = [e.i64(e.load(xrdata, builder.add(r0_, e.const(r)))) for r in range(rows)]
+            om = [e.i64(e.load(ordata, builder.add(r0_, e.const(r)))) for r in range(rows)]
+            rows_ = Rows(e, nw_, ng_, xm, xdata, dxdata)
+            rows_.state = setup(rows_)
+            srow = [builder.mul(m, ng_) for m in xm]
+            orow_ = [builder.add(builder.mul(o, ostride_), col_) for o in om]
+            totals = [cgutils.alloca_once_value(builder, ir.Constant(VF16, [0.0] * 16)) for _ in range(rows)]
+            dots = [[cgutils.alloca_once(builder, dot_type) for _ in range(dots_per_row)] for _ in range(rows)]
+            zero = ir.Constant(dot_type, [0] * 16)
+            with cgutils.for_range(builder, ng_) as groups:
+                g = groups.index
+                for d in (d for row in dots for d in row):
+                    builder.store(zero, d)
+                with cgutils.for_range(builder, wpg) as words:
+                    j = builder.add(builder.mul(g, wpg), words.index)
+                    w = e.vload(wdata, e.at(w0_, (j, 16)), V16)
+                    sums = word(rows_, j, w, [[builder.load(d) for d in row] for row in dots])
+                    for row, acc in zip(dots, sums):
+                        for d, a in zip(row, acc):
+                            builder.store(a, d)
+                at = e.at(sb0_, (g, 16))
+                scale, bias = e.vload(stdata, at, VF16), e.vload(btdata, at, VF16)
+                for r in range(rows):
+                    xsum = e.splat(e.load(xsdata, builder.add(srow[r], g)), VF16)
+                    total = group(rows_, r, g, [builder.load(d) for d in dots[r]], scale, bias, xsum,
+                                  builder.load(totals[r]))
+                    builder.store(total, totals[r])
+            for r in range(rows):
+                e.vstore(builder.load(totals[r]), odata, orow_[r])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile_out
