@@ -103,7 +103,7 @@ def warm(jobs=JOBS, processes: int = 2) -> float:
     # Compiled in one process, caller and callee are saved together, whole.
     small = [j for j in jobs if j[0] == "small"]
     rest = [j for j in jobs if j[0] != "small"]
-    for group in ([small] if small else []) + [[rest[i::processes] for i in range(processes)]]:
+    for group in ([[small]] if small else []) + [[rest[i::processes] for i in range(processes)]]:
         procs = [ctx.Process(target=_run_all, args=(share,)) for share in group if share]
         for p in procs:
             p.start()
