@@ -13,6 +13,8 @@ from llvmlite import ir
 from numba import float32, int32, njit, prange, types
 from numba.extending import intrinsic
 
+from flashmoe.engine.cpu import gemm  # noqa: F401 - starts numba's thread pool before a kernel loads (see there)
+
 
 @njit(cache=True, fastmath=False, nogil=True)
 def _dot(a, b, n):

@@ -92,19 +92,12 @@ def warm(jobs=JOBS, processes: int = 2) -> float:
     import multiprocessing
 
     t0 = time.perf_counter()
+    shares = [jobs[i::processes] for i in range(processes)]
     if processes <= 1:
         _run_all(jobs)
-        return time.perf_counter() - t0
-    ctx = multiprocessing.get_context("spawn")  # no MLX or numba state inherited
-    # The small kernels first, on their own: the tiled loops call attn.silu_mul, and numba saves a
-    # cached function compiled while a parallel function it calls was loaded from the cache
-    # without what re-registers that callee's parallel loop; loading it in a later process then
-    # crashes (a segfault in silu_mul, when the other process had just cached _silu_mul_rows).
-    # Compiled in one process, caller and callee are saved together, whole.
-    small = [j for j in jobs if j[0] == "small"]
-    rest = [j for j in jobs if j[0] != "small"]
-    for group in ([[small]] if small else []) + [[rest[i::processes] for i in range(processes)]]:
-        procs = [ctx.Process(target=_run_all, args=(share,)) for share in group if share]
+    else:
+        ctx = multiprocessing.get_context("spawn")  # no MLX or numba state inherited
+        procs = [ctx.Process(target=_run_all, args=(share,)) for share in shares]
         for p in procs:
             p.start()
         for p in procs:
