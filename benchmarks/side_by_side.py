@@ -521,9 +521,14 @@ def _uniform(name: str, shape, scale: float):
     return a
 
 
-def build_synthetic_mlx(src: Path, cfg: dict, tokenizer_from: Path, log) -> None:
-    """An mlx-lm folder, 4-bit g64 (float32 scales), router and norms float32; one shard per layer."""
+def build_synthetic_mlx(src: Path, cfg: dict, tokenizer_from: Path, log, scales: str = "bfloat16") -> None:
+    """An mlx-lm folder, 4-bit g64, router and norms float32; one shard per layer. With bfloat16
+    scales (as MLX checkpoints have them) each matrix is rounded to bfloat16 and quantized there."""
     import mlx.core as mx
+
+    def q(values):
+        a = mx.array(values)
+        return mx.quantize(a.astype(mx.bfloat16) if scales == "bfloat16" else a, 64, 4)
 
     src.mkdir(parents=True, exist_ok=True)
     tensors = syn_tensors(cfg)
@@ -549,12 +554,12 @@ def build_synthetic_mlx(src: Path, cfg: dict, tokenizer_from: Path, log) -> None
         if len(shape) == 3:
             ws, ss, bs = [], [], []
             for e0 in range(0, shape[0], EXPERT_CHUNK):
-                w, s, b = mx.quantize(mx.array(syn_values(hf, shape, e0, e0 + EXPERT_CHUNK)), 64, 4)
+                w, s, b = q(syn_values(hf, shape, e0, e0 + EXPERT_CHUNK))
                 mx.eval(w, s, b)
                 ws.append(w), ss.append(s), bs.append(b)
             parts = {".weight": mx.concatenate(ws), ".scales": mx.concatenate(ss), ".biases": mx.concatenate(bs)}
         elif quantize:
-            w, s, b = mx.quantize(mx.array(syn_values(hf, shape)), 64, 4)
+            w, s, b = q(syn_values(hf, shape))
             parts = {".weight": w, ".scales": s, ".biases": b}
         else:
             parts = {".weight": mx.array(syn_values(hf, shape))}
@@ -631,7 +636,7 @@ def build_synthetic_gguf(out: Path, cfg: dict, tok_gguf: Path, log) -> None:
     os.replace(tmp, out)
 
 
-def prepare_synthetic(work: Path, dense: dict, home: Path, log) -> dict:
+def prepare_synthetic(work: Path, dense: dict, home: Path, log, scales: str = "bfloat16") -> dict:
     from flashmoe.engine.formats.convert import convert, is_converted
 
     work.mkdir(parents=True, exist_ok=True)
@@ -639,24 +644,31 @@ def prepare_synthetic(work: Path, dense: dict, home: Path, log) -> dict:
     tcfg = json.loads((tok_folder / "config.json").read_text())
     cfg = syn_config(tcfg["vocab_size"], tcfg.get("bos_token_id"), tcfg.get("eos_token_id"))
     marker = work / "synthetic.json"
-    want = {"syn": SYN, "config": cfg, "chunk": EXPERT_CHUNK, "version": 1}
+    # the GGUF is made from the float weights whatever the MLX scales: a change of --synthetic-scales
+    # builds the MLX side again only
+    want = {"syn": SYN, "config": cfg, "chunk": EXPERT_CHUNK, "version": 1, "scales": scales}
     fm, gg, src = work / "flashmoe-4bit", work / "synthetic-q4_0.gguf", work / "mlx-src"
-    if marker.exists() and json.loads(marker.read_text()) == want and is_converted(fm) and gg.exists():
+    had = json.loads(marker.read_text()) if marker.exists() else {}
+    if had == want and is_converted(fm) and gg.exists():
         log(f"synthetic: reusing {work}")
     else:
+        keep_gguf = gg.exists() and {k: v for k, v in had.items() if k != "scales"} == {
+            k: v for k, v in want.items() if k != "scales"}
         for p in (fm, src, work / "flashmoe-4bit.partial"):
             shutil.rmtree(p, ignore_errors=True)
-        gg.unlink(missing_ok=True)
+        if not keep_gguf:
+            gg.unlink(missing_ok=True)
         marker.unlink(missing_ok=True)
         t0 = time.perf_counter()
-        log("synthetic: writing the MLX 4-bit source folder ...")
-        build_synthetic_mlx(src, cfg, tok_folder, log)
+        log(f"synthetic: writing the MLX 4-bit source folder ({scales} scales) ...")
+        build_synthetic_mlx(src, cfg, tok_folder, log, scales)
         log(f"synthetic: converting to flashmoe ({time.perf_counter() - t0:.0f} s so far) ...")
         with contextlib.redirect_stdout(io.StringIO()):
             convert(src, fm)
         shutil.rmtree(src, ignore_errors=True)  # the flashmoe folder holds the same bytes
-        log(f"synthetic: writing the Q4_0 GGUF ({time.perf_counter() - t0:.0f} s so far) ...")
-        build_synthetic_gguf(gg, cfg, smollm2_gguf(home), log)
+        if not keep_gguf:
+            log(f"synthetic: writing the Q4_0 GGUF ({time.perf_counter() - t0:.0f} s so far) ...")
+            build_synthetic_gguf(gg, cfg, smollm2_gguf(home), log)
         marker.write_text(json.dumps(want, indent=1))
         log(f"synthetic: built in {time.perf_counter() - t0:.0f} s")
     s = SYN
@@ -665,7 +677,7 @@ def prepare_synthetic(work: Path, dense: dict, home: Path, log) -> dict:
                       f"{s['experts']} experts top-{s['top_k']}, expert intermediate {s['moe_inter']}, "
                       f"heads {s['heads']}/{s['kv_heads']} x {s['head_dim']}, vocab {cfg['vocab_size']}"),
             "flashmoe": str(fm), "mlx_float": None, "mlx_bits": None, "gguf": str(gg),
-            "bits_flashmoe": "4-bit g64 (MLX affine, float32 scales; router float32)",
+            "bits_flashmoe": f"4-bit g64 (MLX affine, {scales} scales; router float32)",
             "bits_mlx": None, "bits_llama": "Q4_0 of the same float weights (router and norms F32)",
             "K": f"top-{s['top_k']} of {s['experts']}", "prompt": RAW_PROMPT}
 
@@ -935,6 +947,9 @@ def main(argv=None) -> int:
     p.add_argument("--synthetic", action="store_true", help="also build and run the big synthetic streaming "
                    "model (~5 min to build here, ~17.5 GB in --synthetic-dir, reused)")
     p.add_argument("--synthetic-dir", type=Path, default=Path("/tmp/fm-side-by-side-synthetic"))
+    p.add_argument("--synthetic-scales", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="the synthetic model's MLX scales and biases: bfloat16 as MLX checkpoints have them "
+                   "(default), or float32 (the MLX side is built again when this changes)")
     p.add_argument("--synthetic-cache-gb", type=float, default=2.0,
                    help="the smaller expert cache for the cold synthetic run (default 2 GB)")
     p.add_argument("--synthetic-mlx", action="store_true", help="also time flashmoe kernels=mlx on the synthetic "
@@ -987,7 +1002,7 @@ def main(argv=None) -> int:
     if "demo" in wanted:
         models.append(prepare_demo(a.workdir, a.home, log))
     if a.synthetic:
-        models.append(prepare_synthetic(a.synthetic_dir, dense, a.home, log))
+        models.append(prepare_synthetic(a.synthetic_dir, dense, a.home, log, a.synthetic_scales))
     out, all_lines = {}, [f"flashmoe side by side -- {time.strftime('%Y-%m-%d %H:%M')} -- {machine}"]
     if a.prompt_tokens:
         models = [lengthened(m, a.prompt_tokens) for m in models]

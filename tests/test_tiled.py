@@ -94,3 +94,40 @@ def test_unsupported_formats_are_refused():
     wq, s, b, _ = quantize(RNG.standard_normal((4, 64)).astype(np.float32), 3, 32)
     with pytest.raises(ValueError, match="3-bit"):
         T.Tiled.from_mlx(wq, s, b, 3, 32)
+
+
+def quantize_bf16(w: np.ndarray, bits: int, gs: int):
+    """As a real MLX checkpoint is: w rounded to bfloat16, quantized there (bfloat16 scales and
+    biases), then widened to float32 as the loader gives them; (packed, scales, biases)."""
+    wq, s, b = mx.quantize(mx.array(w).astype(mx.bfloat16), group_size=gs, bits=bits)
+    return np.array(wq), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32))
+
+
+@pytest.mark.parametrize("bits,gs", [(4, 64), (8, 64), (2, 32)])
+def test_bfloat16_scales_are_kept_as_bfloat16_for_the_same_floats(bits, gs):
+    """Scales and biases that are all bfloat16 values keep their 16 bits in the tiles (fewer
+    bytes read) and give what float32 tiles of them give, bit for bit: decode rows, many rows,
+    int8 activations, dequantized rows; a float32 scale keeps float32 tiles, and a stack of
+    both kinds multiplies as its parts do."""
+    from flashmoe.engine.cpu import int8
+
+    wq, s, b = quantize_bf16(RNG.standard_normal((40, 256)).astype(np.float32), bits, gs)
+    half, full = T.Tiled.from_mlx(wq, s, b, bits, gs), T.Tiled.from_mlx(wq, s, b, bits, gs, bf16=False)
+    assert half.st.dtype == half.bt.dtype == np.uint16 and full.st.dtype == np.float32
+    assert half.nbytes < full.nbytes
+    for rows in (1, 3, 9, 70):  # (70: dequantize + sgemm)
+        x = RNG.standard_normal((rows, 256)).astype(np.float32)
+        assert np.array_equal(half.matmul(x), full.matmul(x))
+        if int8.supports(bits, gs):
+            h8, f8 = (T.Tiled(t.wt, t.st, t.bt, t.n, bits, gs) for t in (half, full))
+            h8.int8 = f8.int8 = True
+            assert np.array_equal(h8.matmul(x), f8.matmul(x))
+    ids = np.array([[0, 39], [7, 7]])
+    assert np.array_equal(half.rows(ids), full.rows(ids))
+    s2 = s.copy()
+    s2.view(np.uint32)[3, 0] |= 1  # no longer a bfloat16 value
+    assert T.Tiled.from_mlx(wq, s2, b, bits, gs).st.dtype == np.float32
+    whole, views, starts = T.Tiled.stack([half, T.Tiled.from_mlx(wq, s2, b, bits, gs)])
+    assert whole.st.dtype == np.float32
+    x = RNG.standard_normal((2, 256)).astype(np.float32)
+    assert np.array_equal(whole.matmul(x)[:, :40], full.matmul(x))

@@ -200,3 +200,64 @@ def test_repack_cached_readies_a_prewarmed_cache_and_changes_no_token(model_fact
     assert repack_cached(eager.model) == sum(layer.num_experts for layer in eager.layers)
     assert not any(m.tiled_bank._raw[slots].any() for m, slots in held)
     assert greedy(eager.model, PROMPT, 8) == greedy(lazy.model, PROMPT, 8)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_bfloat16_scales_tile_into_half_their_bytes_for_the_same_floats(int8):
+    """Experts whose scales and biases are stored as bfloat16 (the slots hold them widened to
+    float32) are tiled back into their 16 bits, in the first half of the slot's own scale bytes:
+    a decode step's one-call SwiGLU, the gathers and a grouped prefill give what float32 tiles
+    of the same experts give, bit for bit."""
+    from flashmoe.engine.cpu.gemm import GEMM_ROWS
+    from tests.test_tiled import quantize_bf16
+
+    S, shapes, parts = 5, {"gate_proj": (32, 128), "up_proj": (32, 128), "down_proj": (128, 32)}, {}
+    for name, (n, k) in shapes.items():
+        wq, s, b = quantize_bf16(RNG.standard_normal((S, n, k)).astype(np.float32), 8, 32)
+        parts[name] = (wq, s, b, 8, 32)
+    banks = []
+    for bf16 in (True, False):
+        copies = {n: (w.copy(), s.copy(), b.copy(), bits, gs) for n, (w, s, b, bits, gs) in parts.items()}
+        bank = TiledBank(copies, np.ones(S, dtype=bool), bf16)
+        bank.int8 = int8
+        bank.ready(np.arange(S))
+        banks.append((bank, copies))
+    (half, copies), (full, _) = banks
+    assert half.tiles["gate_proj"][1].dtype == np.uint16
+    assert np.shares_memory(half.tiles["gate_proj"][1], copies["gate_proj"][1])  # in the slot's own bytes
+    x = RNG.standard_normal((3, 128)).astype(np.float32)
+    for slots, rows in ((np.array([4, 1, 0]), 1), (np.array([4, 1, 0, 4, 2, 3]), 3)):
+        k = slots.size // rows
+        assert np.array_equal(half.swiglu(x[:rows], slots, k), full.swiglu(x[:rows], slots, k))
+        for a, b in zip(half.gather(x[:rows], slots, k, ("gate_proj", "up_proj")),
+                        full.gather(x[:rows], slots, k, ("gate_proj", "up_proj"))):
+            assert np.array_equal(a, b)
+    tokens = GEMM_ROWS // 2 + 3
+    idx = np.concatenate([RNG.choice(S, 2, replace=False) for _ in range(tokens)]).astype(np.int64)
+    xs = RNG.standard_normal((tokens, 128)).astype(np.float32)
+    for a, b in zip(half.gather(xs, idx, 2, ("gate_proj", "up_proj")), full.gather(xs, idx, 2, ("gate_proj", "up_proj"))):
+        assert np.array_equal(a, b)
+    h = RNG.standard_normal((idx.size, 32)).astype(np.float32)
+    assert np.array_equal(half.gather(h, idx, 1, ("down_proj",))[0], full.gather(h, idx, 1, ("down_proj",))[0])
+
+
+def test_a_model_with_bfloat16_scales_keeps_them_so_and_the_same_tokens(model_factory, tmp_path):
+    """Converted with bfloat16 scales (as MLX checkpoints are) and loaded on the CPU kernels in
+    float32: resident matrices and streamed experts keep their scales' 16 bits, and the greedy
+    tokens are MLX's own on the same weights."""
+    from flashmoe.engine.cpu.install import CpuQuantizedLinear
+    from flashmoe.engine.experts.switch import StreamingSwitchGLU
+    from flashmoe.engine.formats.convert import convert
+    from flashmoe.engine.runtime.loader import load
+    from tests.test_streaming_exact import PROMPT, greedy
+
+    out = convert(model_factory("qwen3_moe"), tmp_path / "bf16", bits=4, dtype="bfloat16")
+    ref = load(out, load_tokenizer=False, dtype="float32", kernels="mlx")
+    want = greedy(ref.model, PROMPT, 8)
+    for kernels in ("cpu", "cpu-int8"):
+        lm = load(out, load_tokenizer=False, dtype="float32", kernels=kernels)
+        assert greedy(lm.model, PROMPT, 8) == want, kernels
+        banks = [m.tiled_bank for m in lm.model.modules() if isinstance(m, StreamingSwitchGLU)]
+        assert banks and all(b is not None and b.bf16 for b in banks)
+        tiles = [m.tiled for m in lm.model.modules() if isinstance(m, CpuQuantizedLinear) and m.tiled is not None]
+        assert tiles and all(t.st.dtype == t.bt.dtype == np.uint16 for t in tiles)

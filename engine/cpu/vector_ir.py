@@ -10,10 +10,29 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+I16 = ir.IntType(16)
 I32 = ir.IntType(32)
 I64 = ir.IntType(64)
 V16 = ir.VectorType(I32, 16)
 VF16 = ir.VectorType(ir.FloatType(), 16)
+VH16 = ir.VectorType(I16, 16)
+
+
+def _bf16_bits(t) -> bool:
+    """Whether an array or scalar type holds scales as bfloat16 bits (uint16) rather than float32."""
+    return getattr(t, "dtype", t) == types.uint16
+
+
+@intrinsic
+def as_f32(typingctx, v):
+    """A scale or bias as float32: a float32 as it is, a uint16 as the bfloat16 it holds (the top
+    half of a float32, so widening is exact)."""
+    def codegen(context, builder, signature, args):
+        if not _bf16_bits(signature.args[0]):
+            return args[0]
+        return builder.bitcast(builder.shl(builder.zext(args[0], I32), ir.Constant(I32, 16)), ir.FloatType())
+
+    return types.float32(v), codegen
 
 
 class Emitter:
@@ -46,6 +65,13 @@ class Emitter:
     def vstore(self, value, ptr, index):
         self.b.store(value, self.b.bitcast(self.b.gep(ptr, [index]), value.type.as_pointer()), align=4)
 
+    def vload_scales(self, ptr, index, bf16: bool):
+        """16 scales (or biases) from ptr[index] on, as float32: bfloat16 bits widened exactly."""
+        if not bf16:
+            return self.vload(ptr, index, VF16)
+        half = self.b.load(self.b.bitcast(self.b.gep(ptr, [index]), VH16.as_pointer()), align=2)
+        return self.b.bitcast(self.b.shl(self.b.zext(half, V16), ir.Constant(V16, [16] * 16)), VF16)
+
     def splat(self, v, vt):
         """A scalar in all 16 lanes."""
         undef = ir.Constant(vt, None)
@@ -72,7 +98,8 @@ def tile_intrinsic(rows: int, dot_type, dots_per_row: int, setup, word, group):
     """An intrinsic tile_out(wt, w0, nw, ng, xk, dx, xs, xrow, orow, r0, st, bt, sb0, out, col,
     ostride) that writes the 16 outputs of one tile for `rows` x rows: pass row r is x row
     xrow[r0 + r] into out row orow[r0 + r]; the tile's words are wt[w0 + 16 j + l] (j < nw, ng
-    groups), its scales and biases st / bt[sb0 + 16 g + l], x row m's group sums xs[m * ng + g];
+    groups), its scales and biases st / bt[sb0 + 16 g + l] (float32, or bfloat16 bits as uint16:
+    both the same type), x row m's group sums xs[m * ng + g];
     out[o * ostride + col + l] gets the sum over groups. Every sum stays in a vector register.
 
     The kernel set (tiled.py: float; int8.py: VNNI) gives the arithmetic:
@@ -112,7 +139,8 @@ def tile_intrinsic(rows: int, dot_type, dots_per_row: int, setup, word, group):
                         for d, a in zip(row, acc):
                             builder.store(a, d)
                 at = e.at(sb0_, (g, 16))
-                scale, bias = e.vload(stdata, at, VF16), e.vload(btdata, at, VF16)
+                bf16 = _bf16_bits(signature.args[10])
+                scale, bias = e.vload_scales(stdata, at, bf16), e.vload_scales(btdata, at, bf16)
                 for r in range(rows):
                     xsum = e.splat(e.load(xsdata, builder.add(srow[r], g)), VF16)
                     total = group(rows_, r, g, [builder.load(d) for d in dots[r]], scale, bias, xsum,

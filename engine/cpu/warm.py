@@ -16,9 +16,11 @@ import time
 import numpy as np
 
 # (what, bits, group size): qmm = MLX's layout (other widths), tiled = resident matrices and the
-# streamed experts' slot banks (decode SwiGLU, grouped prefill)
+# streamed experts' slot banks (decode SwiGLU, grouped prefill), tiled-bf16 the same with
+# bfloat16 scales (real MLX checkpoints': their usual formats)
 JOBS = ([("qmm", b, 64) for b in (8, 4, 3, 2)]
         + [("tiled", b, g) for b, g in ((8, 64), (4, 64), (2, 64), (4, 32), (8, 128), (2, 32))]
+        + [("tiled-bf16", b, 64) for b in (4, 8)]
         + [("small", 0, 0)])
 
 
@@ -41,15 +43,16 @@ def _run(job) -> None:
             qmm.gather_qmm(x, w, s, s, idx, bits, gs)
             qmm.gather_qmm_pair(x, (w, s, s), (w, s, s), idx, bits, gs)
             qmm.qmm(x, w[0], s[0], s[0], bits, gs)
-    elif what == "tiled":
+    elif what in ("tiled", "tiled-bf16"):
         from flashmoe.engine.cpu.tiled import Tiled
 
+        bf16 = what == "tiled-bf16"
         t = Tiled.from_mlx(np.zeros((20, gs * bits // 32), np.uint32), np.zeros((20, 1), np.float32),
-                           np.zeros((20, 1), np.float32), bits, gs)
+                           np.zeros((20, 1), np.float32), bits, gs, bf16=bf16)
         for rows in (1, 2, 7):
             t.matmul(np.zeros((rows, gs), np.float32))
         t.rows(np.zeros((1, 1), np.int64))
-        _bank_calls(bits, gs)
+        _bank_calls(bits, gs, bf16)
     else:
         from flashmoe.engine.cpu import attn, gemm, routing
 
@@ -62,7 +65,7 @@ def _run(job) -> None:
                             np.zeros((1, 1), np.float32), bits, 64)
 
 
-def _bank_calls(bits: int, gs: int) -> None:
+def _bank_calls(bits: int, gs: int, bf16: bool = False) -> None:
     """A streamed-expert slot bank's calls (tiled_experts.py): a decode step's SwiGLU, a
     prefill's grouped gate / up and down."""
     from flashmoe.engine.cpu.gemm import GEMM_ROWS
@@ -75,7 +78,7 @@ def _bank_calls(bits: int, gs: int) -> None:
                 np.zeros((S, n, k // gs), np.float32), bits, gs)
 
     bank = TiledBank({"gate_proj": part(inter, hidden), "up_proj": part(inter, hidden),
-                      "down_proj": part(hidden, inter)}, np.zeros(S, dtype=bool))
+                      "down_proj": part(hidden, inter)}, np.zeros(S, dtype=bool), bf16)
     bank.swiglu(np.zeros((1, hidden), np.float32), np.array([0, 1]), 2)
     idx = np.zeros(GEMM_ROWS, np.int64)
     bank.gather(np.zeros((GEMM_ROWS // 2, hidden), np.float32), idx, 2, ("gate_proj", "up_proj"))

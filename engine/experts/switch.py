@@ -175,7 +175,9 @@ class _CpuExperts:
             self.w[n] = (to_numpy(pool.arrays[f"{n}.weight"]).view(np.uint32), to_numpy(pool.arrays[f"{n}.scales"]),
                          to_numpy(pool.arrays[f"{n}.biases"]), proj.bits, proj.group_size)
         # Where the format allows, slots are repacked into tiles as they land (tiled_experts.py)
-        self.bank = TiledBank(self.w, pool.raw) if TiledBank.supports(self.w) else None
+        # (scales and biases stored as bfloat16 stay so in the tiles, for half their bytes)
+        bf16 = all(p.dtype == "BF16" for p in pool.parts if p.name.endswith((".scales", ".biases")))
+        self.bank = TiledBank(self.w, pool.raw, bf16) if TiledBank.supports(self.w) else None
         self.wait_before = 0.0
 
     def _swiglu(self, rows, slots):
