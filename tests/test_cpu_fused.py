@@ -42,20 +42,6 @@ def test_attend_matches_mlx_sdpa(H, Hk, T):
     assert close(got, np.array(want)[0, :, 0])
 
 
-def test_long_caches_scores_on_every_core_are_the_serial_sums():
-    """Past SCORES_PARALLEL_FROM the scores run in blocks of positions on every core: each
-    score is the same sum, bit for bit, as the one-thread loop gives."""
-    Hk, g, D, T = 4, 8, 64, 3 * cpu_attn.SCORE_BLOCK + 5
-    assert Hk * g * D * T >= cpu_attn.SCORES_PARALLEL_FROM
-    qs, K = rand(Hk, g, D), rand(Hk, T + 3, D)
-    got, want = np.empty((Hk, g, T), np.float32), np.empty((Hk, g, T), np.float32)
-    cpu_attn._scores(qs, K, T, got)
-    for h in range(Hk):
-        cpu_attn._scores_block(qs, K, h, 0, T, want)
-    assert np.array_equal(got, want)
-    assert close(got, np.einsum("hjd,htd->hjt", qs.astype(np.float64), K[:, :T].astype(np.float64)), 1e-5)
-
-
 @pytest.mark.parametrize("norms", ["none", "per head", "all heads"])
 def test_decode_qs_is_the_separate_steps_bit_for_bit(norms):
     """decode_qs (one numba call from the fused q/k/v row to the scaled queries) then attend_qs

@@ -98,30 +98,12 @@ def _scores_block(qs, K, h, t0, t1, out):
             out[h, j, t] = acc
 
 
-SCORE_BLOCK = 256  # positions per work item of the scores on every core
-# from how many multiply-adds the scores use every core: a thread pool's start costs ~10 us, so
-# 9 heads of 64 at 1,057 positions (0.6 M) gain nothing, at 4,096 (2.4 M) 157 -> 104 us; 32 heads
-# of 128 over 4 kv heads at 1,057 (4.3 M) 180 -> 116 us
-SCORES_PARALLEL_FROM = 1_000_000
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def _scores_parallel(qs, K, T, out):
-    nb = (T + SCORE_BLOCK - 1) // SCORE_BLOCK
-    for it in prange(qs.shape[0] * nb):
-        t0 = (it % nb) * SCORE_BLOCK
-        _scores_block(qs, K, it // nb, t0, min(T, t0 + SCORE_BLOCK), out)
-
-
 @njit(cache=True, nogil=True)
 def _scores(qs, K, T, out):
-    """out[h, j, t] = qs[h, j] . K[h, t] for t < T: qs [Hk, g, D], K [Hk, capacity, D]; long
-    caches in blocks of SCORE_BLOCK positions on every core (the same sums: a block is a row range)."""
-    if T >= 2 * SCORE_BLOCK and qs.size * T >= SCORES_PARALLEL_FROM:
-        _scores_parallel(qs, K, T, out)
-    else:
-        for h in range(qs.shape[0]):
-            _scores_block(qs, K, h, 0, T, out)
+    """out[h, j, t] = qs[h, j] . K[h, t] for t < T: qs [Hk, g, D], K [Hk, capacity, D] (short
+    caches: from ATTEND_BLOCKS_FROM positions `_attend_blocks` computes its scores itself)."""
+    for h in range(qs.shape[0]):
+        _scores_block(qs, K, h, 0, T, out)
 
 
 @njit(cache=True, fastmath=False, nogil=True)
@@ -206,8 +188,8 @@ def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, T: int, scale) -> np.nda
     """Softmax attention of one position: q [H, D] over the first T positions of K, V
     [Hk, capacity, D] (grouped heads: head h reads kv head h // (H // Hk)). Returns [H, D].
 
-    Scores by the numba loop above, the weighted sum of V rows by a batched matmul (numpy's
-    BLAS). sgemm is slow on the scores' shape (K rows against 1-8 query rows, [T, D] x [D, g]):
+    Short caches: scores by the numba loop above, the weighted sum of V rows by a batched
+    matmul (numpy's BLAS); long ones in blocks (`attend_qs`). sgemm is slow on the scores' shape (K rows against 1-8 query rows, [T, D] x [D, g]):
     the loop halves attention at 1000 positions (0.21 -> 0.09 ms for 9 heads of 64 over 3 kv
     heads; 1.1 -> 0.46 ms for 32 of 128 over 8; benchmarks/RESULTS.md)."""
     Hk = K.shape[0]

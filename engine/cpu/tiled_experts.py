@@ -64,10 +64,10 @@ class TiledBank:
         for slot in np.unique(slots[raw]):
             for name, (w, s, b) in self._mlx.items():
                 wt, st, bt = self.tiles[name]
-                if self.bf16:
-                    s, b = tiled.to_bf16(s[slot]), tiled.to_bf16(b[slot])  # (copies: read before overwritten)
+                if self.bf16:  # (the bfloat16 copies are made before the tiles overwrite their bytes)
                     nb = wt.shape[1]
-                    tiled._repack(w[slot].copy(), s, b, wt[slot], st[slot, :nb], bt[slot, :nb])
+                    tiled._repack(w[slot].copy(), tiled.to_bf16(s[slot]), tiled.to_bf16(b[slot]), wt[slot],
+                                  st[slot, :nb], bt[slot, :nb])
                 else:
                     tiled._repack(w[slot].copy(), s[slot].copy(), b[slot].copy(), wt[slot], st[slot], bt[slot])
             self._raw[slot] = False
