@@ -13,7 +13,7 @@ from llvmlite import ir
 from numba import float32, int32, njit, prange, types
 from numba.extending import intrinsic
 
-from flashmoe.engine.cpu import gemm  # noqa: F401 - starts numba's thread pool before a kernel loads (see there)
+from flashmoe.engine.cpu import numba_cache  # noqa: F401 - before any kernel is defined (see there)
 
 
 @njit(cache=True, fastmath=False, nogil=True)

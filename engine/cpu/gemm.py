@@ -20,12 +20,7 @@ import numba
 import numpy as np
 from numba import float32, njit, prange, uint32, uint64
 
-# numba (0.68) saves a cached function that calls a parallel one, compiled while that callee was
-# loaded from the cache, without the hook that starts the thread pool when it loads: loaded first
-# in a process, it segfaults (attn.silu_mul -> _silu_mul_rows, the loops' _gather -> _grouped,
-# int8's _prepare -> quantize_rows). Every kernel module imports this one, so the pool is started
-# before any kernel loads (tests/test_kernel_cache.py runs the three processes that crashed).
-numba.get_num_threads()
+from flashmoe.engine.cpu import numba_cache  # noqa: F401 - before any kernel is defined (see there)
 
 GEMM_ROWS = 64  # rows from which dequantize + sgemm beats the decode-per-row-pair kernels
 

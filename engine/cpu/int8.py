@@ -33,6 +33,7 @@ from llvmlite import ir
 from numba import float32, int32, njit, prange
 from numba.core import cgutils
 
+from flashmoe.engine.cpu import numba_cache  # noqa: F401 - before any kernel is defined (see there)
 from flashmoe.engine.cpu import tiled, vector_ir as vir
 from flashmoe.engine.cpu.attn import silu_mul  # noqa: F401 - the loops call it
 

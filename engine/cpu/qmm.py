@@ -54,7 +54,7 @@ and the expert store's reader threads, which run Python between their reads, wai
 
 Threads: prange over work items of ROWS_PER_ITEM output rows of one expert, on all of numba's
 threads (`numba.set_num_threads`) -- by default only with numba's TBB threading layer, which needs
-the `tbb` wheel (see `_preload_tbb`). With OpenMP (numba's layer without TBB) every call waits
+the `tbb` wheel (see `numba_cache._preload_tbb`). With OpenMP (numba's layer without TBB) every call waits
 for the pool's second thread, and whenever something else held a core at that moment (another
 process; in the engine it would be its I/O threads) that wait was 5-16 ms on this 2-vCPU VM,
 20-100x the call itself. So without TBB only calls above SERIAL_BELOW_WITHOUT_TBB multiply-adds
@@ -67,46 +67,12 @@ once are safe with TBB and OpenMP, not with numba's "workqueue" fallback.
 """
 from __future__ import annotations
 
-import ctypes
-import importlib.metadata
-import os
-import sys
-
 import numba
 import numpy as np
 from numba import float32, njit, prange
 
+from flashmoe.engine.cpu import numba_cache  # noqa: F401 - before any kernel is defined (see there)
 from flashmoe.engine.cpu.gemm import GEMM_ROWS, dequantize, gather_grouped, matmul_t
-
-
-def _preload_tbb() -> str | None:
-    """Let numba use its TBB threading layer when the `tbb` wheel is installed.
-
-    numba tries TBB first, but finds libtbb.so.12 only on the loader's path, where pip does not
-    put it (it goes to <prefix>/lib). Loading it here by path, before numba starts its threads,
-    makes numba's own lookup succeed. TBB matters on a busy machine: OpenMP splits the rows
-    statically, so a call waits whenever its second thread is not scheduled (we measured calls of
-    0.15 ms taking 8-16 ms while other processes ran), while with TBB the calling thread takes the
-    work a descheduled worker has not started. Returns the path loaded, or None. Does nothing if
-    NUMBA_THREADING_LAYER is set (numba then uses that layer)."""
-    if sys.platform != "linux" or os.environ.get("NUMBA_THREADING_LAYER"):
-        return None
-    try:
-        dist = importlib.metadata.distribution("tbb")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for f in dist.files or ():
-        if f.name == "libtbb.so.12":
-            path = str(dist.locate_file(f))
-            try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError:
-                return None
-            return path
-    return None
-
-
-_TBB = _preload_tbb()
 
 BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import float32, njit
 
+from flashmoe.engine.cpu import numba_cache  # noqa: F401 - before any kernel is defined (see there)
+
 MODES = {"topk_softmax": 0, "softmax_topk_norm": 1, "softmax_topk": 2}
 
 

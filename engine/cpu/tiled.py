@@ -42,6 +42,7 @@ import numpy as np
 from llvmlite import ir
 from numba import float32, njit, prange  # noqa: F401 - float32, prange: the generated loops use them
 
+from flashmoe.engine.cpu import numba_cache  # noqa: F401 - before any kernel is defined (see there)
 from flashmoe.engine.cpu import vector_ir as vir
 from flashmoe.engine.cpu.attn import silu_mul  # noqa: F401 - the generated kernels call it
 from flashmoe.engine.cpu.gemm import GEMM_ROWS, _buffer, all_cores
