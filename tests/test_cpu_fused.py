@@ -30,7 +30,7 @@ def close(got, want, tol=1e-5) -> bool:
 @pytest.mark.parametrize("H,Hk,T", [(4, 4, 1), (8, 2, 37), (6, 3, 300), (32, 4, 5), (32, 4, 1100), (9, 3, 600),
                                      (9, 3, 4 * 256 + 3)])
 def test_attend_matches_mlx_sdpa(H, Hk, T):
-    """Short caches: scores, softmax, a matmul; from ATTEND_BLOCKS_FROM positions, blocks of
+    """Short caches: scores, softmax, the weighted sum of V's rows; from ATTEND_BLOCKS_FROM positions, blocks of
     positions on every core joined flash-decoding's way (one peaked score among them)."""
     D = 64
     q, K, V = rand(H, D), rand(Hk, T + 7, D), rand(Hk, T + 7, D)  # capacity beyond T is ignored
@@ -395,3 +395,86 @@ def test_softmax_rows_and_its_exp_against_float64():
         cpu_attn.softmax_rows(got)
         assert np.abs(got - want).max() <= 4e-7 * want.max() and (T == 1 or got[0, 0] == 0.0)
         assert np.allclose(got.sum(axis=-1), 1.0, atol=1e-6)
+
+
+def _prefilled(lm, n=5):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(lm.model)
+    mx.eval(lm.model(mx.array([list(range(1, n + 1))]), cache=cache))
+    return cache
+
+
+def _copy(c):
+    from mlx_lm.models.cache import KVCache
+
+    d = KVCache()
+    d.keys, d.values, d.offset = mx.array(np.array(c.keys)), mx.array(np.array(c.values)), c.offset
+    return d
+
+
+@pytest.mark.parametrize("arch,bias,int8", [("qwen3_moe", False, False), ("olmoe", False, False),
+                                            ("mixtral", False, False), ("mixtral", True, False),
+                                            ("qwen3_moe", False, True)])
+def test_attention_block_in_one_call_is_decode_np_bit_for_bit(model_factory, arch, bias, int8):
+    """CpuAttention.block_np (norm, q/k/v, norms, rope, cache write, attention, o, residual and
+    the next norm in one kernel call) gives decode_np's floats between the layer's two norms, and
+    writes the same cache row: per-head q/k norms (qwen3_moe), norms over all heads (olmoe), none
+    (mixtral), with biases on q/k/v and o added here, on float and int8 kernels."""
+    from flashmoe.engine.cpu.attn import rms_norm_rows
+    from flashmoe.engine.cpu.fused import CpuDecoderLayer
+    from flashmoe.engine.cpu.int8 import use_int8
+
+    lm = load(model_factory(arch, 8, converted=True), kernels="cpu", load_tokenizer=False)
+    if int8:
+        assert use_int8(lm.model) > 0
+    layers = [m for _, m in lm.model.named_modules() if isinstance(m, CpuDecoderLayer)]
+    assert layers
+    cache = _prefilled(lm)
+    for layer, c in zip(layers, cache):
+        attn = layer["self_attn"]
+        if bias:  # (the tiny models have none: give q/k/v and o one, as Qwen2's and GPT-OSS's)
+            attn._qkv.bias = rand(attn._qkv.tiled.n)
+            attn._o._bias = rand(attn._o.out_features)
+            attn._block = None
+        x2 = rand(1, attn._o.out_features)
+        a, b = _copy(c), _copy(c)
+        got = attn.block_np(x2, a, layer._norms)
+        (w1, e1), (w2, e2) = layer._norms
+        n1 = x2.copy()
+        rms_norm_rows(n1, w1, e1)
+        h = x2 + attn.decode_np(n1, b)
+        n2 = h.copy()
+        rms_norm_rows(n2, w2, e2)
+        assert got is not None and np.array_equal(got[0], h) and np.array_equal(got[1], n2)
+        assert a.offset == b.offset == c.offset + 1
+        assert np.array_equal(np.array(a.keys), np.array(b.keys)) and np.array_equal(np.array(a.values), np.array(b.values))
+
+
+def test_decode_steps_take_one_call_per_block_and_give_mlx_tokens(model_factory, monkeypatch):
+    """With every expert cached ahead, a decode step's attention block and its experts (weighted and
+    summed) are one kernel call each per layer, and the tokens are MLX's; with the smallest
+    expert cache (one token's experts) the steps that must read take the reading path
+    (decode_cached declines) and the tokens stay."""
+    from flashmoe.engine.cpu.fused import CpuDecoderLayer
+    from flashmoe.engine.experts.switch import StreamingSwitchGLU
+
+    path = model_factory("qwen3_moe", 4, converted=True)
+    want = greedy(load(path, kernels="mlx", load_tokenizer=False).model, PROMPT, 10)
+    calls = {"block": [], "experts": []}
+    block, cached = CpuAttention.block_np, StreamingSwitchGLU.decode_cached
+    monkeypatch.setattr(CpuAttention, "block_np", lambda *a: calls["block"].append(block(*a)) or calls["block"][-1])
+    monkeypatch.setattr(StreamingSwitchGLU, "decode_cached",
+                        lambda *a: calls["experts"].append(cached(*a)) or calls["experts"][-1])
+    for budget, hits in ((10**9, True), (0, False)):
+        lm = load(path, kernels="cpu", expert_cache=budget, load_tokenizer=False)
+        if hits:  # every expert in the cache before the first token
+            for info in lm.layers:
+                lm.store.fetch(info.layer, range(info.num_experts))
+        for v in calls.values():
+            v.clear()
+        layers = sum(isinstance(m, CpuDecoderLayer) for _, m in lm.model.named_modules())
+        assert greedy(lm.model, PROMPT, 10) == want
+        assert len(calls["block"]) == 10 * layers and all(r is not None for r in calls["block"])
+        done = [r is not None for r in calls["experts"]]
+        assert len(done) == 10 * layers and (all(done) if hits else not all(done))

@@ -177,6 +177,30 @@ def test_swiglu_in_one_call_is_the_three_gathers(int8):
     assert mixed.swiglu(x, slots, 4) is None
 
 
+@pytest.mark.parametrize("int8", [False, True])
+def test_swiglu_sum_is_swiglu_then_combine(int8):
+    """One token's experts weighted and summed in one call give what `swiglu` then
+    routing.combine give, bit for bit, with a shared expert's output added and without; formats
+    that differ between projections decline (None)."""
+    from flashmoe.engine.cpu.routing import combine
+
+    bank, *_ = bank_of(6, {"gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64)}, 8, 64)
+    bank.int8 = int8
+    bank.ready(np.arange(6))
+    slots = np.array([5, 1, 0, 3])
+    x = RNG.standard_normal((1, 128)).astype(np.float32)
+    scores = RNG.random(4).astype(np.float32)
+    shared = RNG.standard_normal((1, 128)).astype(np.float32)
+    y = bank.swiglu(x, slots, 4)[None]
+    assert np.array_equal(bank.swiglu_sum(x, slots, scores), combine(y, scores[None]))
+    assert np.array_equal(bank.swiglu_sum(x, slots, scores, shared), combine(y, scores[None], shared))
+    mixed, *_ = bank_of(6, {"gate_proj": (64, 128), "up_proj": (64, 128)}, 8, 64)
+    _, parts, *_ = bank_of(6, {"down_proj": (128, 64)}, 8, 32)
+    mixed = TiledBank({**{n: (*mixed._mlx[n], 8, 64) for n in ("gate_proj", "up_proj")},
+                       "down_proj": parts["down_proj"]}, np.ones(6, dtype=bool))
+    assert mixed.swiglu_sum(x, slots, scores) is None
+
+
 def test_repack_cached_readies_a_prewarmed_cache_and_changes_no_token(model_factory):
     """switch.repack_cached: experts fetched ahead of any token (a benchmark's prewarm) are all
     repacked at once, and the greedy tokens are those of a run that repacks each on first use."""

@@ -177,34 +177,55 @@ def softmax_rows(s):
         _softmax_row(s[r], s.shape[1])
 
 
-def softmax_values(s: np.ndarray, V: np.ndarray) -> np.ndarray:
-    """The softmax of scores s [Hk, g, T] (in place), times V's first T positions: [Hk * g, D]."""
-    T = s.shape[-1]
-    softmax_rows(s.reshape(-1, T))
-    return np.matmul(s, V[:, :T]).reshape(-1, V.shape[-1])
-
-
 def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, T: int, scale) -> np.ndarray:
     """Softmax attention of one position: q [H, D] over the first T positions of K, V
     [Hk, capacity, D] (grouped heads: head h reads kv head h // (H // Hk)). Returns [H, D].
 
-    Short caches: scores by the numba loop above, the weighted sum of V rows by a batched
-    matmul (numpy's BLAS); long ones in blocks (`attend_qs`). sgemm is slow on the scores' shape (K rows against 1-8 query rows, [T, D] x [D, g]):
-    the loop halves attention at 1000 positions (0.21 -> 0.09 ms for 9 heads of 64 over 3 kv
-    heads; 1.1 -> 0.46 ms for 32 of 128 over 8; benchmarks/RESULTS.md)."""
+    Short caches: scores, softmax and the weighted sum of V rows by the numba loops above and
+    below; long ones in blocks (`attend_steps`). sgemm is slow on the scores' shape (K rows
+    against 1-8 query rows, [T, D] x [D, g]): the loop halves attention at 1000 positions (0.21 ->
+    0.09 ms for 9 heads of 64 over 3 kv heads; 1.1 -> 0.46 ms for 32 of 128 over 8;
+    benchmarks/RESULTS.md)."""
     Hk = K.shape[0]
     H, D = q.shape
     return attend_qs(np.ascontiguousarray(q * np.float32(scale)).reshape(Hk, H // Hk, D), K, V, T)
 
 
 def attend_qs(qs: np.ndarray, K: np.ndarray, V: np.ndarray, T: int) -> np.ndarray:
-    """`attend` of the scaled queries qs [Hk, g, D]: [Hk * g, D]. From ATTEND_BLOCKS_FROM
-    positions in blocks on every core (`_attend_blocks`), below it as described above."""
+    """`attend` of the scaled queries qs [Hk, g, D]: [Hk * g, D] (attend_steps)."""
+    return attend_steps(qs, K, V, T)
+
+
+@njit(cache=True, fastmath={"contract", "reassoc"}, nogil=True)
+def _values(s, V, h, T, out):
+    """out[h * g + j] = sum over t < T of s[h, j, t] * V[h, t] (the softmaxed scores of kv head h's
+    g query heads times its values: one pass over V's rows, as `_attend_block` sums them)."""
+    g, D = s.shape[1], V.shape[2]
+    a = np.zeros((g, D), np.float32)
+    for t in range(T):
+        for j in range(g):
+            p = s[h, j, t]
+            for d in range(D):
+                a[j, d] += p * V[h, t, d]
+    out[h * g:(h + 1) * g] = a
+
+
+@njit(cache=True, nogil=True)
+def attend_steps(qs, K, V, T):
+    """`attend_qs` as one numba call (the fused decode kernels call it too): from
+    ATTEND_BLOCKS_FROM positions in blocks on every core (`_attend_blocks`), below it the
+    scores, their softmax and the weighted sum of V's rows, one kv head at a time."""
     if T >= ATTEND_BLOCKS_FROM:
         return _attend_blocks(qs, K, V, T)
-    s = np.empty((qs.shape[0], qs.shape[1], T), np.float32)
+    Hk, g, D = qs.shape
+    s = np.empty((Hk, g, T), np.float32)
     _scores(qs, K, T, s)
-    return softmax_values(s, V)
+    out = np.empty((Hk * g, D), np.float32)
+    for h in range(Hk):
+        for j in range(g):
+            _softmax_row(s[h, j], T)
+        _values(s, V, h, T, out)
+    return out
 
 
 ATTEND_BLOCK = 256  # positions per work item of a long cache's attention
@@ -366,4 +387,4 @@ def warmup() -> None:
     softmax_rows(x.copy())
     softmax_causal(np.ones((1, 2, 4), np.float32), 2)
     _scores(np.ones((1, 1, 16), np.float32), np.ones((1, 2, 16), np.float32), 1, np.empty((1, 1, 1), np.float32))
-    _attend_blocks(np.ones((1, 1, 16), np.float32), np.ones((1, 2, 16), np.float32), np.ones((1, 2, 16), np.float32), 2)
+    attend_steps(np.ones((1, 1, 16), np.float32), np.ones((1, 2, 16), np.float32), np.ones((1, 2, 16), np.float32), 2)

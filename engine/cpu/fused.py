@@ -212,6 +212,7 @@ class CpuAttention(_Wraps):
         self._o = projs[3]
         none = (np.zeros(0, np.float32), np.float32(0), False)  # no norm, as decode_qs takes it
         self._norm_args = (*(self.q_norm or none), *(self.k_norm or none))
+        self._block = None  # block_np's kernel and arguments, made on its first call
 
     @staticmethod
     def fast(x, mask, cache, kwargs) -> bool:
@@ -259,6 +260,36 @@ class CpuAttention(_Wraps):
         mx.eval(queries, keys, values)
         o = attend_causal(np.array(queries[0]), np.array(keys[0]), np.array(values[0]), self.scale)
         return _mx(_linear_np(self._o, o.reshape(T, H * hd)).reshape(1, T, -1))
+
+    def block_np(self, x2: np.ndarray, cache, norms) -> tuple[np.ndarray, np.ndarray] | None:
+        """A pre-norm layer's attention block for one decoding token in one kernel call
+        (tiled.py's `_attn_half`): x2 [1, D] -> (h = x2 + attention(norm1(x2)), norm2(h)),
+        norms = ((weight, eps) of norm1, of norm2). The arithmetic of decode_np between the
+        norms, op for op; where the work used to take ten calls and the Python between them
+        (40-60 us a layer). None where the projections are not tiled in one format (and kind,
+        float or int8): the caller takes decode_np."""
+        from flashmoe.engine.cpu.qmm import to_numpy
+
+        qkv, o = self._qkv.tiled, self._o.tiled
+        key = None if qkv is None or o is None else (qkv.int8, o.int8)
+        if key is None or (qkv.bits, qkv.gs, qkv.int8) != (o.bits, o.gs, o.int8) or x2.shape[1] != o.n:
+            return None
+        if self._block is None or self._block[0] != key:
+            none = np.zeros(0, np.float32)
+            bias_o = self._o._bias if self._o._bias is not None else none
+            self._block = (key, qkv.entry("attn_half"),
+                           (qkv.wt, qkv.st, qkv.bt, none if self._qkv.bias is None else self._qkv.bias,
+                            *self._qkv.starts, self.H, self.Hk, self.hd, *self._norm_args),
+                           (self.scale, o.wt, o.st, o.bt, np.ascontiguousarray(bias_o, dtype=np.float32)),
+                           (qkv.one_row_parallel, o.one_row_parallel))
+        _, fn, qkv_args, o_args, parallel = self._block
+        (w1, eps1), (w2, eps2) = norms
+        pos = cache.offset
+        a, b = self._rope.row(pos)
+        K, V = to_numpy(cache.keys)[0], to_numpy(cache.values)[0]  # [Hk, capacity, hd], written in place
+        h, n2 = fn(x2, w1, eps1, *qkv_args, a, b, self._rope.partner, K, V, pos, *o_args, w2, eps2, *parallel)
+        cache.offset = pos + 1
+        return h, n2
 
     def decode_np(self, x2: np.ndarray, cache) -> np.ndarray:
         """x2 [1, D] -> [1, D_out]; writes this position's keys and values into the cache."""
@@ -332,9 +363,13 @@ class CpuDecoderLayer(_Wraps):
         from flashmoe.engine.cpu.attn import rms_norm_rows
 
         (w1, eps1), (w2, eps2) = self._norms
+        attn = self["self_attn"]
+        block = attn.block_np(x2, cache, self._norms) if isinstance(attn, CpuAttention) else None
+        if block is not None:
+            h, n2 = block
+            return h + self[self._ffn].np(n2)
         n1 = x2.copy()
         rms_norm_rows(n1, w1, eps1)
-        attn = self["self_attn"]
         if isinstance(attn, CpuAttention):
             h = x2 + attn.decode_np(n1, cache)
         else:  # wrapped (layer timing): through MLX
@@ -463,6 +498,10 @@ class CpuMoE(_Wraps):
         t0 = perf_counter()
         ids, scores = route(self._router(x2), self.k, self.routing)
         self._switch.add_route_time(perf_counter() - t0)
+        if experts is None and x2.shape[0] == 1:  # decoding: every expert cached takes one call
+            out = self._switch.decode_cached(x2, ids, scores, (lambda: self.shared_np(x2)) if self._shared else None)
+            if out is not None:
+                return out
         shared = []
         if experts is not None:
             y = experts(x2, ids)

@@ -35,7 +35,6 @@ from numba.core import cgutils
 
 from flashmoe.engine.cpu import numba_cache  # noqa: F401 - before any kernel is defined (see there)
 from flashmoe.engine.cpu import tiled, vector_ir as vir
-from flashmoe.engine.cpu.attn import silu_mul  # noqa: F401 - the loops call it
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -215,7 +214,7 @@ def kernel(bits: int, gs: int, terms: int = 2, vnni: bool | None = None):
                   BITS=bits, GS=gs, TERMS=terms)
         fns = tiled.instantiate(_PREPARE, f"{bits}_{gs}_{terms}_{int(vnni)}", ns, __file__)
         fn = _compiled[key] = fns["run"]
-        for what in ("gather", "swiglu", "grouped"):
+        for what in tiled.ENTRIES[1:]:
             _compiled[(what, *key)] = fns[what]
     return fn
 
@@ -243,7 +242,8 @@ def use_int8(model) -> int:
     switched, seen, todo = set(), set(), [model]
     while todo:
         obj = todo.pop()
-        if id(obj) in seen or isinstance(obj, (np.ndarray, mx.array, str, bytes, int, float, type(None))):
+        if (id(obj) in seen or isinstance(obj, (np.ndarray, mx.array, str, bytes, int, float, type(None)))
+                or type(obj).__module__.startswith("numba.")):  # (a compiled kernel held for later calls)
             continue
         seen.add(id(obj))
         if isinstance(obj, Tiled):

@@ -86,7 +86,7 @@ def route(logits: np.ndarray, k: int, routing: str) -> tuple[np.ndarray, np.ndar
 
 
 @njit(cache=True, fastmath=False, nogil=True)
-def _combine(y, scores, shared, out):
+def combine_rows(y, scores, shared, out):
     R, k, D = y.shape
     for r in range(R):
         for d in range(D):
@@ -102,6 +102,6 @@ def combine(y: np.ndarray, scores: np.ndarray, shared: np.ndarray | None = None)
     R, _, D = y.shape
     out = np.empty((R, D), np.float32)
     none = np.zeros((0, D), np.float32)
-    _combine(np.ascontiguousarray(y, dtype=np.float32), np.ascontiguousarray(scores, dtype=np.float32),
+    combine_rows(np.ascontiguousarray(y, dtype=np.float32), np.ascontiguousarray(scores, dtype=np.float32),
              none if shared is None else np.ascontiguousarray(shared, dtype=np.float32), out)
     return out

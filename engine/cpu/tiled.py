@@ -44,8 +44,9 @@ from numba import float32, njit, prange  # noqa: F401 - float32, prange: the gen
 
 from flashmoe.engine.cpu import numba_cache  # noqa: F401 - before any kernel is defined (see there)
 from flashmoe.engine.cpu import vector_ir as vir
-from flashmoe.engine.cpu.attn import silu_mul  # noqa: F401 - the generated kernels call it
+from flashmoe.engine.cpu.attn import attend_steps, decode_qs, rms_norm_rows, silu_mul
 from flashmoe.engine.cpu.gemm import GEMM_ROWS, _buffer, all_cores
+from flashmoe.engine.cpu.routing import combine_rows
 
 TILE = 16
 BITS = (2, 4, 8)
@@ -215,6 +216,39 @@ def _swiglu(wa, sa, ba, wb, sb, bb, wd, sd, bd, x, xrow, slots, parallel):
     none = (np.empty((1, 0, wd.shape[2], 16), wd.dtype), np.empty((1, 0, sd.shape[2], 16), sd.dtype))
     y, _ = _gather(wd, sd, bd, none[0], none[1], none[1], silu_mul(g, u), np.arange(slots.shape[0]), slots, parallel)
     return y
+
+
+@njit(cache=True, nogil=True)
+def _swiglu_sum(wa, sa, ba, wb, sb, bb, wd, sd, bd, x, slots, scores, shared, parallel):
+    # one token x [1, D] through its k experts (slots [k]) in one call, weighted by scores [k] and
+    # summed in routing.combine's order, plus shared [1, D] (or [0, D]: none)
+    k = slots.shape[0]
+    y = _swiglu(wa, sa, ba, wb, sb, bb, wd, sd, bd, x, np.zeros(k, np.int64), slots, parallel)
+    out = np.empty((1, y.shape[1]), np.float32)
+    combine_rows(y.reshape(1, k, y.shape[1]), scores.reshape(1, k), shared, out)
+    return out
+
+
+@njit(cache=True, nogil=True)
+def _attn_half(x, w1, eps1, wq, sq, bq, bias_q, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_head,
+               a, b, partner, K, V, pos, scale, wo, so, bo, bias_o, w2, eps2, par_q, par_o):
+    # a pre-norm decoder layer's attention block for one decoding token x [1, D] in one call
+    # (fused.CpuDecoderLayer): h = x + o(attend(qkv(norm1(x)))), this position's k and v written
+    # into K, V at pos; returns h and norm2(h). The arithmetic of CpuAttention.decode_np, op for op.
+    n1 = x.copy()
+    rms_norm_rows(n1, w1, eps1)
+    row = _run(wq, sq, bq, n1, par_q)[0]
+    if bias_q.shape[0]:
+        row = row + bias_q
+    qs = decode_qs(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_head, a, b, partner, K, V, pos,
+                   scale)
+    o = _run(wo, so, bo, attend_steps(qs, K, V, pos + 1).reshape(1, -1), par_o)
+    h = np.empty_like(x)
+    for d in range(x.shape[1]):
+        h[0, d] = x[0, d] + (o[0, d] + bias_o[d] if bias_o.shape[0] else o[0, d])
+    n2 = h.copy()
+    rms_norm_rows(n2, w2, eps2)
+    return h, n2
 """
 
 
@@ -248,11 +282,17 @@ def _prepare(x):
 """
 
 
+ENTRIES = ("run", "gather", "swiglu", "swiglu_sum", "grouped", "attn_half")
+
+
 def instantiate(prepare: str, tag: str, ns: dict, filename: str) -> dict:
     """Compile SLOT_LOOPS after a kernel set's `_prepare` source, every name tagged, in ns (which
-    holds the intrinsics and constants): the entry points "run", "gather", "swiglu", "grouped"."""
+    holds the intrinsics and constants): the entry points ENTRIES."""
+    # what the loops call besides their own
+    ns.update(silu_mul=silu_mul, combine_rows=combine_rows, rms_norm_rows=rms_norm_rows, decode_qs=decode_qs,
+              attend_steps=attend_steps)
     exec(compile(tagged(prepare + SLOT_LOOPS, tag), filename, "exec"), ns)  # noqa: S102 - our own template
-    return {what: ns[f"_{what}{tag}"] for what in ("run", "gather", "swiglu", "grouped")}
+    return {what: ns[f"_{what}{tag}"] for what in ENTRIES}
 
 
 def _kernel_source(bits: int, gs: int) -> str:
@@ -270,15 +310,16 @@ def _kernel(bits: int, gs: int):
                   XSCALE=np.array([2.0 ** -_shift(bits, k) for k in range(32 // bits)], np.float32))
         fns = instantiate(_PREPARE, f"{bits}_{gs}", ns, __file__)
         fn = _compiled[(bits, gs)] = fns["run"]
-        for what in ("gather", "swiglu", "grouped"):
+        for what in ENTRIES[1:]:
             _compiled[(what, bits, gs)] = fns[what]
     return fn
 
 
 def gather_kernel(bits: int, gs: int, what: str = "gather"):
     """An entry point of the slot-bank kernels (engine/cpu/tiled_experts.py) for one format:
-    "gather" (one or two projections), "swiglu" (a decode step's gate, up, SiLU and down) or
-    "grouped" (a prefill's entries grouped by slot, each reading its token's row)."""
+    "gather" (one or two projections), "swiglu" (a decode step's gate, up, SiLU and down),
+    "swiglu_sum" (the same, weighted and summed), "grouped" (a prefill's entries grouped by
+    slot, each reading its token's row), or "attn_half" (a decode step's attention block)."""
     _kernel(bits, gs)
     return _compiled[(what, bits, gs)]
 
@@ -396,6 +437,11 @@ class Tiled:
             wf = self.dequantize(out=_buffer(self.n, self.k))
             with all_cores():
                 return x2 @ wf.T
+        self._setup()
+        out = self._fn(self.wt, self.st, self.bt, x2, x2.shape[0] >= self._parallel_rows)
+        return out if out.shape[1] == self.n else out[:, :self.n]
+
+    def _setup(self) -> None:
         if self._fn is None:  # once: the kernel, and from how many x rows a call uses every core
             from flashmoe.engine.cpu.qmm import SERIAL_BELOW, SERIAL_BELOW_WITHOUT_TBB, threading_layer
 
@@ -408,8 +454,21 @@ class Tiled:
             else:
                 self._fn = _kernel(self.bits, self.gs)
             self._parallel_rows = -(-serial_below // (self.wt.shape[0] * TILE * self.k))
-        out = self._fn(self.wt, self.st, self.bt, x2, x2.shape[0] >= self._parallel_rows)
-        return out if out.shape[1] == self.n else out[:, :self.n]
+
+    def entry(self, what: str):
+        """Another entry point of the kernel set `matmul` runs on (gather_kernel's names): the
+        float or the int8 one, as this matrix is switched."""
+        if self.int8:
+            from flashmoe.engine.cpu import int8
+
+            return int8.gather_kernel(self.bits, self.gs, what)
+        return gather_kernel(self.bits, self.gs, what)
+
+    @property
+    def one_row_parallel(self) -> bool:
+        """Whether `matmul` of one x row runs on every core."""
+        self._setup()
+        return self._parallel_rows <= 1
 
     def dequantize(self, rows: np.ndarray | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """The float32 rows (all N, or those asked for), as mx.dequantize gives them."""

@@ -42,6 +42,7 @@ class TiledBank:
         self.n = {n: p[0].shape[1] for n, p in parts.items()}
         self.int8 = False  # entries on int8 activations (int8.py, --kernels cpu-int8)
         self._fns = {}
+        self._sums = {}  # swiglu_sum's fixed arguments by (k, width, int8)
         # gate and up in one call where they share format and size; all three where down does too
         f, n = self.formats, self.n
         self.pair = "gate_proj" in f and (f["gate_proj"], n["gate_proj"]) == (f.get("up_proj"), n.get("up_proj"))
@@ -91,6 +92,24 @@ class TiledBank:
         work = idx.size * (2 * self.n[names[0]] * x2.shape[1] + self.n[names[2]] * self.k[names[2]])
         return fn(*(t for n in names for t in self.tiles[n]), np.ascontiguousarray(x2), _entry_rows(idx, k),
                   np.ascontiguousarray(idx, dtype=np.int64), work >= serial_below)
+
+    def swiglu_sum(self, x2: np.ndarray, slots: np.ndarray, scores: np.ndarray,
+                   shared: np.ndarray | None = None) -> np.ndarray | None:
+        """One token's experts, weighted and summed: x2 [1, D] through each of its k slots
+        (ready), times scores [k], summed as routing.combine sums (plus `shared` [1, D]) in one
+        kernel call, where the Python between `swiglu` and `combine` cost as much as the call.
+        None where `swiglu` would be."""
+        if not self.one_call:
+            return None
+        key = (slots.size, x2.shape[1], self.int8)
+        if key not in self._sums:  # (the call's arguments but x, slots and scores: made once)
+            fn, serial_below = self._fn(*self.formats["down_proj"], "swiglu_sum")
+            work = slots.size * (2 * self.n["gate_proj"] * x2.shape[1] + self.n["down_proj"] * self.k["down_proj"])
+            self._sums[key] = (fn, tuple(t for n in ("gate_proj", "up_proj", "down_proj") for t in self.tiles[n]),
+                               np.zeros((0, x2.shape[1]), np.float32), work >= serial_below)
+        fn, tiles, none, parallel = self._sums[key]
+        return fn(*tiles, np.ascontiguousarray(x2), slots, np.ascontiguousarray(scores, dtype=np.float32).reshape(-1),
+                  none if shared is None else np.ascontiguousarray(shared, dtype=np.float32), parallel)
 
     def _fn(self, bits: int, gs: int, what: str):
         """(kernel, from how much work a call uses every core), found once per format."""

@@ -66,8 +66,8 @@ def _run(job) -> None:
 
 
 def _bank_calls(bits: int, gs: int, bf16: bool = False) -> None:
-    """A streamed-expert slot bank's calls (tiled_experts.py): a decode step's SwiGLU, a
-    prefill's grouped gate / up and down."""
+    """A streamed-expert slot bank's calls (tiled_experts.py): a decode step's SwiGLU (weighted
+    and summed, or not), a prefill's grouped gate / up and down."""
     from flashmoe.engine.cpu.gemm import GEMM_ROWS
     from flashmoe.engine.cpu.tiled_experts import TiledBank
 
@@ -80,6 +80,7 @@ def _bank_calls(bits: int, gs: int, bf16: bool = False) -> None:
     bank = TiledBank({"gate_proj": part(inter, hidden), "up_proj": part(inter, hidden),
                       "down_proj": part(hidden, inter)}, np.zeros(S, dtype=bool), bf16)
     bank.swiglu(np.zeros((1, hidden), np.float32), np.array([0, 1]), 2)
+    bank.swiglu_sum(np.zeros((1, hidden), np.float32), np.array([0, 1]), np.zeros(2, np.float32))
     idx = np.zeros(GEMM_ROWS, np.int64)
     bank.gather(np.zeros((GEMM_ROWS // 2, hidden), np.float32), idx, 2, ("gate_proj", "up_proj"))
     bank.gather(np.zeros((GEMM_ROWS, inter), np.float32), idx, 1, ("down_proj",))

@@ -255,6 +255,12 @@ class ExpertStore:
         return sum(p.capacity_bytes for p in self.pools)
 
     # -- the hot path --------------------------------------------------------------------
+    def holds(self, layer: int, experts) -> bool:
+        """Whether every one of `experts` of `layer` has a slot (cached, or read ahead into one:
+        fetch waits for those)."""
+        table = self._pool_of[layer].table
+        return all((layer, int(e)) in table for e in experts)
+
     def fetch(self, layer: int, experts, ready=None, during=None) -> np.ndarray:
         """Make sure `experts` (distinct ids, at most pool.slots of them) of `layer` sit in slots.
 

@@ -109,6 +109,26 @@ class StreamingSwitchGLU(nn.Module):
         stats.compute_s += perf_counter() - t1 - (stats.io_wait_s - self._cpu.wait_before)
         return y
 
+    def decode_cached(self, x2: np.ndarray, ids: np.ndarray, scores: np.ndarray, shared=None) -> np.ndarray | None:
+        """One decoding token's experts when every one it routes to is cached: x2 [1, D], ids and
+        scores [1, k] -> the weighted sum of their outputs plus shared() [1, D] (when given), in
+        one kernel call (TiledBank.swiglu_sum). None when an expert must be read, or the bank
+        cannot (the caller takes experts_np then, which reads). The cache's bookkeeping is
+        fetch's, as for any hit."""
+        bank = self.tiled_bank
+        flat = ids.reshape(-1)
+        store, layer = self._store, self._layer
+        if bank is None or not bank.one_call or not store.holds(layer, flat):
+            return None
+        if store.routers:  # decoding one token: read the next layer ahead
+            self._read_ahead(x2, set(int(e) for e in flat))
+        slots = store.fetch(layer, flat)[flat].astype(np.int64)
+        bank.ready(slots)
+        t1 = perf_counter()
+        y = bank.swiglu_sum(x2, slots, scores, shared() if shared is not None else None)
+        store.stats[layer].compute_s += perf_counter() - t1
+        return y
+
     def _read_ahead(self, x, wanted: set[int]) -> None:
         """Guess the next MoE layer's experts from its router applied to this layer's input (the
         hidden state it will see differs by one layer's update) and start reading them."""
