@@ -265,9 +265,9 @@ class CpuAttention(_Wraps):
         """A pre-norm layer's attention block for one decoding token in one kernel call
         (tiled.py's `_attn_half`): x2 [1, D] -> (h = x2 + attention(norm1(x2)), norm2(h)),
         norms = ((weight, eps) of norm1, of norm2). The arithmetic of decode_np between the
-        norms, op for op; where the work used to take ten calls and the Python between them
-        (40-60 us a layer). None where the projections are not tiled in one format (and kind,
-        float or int8): the caller takes decode_np."""
+        norms, op for op, in one call where it took ten and the Python between them (the
+        upcycled demo's step: 15.3 -> 13.7 ms, 55 us a layer). None where the projections are
+        not tiled in one format (and kind, float or int8): the caller takes decode_np."""
         from flashmoe.engine.cpu.qmm import to_numpy
 
         qkv, o = self._qkv.tiled, self._o.tiled
