@@ -53,6 +53,7 @@ def _run(job) -> None:
             t.matmul(np.zeros((rows, gs), np.float32))
         t.rows(np.zeros((1, 1), np.int64))
         _bank_calls(bits, gs, bf16)
+        _attention_block(bits, gs, bf16)
     else:
         from flashmoe.engine.cpu import attn, gemm, routing
 
@@ -84,6 +85,29 @@ def _bank_calls(bits: int, gs: int, bf16: bool = False) -> None:
     idx = np.zeros(GEMM_ROWS, np.int64)
     bank.gather(np.zeros((GEMM_ROWS // 2, hidden), np.float32), idx, 2, ("gate_proj", "up_proj"))
     bank.gather(np.zeros((GEMM_ROWS, inter), np.float32), idx, 1, ("down_proj",))
+
+
+def _attention_block(bits: int, gs: int, bf16: bool = False) -> None:
+    """A decode step's attention block in one call (fused.CpuAttention.block_np), argument for
+    argument as it passes them: 2 heads of gs over 1 kv head, hidden 2 * gs."""
+    from flashmoe.engine.cpu.tiled import Tiled
+
+    H, Hk, hd = 2, 1, gs
+    D = 2 * gs
+
+    def tiles(n, k):
+        t = Tiled.from_mlx(np.zeros((n, k * bits // 32), np.uint32), np.zeros((n, k // gs), np.float32),
+                           np.zeros((n, k // gs), np.float32), bits, gs, bf16=bf16)
+        return t.wt, t.st, t.bt
+
+    norm = (np.ones(hd, np.float32), np.float32(1e-6), True)
+    rope = np.zeros((2, hd), np.float32)
+    K, V = np.zeros((Hk, 4, hd), np.float32), np.zeros((Hk, 4, hd), np.float32)
+    fn = Tiled(*tiles(D, D), D, bits, gs).entry("attn_half")
+    fn(np.zeros((1, D), np.float32), np.ones(D, np.float32), np.float32(1e-6), *tiles((H + 2 * Hk) * hd, D),
+       np.zeros(0, np.float32), 0, H * hd, (H + Hk) * hd, H, Hk, hd, *norm, *norm, rope[1], rope[1],
+       np.arange(hd, dtype=np.int64), K, V, 0, np.float32(1.0), *tiles(D, H * hd), np.zeros(0, np.float32),
+       np.ones(D, np.float32), np.float32(1e-6), True, True)
 
 
 def _run_all(jobs) -> None:
