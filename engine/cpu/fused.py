@@ -268,39 +268,45 @@ class CpuAttention(_Wraps):
         norms, op for op, in one call where it took ten and the Python between them (the
         upcycled demo's step: 15.3 -> 13.7 ms, 55 us a layer). None where the projections are
         not tiled in one format (and kind, float or int8): the caller takes decode_np."""
+        kind = getattr(self._o.tiled, "int8", None)  # (float or int8 kernels: int8.use_int8 switches them)
+        if self._block is None or self._block[0] != kind:
+            self._block = (kind, *self._block_kernel())
+        _, fn, qkv_args, o_args, parallel = self._block
+        if fn is None:
+            return None
+        (w1, eps1), (w2, eps2) = norms
+        h, n2 = fn(x2, w1, eps1, *qkv_args, *self._position(cache), *o_args, w2, eps2, *parallel)
+        cache.offset += 1
+        return h, n2
+
+    def _block_kernel(self) -> tuple:
+        """(_attn_half or None, its arguments before the step's own, after them, its parallel
+        flags): made once per kind of kernels."""
+        qkv, o = self._qkv.tiled, self._o.tiled
+        if qkv is None or o is None or (qkv.bits, qkv.gs, qkv.int8) != (o.bits, o.gs, o.int8) or o.n != qkv.k:
+            return None, (), (), ()
+        none = np.zeros(0, np.float32)
+        bias_o = none if self._o._bias is None else np.ascontiguousarray(self._o._bias, dtype=np.float32)
+        return (qkv.entry("attn_half"),
+                (qkv.wt, qkv.st, qkv.bt, none if self._qkv.bias is None else self._qkv.bias, *self._qkv.starts,
+                 self.H, self.Hk, self.hd, *self._norm_args),
+                (self.scale, o.wt, o.st, o.bt, bias_o), (qkv.one_row_parallel, o.one_row_parallel))
+
+    def _position(self, cache) -> tuple:
+        """This step's rope row (a, b, partner), the cache's keys and values as numpy [Hk,
+        capacity, hd] (written in place) and the position."""
         from flashmoe.engine.cpu.qmm import to_numpy
 
-        qkv, o = self._qkv.tiled, self._o.tiled
-        key = None if qkv is None or o is None else (qkv.int8, o.int8)
-        if key is None or (qkv.bits, qkv.gs, qkv.int8) != (o.bits, o.gs, o.int8) or x2.shape[1] != o.n:
-            return None
-        if self._block is None or self._block[0] != key:
-            none = np.zeros(0, np.float32)
-            bias_o = self._o._bias if self._o._bias is not None else none
-            self._block = (key, qkv.entry("attn_half"),
-                           (qkv.wt, qkv.st, qkv.bt, none if self._qkv.bias is None else self._qkv.bias,
-                            *self._qkv.starts, self.H, self.Hk, self.hd, *self._norm_args),
-                           (self.scale, o.wt, o.st, o.bt, np.ascontiguousarray(bias_o, dtype=np.float32)),
-                           (qkv.one_row_parallel, o.one_row_parallel))
-        _, fn, qkv_args, o_args, parallel = self._block
-        (w1, eps1), (w2, eps2) = norms
-        pos = cache.offset
-        a, b = self._rope.row(pos)
-        K, V = to_numpy(cache.keys)[0], to_numpy(cache.values)[0]  # [Hk, capacity, hd], written in place
-        h, n2 = fn(x2, w1, eps1, *qkv_args, a, b, self._rope.partner, K, V, pos, *o_args, w2, eps2, *parallel)
-        cache.offset = pos + 1
-        return h, n2
+        return (*self._rope.row(cache.offset), self._rope.partner, to_numpy(cache.keys)[0], to_numpy(cache.values)[0],
+                cache.offset)
 
     def decode_np(self, x2: np.ndarray, cache) -> np.ndarray:
         """x2 [1, D] -> [1, D_out]; writes this position's keys and values into the cache."""
         from flashmoe.engine.cpu.attn import attend_qs, decode_qs
-        from flashmoe.engine.cpu.qmm import to_numpy
 
-        pos = cache.offset
-        a, b = self._rope.row(pos)
-        K, V = to_numpy(cache.keys)[0], to_numpy(cache.values)[0]  # [Hk, capacity, hd], written in place
+        a, b, partner, K, V, pos = self._position(cache)
         qs = decode_qs(self._qkv.stacked(x2)[0], *self._qkv.starts, self.H, self.Hk, self.hd, *self._norm_args,
-                       a, b, self._rope.partner, K, V, pos, self.scale)
+                       a, b, partner, K, V, pos, self.scale)
         cache.offset = pos + 1
         return _linear_np(self._o, attend_qs(qs, K, V, pos + 1).reshape(1, -1))
 
