@@ -11,6 +11,8 @@ Engines
   flashmoe kernels=cpu   engine.loader.load(path, kernels="cpu", dtype="float32")  (numba kernels)
   flashmoe kernels=cpu-int8  (--int8) the same with kernels="cpu-int8": the tiled matrices (decode and
                          prefill) on two-term int8 activations and VNNI dot products (engine/cpu/int8.py)
+  ..., kv=float16        (--kv16) those rows again with load(..., kv_cache="float16"): the KV cache in
+                         float16, as llama.cpp keeps its own (engine/cpu/attn_ir.py)
   flashmoe kernels=mlx   engine.loader.load(path, kernels="mlx", dtype="float32")  (MLX's kernels)
                          generation through engine.generate.generate(..., timing="off"); decode
                          tok/s = GenerationFinished.generation_tps (forward passes after the
@@ -130,7 +132,7 @@ def _decode_figures(tokens_t: list[float]) -> tuple[float, float]:
     return dt, (len(tokens_t) - 1) / dt if dt > 0 else 0.0
 
 
-def open_flashmoe(path: str, kernels: str, expert_cache):
+def open_flashmoe(path: str, kernels: str, expert_cache, kv_cache: str = "float32"):
     """load() with kernels=..., or, while the kernels argument does not exist yet, the nearest
     thing and a note that says so."""
     from flashmoe.engine.runtime.loader import load
@@ -138,9 +140,11 @@ def open_flashmoe(path: str, kernels: str, expert_cache):
     kw = {"dtype": "float32"}
     if expert_cache is not None:
         kw["expert_cache"] = int(expert_cache)
+    if kv_cache != "float32":
+        kw["kv_cache"] = kv_cache
     if "kernels" in inspect.signature(load).parameters:
         loaded = load(path, kernels=kernels, **kw)
-        note = f"load(kernels={kernels!r}, dtype='float32')"
+        note = f"load(kernels={kernels!r}, dtype='float32'" + (f", kv_cache={kv_cache!r})" if kv_cache != "float32" else ")")
     else:
         loaded = load(path, **kw)
         note = "load() has no kernels argument in this checkout: MLX kernels"
@@ -166,7 +170,8 @@ def child_flashmoe(spec: dict) -> dict:
     from flashmoe.engine.runtime.generate import GenerationRequest, Session, generate, render_prompt
 
     t0 = time.perf_counter()
-    loaded, note, modules = open_flashmoe(spec["path"], spec["kernels"], spec.get("expert_cache"))
+    loaded, note, modules = open_flashmoe(spec["path"], spec["kernels"], spec.get("expert_cache"),
+                                          spec.get("kv_cache", "float32"))
     load_s = time.perf_counter() - t0
     loaded.tokenizer.eos_token_ids = frozenset()  # never stop early: exactly gen tokens
     if spec.get("messages"):
@@ -741,6 +746,9 @@ def configs_for(model: dict, a) -> list[dict]:
         if model.get("mlx_float") and not a.no_mlx_lm:
             out.append(dict(base, engine="mlx-lm", label=f"mlx-lm resident, {model['mlx_bits']}-bit",
                             path=model["mlx_float"], bits=model["mlx_bits"], state="all weights in RAM"))
+    if a.kv16:  # the CPU rows with every expert at hand again, their KV cache in float16 as llama.cpp's
+        out += [dict(c, label=c["label"] + ", kv=float16", kv_cache="float16") for c in list(out)
+                if c["engine"] == "flashmoe" and c["kernels"] in ("cpu", "cpu-int8") and not c.get("cold")]
     if model.get("gguf") and a.llama:
         out.append(dict(base, engine="llama.cpp", label=f"llama.cpp ({a.threads} threads)", path=model["gguf"],
                         state="GGUF mmapped, page cache warm (read before the run)"))
@@ -972,6 +980,9 @@ def main(argv=None) -> int:
                    help="skip flashmoe kernels=mlx (MLX's CPU kernels: minutes per long prompt)")
     p.add_argument("--int8", action="store_true",
                    help="also time flashmoe kernels=cpu-int8 (matmuls on int8 activations, engine/cpu/int8.py; on the synthetic model with every expert cached)")
+    p.add_argument("--kv16", action="store_true",
+                   help="also time the flashmoe CPU rows with --kv-cache float16 (the KV cache as llama.cpp "
+                        "keeps it: half the bytes a decode step reads from it after a long prompt; not exact)")
     p.add_argument("--child-timeout", type=float, default=3600)
     p.add_argument("--out", type=Path, help="write every figure as JSON")
     a = p.parse_args(argv)

@@ -28,6 +28,7 @@ class ModelLoaded(Event):
     load_s: float
     chat_template: str = ""  # its text: front ends pick the tool-call format from it
     kernels: str = "mlx"  # quantized matmul kernels in use: "mlx" or "cpu"
+    kv_cache: str = "float32"  # the CPU kernels' KV cache (options.KV_CACHES)
     cache_policy: str = ""  # which cached expert a miss evicts: "lfu" or "lru" ("" without experts)
     context: int | None = None  # the model's context in tokens (config_check.context_length), None: unknown
     resident_experts: str | None = None  # why every expert is in memory (--allow-resident-experts), or None

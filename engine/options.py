@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 TIMING_MODES = ("off", "step", "layer")  # what a generation reports: nothing, per token, per layer
 KERNELS = ("auto", "mlx", "cpu", "cpu-int8")  # who computes the quantized matmuls ("auto": cpu on a CPU device)
+KV_CACHES = ("float32", "float16")  # the CPU kernels' KV cache: exact (MLX's, of a float32 model), or half the bytes
 PREFETCH_MODES = ("off", "hint", "slots")  # reading the next layer's likely experts ahead
 CACHE_POLICIES = ("lfu", "lru")  # which cached expert a miss evicts
 TRUNCATE_MODES = ("off", "left")  # a prompt longer than the context: refuse, or drop its start

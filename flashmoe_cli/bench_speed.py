@@ -27,14 +27,15 @@ def cmd_bench_speed(args) -> int:
         raise UsageError("--disk-cache: bench speed measures prefill, so it keeps no saved prompt caches")
     model = resolve_model(args.model)
     loaded = load(model, expert_cache=args.expert_cache, io_threads=args.io_threads, direct_io=args.direct_io,
-                  dtype=resolve_dtype(args.dtype), kernels=args.kernels, prefetch=args.prefetch,
+                  dtype=resolve_dtype(args.dtype), kernels=args.kernels, kv_cache=args.kv_cache, prefetch=args.prefetch,
                   cache_policy=args.cache_policy, verify_reads=args.verify_reads != "off",
                   allow_resident_experts=args.allow_resident_experts, experts_per_token=args.experts_per_token)
     bits = model_bits(loaded.config)
     expert = (sum(l.expert_bytes for l in loaded.layers) / len(loaded.layers)) if loaded.layers else 0
     machine = f"{os.cpu_count()}x {cpu_model()}, {platform.system()} {platform.release()}"
+    kv = f", {loaded.kv_cache} KV cache" if loaded.kv_cache != "float32" else ""
     model_line = (f"{loaded.config['model_type']} ({loaded.mode}, "
-                  f"{'cpu-int8' if loaded.int8_matrices else loaded.kernels} kernels"
+                  f"{'cpu-int8' if loaded.int8_matrices else loaded.kernels} kernels{kv}"
                   f", prefetch {args.prefetch}), "
                   f"{bits or 'float'}{'-bit' if bits else ''}, "
                   f"K={loaded.top_k}{f' of {loaded.trained_top_k}' if loaded.trained_top_k else ''}, "

@@ -13,7 +13,7 @@ import sys
 from . import __version__, argtypes
 from .agent_cli import add_tool_options
 from .argtypes import at_least, output_file, parse_size
-from .config import (CACHE_POLICY_CHOICES, DTYPE_CHOICES, KERNEL_CHOICES, PREFETCH_CHOICES, THINKING_CHOICES,
+from .config import (CACHE_POLICY_CHOICES, DTYPE_CHOICES, KERNEL_CHOICES, KV_CACHE_CHOICES, PREFETCH_CHOICES, THINKING_CHOICES,
                      TIMING_CHOICES, TRUNCATE_CHOICES, ConfigError)
 from .errors import UsageError, error, quiet_broken_pipe
 from .exit_codes import ExitCode
@@ -45,6 +45,9 @@ def _add_engine_options(p: argparse.ArgumentParser, k_list: bool = False, usage:
     p.add_argument("--kernels", choices=KERNEL_CHOICES, default=S,
                    help="quantized matmul kernels: cpu (numba, many times faster than MLX's CPU path), "
                         "mlx, or auto (default: cpu when MLX runs on the CPU)")
+    p.add_argument("--kv-cache", choices=KV_CACHE_CHOICES, default=S,
+                   help="the CPU kernels' KV cache: float32 (default: exact, the same tokens as mlx-lm) or "
+                        "float16 (as llama.cpp keeps it: half the bytes a decode step reads from it, not exact)")
     p.add_argument("--prefetch", choices=PREFETCH_CHOICES, default=S,
                    help="while a layer computes, guess the next layer's experts from its router: slots "
                         "reads them into the expert cache, hint asks the kernel to bring them into the page "

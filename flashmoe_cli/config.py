@@ -27,6 +27,7 @@ else:  # pragma: no cover
 TIMING_CHOICES = options.TIMING_MODES
 DTYPE_CHOICES = options.DTYPES
 KERNEL_CHOICES = options.KERNELS
+KV_CACHE_CHOICES = options.KV_CACHES
 PREFETCH_CHOICES = options.PREFETCH_MODES
 CACHE_POLICY_CHOICES = options.CACHE_POLICIES
 TRUNCATE_CHOICES = options.TRUNCATE_MODES
@@ -49,6 +50,7 @@ SETTINGS = {
     "io_threads": (8, "count"),
     "dtype": ("auto", DTYPE_CHOICES),
     "kernels": ("auto", KERNEL_CHOICES),
+    "kv_cache": ("float32", KV_CACHE_CHOICES),
     "prefetch": ("off", PREFETCH_CHOICES),
     "cache_policy": ("lfu", CACHE_POLICY_CHOICES),
     "verify_reads": ("on", ("on", "off")),

@@ -23,6 +23,7 @@ class EngineOptions:
     direct_io: bool = False
     dtype: str = "auto"  # options.DTYPES
     kernels: str = "auto"
+    kv_cache: str = "float32"  # options.KV_CACHES
     prefetch: str = "off"
     cache_policy: str = "lfu"
     verify_reads: bool = True
@@ -37,8 +38,8 @@ class EngineOptions:
     @classmethod
     def from_args(cls, args) -> "EngineOptions":
         return cls(model=args.model, engine=args.engine, expert_cache=args.expert_cache, io_threads=args.io_threads,
-                   direct_io=args.direct_io, dtype=args.dtype, kernels=args.kernels, prefetch=args.prefetch,
-                   cache_policy=args.cache_policy, verify_reads=getattr(args, "verify_reads", "on") != "off",
+                   direct_io=args.direct_io, dtype=args.dtype, kernels=args.kernels, kv_cache=args.kv_cache,
+                   prefetch=args.prefetch, cache_policy=args.cache_policy, verify_reads=getattr(args, "verify_reads", "on") != "off",
                    allow_resident_experts=getattr(args, "allow_resident_experts", False),
                    truncate_prompt=getattr(args, "truncate_prompt", "off"),
                    experts_per_token=getattr(args, "experts_per_token", None),
@@ -80,7 +81,7 @@ def make_engine(opts: EngineOptions):
 
     return Engine(resolve_model(opts.model), expert_cache=opts.expert_cache, io_threads=opts.io_threads,
                   direct_io=opts.direct_io, dtype=resolve_dtype(opts.dtype), kernels=opts.kernels,
-                  prefetch=opts.prefetch, cache_policy=opts.cache_policy, verify_reads=opts.verify_reads,
+                  kv_cache=opts.kv_cache, prefetch=opts.prefetch, cache_policy=opts.cache_policy, verify_reads=opts.verify_reads,
                   allow_resident_experts=opts.allow_resident_experts, truncate_prompt=opts.truncate_prompt,
                   prompt_cache_bytes=opts.prompt_cache_bytes, prompt_cache_dir=opts.prompt_cache_dir,
                   prompt_cache_disk_bytes=opts.prompt_cache_disk_bytes, experts_per_token=opts.experts_per_token,

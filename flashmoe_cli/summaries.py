@@ -18,7 +18,8 @@ def summary(done, loaded) -> str:
         + (f" {human_bytes(loaded.cache_bytes)} {loaded.cache_policy}" if loaded.cache_policy else "")
         + (f" ({loaded.preloading} experts, {human_bytes(loaded.preloading_bytes)} from the usage file)"
            if done.cache_state == "preloaded" and getattr(loaded, "preloading", 0) else ""),
-        f"{loaded.model_type} ({loaded.mode}, {loaded.kernels} kernels)",
+        f"{loaded.model_type} ({loaded.mode}, {loaded.kernels} kernels"
+        + (f", {loaded.kv_cache} KV cache)" if getattr(loaded, "kv_cache", "float32") != "float32" else ")"),
     ]
     if loaded.resident_experts:  # --allow-resident-experts: never a line that looks like streaming
         parts.append("experts resident, not streamed")

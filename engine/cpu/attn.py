@@ -14,6 +14,7 @@ from numba import float32, int32, njit, prange, types
 from numba.extending import intrinsic
 
 from flashmoe.engine.cpu import numba_cache  # noqa: F401 - before any kernel is defined (see there)
+from flashmoe.engine.cpu.attn_ir import LANES, dots16, half_rows, kv_f32, kv_pack, wsum
 
 
 @njit(cache=True, fastmath=False, nogil=True)
@@ -84,18 +85,29 @@ def rope_rows(x, a, b, partner):
 
 
 @njit(cache=True, fastmath={"contract", "reassoc"}, nogil=True)
-def _scores_block(qs, K, h, t0, t1, out):
-    """out[h, j, t] = qs[h, j] . K[h, t] for t0 <= t < t1 (every query head j of kv head h).
+def _dots(q, Kh, t0, t1, out, o):
+    """out[o + t - t0] = q . Kh[t] for t0 <= t < t1 (q [D], Kh [capacity, D]: one kv head's
+    cache): 16 positions a call (attn_ir.dots16) while 16 are left and D is a multiple of 16,
+    then one at a time, reassociated so that LLVM vectorises the sum over D (the order differs
+    from BLAS's too; all are float32 sums)."""
+    D = q.shape[0]
+    t = t0
+    if D % LANES == 0:
+        while t + LANES <= t1:
+            dots16(q, Kh, t, out, o + t - t0)
+            t += LANES
+    for t in range(t, t1):
+        acc = float32(0.0)
+        for d in range(D):
+            acc += q[d] * kv_f32(Kh[t, d])
+        out[o + t - t0] = acc
 
-    Each K row is read once for the g query heads that share it. Reassociation lets LLVM
-    vectorise the sum over D (the order differs from BLAS's too; both are float32 sums)."""
-    g, D = qs.shape[1], qs.shape[2]
-    for t in range(t0, t1):
-        for j in range(g):
-            acc = float32(0.0)
-            for d in range(D):
-                acc += qs[h, j, d] * K[h, t, d]
-            out[h, j, t] = acc
+
+@njit(cache=True, nogil=True)
+def _scores_block(qs, K, h, t0, t1, out):
+    """out[h, j, t] = qs[h, j] . K[h, t] for t0 <= t < t1, every query head j of kv head h."""
+    for j in range(qs.shape[1]):
+        _dots(qs[h, j], K[h], t0, t1, out[h, j], t0)
 
 
 @njit(cache=True, nogil=True)
@@ -123,8 +135,11 @@ def decode_qs(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_
         rms_norm_rows(k if k_per_head else k.reshape(1, Hk * hd), kn, keps)
     rope_rows(q, a, b, partner)
     rope_rows(k, a, b, partner)
-    K[:, pos, :] = k
-    V[:, pos, :] = row[v0:v0 + Hk * hd].reshape(Hk, hd)
+    like = K[0, 0, 0]
+    for h in range(Hk):
+        for d in range(hd):
+            K[h, pos, d] = kv_pack(k[h, d], like)
+            V[h, pos, d] = kv_pack(row[v0 + h * hd + d], like)
     return (q * scale).reshape(Hk, H // Hk, hd)
 
 
@@ -192,22 +207,36 @@ def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, T: int, scale) -> np.nda
 
 
 def attend_qs(qs: np.ndarray, K: np.ndarray, V: np.ndarray, T: int) -> np.ndarray:
-    """`attend` of the scaled queries qs [Hk, g, D]: [Hk * g, D] (attend_steps)."""
-    return attend_steps(qs, K, V, T)
+    """`attend` of the scaled queries qs [Hk, g, D]: [Hk * g, D] (attend_steps; its 16-row
+    kernels take contiguous arrays, as a KV cache's are)."""
+    return attend_steps(*(np.ascontiguousarray(a) for a in (qs, K, V)), T)
 
 
 @njit(cache=True, fastmath={"contract", "reassoc"}, nogil=True)
+def _weighted(p, V, h, t0, n, out):
+    """out[j] = sum over t < n of p[j, t] * V[h, t0 + t] for each of the g rows of p [g, >= n]
+    (kv head h's query heads): a float16 cache by attn_ir.wsum (one V row of float16 fits a
+    block in the L1 cache; float32 rows went slower through it than through this loop)."""
+    g, D = p.shape[0], V.shape[2]
+    a = np.zeros((g, D), np.float32)  # (contiguous: the sums over d vectorise, wsum takes its rows)
+    if half_rows(V) and D % LANES == 0:
+        for j in range(g):
+            wsum(p[j], V[h], t0, n, a[j])
+    else:
+        for t in range(n):
+            for j in range(g):
+                w = p[j, t]
+                for d in range(D):
+                    a[j, d] += w * kv_f32(V[h, t0 + t, d])
+    out[:] = a
+
+
+@njit(cache=True, nogil=True)
 def _values(s, V, h, T, out):
     """out[h * g + j] = sum over t < T of s[h, j, t] * V[h, t] (the softmaxed scores of kv head h's
-    g query heads times its values: one pass over V's rows, as `_attend_block` sums them)."""
-    g, D = s.shape[1], V.shape[2]
-    a = np.zeros((g, D), np.float32)
-    for t in range(T):
-        for j in range(g):
-            p = s[h, j, t]
-            for d in range(D):
-                a[j, d] += p * V[h, t, d]
-    out[h * g:(h + 1) * g] = a
+    g query heads times its values, as `_attend_block` sums them)."""
+    g = s.shape[1]
+    _weighted(s[h], V, h, 0, T, out[h * g:(h + 1) * g])
 
 
 @njit(cache=True, nogil=True)
@@ -241,14 +270,10 @@ def _attend_block(qs, K, V, h, b, t0, t1, s, m, l, acc):
     """Block b (positions t0 .. t1 - 1) of kv head h for its g query heads: the scores into s
     [g, ATTEND_BLOCK]; per query head the block's largest score m, sum of exp(score - m) l, and
     those exps times V's rows, summed, acc [D] (flash-decoding: `_attend_blocks` joins them)."""
-    g, D = qs.shape[1], qs.shape[2]
+    g = qs.shape[1]
     n = t1 - t0
-    for t in range(t0, t1):
-        for j in range(g):
-            a = float32(0.0)
-            for d in range(D):
-                a += qs[h, j, d] * K[h, t, d]
-            s[j, t - t0] = a
+    for j in range(g):
+        _dots(qs[h, j], K[h], t0, t1, s[j], 0)
     for j in range(g):
         top = s[j, 0]
         for t in range(1, n):
@@ -260,13 +285,7 @@ def _attend_block(qs, K, V, h, b, t0, t1, s, m, l, acc):
             total += p
         m[h, j, b] = top
         l[h, j, b] = total
-    a = np.zeros((g, D), np.float32)  # (contiguous: the sums over d vectorise)
-    for t in range(n):
-        for j in range(g):
-            p = s[j, t]
-            for d in range(D):
-                a[j, d] += p * V[h, t0 + t, d]
-    acc[h, :, b, :] = a
+    _weighted(s, V, h, t0, n, acc[h, :, b, :])
 
 
 @njit(cache=True, nogil=True, parallel=True)
@@ -387,4 +406,5 @@ def warmup() -> None:
     softmax_rows(x.copy())
     softmax_causal(np.ones((1, 2, 4), np.float32), 2)
     _scores(np.ones((1, 1, 16), np.float32), np.ones((1, 2, 16), np.float32), 1, np.empty((1, 1, 1), np.float32))
-    attend_steps(np.ones((1, 1, 16), np.float32), np.ones((1, 2, 16), np.float32), np.ones((1, 2, 16), np.float32), 2)
+    for kv in (np.float32, np.uint16):  # a float32 cache, and a float16 one's bits (--kv-cache float16)
+        attend_steps(np.ones((1, 1, 16), np.float32), np.ones((1, 2, 16), kv), np.ones((1, 2, 16), kv), 2)

@@ -162,6 +162,15 @@ def _rms_parts(norm, H: int, hd: int):
     return w, np.float32(norm.eps), w.shape[0] == hd
 
 
+KV_DTYPES = (mx.float32, mx.float16)  # the KV caches the CPU kernels' attention keeps (--kv-cache)
+
+
+def _kv_view(a: mx.array) -> np.ndarray:
+    """A cache's keys or values [1, Hk, capacity, hd] as a numpy view of their memory [Hk,
+    capacity, hd]: float32, or a float16 cache's bits as uint16 (numba has no float16)."""
+    return np.asarray(memoryview(a.view(mx.uint16) if a.dtype == mx.float16 else a))[0]
+
+
 HEADS = ("n_heads", "num_heads", "num_attention_heads")
 KV_HEADS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
 
@@ -190,6 +199,7 @@ class CpuAttention(_Wraps):
     and causal prefill chunks on numpy's BLAS where its probe says they agree too."""
 
     prefill_ok = True  # set by _probe_attention
+    kv_dtype = mx.float32  # a new cache's element type: float16 with --kv-cache float16 (the loader sets it)
 
     def __init__(self, attn: nn.Module, tables: dict):
         super().__init__()
@@ -213,23 +223,25 @@ class CpuAttention(_Wraps):
         none = (np.zeros(0, np.float32), np.float32(0), False)  # no norm, as decode_qs takes it
         self._norm_args = (*(self.q_norm or none), *(self.k_norm or none))
         self._block = None  # block_np's kernel and arguments, made on its first call
+        self._views = None  # (keys, values, their numpy views) of the cache last decoded into
 
     @staticmethod
     def fast(x, mask, cache, kwargs) -> bool:
-        """Whether this call is a one-token decode step on a plain float32 KVCache with room."""
+        """Whether this call is a one-token decode step on a plain KVCache, empty or of KV_DTYPES
+        (block_np and decode_np make it or grow it, _room). (The CPU kernels compute in float32.)"""
         from mlx_lm.models.cache import KVCache
 
-        return not (kwargs or type(cache) is not KVCache or cache.keys is None or x.shape[0] != 1
-                    or x.shape[1] != 1 or cache.offset >= cache.keys.shape[2]
-                    or cache.keys.dtype != mx.float32 or not (mask is None or isinstance(mask, str)))
+        return not (kwargs or type(cache) is not KVCache or x.shape[0] != 1 or x.shape[1] != 1
+                    or (cache.keys is not None and cache.keys.dtype not in KV_DTYPES)
+                    or not (mask is None or isinstance(mask, str)))
 
     @staticmethod
     def prefill_fits(x, mask, cache, kwargs) -> bool:
-        """Whether this call is a causal prefill chunk (several tokens) on a plain float32 KVCache."""
+        """Whether this call is a causal prefill chunk (several tokens) on a plain KVCache of KV_DTYPES."""
         from mlx_lm.models.cache import KVCache
 
         return not (kwargs or type(cache) is not KVCache or x.shape[0] != 1 or x.shape[1] < 2
-                    or x.dtype != mx.float32 or (cache.keys is not None and cache.keys.dtype != mx.float32)
+                    or x.dtype != mx.float32 or (cache.keys is not None and cache.keys.dtype not in KV_DTYPES)
                     or not (isinstance(mask, str) and mask == "causal"))
 
     def __call__(self, x, mask=None, cache=None, **kwargs):
@@ -237,7 +249,25 @@ class CpuAttention(_Wraps):
             return _mx(self.decode_np(_np(x).reshape(1, -1), cache).reshape(1, 1, -1))
         if self.prefill_ok and self.prefill_fits(x, mask, cache, kwargs):
             return self.prefill(x, cache)
+        if getattr(cache, "keys", None) is not None and cache.keys.dtype == mx.float16 and x.dtype == mx.float32:
+            # MLX's attention would write float32 rows into it and grow it as float32
+            raise ValueError("a float16 KV cache (--kv-cache float16) is kept by the CPU kernels' attention only, "
+                             "and this call is not one of theirs")
         return self._orig.module(x, mask, cache, **kwargs)
+
+    def _room(self, cache, n: int) -> None:
+        """Room for n more positions in the cache, made as KVCache.update_and_fetch makes it (in
+        steps of cache.step positions), in the cache's element type (a new one: kv_dtype)."""
+        if cache.keys is not None and cache.offset + n <= cache.keys.shape[2]:
+            return
+        dtype = self.kv_dtype if cache.keys is None else cache.keys.dtype
+        shape = (1, self.Hk, (n + cache.step - 1) // cache.step * cache.step, self.hd)
+        if cache.keys is None:
+            cache.keys, cache.values = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+        else:
+            cache.keys, cache.values = (mx.concatenate([c[..., :cache.offset, :], mx.zeros(shape, dtype)], axis=2)
+                                        for c in (cache.keys, cache.values))
+        mx.eval(cache.keys, cache.values)
 
     def prefill(self, x, cache) -> mx.array:
         """A prompt chunk [1, T, D]: projections and norms as in decoding, the rope by the
@@ -248,6 +278,7 @@ class CpuAttention(_Wraps):
 
         T = x.shape[1]
         H, Hk, hd = self.H, self.Hk, self.hd
+        self._room(cache, T)
         q, k, v = (np.ascontiguousarray(t) for t in self._qkv(_np(x).reshape(T, -1)))
         for t, norm, n in ((q, self.q_norm, H), (k, self.k_norm, Hk)):
             if norm is not None:
@@ -256,9 +287,12 @@ class CpuAttention(_Wraps):
         rope = self._orig.module.rope
         queries = rope(mx.array(q).reshape(1, T, H, hd).transpose(0, 2, 1, 3), offset=cache.offset)
         keys = rope(mx.array(k).reshape(1, T, Hk, hd).transpose(0, 2, 1, 3), offset=cache.offset)
-        keys, values = cache.update_and_fetch(keys, mx.array(v).reshape(1, T, Hk, hd).transpose(0, 2, 1, 3))
+        dtype = cache.keys.dtype  # (a float16 cache: its rounded rows are what later steps read)
+        keys, values = cache.update_and_fetch(keys.astype(dtype),
+                                              mx.array(v).reshape(1, T, Hk, hd).transpose(0, 2, 1, 3).astype(dtype))
         mx.eval(queries, keys, values)
-        o = attend_causal(np.array(queries[0]), np.array(keys[0]), np.array(values[0]), self.scale)
+        o = attend_causal(np.array(queries[0]), np.array(keys[0], np.float32), np.array(values[0], np.float32),
+                          self.scale)
         return _mx(_linear_np(self._o, o.reshape(T, H * hd)).reshape(1, T, -1))
 
     def block_np(self, x2: np.ndarray, cache, norms) -> tuple[np.ndarray, np.ndarray] | None:
@@ -275,6 +309,7 @@ class CpuAttention(_Wraps):
         if fn is None:
             return None
         (w1, eps1), (w2, eps2) = norms
+        self._room(cache, 1)
         h, n2 = fn(x2, w1, eps1, *qkv_args, *self._position(cache), *o_args, w2, eps2, *parallel)
         cache.offset += 1
         return h, n2
@@ -294,16 +329,18 @@ class CpuAttention(_Wraps):
 
     def _position(self, cache) -> tuple:
         """This step's rope row (a, b, partner), the cache's keys and values as numpy [Hk,
-        capacity, hd] (written in place) and the position."""
-        from flashmoe.engine.cpu.qmm import to_numpy
-
-        return (*self._rope.row(cache.offset), self._rope.partner, to_numpy(cache.keys)[0], to_numpy(cache.values)[0],
-                cache.offset)
+        capacity, hd] (written in place; float16 as its bits, uint16) and the position."""
+        views = self._views
+        if views is None or views[0] is not cache.keys or views[1] is not cache.values:
+            # (a float16 cache's view costs 25 us: made again only when the arrays change)
+            views = self._views = (cache.keys, cache.values, _kv_view(cache.keys), _kv_view(cache.values))
+        return (*self._rope.row(cache.offset), self._rope.partner, views[2], views[3], cache.offset)
 
     def decode_np(self, x2: np.ndarray, cache) -> np.ndarray:
         """x2 [1, D] -> [1, D_out]; writes this position's keys and values into the cache."""
         from flashmoe.engine.cpu.attn import attend_qs, decode_qs
 
+        self._room(cache, 1)
         a, b, partner, K, V, pos = self._position(cache)
         qs = decode_qs(self._qkv.stacked(x2)[0], *self._qkv.starts, self.H, self.Hk, self.hd, *self._norm_args,
                        a, b, partner, K, V, pos, self.scale)
@@ -617,6 +654,32 @@ def _probe_mlp(new: CpuMLP, mlp: nn.Module, dim: int) -> bool:
 
 def _input_dim(module: nn.Module, first: str) -> int:
     return getattr(module, first).in_features
+
+
+def use_kv_cache(model: nn.Module, dtype) -> None:
+    """Keep every layer's KV cache in `dtype` (float16: --kv-cache). Every layer's attention must
+    be a CpuAttention that prefills too, on a plain KVCache: MLX's attention would write float32
+    rows into the cache and grow it as float32, so there the option would not hold (OptionError)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from flashmoe.engine.errors import OptionError
+    from flashmoe.engine.runtime.timing import decoder_layers
+
+    name = f"--kv-cache {str(dtype).split('.')[-1]}"
+    try:
+        layers = decoder_layers(model)
+    except ValueError as e:
+        raise OptionError(f"{name}: {e}") from None
+    not_plain = [type(c).__name__ for c in make_prompt_cache(model) if type(c) is not KVCache]
+    if not_plain:
+        raise OptionError(f"{name}: this model keeps a {not_plain[0]} (the CPU kernels keep plain KV caches only)")
+    for i, layer in enumerate(layers):
+        attn = layer.get("self_attn") if isinstance(layer, nn.Module) else None
+        if not isinstance(attn, CpuAttention) or not attn.prefill_ok:
+            raise OptionError(f"{name}: layer {i}'s attention does not run on the CPU kernels "
+                              f"({'its prefill did not pass their probe' if isinstance(attn, CpuAttention) else 'not fused'})")
+    for layer in layers:
+        layer["self_attn"].kv_dtype = dtype
 
 
 def install(model: nn.Module) -> dict:

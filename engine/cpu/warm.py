@@ -53,7 +53,8 @@ def _run(job) -> None:
             t.matmul(np.zeros((rows, gs), np.float32))
         t.rows(np.zeros((1, 1), np.int64))
         _bank_calls(bits, gs, bf16)
-        _attention_block(bits, gs, bf16)
+        for kv in (np.float32, np.uint16):  # a float32 KV cache, and a float16 one's bits (--kv-cache float16)
+            _attention_block(bits, gs, bf16, kv)
     else:
         from flashmoe.engine.cpu import attn, gemm, routing
 
@@ -87,9 +88,10 @@ def _bank_calls(bits: int, gs: int, bf16: bool = False) -> None:
     bank.gather(np.zeros((GEMM_ROWS, inter), np.float32), idx, 1, ("down_proj",))
 
 
-def _attention_block(bits: int, gs: int, bf16: bool = False) -> None:
+def _attention_block(bits: int, gs: int, bf16: bool = False, kv=np.float32) -> None:
     """A decode step's attention block in one call (fused.CpuAttention.block_np), argument for
-    argument as it passes them: 2 heads of gs over 1 kv head, hidden 2 * gs."""
+    argument as it passes them: 2 heads of gs over 1 kv head, hidden 2 * gs, the cache's
+    elements kv (float32, or uint16: float16 bits)."""
     from flashmoe.engine.cpu.tiled import Tiled
 
     H, Hk, hd = 2, 1, gs
@@ -102,7 +104,7 @@ def _attention_block(bits: int, gs: int, bf16: bool = False) -> None:
 
     norm = (np.ones(hd, np.float32), np.float32(1e-6), True)
     rope = np.zeros((2, hd), np.float32)
-    K, V = np.zeros((Hk, 4, hd), np.float32), np.zeros((Hk, 4, hd), np.float32)
+    K, V = np.zeros((Hk, 4, hd), kv), np.zeros((Hk, 4, hd), kv)
     fn = Tiled(*tiles(D, D), D, bits, gs).entry("attn_half")
     fn(np.zeros((1, D), np.float32), np.ones(D, np.float32), np.float32(1e-6), *tiles((H + 2 * Hk) * hd, D),
        np.zeros(0, np.float32), 0, H * hd, (H + Hk) * hd, H, Hk, hd, *norm, *norm, rope[1], rope[1],

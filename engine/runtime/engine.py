@@ -57,7 +57,7 @@ class Handle:
 
 class Engine:
     def __init__(self, model_path, *, expert_cache: int | None = None, io_threads: int = 8,
-                 direct_io: bool = False, dtype: str | None = None, kernels: str = "mlx",
+                 direct_io: bool = False, dtype: str | None = None, kernels: str = "mlx", kv_cache: str = "float32",
                  prefetch: bool | str = False, cache_policy: str = "lfu", verify_reads: bool = True,
                  truncate_prompt: str = "off", allow_resident_experts: bool = False,
                  prompt_cache_bytes: int = 2 << 30, prompt_cache_dir=None, prompt_cache_disk_bytes: int = 8 << 30,
@@ -72,7 +72,7 @@ class Engine:
         self.model_path = model_path
         self.truncate_prompt = truncate_prompt
         self._load_args = dict(expert_cache=expert_cache, io_threads=io_threads, direct_io=direct_io, dtype=dtype,
-                               kernels=kernels, prefetch=prefetch, cache_policy=cache_policy,
+                               kernels=kernels, kv_cache=kv_cache, prefetch=prefetch, cache_policy=cache_policy,
                                verify_reads=verify_reads, allow_resident_experts=allow_resident_experts,
                                experts_per_token=experts_per_token)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -134,7 +134,7 @@ class Engine:
                 experts=lm.layers[0].num_experts if lm.layers else 0, top_k=lm.top_k,
                 bits=model_bits(lm.config), cache_bytes=lm.store.capacity_bytes if lm.store else 0,
                 load_s=perf_counter() - t0, chat_template=lm.tokenizer.template_source if lm.tokenizer else "",
-                kernels="cpu-int8" if lm.int8_matrices else lm.kernels, cache_policy=lm.store.policy if lm.store else "",
+                kernels="cpu-int8" if lm.int8_matrices else lm.kernels, kv_cache=lm.kv_cache, cache_policy=lm.store.policy if lm.store else "",
                 context=context_length(lm.config), resident_experts=lm.resident_experts,
                 trained_top_k=lm.trained_top_k)
             if self._expert_usage and lm.store is not None:
@@ -148,7 +148,7 @@ class Engine:
             disk = None
             if folder is not None and disk_bytes > 0:
                 try:
-                    disk = DiskPromptCache(folder, self.loaded.path, disk_bytes)
+                    disk = DiskPromptCache(folder, self.loaded.path, disk_bytes, self.loaded.kv_cache)
                 except OSError as e:  # the caches stay in memory
                     import logging
 

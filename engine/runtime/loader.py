@@ -22,7 +22,7 @@ from flashmoe.engine.experts.layout import LayerExperts, Part, read_manifest
 from flashmoe.engine.experts.store import ExpertStore
 from flashmoe.engine.experts.switch import StreamingSwitchGLU
 from flashmoe.engine.runtime.jsonfile import read_json
-from flashmoe.engine.options import PREFETCH_MODES
+from flashmoe.engine.options import KV_CACHES, PREFETCH_MODES
 from flashmoe.engine.telemetry import Telemetry
 from flashmoe.engine.formats.safetensors_io import read_header
 
@@ -42,6 +42,7 @@ class LoadedModel:
     tokenizer: object = None
     kernels: str = "mlx"  # which matmul kernels run: "mlx" or "cpu"
     int8_matrices: int = 0  # --kernels cpu-int8: resident matrices multiplied on int8 activations
+    kv_cache: str = "float32"  # the CPU kernels' KV cache element type (options.KV_CACHES)
     clock: object = None  # timing.LayerClock, installed on the first --timing layer request
     fused: dict = field(default_factory=dict)  # cpu kernels: attention / MLP blocks fused (engine/cpu/fused.py)
     block_kinds: dict = field(default_factory=dict)  # expert block path -> its class and activation
@@ -480,7 +481,7 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
          direct_io: bool = False, load_tokenizer: bool = True, dtype: str | None = None,
          kernels: str = "mlx", prefetch: bool | str = False, cache_policy: str = "lfu",
          verify_reads: bool = True, allow_resident_experts: bool = False,
-         experts_per_token: int | None = None) -> LoadedModel:
+         experts_per_token: int | None = None, kv_cache: str = "float32") -> LoadedModel:
     """Build the model for `path` with streamed experts. Resident weights are loaded here.
 
     dtype "float32" widens 16-bit float tensors (weights, quantization scales and biases, and
@@ -508,10 +509,19 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
 
     experts_per_token: route each token to this many experts instead of the config's (as
     Flash-MoE runs Qwen3.5-397B with 4 of its 10); None keeps the config's.
+
+    kv_cache "float16" keeps the KV cache in float16, as llama.cpp does (a decode step after a
+    long prompt reads half the bytes; not exact): the CPU kernels only, and only where every
+    layer's attention runs on them with a plain KV cache (else ModelLoadError, naming why).
     """
     from flashmoe.engine.cpu.install import resolve
 
     kernels = resolve(kernels)
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
+    if kv_cache != "float32" and kernels not in ("cpu", "cpu-int8"):
+        raise OptionError(f"--kv-cache {kv_cache}: the CPU kernels keep it (--kernels cpu or cpu-int8), "
+                          f"not kernels {kernels}")
     int8 = kernels == "cpu-int8"  # the CPU kernels on int8 activations (cpu/int8.py)
     if int8:
         kernels = "cpu"
@@ -612,6 +622,9 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
 
         cpu_path.install(model)
         loaded.fused = cpu_fused.install(model)
+        if kv_cache != "float32":
+            cpu_fused.use_kv_cache(model, getattr(mx, kv_cache))
+            loaded.kv_cache = kv_cache
         if int8:  # after the installs: their load-time probes compare float results
             from flashmoe.engine.cpu.int8 import use_int8
 

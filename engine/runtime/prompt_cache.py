@@ -173,11 +173,12 @@ class DiskPromptCache:
 
     MIN_TOKENS = 16  # shorter prompts are cheaper to run again than to read back
 
-    def __init__(self, folder, model_path, cap_bytes: int = 8 << 30):
+    def __init__(self, folder, model_path, cap_bytes: int = 8 << 30, kv_cache: str = "float32"):
         from pathlib import Path
 
         self.folder = Path(folder)
         self.model = model_identity(model_path)
+        self.kv_cache = kv_cache  # (--kv-cache: a float16 run's caches and a float32 run's are kept apart)
         self.cap_bytes = cap_bytes
         self.refused: list[str] = []  # files not used, and why (for logs and tests)
         self.index: dict = {}  # file -> token ids, this model's only
@@ -187,8 +188,8 @@ class DiskPromptCache:
                 continue
             try:
                 meta = _header_metadata(f)
-                if meta.get("model") != self.model:
-                    continue  # another model's: load() refuses it if asked
+                if meta.get("model") != self.model or meta.get("kv_cache", "float32") != self.kv_cache:
+                    continue  # another model's (or KV cache's): load() refuses it if asked
                 self.index[f] = [int(t) for t in meta["tokens"].split(",") if t]
             except (OSError, ValueError, KeyError) as e:
                 self.refused.append(f"{f.name}: {e}")
@@ -215,6 +216,10 @@ class DiskPromptCache:
         if meta.get("model") != self.model:
             self.refused.append(f"{file.name}: written by another model")
             return None
+        kv, want = meta.get("kv_cache", "float32"), self.kv_cache
+        if kv != want:  # (its rows would be read as they are, the other way than this run asks)
+            self.refused.append(f"{file.name}: its KV cache is {kv}, this run keeps {want}")
+            return None
         tokens = [int(t) for t in meta.get("tokens", "").split(",") if t]
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -236,11 +241,13 @@ class DiskPromptCache:
         tokens = list(session.tokens)
         if len(tokens) < self.MIN_TOKENS or session.cache is None:
             return
-        key = hashlib.sha256(f"{self.model}:{tokens}".encode()).hexdigest()[:32]
+        kv = "" if self.kv_cache == "float32" else f":{self.kv_cache}"  # (float32: the names files had before)
+        key = hashlib.sha256(f"{self.model}{kv}:{tokens}".encode()).hexdigest()[:32]
         final = self.folder / f"{key}.safetensors"
         tmp = self.folder / f"{key}.partial.safetensors"
         save_prompt_cache(str(tmp), session.cache, {"model": self.model, "tokens": ",".join(map(str, tokens)),
-                                                    "format": "flashmoe-kv-1"})
+                                                    "format": "flashmoe-kv-1",
+                                                    "kv_cache": self.kv_cache})
         os.replace(tmp, final)
         # The turns before this one are prefixes of it: this file serves them too.
         for f, old in list(self.index.items()):
