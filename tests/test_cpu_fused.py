@@ -114,6 +114,32 @@ def test_rope_table_matches_the_module_at_every_position(name, rope):
         assert close(got, want, 1e-6), (name, pos)
 
 
+def _longrope():
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    return initialize_rope(32, 10000.0, False, {"type": "longrope", "long_factor": [1.5] * 16, "short_factor": [1.0] * 16,
+                                                "original_max_position_embeddings": 100}, 4096)
+
+
+@pytest.mark.parametrize("name,rope", list(_ropes()) + [("longrope", _longrope())], ids=[n for n, _ in _ropes()] + ["longrope"])
+def test_rope_table_rows_in_batches_are_the_one_position_calls_bit_for_bit(name, rope, monkeypatch):
+    """Rows come 64 positions per MLX call (one-token sequences at an array of offsets) where that
+    gives the one-position calls' rows exactly; a rope that takes no array of offsets (dynamic
+    NTK) is computed one position at a time."""
+    monkeypatch.setattr(RopeTable, "AHEAD", 1)
+    one = RopeTable(rope, 32)  # the reference: one position per call, always
+    one.AHEAD = 1
+    monkeypatch.setattr(RopeTable, "AHEAD", 64)
+    table = RopeTable(rope, 32)
+    calls = []
+    rows = RopeTable._rows
+    monkeypatch.setattr(RopeTable, "_rows", lambda self, pos, n: (self is table and calls.append(n)) or rows(self, pos, n))
+    for pos in range(1, 400):
+        assert all(np.array_equal(x, y) for x, y in zip(table.row(pos), one.row(pos))), (name, pos)
+    if name != "dynamic":
+        assert len(calls) < 400 // 8  # a batch and 3 checks per 64 positions
+
+
 def test_rope_table_refuses_what_is_not_a_pairwise_rotation():
     class Mixing(nn.Module):
         def __call__(self, x, offset=0):
