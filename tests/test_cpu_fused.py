@@ -8,7 +8,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-pytest.importorskip("numba")
+import numba  # noqa: E402,F401 - required: a missing one fails here, never skips
 
 from flashmoe.engine.cpu.fused import CpuAttention, CpuMLP, CpuMoE, RopeTable  # noqa: E402
 from flashmoe.engine.cpu import attn as cpu_attn  # noqa: E402
@@ -383,7 +383,6 @@ def test_whole_decode_step_runs_on_numpy_and_gives_mlx_tokens(model_factory, mon
     norm on numpy (the per-layer MLX round trip not taken), prompt chunks through the original,
     and the tokens are those of MLX's kernels."""
     from flashmoe.engine.cpu import decode_step
-    from flashmoe.engine.cpu.fused import CpuDecoderLayer
 
     path = model_factory("qwen3_moe", 4, converted=True)
     want = greedy(load(path, kernels="mlx", load_tokenizer=False).model, PROMPT, 12)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-pytest.importorskip("numba")
+import numba  # noqa: E402,F401 - required: a missing one fails here, never skips
 
 from flashmoe.engine.runtime.loader import load  # noqa: E402
 from tests.test_streaming_exact import CASES, PROMPT, greedy, small_budget  # noqa: E402

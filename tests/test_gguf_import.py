@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
+import gguf  # noqa: E402 - a core dependency: missing fails, never skips
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf import TokenType  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402

@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("numba")
-mx = pytest.importorskip("mlx.core")
+import numba  # noqa: E402,F401 - required: a missing one fails here, never skips
+import mlx.core as mx  # noqa: E402
 
-from flashmoe.engine.cpu import qmm as K  # (imported after the importorskip above)
+from flashmoe.engine.cpu import qmm as K
 
 RNG = np.random.default_rng(1234)
 

@@ -75,27 +75,29 @@ class RoundingCache(KVCache):
 
 
 def test_a_model_with_a_float16_cache_computes_as_mlx_over_float16_rows(model_factory):
-    """A 250-token prompt then decode steps past 256 positions (the cache grows in a decode step):
-    the cache stays float16, and every step's logits are MLX's with its rows rounded to float16."""
+    """A 252-token prompt in two chunks, decode steps past 256 positions (the cache grows in a
+    decode step), another chunk (a next turn's, into the same cache) and more steps: the cache
+    stays float16, and every step's logits are MLX's with its rows rounded to float16."""
     path = model_factory("qwen3_moe", 4, converted=True)
     ref = load(path, kernels="mlx", load_tokenizer=False)
     lm = load(path, kernels="cpu", kv_cache="float16", load_tokenizer=False)
     assert lm.kv_cache == "float16"
-    prompt = RNG.integers(0, ref.config["vocab_size"], 250).tolist()
+    prompt = RNG.integers(0, ref.config["vocab_size"], 259).tolist()
     caches = {"ref": [RoundingCache() for _ in ref.model.layers], "cpu": [KVCache() for _ in lm.model.layers]}
     steps = {}
     for name, model in (("ref", ref.model), ("cpu", lm.model)):
-        out = [model(mx.array([prompt[:200]]), cache=caches[name])[0, -1]]
-        out.append(model(mx.array([prompt[200:]]), cache=caches[name])[0, -1])
-        tok = int(mx.argmax(out[-1]))
-        for _ in range(12):
-            out.append(model(mx.array([[tok]]), cache=caches[name])[0, -1])
-            tok = int(mx.argmax(out[-1]))
+        out = []
+        for chunk in (prompt[:200], prompt[200:252], 6, prompt[252:], 6):
+            if isinstance(chunk, list):
+                out.append(model(mx.array([chunk]), cache=caches[name])[0, -1])
+                continue
+            for _ in range(chunk):
+                out.append(model(mx.array([[int(mx.argmax(out[-1]))]]), cache=caches[name])[0, -1])
         steps[name] = [np.array(o) for o in out]
     for got, want in zip(steps["cpu"], steps["ref"]):
         assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
     c = caches["cpu"][0]
-    assert c.keys.dtype == c.values.dtype == mx.float16 and c.offset == 262 and c.keys.shape[2] == 512
+    assert c.keys.dtype == c.values.dtype == mx.float16 and c.offset == 271 and c.keys.shape[2] == 512
 
 
 def test_the_option_is_refused_where_it_would_not_hold(model_factory):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-mx = pytest.importorskip("mlx.core")
+import mlx.core as mx  # noqa: E402
 
 from flashmoe.engine.cpu import tiled as T  # noqa: E402
 from flashmoe.engine.cpu.qmm import qmm  # noqa: E402

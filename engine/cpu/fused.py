@@ -192,8 +192,10 @@ KV_DTYPES = (mx.float32, mx.float16)  # the KV caches the CPU kernels' attention
 
 def _kv_view(a: mx.array) -> np.ndarray:
     """A cache's keys or values [1, Hk, capacity, hd] as a numpy view of their memory [Hk,
-    capacity, hd]: float32, or a float16 cache's bits as uint16 (numba has no float16)."""
-    return np.asarray(memoryview(a.view(mx.uint16) if a.dtype == mx.float16 else a))[0]
+    capacity, hd]: float32, or a float16 cache's bits as uint16 (numba has no float16). Made
+    again at every step: a slice assignment (update_and_fetch) may move an array's data."""
+    v = np.asarray(memoryview(a))[0]
+    return v.view(np.uint16) if v.dtype == np.float16 else v
 
 
 HEADS = ("n_heads", "num_heads", "num_attention_heads")
@@ -257,7 +259,6 @@ class CpuAttention(_Wraps):
         none = (np.zeros(0, np.float32), np.float32(0), False)  # no norm, as decode_qs takes it
         self._norm_args = (*(self.q_norm or none), *(self.k_norm or none))
         self._block = None  # block_np's kernel and arguments, made on its first call
-        self._views = None  # (keys, values, their numpy views) of the cache last decoded into
 
     @staticmethod
     def fast(x, mask, cache, kwargs) -> bool:
@@ -364,11 +365,8 @@ class CpuAttention(_Wraps):
     def _position(self, cache) -> tuple:
         """This step's rope row (a, b, partner), the cache's keys and values as numpy [Hk,
         capacity, hd] (written in place; float16 as its bits, uint16) and the position."""
-        views = self._views
-        if views is None or views[0] is not cache.keys or views[1] is not cache.values:
-            # (a float16 cache's view costs 25 us: made again only when the arrays change)
-            views = self._views = (cache.keys, cache.values, _kv_view(cache.keys), _kv_view(cache.values))
-        return (*self._rope.row(cache.offset), self._rope.partner, views[2], views[3], cache.offset)
+        return (*self._rope.row(cache.offset), self._rope.partner, _kv_view(cache.keys), _kv_view(cache.values),
+                cache.offset)
 
     def decode_np(self, x2: np.ndarray, cache) -> np.ndarray:
         """x2 [1, D] -> [1, D_out]; writes this position's keys and values into the cache."""
