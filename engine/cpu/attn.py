@@ -295,13 +295,17 @@ def _attend_blocks(qs, K, V, T):
     V once, in one pass; the sums are in another order than the softmax-then-matmul path's."""
     Hk, g, D = qs.shape
     nb = (T + ATTEND_BLOCK - 1) // ATTEND_BLOCK
+    if (Hk * nb) % 2:  # an even count of blocks, all of one size (a multiple of 16): two cores get as much
+        nb += 1
+    size = ((T + nb - 1) // nb + LANES - 1) // LANES * LANES
+    nb = (T + size - 1) // size
     m = np.empty((Hk, g, nb), np.float32)
     l = np.empty((Hk, g, nb), np.float32)
     acc = np.empty((Hk, g, nb, D), np.float32)
     for it in prange(Hk * nb):
         h, b = it // nb, it % nb
-        t0 = b * ATTEND_BLOCK
-        _attend_block(qs, K, V, h, b, t0, min(T, t0 + ATTEND_BLOCK), np.empty((g, ATTEND_BLOCK), np.float32), m, l, acc)
+        t0 = b * size
+        _attend_block(qs, K, V, h, b, t0, min(T, t0 + size), np.empty((g, ATTEND_BLOCK), np.float32), m, l, acc)
     out = np.empty((Hk * g, D), np.float32)
     w = np.empty(nb, np.float32)
     for h in range(Hk):
