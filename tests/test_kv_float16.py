@@ -49,9 +49,11 @@ def test_decode_qs_writes_the_rows_rounded_as_numpy_rounds_them():
     """A float16 cache gets float16(row) of exactly the rows a float32 cache gets (round to nearest
     even), and the queries are the same."""
     H, Hk, hd, pos = 4, 2, 32, 5
-    row = rand(H * hd + 2 * Hk * hd) * 300  # past float16's precision, and some past its range
-    row[H * hd + 3] = 70000.0
-    a, b, partner = rand(hd), rand(hd), np.roll(np.arange(hd), hd // 2).astype(np.int64)
+    rng = np.random.default_rng(5)
+    row = rng.standard_normal(H * hd + 2 * Hk * hd).astype(np.float32) * 300  # past float16's precision
+    row[H * hd + Hk * hd + 3] = 70000.0  # a value (no rope) past float16's range
+    a, b = (rng.standard_normal(hd).astype(np.float32) for _ in range(2))
+    partner = np.roll(np.arange(hd), hd // 2).astype(np.int64)
     none = (np.zeros(0, np.float32), np.float32(0), False)
     args = (row, 0, H * hd, H * hd + Hk * hd, H, Hk, hd, *none, *none, a, b, partner)
     K, V = np.zeros((Hk, 8, hd), np.float32), np.zeros((Hk, 8, hd), np.float32)
@@ -62,7 +64,7 @@ def test_decode_qs_writes_the_rows_rounded_as_numpy_rounds_them():
     with np.errstate(over="ignore"):
         assert np.array_equal(K16, K.astype(np.float16).view(np.uint16))
         assert np.array_equal(V16, V.astype(np.float16).view(np.uint16))
-    assert np.isinf(K16.view(np.float16)).sum() == 1  # 70000 is past float16: inf, as numpy casts it
+    assert np.isinf(V16.view(np.float16)).sum() == 1  # 70000 is past float16: inf, as numpy casts it
 
 
 class RoundingCache(KVCache):

@@ -295,7 +295,7 @@ def _attend_blocks(qs, K, V, T):
     V once, in one pass; the sums are in another order than the softmax-then-matmul path's."""
     Hk, g, D = qs.shape
     nb = (T + ATTEND_BLOCK - 1) // ATTEND_BLOCK
-    if (Hk * nb) % 2:  # an even count of blocks, all of one size (a multiple of 16): two cores get as much
+    if (Hk * nb) % 2:  # blocks of one size (a multiple of 16), an even count where it comes out so: two cores get as much
         nb += 1
     size = ((T + nb - 1) // nb + LANES - 1) // LANES * LANES
     nb = (T + size - 1) // size

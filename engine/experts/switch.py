@@ -118,13 +118,11 @@ class StreamingSwitchGLU(nn.Module):
         bank = self.tiled_bank
         flat = ids.reshape(-1)
         store, layer = self._store, self._layer
-        if bank is None or not bank.one_call or (store.routers and not store.holds(layer, flat)):
+        if bank is None or not bank.one_call or not store.holds(layer, flat):
             return None
-        if store.routers:  # decoding one token: read the next layer ahead (before fetch's wait, as the reading path)
+        if store.routers:  # decoding one token: read the next layer ahead
             self._read_ahead(x2, set(int(e) for e in flat))
-        slots = store.fetch_held(layer, flat)
-        if slots is None:
-            return None
+        slots = store.fetch(layer, flat)[flat].astype(np.int64)
         bank.ready(slots)
         t1 = perf_counter()
         y = bank.swiglu_sum(x2, slots, scores, shared() if shared is not None else None)

@@ -512,7 +512,7 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
 
     kv_cache "float16" keeps the KV cache in float16, as llama.cpp does (a decode step after a
     long prompt reads half the bytes; not exact): the CPU kernels only, and only where every
-    layer's attention runs on them with a plain KV cache (else ModelLoadError, naming why).
+    layer's attention runs on them with a plain KV cache (else OptionError, naming why).
     """
     from flashmoe.engine.cpu.install import resolve
 
