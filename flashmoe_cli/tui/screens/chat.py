@@ -187,7 +187,9 @@ class ChatScreen(Screen):
         self.note(f"{name}: {info.model_type}, {info.mode} experts, {info.layers} layers "
                   f"({info.moe_layers} with experts), {info.experts} experts, top-{info.top_k}, {bits}, "
                   f"expert cache {human_bytes(info.cache_bytes)}"
-                  + (f" ({info.cache_policy})" if info.cache_policy else "") + f", loaded in {info.load_s:.1f} s\n"
+                  + (f" ({info.cache_policy})" if info.cache_policy else "")
+                  + (f", {info.kv_cache} KV cache" if getattr(info, "kv_cache", "float32") != "float32" else "")
+                  + f", loaded in {info.load_s:.1f} s\n"
                   + (f"Experts resident, not streamed (--allow-resident-experts): {resident}\n" if resident else "")
                   + (f"Preloading the {info.preloading} most used experts ({human_bytes(info.preloading_bytes)}) "
                      f"from {info.usage_file}\n" if getattr(info, "preloading", 0) else "")
