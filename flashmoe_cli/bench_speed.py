@@ -21,6 +21,7 @@ def cmd_bench_speed(args) -> int:
 
     from .models import resolve_model
 
+    from .summaries import kv_label
     from .units import human_bytes
 
     if args.disk_cache:  # every run here must prefill its whole prompt
@@ -33,9 +34,8 @@ def cmd_bench_speed(args) -> int:
     bits = model_bits(loaded.config)
     expert = (sum(l.expert_bytes for l in loaded.layers) / len(loaded.layers)) if loaded.layers else 0
     machine = f"{os.cpu_count()}x {cpu_model()}, {platform.system()} {platform.release()}"
-    kv = f", {loaded.kv_cache} KV cache" if loaded.kv_cache != "float32" else ""
     model_line = (f"{loaded.config['model_type']} ({loaded.mode}, "
-                  f"{'cpu-int8' if loaded.int8_matrices else loaded.kernels} kernels{kv}"
+                  f"{'cpu-int8' if loaded.int8_matrices else loaded.kernels} kernels{kv_label(loaded)}"
                   f", prefetch {args.prefetch}), "
                   f"{bits or 'float'}{'-bit' if bits else ''}, "
                   f"K={loaded.top_k}{f' of {loaded.trained_top_k}' if loaded.trained_top_k else ''}, "

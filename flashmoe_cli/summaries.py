@@ -4,6 +4,12 @@ from __future__ import annotations
 from .units import human_bytes
 
 
+def kv_label(loaded) -> str:
+    """", float16 KV cache" where --kv-cache chose one (a ModelLoaded or a loaded model); else ""."""
+    kv = getattr(loaded, "kv_cache", "float32")
+    return f", {kv} KV cache" if kv != "float32" else ""
+
+
 def summary(done, loaded) -> str:
     """The one-line summary on stderr: every speed with its conditions."""
     bits = f"{done.bits}-bit" if done.bits else "float"
@@ -18,8 +24,7 @@ def summary(done, loaded) -> str:
         + (f" {human_bytes(loaded.cache_bytes)} {loaded.cache_policy}" if loaded.cache_policy else "")
         + (f" ({loaded.preloading} experts, {human_bytes(loaded.preloading_bytes)} from the usage file)"
            if done.cache_state == "preloaded" and getattr(loaded, "preloading", 0) else ""),
-        f"{loaded.model_type} ({loaded.mode}, {loaded.kernels} kernels"
-        + (f", {loaded.kv_cache} KV cache)" if getattr(loaded, "kv_cache", "float32") != "float32" else ")"),
+        f"{loaded.model_type} ({loaded.mode}, {loaded.kernels} kernels{kv_label(loaded)})",
     ]
     if loaded.resident_experts:  # --allow-resident-experts: never a line that looks like streaming
         parts.append("experts resident, not streamed")

@@ -83,24 +83,32 @@ def _lane_sums(b, vs: list):
     return vs[0]
 
 
-def _dim(context, builder, arrtype, value, axis: int):
-    return cgutils.unpack_tuple(builder, context.make_array(arrtype)(context, builder, value).shape)[axis]
+def _contiguous_rows(vec, rows, out) -> bool:
+    """The typing both kernels ask for: a vector, a cache's rows [rows, D] and an output, all C-contiguous."""
+    return vec.layout == rows.layout == out.layout == "C" and rows.ndim == 2
+
+
+def _begin(context, builder, signature, args, data: tuple):
+    """What both kernels' code starts with: the emitter, the data pointers of the arguments at
+    `data`, D (the width of the rows, argument 1, as i64) and the 16-lane FMA."""
+    e = Emitter(builder)
+    pointers = [array_data(context, builder, signature, args, i) for i in data]
+    rows = context.make_array(signature.args[1])(context, builder, args[1])
+    D = e.i64(cgutils.unpack_tuple(builder, rows.shape)[1])
+    return e, pointers, D, _fma(builder)
 
 
 @intrinsic
 def dots16(typingctx, q, K, t, out, o):
     """out[o + i] = q . K[t + i] for i < 16: q [D] float32, K [rows, D] a cache's rows (float32 or
     float16 bits), D a multiple of 16, all C-contiguous."""
-    if not (q.layout == K.layout == out.layout == "C" and K.ndim == 2):
+    if not _contiguous_rows(q, K, out):
         return None
     half = K.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
-        e = Emitter(builder)
-        qd, kd, od = (array_data(context, builder, signature, args, i) for i in (0, 1, 3))
-        D = e.i64(_dim(context, builder, signature.args[1], args[1], 1))
+        e, (qd, kd, od), D, fma = _begin(context, builder, signature, args, (0, 1, 3))
         t_, o_ = e.i64(args[2]), e.i64(args[4])
-        fma = _fma(builder)
         sums = [cgutils.alloca_once_value(builder, ir.Constant(VF16, [0.0] * LANES)) for _ in range(LANES)]
         with cgutils.for_range(builder, builder.sdiv(D, e.const(LANES))) as chunks:
             c = builder.mul(chunks.index, e.const(LANES))
@@ -119,16 +127,13 @@ def wsum(typingctx, p, V, t0, n, out):
     """out[d] = sum over t < n of p[t] * V[t0 + t, d]: p [>= n] float32, V [rows, D] a cache's rows
     (float32 or float16 bits), D a multiple of 16, all C-contiguous. Four sums per 16 columns,
     rows t, t+1, t+2, t+3 on separate ones (an FMA waits four cycles for its sum)."""
-    if not (p.layout == V.layout == out.layout == "C" and V.ndim == 2):
+    if not _contiguous_rows(p, V, out):
         return None
     half = V.dtype == types.uint16
 
     def codegen(context, builder, signature, args):
-        e = Emitter(builder)
-        pd, vd, od = (array_data(context, builder, signature, args, i) for i in (0, 1, 4))
-        D = e.i64(_dim(context, builder, signature.args[1], args[1], 1))
+        e, (pd, vd, od), D, fma = _begin(context, builder, signature, args, (0, 1, 4))
         t0_, n_ = e.i64(args[2]), e.i64(args[3])
-        fma = _fma(builder)
         zero = ir.Constant(VF16, [0.0] * LANES)
         sums = [cgutils.alloca_once(builder, VF16) for _ in range(4)]
 

@@ -31,6 +31,7 @@ import numpy as np
 from flashmoe.engine.cpu.install import CpuQuantizedLinear, set_module
 from flashmoe.engine.cpu.routing import MODES, combine, route
 from flashmoe.engine.hidden import Hidden
+from flashmoe.engine.options import KV_CACHES
 
 PROBE_TOL = 1e-4  # relative to the output's largest magnitude
 
@@ -187,7 +188,7 @@ def _rms_parts(norm, H: int, hd: int):
     return w, np.float32(norm.eps), w.shape[0] == hd
 
 
-KV_DTYPES = (mx.float32, mx.float16)  # the KV caches the CPU kernels' attention keeps (--kv-cache)
+KV_DTYPES = tuple(getattr(mx, name) for name in KV_CACHES)  # the KV caches the CPU kernels' attention keeps
 
 
 def _kv_view(a: mx.array) -> np.ndarray:
@@ -263,7 +264,7 @@ class CpuAttention(_Wraps):
     @staticmethod
     def fast(x, mask, cache, kwargs) -> bool:
         """Whether this call is a one-token decode step on a plain KVCache, empty or of KV_DTYPES
-        (block_np and decode_np make it or grow it, _room). (The CPU kernels compute in float32.)"""
+        (block_np and decode_np make it or grow it, _position). (The CPU kernels compute in float32.)"""
         from mlx_lm.models.cache import KVCache
 
         return not (kwargs or type(cache) is not KVCache or x.shape[0] != 1 or x.shape[1] != 1
@@ -344,7 +345,6 @@ class CpuAttention(_Wraps):
         if fn is None:
             return None
         (w1, eps1), (w2, eps2) = norms
-        self._room(cache, 1)
         h, n2 = fn(x2, w1, eps1, *qkv_args, *self._position(cache), *o_args, w2, eps2, *parallel)
         cache.offset += 1
         return h, n2
@@ -364,7 +364,9 @@ class CpuAttention(_Wraps):
 
     def _position(self, cache) -> tuple:
         """This step's rope row (a, b, partner), the cache's keys and values as numpy [Hk,
-        capacity, hd] (written in place; float16 as its bits, uint16) and the position."""
+        capacity, hd] (written in place; float16 as its bits, uint16; room made for this
+        position) and the position."""
+        self._room(cache, 1)
         return (*self._rope.row(cache.offset), self._rope.partner, _kv_view(cache.keys), _kv_view(cache.values),
                 cache.offset)
 
@@ -372,7 +374,6 @@ class CpuAttention(_Wraps):
         """x2 [1, D] -> [1, D_out]; writes this position's keys and values into the cache."""
         from flashmoe.engine.cpu.attn import attend_qs, decode_qs
 
-        self._room(cache, 1)
         a, b, partner, K, V, pos = self._position(cache)
         qs = decode_qs(self._qkv.stacked(x2)[0], *self._qkv.starts, self.H, self.Hk, self.hd, *self._norm_args,
                        a, b, partner, K, V, pos, self.scale)

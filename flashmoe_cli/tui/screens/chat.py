@@ -34,6 +34,7 @@ from ...commands import CommandError, parse
 from ...exit_codes import ExitCode
 from ...models import DEMO_NOTE, is_demo
 from ...term_safe import safe
+from ...summaries import kv_label
 from ...units import human_bytes
 from ..agent_turn import AgentTurn, Reply
 from ..messages import (
@@ -188,7 +189,7 @@ class ChatScreen(Screen):
                   f"({info.moe_layers} with experts), {info.experts} experts, top-{info.top_k}, {bits}, "
                   f"expert cache {human_bytes(info.cache_bytes)}"
                   + (f" ({info.cache_policy})" if info.cache_policy else "")
-                  + (f", {info.kv_cache} KV cache" if getattr(info, "kv_cache", "float32") != "float32" else "")
+                  + kv_label(info)
                   + f", loaded in {info.load_s:.1f} s\n"
                   + (f"Experts resident, not streamed (--allow-resident-experts): {resident}\n" if resident else "")
                   + (f"Preloading the {info.preloading} most used experts ({human_bytes(info.preloading_bytes)}) "
