@@ -24,16 +24,19 @@ FILLER = ("Mixture-of-experts models route each token to a few experts; the rest
 
 
 def cpu_model() -> str:
-    """The processor's name, for the conditions line of every benchmark."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    """The processor's name and the vector instructions the CPU kernels use on it, for the
+    conditions line of every benchmark (VMs of one name expose AVX-512 or only AVX2)."""
     import platform
 
-    return platform.processor() or platform.machine()
+    from flashmoe.engine.cpu.int8 import host_dot
+
+    name = platform.processor() or platform.machine()
+    try:
+        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{name}, {dict(vnni='AVX-512 VNNI', avx2='AVX2', plain='no AVX2')[host_dot()]}"
 
 
 def expert_files(loaded) -> list[Path]:

@@ -57,17 +57,29 @@ def test_kernel_is_its_definition_and_close_to_the_float_product(bits, gs, terms
 
 
 @pytest.mark.parametrize("bits", int8.BITS)
-def test_vnni_and_plain_vector_code_give_the_same_integers(bits):
-    """The VPDPBUSD kernel and the one built from plain vector IR agree bit for bit (integer
-    sums); the plain one always runs, the VNNI one only where the CPU has the instruction."""
+def test_every_dot_product_instruction_gives_the_same_integers(bits):
+    """The VPDPBUSD kernel, the AVX2 one (VPMADDUBSW + VPMADDWD, whose int16 pair sums saturate
+    unless the 8-bit weights are split into nibbles) and the one built from plain vector IR agree
+    bit for bit (integer sums), on the largest products too: every weight at its top value,
+    x at +-127 steps with both signs side by side. The plain one always runs, the others where the
+    CPU has the instruction."""
     rng = np.random.default_rng(bits)
     t, _ = _tiled(rng, 64, 512, bits, 64)
-    x = rng.standard_normal((2, 512)).astype(np.float32) * 3
-    for terms in (1, 2):
-        plain = int8.kernel(bits, 64, terms, vnni=False)(t.wt, t.st, t.bt, x, False)
-        assert np.isfinite(plain).all()
-        if int8.has_vnni():
-            assert np.array_equal(int8.kernel(bits, 64, terms, vnni=True)(t.wt, t.st, t.bt, x, False), plain)
+    top = Tiled.from_mlx(np.full((64, 512 * bits // 32), 0xFFFFFFFF, np.uint32), np.ones((64, 8), np.float32),
+                         np.zeros((64, 8), np.float32), bits, 64)
+    x = rng.standard_normal((3, 512)).astype(np.float32) * 3
+    x[2] = np.where(np.arange(512) % 4 < 2, 5.0, -5.0)  # every q at +-127: the int16 pairs' extremes
+    x[2, ::64] = 5.0
+    have = [d for d in int8.DOTS[:-1] if d == int8.host_dot() or (d == "avx2" and int8.host_dot() == "vnni")]
+    for tiles in (t, top):
+        for terms in (1, 2):
+            plain = int8.kernel(bits, 64, terms, dot="plain")(tiles.wt, tiles.st, tiles.bt, x, False)
+            assert np.isfinite(plain).all()
+            for dot in have:
+                assert np.array_equal(int8.kernel(bits, 64, terms, dot=dot)(tiles.wt, tiles.st, tiles.bt, x, False),
+                                      plain), dot
+    top_row = int8.kernel(bits, 64, 1, dot="plain")(top.wt, top.st, top.bt, x[2:], False)[0, :64]
+    assert np.allclose(top_row, (2 ** bits - 1) * x[2].sum(), rtol=1e-5)  # the extremes summed, not saturated
 
 
 @pytest.mark.parametrize("bits", int8.BITS)

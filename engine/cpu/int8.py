@@ -21,11 +21,19 @@ kernels' arithmetic, so greedy tokens may differ from mlx-lm's: an explicit opti
 default (tests/test_int8.py holds the kernel to its definition and to the float product).
 
 VPDPBUSD is emitted through an LLVM intrinsic (numba.extending.intrinsic). On a CPU without
-AVX-512 VNNI the same kernel is generated from plain vector IR (widen, multiply, add each lane's
-4 products): the same integers, about a quarter of the speed. The kernel keeps its sums in vector
-registers and reads each weight word once for up to ROWS x rows (vector_ir.py), which made prefill
-on int8 activations beat dequantize + sgemm: with `--kernels cpu-int8` every row count runs here.
-"""
+AVX-512 VNNI but with AVX2 the same integers come from VPMADDUBSW (unsigned byte x signed byte,
+adjacent products summed to int16, saturating) and VPMADDWD against ones (the int16 sums summed
+into each 32-bit lane), as llama.cpp does on AVX2; the multiplies are what limit it (one port on
+Zen 2), so there are as few as the integers allow:
+- 4 bits: a weight byte is at most 15, so a pair sums to at most 15 x 127 x 2 = 3810 and both
+  nibble passes' pair sums add in int16 before one VPMADDWD (summing 4 words' in int16 before it
+  measured no faster);
+- 8 bits: a byte w up to 255 would saturate. The kernel multiplies w - 128 instead, as
+  |w - 128| (unsigned, at most 128) times x with w - 128's sign (VPSIGNB; x is never -128), at
+  most 128 x 127 x 2 = 32512 a pair, and adds back 128 x the group's sum of q, which quantize_x
+  stores after the x words (layout()).
+Elsewhere the kernel is generated from plain vector IR (widen, multiply, add each lane's 4
+products): the same integers, but on AVX2 LLVM made that 4x slower than the float kernels."""
 from __future__ import annotations
 
 import numpy as np
@@ -47,67 +55,124 @@ MANY_ROWS = 16  # from how many rows a call quantizes them on every core
 _I32, _V16 = vir.I32, vir.V16
 
 
-def has_vnni() -> bool:
-    """Whether this CPU has AVX-512 VNNI (as LLVM sees the host)."""
+DOTS = ("vnni", "avx2", "plain")  # how a kernel sums bytes' products: best first
+
+
+def host_dot() -> str:
+    """The best of DOTS this CPU has (as LLVM sees the host)."""
     import llvmlite.binding as llb
 
-    return bool(llb.get_host_cpu_features().get("avx512vnni", False))
+    features = llb.get_host_cpu_features()
+    return next((d for d in DOTS[:-1] if features.get("avx512vnni" if d == "vnni" else d, False)), "plain")
+
+
+def has_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI."""
+    return host_dot() == "vnni"
 
 
 def supports(bits: int, group_size: int) -> bool:
     return bits in BITS and group_size in GROUP_SIZES
 
 
-def _dot_lanes(builder, acc, w, x, vnni: bool):
-    """acc[l] + sum over the 4 bytes b of lane l: unsigned w byte * signed x byte (VPDPBUSD)."""
-    if vnni:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _V16, _V16]),
-                                            "llvm.x86.avx512.vpdpbusd.512")
-        return builder.call(fn, [acc, w, x])
-    v64i8, v64i32 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(_I32, 64)
-    prod = builder.mul(builder.zext(builder.bitcast(w, v64i8), v64i32), builder.sext(builder.bitcast(x, v64i8), v64i32))
-    for k in range(4):
-        part = builder.shuffle_vector(prod, ir.Constant(v64i32, None), ir.Constant(_V16, [4 * l + k for l in range(16)]))
-        acc = builder.add(acc, part)
+def _dot_lanes(builder, acc, pairs, dot: str, bits: int):
+    """acc[l] + for each (w, x) of pairs the sum over the 4 bytes b of lane l of unsigned w byte
+    * signed x byte (VPDPBUSD); at 8 bits (avx2) w holds its bytes minus 128 (see the module's
+    docstring: the caller adds the 128s back)."""
+    if dot == "avx2":
+        return _dot_lanes_avx2(builder, acc, pairs, bits)
+    for w, x in pairs:
+        if dot == "vnni":
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _V16, _V16]),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+            acc = builder.call(fn, [acc, w, x])
+            continue
+        v64i8, v64i32 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(_I32, 64)
+        prod = builder.mul(builder.zext(builder.bitcast(w, v64i8), v64i32), builder.sext(builder.bitcast(x, v64i8), v64i32))
+        for k in range(4):
+            part = builder.shuffle_vector(prod, ir.Constant(v64i32, None), ir.Constant(_V16, [4 * l + k for l in range(16)]))
+            acc = builder.add(acc, part)
     return acc
 
 
-def _tile_out(bits: int, terms: int, vnni: bool, rows: int):
+def _dot_lanes_avx2(builder, acc, pairs, bits: int):
+    """_dot_lanes on each 256-bit half with VPMADDUBSW, the pairs' int16 sums added, one VPMADDWD."""
+    v8, v32i8, v16i16 = ir.VectorType(_I32, 8), ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16)
+    mod = builder.module
+    ubsw = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i16, [v32i8, v32i8]), "llvm.x86.avx2.pmadd.ub.sw")
+    wd = cgutils.get_or_insert_function(mod, ir.FunctionType(v8, [v16i16, v16i16]), "llvm.x86.avx2.pmadd.wd")
+    sign = cgutils.get_or_insert_function(mod, ir.FunctionType(v32i8, [v32i8, v32i8]), "llvm.x86.avx2.psign.b")
+    absb = cgutils.get_or_insert_function(mod, ir.FunctionType(v32i8, [v32i8, ir.IntType(1)]), "llvm.abs.v32i8")
+    assert len(pairs) <= (2 if bits == 4 else 1)  # int16 sums: two of at most 3810 (4 bits), one of 32512 (8)
+    halves = []
+    for h in range(2):
+        lanes = ir.Constant(v8, list(range(8 * h, 8 * h + 8)))
+
+        def half(v):
+            return builder.bitcast(builder.shuffle_vector(v, ir.Constant(_V16, None), lanes), v32i8)
+
+        sums = None
+        for w, x in pairs:
+            wb, xb = half(w), half(x)
+            if bits == 8:  # |w - 128| times x with w - 128's sign
+                wb, xb = builder.call(absb, [wb, ir.Constant(ir.IntType(1), 0)]), builder.call(sign, [xb, wb])
+            part = builder.call(ubsw, [wb, xb])
+            sums = part if sums is None else builder.add(sums, part)
+        ones = ir.Constant(v16i16, [1] * 16)
+        halves.append(builder.add(builder.shuffle_vector(acc, ir.Constant(_V16, None), lanes),
+                                  builder.call(wd, [sums, ones])))
+    return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_V16, list(range(16))))
+
+
+def layout(bits: int, dot: str) -> int:
+    """x words per weight word in quantize_x's layout (the low and the high nibbles at 4 bits),
+    plus one row of 128 x each group's sum of q where the 8-bit AVX2 kernel needs it."""
+    return 32 // bits // 4 + (bits == 8 and dot == "avx2")
+
+
+def _tile_out(bits: int, terms: int, dot: str, rows: int):
     """The int8 kernel as an intrinsic (vector_ir.tile_intrinsic): 16 outputs of one tile for
     `rows` x rows, each weight word loaded once for all of them. x row m's words are
-    xw[m * terms * passes * nw + (t * passes + p) * nw + j] for term t and pass p (the low (0) or
-    high (1) nibbles at 4 bits, the only pass at 8), its steps dx[m * terms * ng + t * ng + g].
-    out is
+    xw[m * terms * L * nw + (t * L + p) * nw + j] for term t and pass p (the low (0) or
+    high (1) nibbles at 4 bits, the only pass at 8; L = layout(bits, dot)), its steps
+    dx[m * terms * ng + t * ng + g]. out is
 
         sum over g of  st * (dx0 * dot0 + dx1 * dot1) + bt * xs
 
     with every product and sum a separate float32 operation in that order (no FMA), so a row
     gets the same floats however many rows share its call."""
     passes = 32 // bits // 4  # x words per weight word
+    lay = layout(bits, dot)
+    offset = bits == 8 and dot == "avx2"  # w - 128 multiplied: 128 x sum(q) added per group
 
     def setup(rows_):  # where each row's x words and steps start
         e, b = rows_.e, rows_.e.b
-        return [(b.mul(m, b.mul(rows_.nw, e.const(terms * passes))), b.mul(m, b.mul(rows_.ng, e.const(terms))))
+        return [(b.mul(m, b.mul(rows_.nw, e.const(terms * lay))), b.mul(m, b.mul(rows_.ng, e.const(terms))))
                 for m in rows_.xm]
 
     def word(rows_, j, w, dots):
         e, b = rows_.e, rows_.e.b
-        for p in range(passes):
-            wp = w if bits == 8 else b.and_(b.lshr(w, ir.Constant(vir.V16, [4 * p] * 16)),
-                                            ir.Constant(vir.V16, [0x0F0F0F0F] * 16))
-            for r, (xrow, _) in enumerate(rows_.state):
-                for t in range(terms):
-                    xv = e.load(rows_.xdata, b.add(e.at(xrow, (rows_.nw, t * passes + p)), j))
-                    dots[r][t] = _dot_lanes(b, dots[r][t], wp, e.splat(xv, vir.V16), vnni)
+        if offset:
+            w = b.xor(w, ir.Constant(vir.V16, [0x80808080] * 16))
+        ws = [w if bits == 8 else b.and_(b.lshr(w, ir.Constant(vir.V16, [4 * p] * 16)),
+                                          ir.Constant(vir.V16, [0x0F0F0F0F] * 16)) for p in range(passes)]
+        for r, (xrow, _) in enumerate(rows_.state):
+            for t in range(terms):
+                xs = [e.splat(e.load(rows_.xdata, b.add(e.at(xrow, (rows_.nw, t * lay + p)), j)), vir.V16)
+                      for p in range(passes)]
+                dots[r][t] = _dot_lanes(b, dots[r][t], list(zip(ws, xs)), dot, bits)
         return dots
 
     def group(rows_, r, g, dots, scale, bias, xsum, total):
         e, b = rows_.e, rows_.e.b
-        drow = rows_.state[r][1]
+        xrow, drow = rows_.state[r]
         inner = None
         for t in range(terms):
+            d = dots[t]
+            if offset:
+                d = b.add(d, e.splat(e.load(rows_.xdata, b.add(e.at(xrow, (rows_.nw, t * lay + 1)), g)), vir.V16))
             step = e.splat(e.load(rows_.dxdata, b.add(e.at(drow, (rows_.ng, t)), g)), vir.VF16)
-            term = b.fmul(step, b.sitofp(dots[t], vir.VF16))
+            term = b.fmul(step, b.sitofp(d, vir.VF16))
             inner = term if inner is None else b.fadd(inner, term)
         return b.fadd(total, b.fadd(b.fmul(scale, inner), b.fmul(bias, xsum)))
 
@@ -145,9 +210,15 @@ def _quantize_row(x, m, gs, terms, xw, dx, xs, q, r):
             for k in range(g * gs, (g + 1) * gs):
                 q[k] = int32(np.rint(r[k] * inv))
                 r[k] = r[k] - d * float32(q[k])
-        if xw.shape[2] == 1:  # 8 bits: a word's 4 values in order
+        if nw == K // 4:  # 8 bits: a word's 4 values in order
             for i in range(nw):
                 xw[m, t, 0, i] = _pack4(q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3])
+            if xw.shape[2] == 2:  # (layout) 128 x each group's sum of q
+                for g in range(ng):
+                    qs = int32(0)
+                    for k in range(g * gs, (g + 1) * gs):
+                        qs += q[k]
+                    xw[m, t, 1, g] = 128 * qs
         else:  # 4 bits: the even values (low nibbles), then the odd ones
             for i in range(nw):
                 b = 8 * i
@@ -156,20 +227,21 @@ def _quantize_row(x, m, gs, terms, xw, dx, xs, q, r):
 
 
 @njit(cache=True, nogil=True)
-def _quantized(M, K, bits, gs, terms):
+def _quantized(M, K, bits, gs, terms, lay):
     nw = K * bits // 32
-    return (np.empty((M, terms, 32 // bits // 4, nw), np.int32), np.empty((M, terms, K // gs), np.float32),
+    return (np.empty((M, terms, lay, nw), np.int32), np.empty((M, terms, K // gs), np.float32),
             np.empty((M, K // gs), np.float32))
 
 
 @njit(cache=True, nogil=True)
-def quantize_x(x, bits, gs, terms):
-    """x [M, K] float32 -> (xw [M, terms, passes, K*bits/32] int32: the int8 values in the order
-    the weight words need them, dx [M, terms, K/gs] each group's step, xs [M, K/gs] each group's
-    exact sum). Term 0 is x rounded to int8 steps; term 1 (terms=2) what that left, rounded to
-    steps 1/127 of its largest value: x ~ dx0 * q0 + dx1 * q1, to about 1/64000 of a group's peak."""
+def quantize_x(x, bits, gs, terms, lay):
+    """x [M, K] float32 -> (xw [M, terms, lay, K*bits/32] int32: the int8 values in the order
+    the weight words need them (then, with lay = 2 at 8 bits, 128 x each group's sum of them),
+    dx [M, terms, K/gs] each group's step, xs [M, K/gs] each group's exact sum). Term 0 is x
+    rounded to int8 steps; term 1 (terms=2) what that left, rounded to steps 1/127 of its largest
+    value: x ~ dx0 * q0 + dx1 * q1, to about 1/64000 of a group's peak."""
     M, K = x.shape
-    xw, dx, xs = _quantized(M, K, bits, gs, terms)
+    xw, dx, xs = _quantized(M, K, bits, gs, terms, lay)
     q = np.empty(K, np.int32)
     r = np.empty(K, np.float32)
     for m in range(M):
@@ -178,10 +250,10 @@ def quantize_x(x, bits, gs, terms):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def quantize_rows(x, bits, gs, terms):
+def quantize_rows(x, bits, gs, terms, lay):
     """quantize_x with the rows shared among the cores (prefill: hundreds of rows)."""
     M, K = x.shape
-    xw, dx, xs = _quantized(M, K, bits, gs, terms)
+    xw, dx, xs = _quantized(M, K, bits, gs, terms, lay)
     for m in prange(M):
         _quantize_row(x, m, gs, terms, xw, dx, xs, np.empty(K, np.int32), np.empty(K, np.float32))
     return xw, dx, xs
@@ -192,9 +264,9 @@ _PREPARE = """
 def _prepare(x):
     # x as int8 terms (quantize_x), flat: one row on the calling thread, prefill's hundreds on every core
     if x.shape[0] >= MANY_ROWS:
-        xw, dx, xs = quantize_rows(x, BITS, GS, TERMS)
+        xw, dx, xs = quantize_rows(x, BITS, GS, TERMS, LAYOUT)
     else:
-        xw, dx, xs = quantize_x(x, BITS, GS, TERMS)
+        xw, dx, xs = quantize_x(x, BITS, GS, TERMS, LAYOUT)
     return xw.reshape(-1), dx.reshape(-1), xs.reshape(-1)
 """
 
@@ -202,31 +274,32 @@ def _prepare(x):
 _compiled: dict = {}
 
 
-def kernel(bits: int, gs: int, terms: int = 2, vnni: bool | None = None):
+def kernel(bits: int, gs: int, terms: int = 2, dot: str | None = None):
     """The compiled kernel for tiled matrices of `bits` and group size `gs`, x in `terms` int8
-    terms (1: x rounded to int8, as llama.cpp does; 2: plus what that left, rounded again):
+    terms (1: x rounded to int8, as llama.cpp does; 2: plus what that left, rounded again), its
+    byte products summed by `dot` (one of DOTS; the host's best by default):
     fn(wt, st, bt, x [M, K] float32, parallel) -> [M, NB*16] float32."""
-    vnni = has_vnni() if vnni is None else vnni
-    key = (bits, gs, terms, vnni)
+    dot = host_dot() if dot is None else dot
+    key = (bits, gs, terms, dot)
     fn = _compiled.get(key)
     if fn is None:
-        ns = dict(globals(), tile_out1=_tile_out(bits, terms, vnni, 1), tile_outs=_tile_out(bits, terms, vnni, ROWS),
-                  BITS=bits, GS=gs, TERMS=terms)
-        fns = tiled.instantiate(_PREPARE, f"{bits}_{gs}_{terms}_{int(vnni)}", ns, __file__)
+        ns = dict(globals(), tile_out1=_tile_out(bits, terms, dot, 1), tile_outs=_tile_out(bits, terms, dot, ROWS),
+                  BITS=bits, GS=gs, TERMS=terms, LAYOUT=layout(bits, dot))
+        fns = tiled.instantiate(_PREPARE, f"{bits}_{gs}_{terms}_{dot}", ns, __file__)
         fn = _compiled[key] = fns["run"]
         for what in tiled.ENTRIES[1:]:
             _compiled[(what, *key)] = fns[what]
     return fn
 
 
-def gather_kernel(bits: int, gs: int, what: str = "gather", terms: int = 2, vnni: bool | None = None):
+def gather_kernel(bits: int, gs: int, what: str = "gather", terms: int = 2, dot: str | None = None):
     """A slot-bank entry point (tiled_experts.py) of `kernel`'s arithmetic: "gather",
     fn(wa, sa, ba, wb, sb, bb, x [R, K], xrow [P], slots [P], parallel) -> (out_a, out_b) (entry i
     reads x row xrow[i]), "swiglu", fn(gate, up and down banks, x, xrow, slots, parallel) ->
     down(silu(gate) * up) [P, N_down], or "grouped" (tiled.gather_kernel)."""
-    vnni = has_vnni() if vnni is None else vnni
-    kernel(bits, gs, terms, vnni)
-    return _compiled[(what, bits, gs, terms, vnni)]
+    dot = host_dot() if dot is None else dot
+    kernel(bits, gs, terms, dot)
+    return _compiled[(what, bits, gs, terms, dot)]
 
 
 def use_int8(model) -> int:
