@@ -83,21 +83,29 @@ def test_every_dot_product_instruction_gives_the_same_integers(bits):
 
 
 @pytest.mark.parametrize("bits", int8.BITS)
-def test_a_row_gets_the_same_floats_alone_and_in_a_prefill(bits):
+def test_a_row_gets_the_same_floats_alone_and_in_a_prefill(bits, monkeypatch):
     """Prefill rows (many: ROWS to a pass over the weights, quantized on every core, where the
     float path would dequantize and call sgemm) are each what that row gives alone, as a decode
-    step computes it: bit for bit, so a prompt's cache does not depend on its chunking."""
+    step computes it: bit for bit, so a prompt's cache does not depend on its chunking. Where
+    the int8 kernels leave many rows to the float path (int8.many_rows: without VNNI), a prefill
+    gets the float path's floats, and a decode row still the int8 kernel's."""
     from flashmoe.engine.cpu.gemm import GEMM_ROWS
 
     rng = np.random.default_rng(bits + 3)
     t, wf = _tiled(rng, 40, 256, bits, 64)
-    t.int8 = True
     x = rng.standard_normal((GEMM_ROWS + 7, 256)).astype(np.float32)
     assert x.shape[0] >= int8.MANY_ROWS and x.shape[0] % int8.ROWS
-    many = t.matmul(x)
-    assert np.array_equal(many, np.concatenate([t.matmul(x[i:i + 1]) for i in range(x.shape[0])]))
-    exact = x.astype(np.float64) @ wf.T.astype(np.float64)
-    assert 0 < np.abs(many - exact).max() <= 5e-4 * np.abs(exact).max()
+    floats = t.matmul(x)  # dequantize + sgemm
+    t.int8 = True
+    for all_rows in (True, False):
+        monkeypatch.setattr(int8, "many_rows", lambda: all_rows)
+        t._fn = None  # (found again, as use_int8 does)
+        many = t.matmul(x)
+        alone = np.concatenate([t.matmul(x[i:i + 1]) for i in range(x.shape[0])])
+        assert np.array_equal(many, alone) == all_rows
+        assert np.array_equal(many, floats) == (not all_rows)
+        exact = x.astype(np.float64) @ wf.T.astype(np.float64)
+        assert 0 < np.abs(alone - exact).max() <= 5e-4 * np.abs(exact).max()
 
 
 def test_cpu_int8_switches_every_resident_matrix_and_stays_close(model_factory):
@@ -118,6 +126,29 @@ def test_cpu_int8_switches_every_resident_matrix_and_stays_close(model_factory):
     a, b = logits
     assert not np.array_equal(a, b)  # the decode row did go through int8
     assert np.abs(a - b).max() <= 2e-3 * np.abs(a).max()  # two int8 terms: near the float result
+
+
+@pytest.mark.parametrize("all_rows", [True, False])
+def test_a_prompt_chunk_takes_the_float_path_where_int8_leaves_many_rows(model_factory, monkeypatch, all_rows):
+    """Without VNNI (int8.many_rows() False) a prompt chunk of cpu-int8 runs on the float path,
+    resident matrices and cached experts alike: the float kernels' logits, bit for bit; with
+    it, the int8 kernels' own (close, not equal). (The first pass reads the experts, and each
+    one's few rows are computed as it lands, a decode-sized call: the second pass is compared.)"""
+    from flashmoe.engine.cpu.gemm import GEMM_ROWS
+    from mlx_lm.models.cache import make_prompt_cache
+
+    monkeypatch.setattr(int8, "many_rows", lambda: all_rows)
+    path = model_factory("qwen3_moe", 4, converted=True)
+    prompt = mx.array([list(range(1, GEMM_ROWS + 5))])
+    logits = []
+    for kernels in ("cpu", "cpu-int8"):
+        m = load(path, kernels=kernels, load_tokenizer=False)
+        for _ in range(2):
+            out = np.array(m.model(prompt, cache=make_prompt_cache(m.model))[0])
+        logits.append(out)
+    a, b = logits
+    assert np.array_equal(a, b) == (not all_rows)
+    assert np.abs(a - b).max() <= 1e-2 * np.abs(a).max()  # 68 positions through 4 layers: 0.6% at most here
 
 
 def test_cli_takes_cpu_int8_and_says_so(model_factory):

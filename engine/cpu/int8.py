@@ -36,6 +36,8 @@ Elsewhere the kernel is generated from plain vector IR (widen, multiply, add eac
 products): the same integers, but on AVX2 LLVM made that 4x slower than the float kernels."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from llvmlite import ir
 from numba import float32, int32, njit, prange
@@ -58,6 +60,7 @@ _I32, _V16 = vir.I32, vir.V16
 DOTS = ("vnni", "avx2", "plain")  # how a kernel sums bytes' products: best first
 
 
+@functools.cache
 def host_dot() -> str:
     """The best of DOTS this CPU has (as LLVM sees the host)."""
     import llvmlite.binding as llb
@@ -68,6 +71,15 @@ def host_dot() -> str:
 
 def has_vnni() -> bool:
     """Whether this CPU has AVX-512 VNNI."""
+    return host_dot() == "vnni"
+
+
+def many_rows() -> bool:
+    """Whether the int8 kernels take a prefill's many rows too, or leave them to the float path
+    (dequantize + sgemm; grouped float kernels for experts). With VNNI they beat it at every row
+    count; with AVX2 they did not (a Zen 2 VM, 1k-token prompt: the dense model 207.7 against 246.9
+    tok/s, the demo 134.5 against 158.6; benchmarks/RESULTS.md), so there cpu-int8 is the float
+    path's prefill and int8 decode."""
     return host_dot() == "vnni"
 
 

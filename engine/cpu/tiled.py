@@ -431,13 +431,13 @@ class Tiled:
 
     def matmul(self, x2: np.ndarray) -> np.ndarray:
         """x2 [M, K] float32 -> [M, N]: the kernels below GEMM_ROWS rows, else dequantize + sgemm
-        (int8 kernels take every row count: `int8`).
+        (int8 kernels take every row count where int8.many_rows()).
         The result may be a view with a row stride past N (its last tile's padding)."""
-        if x2.shape[0] >= GEMM_ROWS and not self.int8:  # (the int8 kernels beat sgemm at any rows)
+        self._setup()
+        if x2.shape[0] >= GEMM_ROWS and not self._all_rows:
             wf = self.dequantize(out=_buffer(self.n, self.k))
             with all_cores():
                 return x2 @ wf.T
-        self._setup()
         out = self._fn(self.wt, self.st, self.bt, x2, x2.shape[0] >= self._parallel_rows)
         return out if out.shape[1] == self.n else out[:, :self.n]
 
@@ -451,8 +451,10 @@ class Tiled:
 
                 serial_below *= int8.SERIAL_FACTOR
                 self._fn = int8.kernel(self.bits, self.gs)
+                self._all_rows = int8.many_rows()  # the kernel takes a prefill's rows too
             else:
                 self._fn = _kernel(self.bits, self.gs)
+                self._all_rows = False
             self._parallel_rows = -(-serial_below // (self.wt.shape[0] * TILE * self.k))
 
     def entry(self, what: str):

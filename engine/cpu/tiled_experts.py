@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flashmoe.engine.cpu import tiled
+from flashmoe.engine.cpu import int8, tiled
 from flashmoe.engine.cpu.gemm import GEMM_ROWS
 
 
@@ -118,9 +118,7 @@ class TiledBank:
         key = (bits, gs, what, self.int8)
         if key not in self._fns:
             serial_below = SERIAL_BELOW if threading_layer() == "tbb" else SERIAL_BELOW_WITHOUT_TBB
-            if self.int8:
-                from flashmoe.engine.cpu import int8
-
+            if self.int8 and (what != "grouped" or int8.many_rows()):  # (a prefill's entries: int8.many_rows)
                 self._fns[key] = (int8.gather_kernel(bits, gs, what), serial_below * int8.SERIAL_FACTOR)
             else:
                 self._fns[key] = (tiled.gather_kernel(bits, gs, what), serial_below)

@@ -47,7 +47,11 @@ def compute_paths(loaded) -> dict[str, list[int]]:
             say("attention and other matmuls on the CPU kernels" if linear else "attention and other matmuls on MLX", i)
         if getattr(loaded, "int8_matrices", 0) and any(getattr(getattr(m, "tiled", None), "int8", False)
                                                         for m in modules):
-            say("resident matmuls on int8 activations (VNNI dot products, approximate)", i)
+            from flashmoe.engine.cpu.int8 import host_dot, many_rows
+
+            dots = {"vnni": "AVX-512 VNNI", "avx2": "AVX2", "plain": "plain vector"}[host_dot()]
+            say(f"resident matmuls on int8 activations ({dots} dot products, approximate"
+                + ("" if many_rows() else "; prompt chunks on the float kernels") + ")", i)
         switches = by_layer.get(i, [])
         if switches:
             if not all(s.on_cpu_kernels for s in switches):
