@@ -69,11 +69,6 @@ def host_dot() -> str:
     return next((d for d in DOTS[:-1] if features.get("avx512vnni" if d == "vnni" else d, False)), "plain")
 
 
-def has_vnni() -> bool:
-    """Whether this CPU has AVX-512 VNNI."""
-    return host_dot() == "vnni"
-
-
 def many_rows() -> bool:
     """Whether the int8 kernels take a prefill's many rows too, or leave them to the float path
     (dequantize + sgemm; grouped float kernels for experts). With VNNI they beat it at every row
