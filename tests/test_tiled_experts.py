@@ -125,13 +125,17 @@ def test_int8_gather_is_the_int8_kernel_on_each_slots_tiles(bits):
             assert np.abs(got[i] - ref).max() <= 1e-3 * (1 + np.abs(ref).max())
 
 
-@pytest.mark.parametrize("int8", [False, True])
-def test_a_prefill_entry_gets_what_it_gets_alone(int8):
+@pytest.mark.parametrize("int8, all_rows", [(False, True), (True, True), (True, False)])
+def test_a_prefill_entry_gets_what_it_gets_alone(int8, all_rows, monkeypatch):
     """A prefill's entries (GEMM_ROWS or more) are grouped by slot, each expert's weights read
     once for its rows, each entry reading its token's row (k of them per token) and writing its
-    own: every entry is still what it gives alone in a decode step, bit for bit."""
+    own: every entry is still what it gives alone in a decode step, bit for bit. Where the int8
+    kernels leave a prefill's many rows to the float ones (int8.many_rows() False: without VNNI),
+    an int8 bank's prefill entries are what the float kernels give alone."""
+    from flashmoe.engine.cpu import int8 as int8_kernels
     from flashmoe.engine.cpu.gemm import GEMM_ROWS
 
+    monkeypatch.setattr(int8_kernels, "many_rows", lambda: all_rows)
     bank, *_ = bank_of(5, {"gate_proj": (32, 128), "up_proj": (32, 128), "down_proj": (128, 64)}, 8, 64)
     bank.int8 = int8
     k, tokens = 2, GEMM_ROWS // 2 + 3
@@ -139,11 +143,12 @@ def test_a_prefill_entry_gets_what_it_gets_alone(int8):
     x = RNG.standard_normal((tokens, 128)).astype(np.float32)
     bank.ready(np.arange(5))
     g, u = bank.gather(x, idx, k, ("gate_proj", "up_proj"))
+    h = RNG.standard_normal((idx.size, 64)).astype(np.float32)
+    (d,) = bank.gather(h, idx, 1, ("down_proj",))
+    bank.int8 = int8 and all_rows  # the kernels a decode step of what the prefill ran on would take
     for i in range(idx.size):
         ag, au = bank.gather(x[i // k:i // k + 1], idx[i:i + 1], 1, ("gate_proj", "up_proj"))
         assert np.array_equal(g[i], ag[0]) and np.array_equal(u[i], au[0])
-    h = RNG.standard_normal((idx.size, 64)).astype(np.float32)
-    (d,) = bank.gather(h, idx, 1, ("down_proj",))
     assert np.array_equal(d, np.concatenate([bank.gather(h[i:i + 1], idx[i:i + 1], 1, ("down_proj",))[0]
                                              for i in range(idx.size)]))
 
