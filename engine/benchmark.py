@@ -28,7 +28,7 @@ def cpu_model() -> str:
     conditions line of every benchmark (VMs of one name expose AVX-512 or only AVX2)."""
     import platform
 
-    from flashmoe.engine.cpu.int8 import host_dot
+    from flashmoe.engine.cpu.int8 import dot_name
 
     name = platform.processor() or platform.machine()
     try:
@@ -36,7 +36,7 @@ def cpu_model() -> str:
                     if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{name}, {dict(vnni='AVX-512 VNNI', avx2='AVX2', plain='no AVX2')[host_dot()]}"
+    return f"{name}, {dot_name()}"
 
 
 def expert_files(loaded) -> list[Path]:

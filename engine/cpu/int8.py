@@ -66,7 +66,14 @@ def host_dot() -> str:
     import llvmlite.binding as llb
 
     features = llb.get_host_cpu_features()
-    return next((d for d in DOTS[:-1] if features.get("avx512vnni" if d == "vnni" else d, False)), "plain")
+    if features.get("avx512vnni", False):
+        return "vnni"
+    return "avx2" if features.get("avx2", False) else "plain"
+
+
+def dot_name() -> str:
+    """host_dot() as printed: the instructions the int8 kernels run on this CPU."""
+    return {"vnni": "AVX-512 VNNI", "avx2": "AVX2", "plain": "plain vector code"}[host_dot()]
 
 
 def many_rows() -> bool:

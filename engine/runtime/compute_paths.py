@@ -28,6 +28,12 @@ def compute_paths(loaded) -> dict[str, list[int]]:
         if not layers or layers[-1] != i:
             layers.append(i)
 
+    int8 = None
+    if getattr(loaded, "int8_matrices", 0):
+        from flashmoe.engine.cpu.int8 import dot_name, many_rows
+
+        int8 = (f"resident matmuls on int8 activations ({dot_name()} dot products, approximate"
+                + ("" if many_rows() else "; prompt chunks on the float kernels") + ")")
     by_layer: dict[int, list] = {}
     for path, switch in loaded.switches.items():  # the fused blocks hold them out of the module tree
         by_layer.setdefault(layer_index(path), []).append(switch)
@@ -45,13 +51,8 @@ def compute_paths(loaded) -> dict[str, list[int]]:
         if "attention" not in fused:
             linear = [m for m in modules if cpu_linear is not None and isinstance(m, cpu_linear)]
             say("attention and other matmuls on the CPU kernels" if linear else "attention and other matmuls on MLX", i)
-        if getattr(loaded, "int8_matrices", 0) and any(getattr(getattr(m, "tiled", None), "int8", False)
-                                                        for m in modules):
-            from flashmoe.engine.cpu.int8 import host_dot, many_rows
-
-            dots = {"vnni": "AVX-512 VNNI", "avx2": "AVX2", "plain": "plain vector"}[host_dot()]
-            say(f"resident matmuls on int8 activations ({dots} dot products, approximate"
-                + ("" if many_rows() else "; prompt chunks on the float kernels") + ")", i)
+        if int8 and any(getattr(getattr(m, "tiled", None), "int8", False) for m in modules):
+            say(int8, i)
         switches = by_layer.get(i, [])
         if switches:
             if not all(s.on_cpu_kernels for s in switches):
