@@ -10,8 +10,10 @@ from flashmoe.engine.cpu.tiled import Tiled
 from flashmoe.engine.runtime.loader import load
 from tests.conftest import run_cli
 
-# the default (two terms) at every size; one term, llama.cpp's way, at group 64 (compiling each costs seconds)
-CASES = [(bits, gs, 2, 5e-4) for bits in int8.BITS for gs in int8.GROUP_SIZES] + [(bits, 64, 1, 0.06) for bits in int8.BITS]
+# two int8 terms (VNNI's default) and one int16 (elsewhere) at every size; one int8 term, llama.cpp's
+# way, at group 64 (compiling each costs seconds)
+CASES = ([(bits, gs, xq, 5e-4) for xq in ("int8x2", "int16") for bits in int8.BITS for gs in int8.GROUP_SIZES]
+         + [(bits, 64, "int8x1", 0.06) for bits in int8.BITS])
 
 
 def _tiled(rng, n, k, bits, gs):
@@ -19,16 +21,17 @@ def _tiled(rng, n, k, bits, gs):
     return Tiled.from_mlx(np.array(w), np.array(s), np.array(b), bits, gs), np.array(mx.dequantize(w, s, b, gs, bits))
 
 
-def _exact(t: Tiled, wf: np.ndarray, x: np.ndarray, terms: int) -> np.ndarray:
-    """What the int8 kernel computes, from its own definition: x rounded per group to int8 steps
-    (and with two terms what that left, rounded again), the integer dot products of the weights'
-    q values with each, scaled, plus bias times the exact sums."""
+def _exact(t: Tiled, wf: np.ndarray, x: np.ndarray, xq: str) -> np.ndarray:
+    """What the kernel computes, from its own definition: x rounded per group to int8 steps
+    (and with two terms what that left, rounded again) or int16 ones, the integer dot products
+    of the weights' q values with each, scaled, plus bias times the exact sums."""
     gs = t.gs
+    terms, top = {"int8x2": (2, 127), "int8x1": (1, 127), "int16": (1, 32767)}[xq]
     xg = x.reshape(x.shape[0], -1, gs).astype(np.float32)
     sums = xg.astype(np.float64).sum(-1)
     r, parts = xg.copy(), []
     for _ in range(terms):
-        dx = np.abs(r).max(-1, keepdims=True) / np.float32(127)
+        dx = np.abs(r).max(-1, keepdims=True) / np.float32(top)
         q = np.rint(r * np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, 1), 0)).astype(np.int64)
         r = (r - dx * q.astype(np.float32)).astype(np.float32)
         parts.append((dx.astype(np.float64), q))
@@ -40,16 +43,16 @@ def _exact(t: Tiled, wf: np.ndarray, x: np.ndarray, terms: int) -> np.ndarray:
     return (scaled * s[None] + b[None] * sums[:, None, :]).sum(-1)
 
 
-@pytest.mark.parametrize("bits, gs, terms, bound", CASES)
-def test_kernel_is_its_definition_and_close_to_the_float_product(bits, gs, terms, bound):
+@pytest.mark.parametrize("bits, gs, xq, bound", CASES)
+def test_kernel_is_its_definition_and_close_to_the_float_product(bits, gs, xq, bound):
     rng = np.random.default_rng(bits * 1000 + gs)
     t, wf = _tiled(rng, 100, 2 * 128 * 3, bits, gs)  # 100 rows: a padded last tile
     x = rng.standard_normal((3, 768)).astype(np.float32)
     x[1, :gs] = 0  # an all-zero group: step 0, no division by it
     x[2, 7] = 40.0  # an outlier channel, as real hidden states have
     for parallel in (False, True):
-        got = int8.kernel(bits, gs, terms)(t.wt, t.st, t.bt, x, parallel)[:, :100]
-        ref = _exact(t, wf, x, terms)
+        got = int8.kernel(bits, gs, xq)(t.wt, t.st, t.bt, x, parallel)[:, :100]
+        ref = _exact(t, wf, x, xq)
         assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max() + 1e-6  # float32 rounding only
         exact = x.astype(np.float64) @ wf.T.astype(np.float64)
         err = np.abs(got - exact).max() / np.abs(exact).max()
@@ -72,14 +75,36 @@ def test_every_dot_product_instruction_gives_the_same_integers(bits):
     x[2, ::64] = 5.0
     have = {"vnni": ["vnni", "avx2"], "avx2": ["avx2"], "plain": []}[int8.host_dot()]  # (AVX-512 CPUs have AVX2)
     for tiles in (t, top):
-        for terms in (1, 2):
-            plain = int8.kernel(bits, 64, terms, dot="plain")(tiles.wt, tiles.st, tiles.bt, x, False)
+        for xq in ("int8x1", "int8x2"):
+            plain = int8.kernel(bits, 64, xq, dot="plain")(tiles.wt, tiles.st, tiles.bt, x, False)
             assert np.isfinite(plain).all()
             for dot in have:
-                assert np.array_equal(int8.kernel(bits, 64, terms, dot=dot)(tiles.wt, tiles.st, tiles.bt, x, False),
+                assert np.array_equal(int8.kernel(bits, 64, xq, dot=dot)(tiles.wt, tiles.st, tiles.bt, x, False),
                                       plain), dot
-    top_row = int8.kernel(bits, 64, 1, dot="plain")(top.wt, top.st, top.bt, x[2:], False)[0, :64]
+    top_row = int8.kernel(bits, 64, "int8x1", dot="plain")(top.wt, top.st, top.bt, x[2:], False)[0, :64]
     assert np.allclose(top_row, (2 ** bits - 1) * x[2].sum(), rtol=1e-5)  # the extremes summed, not saturated
+
+
+@pytest.mark.parametrize("bits", int8.BITS)
+def test_int16_sums_do_not_overflow(bits):
+    """One int16 term: a lane sums a group's products in int32, at most 128 x 255 x 32767 (about
+    2^30) at 8 bits and groups of 128. Every weight at its top value, x at its top step with one
+    sign (the largest sum) and then alternating: each row the exact sum, x's own rounding aside."""
+    gs = 128
+    top = Tiled.from_mlx(np.full((32, 1024 * bits // 32), 0xFFFFFFFF, np.uint32), np.ones((32, 8), np.float32),
+                         np.zeros((32, 8), np.float32), bits, gs)
+    x = np.stack([np.full(1024, 3.0, np.float32), np.where(np.arange(1024) % 2, 3.0, -3.0).astype(np.float32)])
+    got = int8.kernel(bits, gs, "int16")(top.wt, top.st, top.bt, x, False)[:, :32]
+    want = (2 ** bits - 1) * x.astype(np.float64).sum(1)
+    assert np.allclose(got, want[:, None], rtol=1e-6, atol=1e-3)
+    assert got[0, 0] == pytest.approx((2 ** bits - 1) * 3072.0, rel=1e-6)  # not wrapped to a negative
+
+
+def test_an_x_format_or_dot_the_kernels_do_not_have_is_an_error():
+    with pytest.raises(ValueError, match="int4"):
+        int8.kernel(8, 64, "int4")
+    with pytest.raises(ValueError, match="dot= is for int8"):
+        int8.kernel(8, 64, "int16", dot="avx2")
 
 
 @pytest.mark.parametrize("bits", int8.BITS)

@@ -449,7 +449,7 @@ class Tiled:
             if self.int8:
                 from flashmoe.engine.cpu import int8
 
-                serial_below *= int8.SERIAL_FACTOR
+                serial_below *= int8.serial_factor()
                 self._fn = int8.kernel(self.bits, self.gs)
                 self._all_rows = int8.many_rows()  # the kernel takes a prefill's rows too
             else:

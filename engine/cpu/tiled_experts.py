@@ -119,7 +119,7 @@ class TiledBank:
         if key not in self._fns:
             serial_below = SERIAL_BELOW if threading_layer() == "tbb" else SERIAL_BELOW_WITHOUT_TBB
             if self.int8 and (what != "grouped" or int8.many_rows()):  # (a prefill's entries: int8.many_rows)
-                self._fns[key] = (int8.gather_kernel(bits, gs, what), serial_below * int8.SERIAL_FACTOR)
+                self._fns[key] = (int8.gather_kernel(bits, gs, what), serial_below * int8.serial_factor())
             else:
                 self._fns[key] = (tiled.gather_kernel(bits, gs, what), serial_below)
         return self._fns[key]

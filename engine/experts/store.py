@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from flashmoe.engine.errors import ModelLoadError
+from flashmoe.engine.huge_pages import ask_for_zeroed
 from flashmoe.engine.options import CACHE_POLICIES
 from flashmoe.engine.experts.layout import Extent, LayerExperts, Part
 
@@ -123,6 +124,8 @@ class SlotPool:
         mx.eval(list(self.arrays.values()))
         # Writable byte views of each slot of each part: reads land here directly.
         self._views = [memoryview(self.arrays[p.name]).cast("B") for p in self.held]
+        for view in self._views:  # (still all zeros)
+            ask_for_zeroed(np.frombuffer(view, np.uint8).ctypes.data, view.nbytes)
         self.table: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, least recent first
         self.free = list(range(slots - 1, -1, -1))
         # The same, per slot, as arrays: LFU picks its victim with one vectorised pass.
