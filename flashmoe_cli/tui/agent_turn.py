@@ -42,7 +42,7 @@ class Reply:
     id: int
     handle: AgentTurn  # what stops it (cancel())
     box: AssistantMessage | None  # the model reply being shown; None between the replies of a tool-using turn
-    stream: object  # textual MarkdownStream (None with box)
+    stream: object  # widgets.transcript.ReplyStream (None with box)
     stopping: bool = False
     detail: str = ""  # the finished model reply's figures, for the box's bottom border
     text: str = ""  # the model's text so far, as it wrote it

@@ -25,7 +25,7 @@ from textual.containers import Horizontal
 from textual.css.query import NoMatches
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Markdown, Static
+from textual.widgets import Static
 
 from ... import commands
 from ...agent_cli import ToolOptions
@@ -284,7 +284,7 @@ class ChatScreen(Screen):
         box.mark("streaming")
         self._reply_seq += 1
         turn = self.agent_turn = AgentTurn(self, self.loop, self._reply_seq)
-        self.reply = Reply(self._reply_seq, turn, box, Markdown.get_stream(box.markdown))
+        self.reply = Reply(self._reply_seq, turn, box, box.stream())
         self.transcript.anchor()
         self.set_activity("prefill…", "dim")
         self.run_worker(partial(turn.run, text), thread=True, exit_on_error=False, group="reply",
@@ -354,7 +354,7 @@ class ChatScreen(Screen):
         box = AssistantMessage()
         await self.transcript.mount(box)
         box.mark("streaming")
-        r.box, r.stream = box, Markdown.get_stream(box.markdown)
+        r.box, r.stream = box, box.stream()
         self.transcript.anchor()
 
     async def _close_box(self, r: Reply, state: str) -> None:
@@ -500,7 +500,7 @@ class ChatScreen(Screen):
             deadline = time.monotonic() + UNMOUNT_WAIT_S
             while not r.handle.wait(0) and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-            if r.stream is not None:  # end the Markdown stream's task cleanly
+            if r.stream is not None:  # end the reply stream's task cleanly
                 await r.stream.stop()
 
     def action_end_of_input(self) -> None:
