@@ -10,8 +10,8 @@ machine load hit all engines alike; per-engine figures are medians over every me
 Engines
   flashmoe kernels=cpu   engine.loader.load(path, kernels="cpu", dtype="float32")  (numba kernels)
   flashmoe kernels=cpu-int8  (--int8) the same with kernels="cpu-int8": the tiled matrices (decode and
-                         prefill) on two-term int8 activations and integer dot products (AVX-512 VNNI,
-                         or AVX2's VPMADDUBSW: engine/cpu/int8.py)
+                         prefill) on rounded activations and integer dot products (two int8 terms
+                         on AVX-512 VNNI, one int16 term with VPMADDWD elsewhere: engine/cpu/int8.py)
   ..., kv=float16        (--kv16) those rows again with load(..., kv_cache="float16"): the KV cache in
                          float16, as llama.cpp keeps its own (engine/cpu/attn_ir.py)
   flashmoe kernels=mlx   engine.loader.load(path, kernels="mlx", dtype="float32")  (MLX's kernels)

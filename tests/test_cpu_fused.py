@@ -321,8 +321,10 @@ def test_compute_paths_name_what_load_chose(model_factory):
     }
     cpu.close()
     int8 = load(folder, kernels="cpu-int8", expert_cache=0, load_tokenizer=False)
+    from flashmoe.engine.cpu.int8 import x_name
+
     assert compute_paths(int8)["streamed experts on the CPU kernels, repacked into tiles as they land, "
-                               "on int8 activations (approximate)"] == list(range(n))
+                               f"on {x_name()} (approximate)"] == list(range(n))
     int8.close()
     three = load(model_factory("qwen3_moe", 3, converted=True), kernels="cpu", expert_cache=0, load_tokenizer=False)
     assert compute_paths(three)["streamed experts on the CPU kernels (in the layout read)"] == list(range(n))

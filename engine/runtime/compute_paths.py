@@ -28,11 +28,12 @@ def compute_paths(loaded) -> dict[str, list[int]]:
         if not layers or layers[-1] != i:
             layers.append(i)
 
-    int8 = None
-    if getattr(loaded, "int8_matrices", 0):
-        from flashmoe.engine.cpu.int8 import dot_name, many_rows
+    int8, activations = None, ""
+    if getattr(loaded, "int8_matrices", 0):  # (a bank switched to int8 counts too)
+        from flashmoe.engine.cpu.int8 import dot_name, many_rows, x_name
 
-        int8 = (f"resident matmuls on int8 activations ({dot_name()} dot products, approximate"
+        activations = x_name()
+        int8 = (f"resident matmuls on {activations} ({dot_name()} dot products, approximate"
                 + ("" if many_rows() else "; prompt chunks on the float kernels") + ")")
     by_layer: dict[int, list] = {}
     for path, switch in loaded.switches.items():  # the fused blocks hold them out of the module tree
@@ -60,7 +61,7 @@ def compute_paths(loaded) -> dict[str, list[int]]:
             elif all(s.tiled_bank is not None for s in switches):
                 bank_int8 = all(s.tiled_bank.int8 for s in switches)
                 say("streamed experts on the CPU kernels, repacked into tiles as they land"
-                    + (", on int8 activations (approximate)" if bank_int8 else ""), i)
+                    + (f", on {activations} (approximate)" if bank_int8 else ""), i)
             else:
                 say("streamed experts on the CPU kernels (in the layout read)", i)
     return out

@@ -491,8 +491,8 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     kernels "cpu" runs every affine quantized matmul on the numba CPU kernels (engine/cpu/install.py;
     it implies float32), "mlx" on MLX's own, "auto" picks cpu when MLX runs on the CPU. "cpu-int8"
     is "cpu" with the tiled matrices (resident and streamed experts, decode and prefill) on
-    int8-quantized activations and the CPU's integer dot product (engine/cpu/int8.py): faster,
-    not exact (greedy tokens may differ).
+    rounded activations (two int8 terms with AVX-512 VNNI, one int16 term elsewhere) and the CPU's
+    integer dot product (engine/cpu/int8.py): faster, not exact (greedy tokens may differ).
 
     prefetch: while a layer computes, start reading the experts the next MoE layer's router
     would pick for the current hidden state (decode only; its hit rate is in the telemetry):
