@@ -53,6 +53,7 @@ def _items(box: AssistantMessage) -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.timeout(120)  # the code before this fix took minutes here: fail, do not stall
 @pytest.mark.asyncio
 async def test_a_streamed_long_list_is_shown_as_the_same_list_whole():
     reply = "Here are the colours:\n\n" + numbered(ITEMS) + "\nThat is all."
@@ -97,6 +98,7 @@ def _depth(widget) -> int:
     return max([_depth(c) for c in widget.children] + [0]) + isinstance(widget, MarkdownList)
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.asyncio
 async def test_markers_nested_on_one_line_are_shown_as_text_and_the_reply_kept():
     from textual.widgets._markdown import MarkdownParagraph

@@ -30,6 +30,7 @@ MARKER_RUN = 3  # list or quote markers that open a block in a block on one line
 _RUN = re.compile(r"([ \t]*)((?:(?:\d{1,9}[.)]|[-+*>])[ \t]+){%d,})" % (MARKER_RUN + 1))
 _MARKER = re.compile(r"(\d{1,9}[.)]|[-+*>])([ \t]+)")
 _FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")
+_ITEM = re.compile(r"^ {0,3}(?:\d{1,9}[.)]|[-+*])[ \t]", re.M)  # a line that may start a top-level list item
 
 
 def tame(text: str) -> str:
@@ -61,6 +62,8 @@ def list_cut(source: str, parser: MarkdownIt) -> int | None:
     goes on in a widget of its own: the offset of its last item's first line (the item still
     growing), or None. The rest starts with that item's marker, so an ordered list goes on from
     its number (Textual numbers a list from its first item's)."""
+    if len(_ITEM.findall(source)) <= LIST_CUT:  # (no need to parse: a long reply of prose is never cut)
+        return None
     tokens = parser.parse(source)
     last = next((t for t in reversed(tokens) if t.level == 0 and t.map is not None), None)
     if last is None or last.type not in ("bullet_list_open", "ordered_list_open"):
