@@ -105,6 +105,11 @@ def default_budget(total_expert_bytes: int) -> int:
     return min(total_expert_bytes, ram // 4)
 
 
+def _gpu() -> bool:
+    """Whether MLX has a GPU here (Metal or CUDA)."""
+    return mx.metal.is_available() or getattr(getattr(mx, "cuda", None), "is_available", lambda: False)()
+
+
 def held_parts(parts, upcast: bool) -> list[Part]:
     """The parts as the slots hold them: 16-bit floats widened to float32 when upcasting."""
     return [Part(p.name, "F32", p.shape) if upcast and p.dtype in _HALF else p for p in parts]
@@ -124,8 +129,9 @@ class SlotPool:
         mx.eval(list(self.arrays.values()))
         # Writable byte views of each slot of each part: reads land here directly.
         self._views = [memoryview(self.arrays[p.name]).cast("B") for p in self.held]
-        for view in self._views:  # (still all zeros)
-            ask_for_zeroed(np.frombuffer(view, np.uint8).ctypes.data, view.nbytes)
+        if not _gpu():  # MLX's CPU memory only: a GPU's is its driver's
+            for view in self._views:  # (still all zeros)
+                ask_for_zeroed(np.frombuffer(view, np.uint8).ctypes.data, view.nbytes)
         self.table: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, least recent first
         self.free = list(range(slots - 1, -1, -1))
         # The same, per slot, as arrays: LFU picks its victim with one vectorised pass.
