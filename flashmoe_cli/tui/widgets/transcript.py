@@ -149,6 +149,7 @@ class AssistantMessage(Vertical):
         self._raw = [safe(text)]  # each widget's part of the reply, as written (it shows tame(part))
         self.parts = [self._part(self._raw[0])]  # the Markdown widgets, top to bottom; the last one grows
         self._appending = asyncio.Lock()
+        self._parser = html_as_text()  # list_cut's, made once: not at every append
 
     @staticmethod
     def _part(text: str) -> Markdown:
@@ -177,7 +178,7 @@ class AssistantMessage(Vertical):
                 await live.append(shown[len(live.source):])
             else:  # the last line's markers were escaped as more came
                 await live.update(shown)
-            cut = list_cut(self._raw[-1], html_as_text())
+            cut = list_cut(self._raw[-1], self._parser)
             if cut:
                 head, tail = self._raw[-1][:cut], self._raw[-1][cut:]
                 self._raw[-1:] = [head, tail]
