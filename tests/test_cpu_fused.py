@@ -478,21 +478,55 @@ def test_attention_block_in_one_call_is_decode_np_bit_for_bit(model_factory, arc
         assert np.array_equal(np.array(a.keys), np.array(b.keys)) and np.array_equal(np.array(a.values), np.array(b.values))
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_note_hits_keeps_the_books_fetch_keeps(model_factory, policy):
+    """The decode fast path's bookkeeping (store.note_hits) leaves a store as fetch of the same
+    cached experts does: use counts, clock, LRU order, last-use times, hits and the trace; so the
+    victims of the next miss are the same."""
+    path = model_factory("qwen3_moe", 4, converted=True)
+    a, b = (load(path, kernels="cpu", expert_cache=10**9, cache_policy=policy, load_tokenizer=False).store
+            for _ in range(2))
+    rng = np.random.default_rng(3)
+    for s in (a, b):
+        s.trace = []
+        for info in s.layers.values():
+            s.fetch(info.layer, range(info.num_experts))
+    for _ in range(30):
+        layer = int(rng.choice(list(a.layers)))
+        experts = [int(e) for e in rng.choice(a.layers[layer].num_experts, 2, replace=False)]
+        lut = a.fetch(layer, experts)
+        b.note_hits(layer, experts, lut[experts].astype(np.int64))
+    assert a.trace == b.trace and a._tick == b._tick
+    assert np.array_equal(a.freq, b.freq) and np.array_equal(a.asked, b.asked)
+    for pa, pb in zip(a.pools, b.pools):
+        assert list(pa.table.items()) == list(pb.table.items()) and np.array_equal(pa.used_at, pb.used_at)
+    assert {l: s.hits for l, s in a.stats.items()} == {l: s.hits for l, s in b.stats.items()}
+    layer = next(iter(a.layers))
+    for s in (a, b):  # a miss now evicts the same slot in both
+        s.pools[0].free.clear()
+        s._take_slots(s.pool(layer), layer, {0}, 1)
+    assert list(a.pools[0].table) == list(b.pools[0].table)
+
+
 def test_decode_steps_take_one_call_per_block_and_give_mlx_tokens(model_factory, monkeypatch):
     """With every expert cached ahead, a decode step's attention block and its experts (weighted and
-    summed) are one kernel call each per layer, and the tokens are MLX's; with the smallest
-    expert cache (one token's experts) the steps that must read take the reading path
-    (decode_cached declines) and the tokens stay."""
+    summed) are one kernel call each per layer, and the tokens are MLX's: the first step's experts
+    through decode_cached (the store's lookups), the later ones through decode_slots (the slots
+    route_cached found where decode_cached left them). With the smallest expert cache (one
+    token's experts) the steps that must read take the reading path (decode_cached declines) and
+    the tokens stay."""
     from flashmoe.engine.cpu.fused import CpuDecoderLayer
     from flashmoe.engine.experts.switch import StreamingSwitchGLU
 
     path = model_factory("qwen3_moe", 4, converted=True)
     want = greedy(load(path, kernels="mlx", load_tokenizer=False).model, PROMPT, 10)
-    calls = {"block": [], "experts": []}
-    block, cached = CpuAttention.block_np, StreamingSwitchGLU.decode_cached
+    calls = {"block": [], "experts": [], "slots": []}
+    block, cached, slots = CpuAttention.block_np, StreamingSwitchGLU.decode_cached, StreamingSwitchGLU.decode_slots
     monkeypatch.setattr(CpuAttention, "block_np", lambda *a: calls["block"].append(block(*a)) or calls["block"][-1])
     monkeypatch.setattr(StreamingSwitchGLU, "decode_cached",
                         lambda *a: calls["experts"].append(cached(*a)) or calls["experts"][-1])
+    monkeypatch.setattr(StreamingSwitchGLU, "decode_slots",
+                        lambda *a: calls["slots"].append(slots(*a)) or calls["slots"][-1])
     for budget, hits in ((10**9, True), (0, False)):
         lm = load(path, kernels="cpu", expert_cache=budget, load_tokenizer=False)
         if hits:  # every expert in the cache before the first token
@@ -503,5 +537,11 @@ def test_decode_steps_take_one_call_per_block_and_give_mlx_tokens(model_factory,
         layers = sum(isinstance(m, CpuDecoderLayer) for _, m in lm.model.named_modules())
         assert greedy(lm.model, PROMPT, 10) == want
         assert len(calls["block"]) == 10 * layers and all(r is not None for r in calls["block"])
-        done = [r is not None for r in calls["experts"]]
+        done = [r is not None for r in calls["experts"] + calls["slots"]]
         assert len(done) == 10 * layers and (all(done) if hits else not all(done))
+        if hits:  # the same steps again: every expert is where decode_cached or decode_slots found it
+            assert calls["slots"]  # (an expert's first step repacks it: decode_cached)
+            for v in calls.values():
+                v.clear()
+            assert greedy(lm.model, PROMPT, 10) == want
+            assert not calls["experts"] and len(calls["slots"]) == 10 * layers

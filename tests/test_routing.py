@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flashmoe.engine.cpu.routing import MODES, combine, route
+from flashmoe.engine.cpu.routing import MODES, combine, route, route_slots
 
 
 def softmax(z):
@@ -50,6 +50,40 @@ def test_route_ties_masked_experts_and_nan():
         assert list(ids[0]) == [2, 4] and np.isfinite(scores).all()
     with pytest.raises(ValueError, match="NaN"):
         route(np.array([[0.0, np.nan, 1.0, 2.0]], np.float32), 2, "topk_softmax")
+
+
+@pytest.mark.parametrize("routing", list(MODES))
+def test_route_slots_routes_as_route_and_trusts_a_slot_only_while_it_holds_its_expert(routing):
+    """route_slots (a decoding token's fast path, switch.route_cached) routes as `route`, and gives
+    the slots its guesses name only while the pool says each holds that layer's expert, repacked:
+    a slot now another layer's or another expert's, never known, or holding raw bytes is a miss."""
+    rng = np.random.default_rng(7)
+    E, k, layer, S = 16, 4, 3, 24
+    logits = (rng.standard_normal((1, E)) * 3).astype(np.float32)
+    want_ids, want_scores = route(logits, k, routing)
+    slot_of = rng.permutation(S)[:E].astype(np.int64)  # expert e last seen in slot slot_of[e]
+    layer_of, expert_of, raw = np.full(S, -1, np.int64), np.zeros(S, np.int64), np.zeros(S, bool)
+    layer_of[slot_of], expert_of[slot_of] = layer, np.arange(E)
+
+    def call():
+        ids, scores, slots = np.empty((1, k), np.int64), np.empty((1, k), np.float32), np.full(k, -7, np.int64)
+        hit = route_slots(logits, k, MODES[routing], slot_of, layer, layer_of, expert_of, raw, ids, scores, slots)
+        assert np.array_equal(ids, want_ids) and np.array_equal(scores, want_scores)
+        return hit, slots
+
+    hit, slots = call()
+    assert hit and np.array_equal(slots, slot_of[want_ids[0]])
+    s = slot_of[want_ids[0, -1]]  # the last expert chosen: its slot changes hands
+    for spoil, undo in ((lambda: layer_of.__setitem__(s, layer + 1), lambda: layer_of.__setitem__(s, layer)),
+                        (lambda: expert_of.__setitem__(s, (expert_of[s] + 1) % E),
+                         lambda: expert_of.__setitem__(s, want_ids[0, -1])),
+                        (lambda: raw.__setitem__(s, True), lambda: raw.__setitem__(s, False)),
+                        (lambda: slot_of.__setitem__(want_ids[0, -1], -1),
+                         lambda: slot_of.__setitem__(want_ids[0, -1], s))):
+        spoil()
+        assert call()[0] is False
+        undo()
+        assert call()[0] is True
 
 
 @pytest.mark.parametrize("rows,k", [(1, 8), (1, 1), (7, 2)])

@@ -571,19 +571,27 @@ class CpuMoE(_Wraps):
         """x2 [R, D] -> [R, D]; `experts` stands in for the streamed experts (the probe)."""
         from time import perf_counter
 
+        switch = self._switch
+        shared = (lambda: self.shared_np(x2)) if self._shared else None
         t0 = perf_counter()
-        ids, scores = route(self._router(x2), self.k, self.routing)
-        self._switch.add_route_time(perf_counter() - t0)
+        logits = self._router(x2)
         if experts is None and x2.shape[0] == 1:  # decoding: every expert cached takes one call
-            out = self._switch.decode_cached(x2, ids, scores, (lambda: self.shared_np(x2)) if self._shared else None)
+            ids, scores, slots = switch.route_cached(logits, self.k, MODES[self.routing])
+            switch.add_route_time(perf_counter() - t0)
+            if slots is not None:  # each where it was last time: no lookups
+                return switch.decode_slots(x2, ids, slots, scores, shared)
+            out = switch.decode_cached(x2, ids, scores, shared)
             if out is not None:
                 return out
+        else:
+            ids, scores = route(logits, self.k, self.routing)
+            switch.add_route_time(perf_counter() - t0)
         shared = []
         if experts is not None:
             y = experts(x2, ids)
         else:
             during = (lambda: shared.append(self.shared_np(x2))) if self._shared else None
-            y = self._switch.experts_np(x2, ids, during=during)  # [R, k, D]
+            y = switch.experts_np(x2, ids, during=during)  # [R, k, D]
         if self._shared:  # computed during the reads, or now (the probe, or no reads)
             return combine(y, scores, shared[0] if shared else self.shared_np(x2))
         return combine(y, scores)

@@ -86,6 +86,21 @@ def route(logits: np.ndarray, k: int, routing: str) -> tuple[np.ndarray, np.ndar
 
 
 @njit(cache=True, fastmath=False, nogil=True)
+def route_slots(logits, k, mode, slot_of, layer, layer_of, expert_of, raw, ids, scores, slots):
+    """One decoding token's routing (`route` of logits [1, E] into ids, scores [1, k]) and the
+    slots of its k experts (slots [k]) from slot_of [E], the slot each expert last had (-1: none):
+    whether every one still holds its expert (the pool's layer_of / expert_of) repacked (not raw)."""
+    _route(logits, k, mode, ids, scores)
+    for j in range(k):
+        e = ids[0, j]
+        s = slot_of[e]
+        if s < 0 or layer_of[s] != layer or expert_of[s] != e or raw[s]:
+            return False
+        slots[j] = s
+    return True
+
+
+@njit(cache=True, fastmath=False, nogil=True)
 def combine_rows(y, scores, shared, out):
     R, k, D = y.shape
     for r in range(R):

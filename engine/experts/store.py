@@ -270,6 +270,20 @@ class ExpertStore:
         table = self._pool_of[layer].table
         return all((layer, int(e)) in table for e in experts)
 
+    def note_hits(self, layer: int, experts: list[int], slots) -> None:
+        """fetch's bookkeeping for `experts` (distinct ids) of `layer` that sit in `slots`, every
+        one cached: a decoding token's experts that its caller found itself (switch.route_cached)."""
+        pool, stats = self._pool_of[layer], self.stats[layer]
+        wanted = set(experts)
+        self._count(layer, wanted)
+        slot_of = dict(zip(experts, slots))
+        for e in wanted:  # (fetch's order: the LRU order of one token's experts is the same)
+            pool.table.move_to_end((layer, e))
+            pool.used_at[slot_of[e]] = self._tick
+        stats.hits += len(wanted)
+        self._settle_prefetches(layer, wanted, stats)
+        self._hinted.pop(layer, None)
+
     def fetch(self, layer: int, experts, ready=None, during=None) -> np.ndarray:
         """Make sure `experts` (distinct ids, at most pool.slots of them) of `layer` sit in slots.
 

@@ -33,6 +33,10 @@ class StreamingSwitchGLU(nn.Module):
         self._telemetry = telemetry  # the engine's: its timing mode, read per call
         self._cpu = _CpuExperts(inner, pool) if store.cpu_kernels and _CpuExperts.supports(inner, pool) else None
         self._side = None  # Hidden(shared expert with run_ahead(x, x2)): computed while experts load
+        self._pool = pool
+        # the slot each expert had when decode_cached last found it (-1: never): route_cached's
+        # guess, checked against the pool's owners (an array: mlx's Module keeps lists as children)
+        self._slot_of = np.full(store.layers[layer].num_experts, -1, dtype=np.int64) if self._cpu else None
 
     # -- what the CPU fast path (engine/cpu/fused.py) asks of a streamed block ----------------
     @property
@@ -109,6 +113,32 @@ class StreamingSwitchGLU(nn.Module):
         stats.compute_s += perf_counter() - t1 - (stats.io_wait_s - self._cpu.wait_before)
         return y
 
+    def route_cached(self, logits: np.ndarray, k: int, mode: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """A decoding token's routing (routing.route, `mode` one of its MODES' values) of logits
+        [1, E]: (ids [1, k], scores [1, k], slots [k]), slots None unless every expert chosen is
+        still in the slot decode_cached last found it in, ready to compute (see decode_slots)."""
+        from flashmoe.engine.cpu.routing import route_slots
+
+        ids, scores, slots = np.empty((1, k), np.int64), np.empty((1, k), np.float32), np.empty(k, np.int64)
+        pool = self._pool
+        hit = route_slots(np.ascontiguousarray(logits, dtype=np.float32), k, mode, self._slot_of, self._layer,
+                          pool.layer_of, pool.expert_of, pool.raw, ids, scores, slots)
+        return ids, scores, (slots if hit else None)
+
+    def decode_slots(self, x2: np.ndarray, ids: np.ndarray, slots: np.ndarray, scores: np.ndarray,
+                     shared=None) -> np.ndarray:
+        """decode_cached for experts route_cached found in their slots: the cache's bookkeeping of
+        those hits (store.note_hits, as fetch keeps it) without fetch's lookups."""
+        store, layer = self._store, self._layer
+        flat = ids.reshape(-1)
+        if store.routers:
+            self._read_ahead(x2, set(flat.tolist()))
+        store.note_hits(layer, flat.tolist(), slots)
+        t1 = perf_counter()
+        y = self._cpu.bank.swiglu_sum(x2, slots, scores, shared() if shared is not None else None)
+        store.stats[layer].compute_s += perf_counter() - t1
+        return y
+
     def decode_cached(self, x2: np.ndarray, ids: np.ndarray, scores: np.ndarray, shared=None) -> np.ndarray | None:
         """One decoding token's experts when every one it routes to is cached: x2 [1, D], ids and
         scores [1, k] -> the weighted sum of their outputs plus shared() [1, D] (when given), in
@@ -124,6 +154,8 @@ class StreamingSwitchGLU(nn.Module):
             self._read_ahead(x2, set(int(e) for e in flat))
         slots = store.fetch(layer, flat)[flat].astype(np.int64)
         bank.ready(slots)
+        held = self._pool.layer_of == layer  # where every expert of this layer is now (a vector op)
+        self._slot_of[self._pool.expert_of[held]] = np.flatnonzero(held)
         t1 = perf_counter()
         y = bank.swiglu_sum(x2, slots, scores, shared() if shared is not None else None)
         store.stats[layer].compute_s += perf_counter() - t1
