@@ -478,6 +478,48 @@ def test_attention_block_in_one_call_is_decode_np_bit_for_bit(model_factory, arc
         assert np.array_equal(np.array(a.keys), np.array(b.keys)) and np.array_equal(np.array(a.values), np.array(b.values))
 
 
+@pytest.mark.parametrize("arch,bits,int8", [("qwen3_moe", 4, False), ("mixtral", 8, False), ("qwen3_moe", 4, True)])
+def test_layer_in_one_call_is_the_block_calls_bit_for_bit(model_factory, monkeypatch, arch, bits, int8):
+    """A MoE layer's decode step in one call (moe_layer.kernel: attention block, router, routing,
+    experts) gives the separate calls' floats and cache rows; where an expert chosen is not in
+    the slot it was last found in, the call stops after the routing and CpuMoE.routed gives the
+    same floats again. Its books: the hits, and routing and expert seconds that are real (the
+    router at 8 bits beside 4-bit layers, as mlx-lm quantizes it; float and int8 kernels)."""
+    from flashmoe.engine.cpu.fused import CpuDecoderLayer
+    from flashmoe.engine.cpu.int8 import use_int8
+    from flashmoe.engine.experts.switch import StreamingSwitchGLU
+
+    lm = load(model_factory(arch, bits, converted=True), kernels="cpu", expert_cache=10**9, load_tokenizer=False)
+    if int8:
+        assert use_int8(lm.model) > 0
+    for info in lm.layers:
+        lm.store.fetch(info.layer, range(info.num_experts))
+    layers = [m for _, m in lm.model.named_modules() if isinstance(m, CpuDecoderLayer)]
+    cache = _prefilled(lm)
+    fusable = StreamingSwitchGLU.fusable
+    for layer, c in zip(layers, cache):
+        attn, moe = layer["self_attn"], layer[layer._ffn]
+        assert layer._moe_parts(attn)[1] is not None
+        for spoil in (False, True):
+            x2 = rand(1, attn._o.out_features)
+            a, b = _copy(c), _copy(c)
+            monkeypatch.setattr(StreamingSwitchGLU, "fusable", lambda self: False)
+            want = layer.step_np(x2, a)  # (decode_cached: repacks the experts, learns their slots)
+            monkeypatch.setattr(StreamingSwitchGLU, "fusable", fusable)
+            if spoil:
+                moe._switch._slot_of[:] = -1
+            stats = lm.store.stats[moe._switch._layer]
+            hits, route_s, compute_s = stats.hits, stats.route_s, stats.compute_s
+            stopped = []
+            monkeypatch.setattr(CpuMoE, "routed", lambda self, *args, f=CpuMoE.routed: stopped.append(1) or f(self, *args))
+            got = layer._moe_step(attn, x2, b)
+            monkeypatch.undo()
+            assert got is not None and np.array_equal(got, want) and len(stopped) == int(spoil)
+            assert np.array_equal(np.array(a.keys), np.array(b.keys)) and a.offset == b.offset == c.offset + 1
+            assert stats.hits == hits + moe.k and 0 < stats.route_s - route_s < 0.1
+            assert (0 < stats.compute_s - compute_s < 0.1)
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_note_hits_keeps_the_books_fetch_keeps(model_factory, policy):
     """The decode fast path's bookkeeping (store.note_hits) leaves a store as fetch of the same
@@ -508,25 +550,32 @@ def test_note_hits_keeps_the_books_fetch_keeps(model_factory, policy):
     assert list(a.pools[0].table) == list(b.pools[0].table)
 
 
-def test_decode_steps_take_one_call_per_block_and_give_mlx_tokens(model_factory, monkeypatch):
-    """With every expert cached ahead, a decode step's attention block and its experts (weighted and
-    summed) are one kernel call each per layer, and the tokens are MLX's: the first step's experts
-    through decode_cached (the store's lookups), the later ones through decode_slots (the slots
-    route_cached found where decode_cached left them). With the smallest expert cache (one
-    token's experts) the steps that must read take the reading path (decode_cached declines) and
-    the tokens stay."""
+@pytest.mark.parametrize("fused", [True, False], ids=["layer in one call", "block by block"])
+def test_decode_steps_take_one_call_per_layer_and_give_mlx_tokens(model_factory, monkeypatch, fused):
+    """With every expert cached ahead, a decode step is one kernel call per layer (_moe_layer:
+    attention, router, routing, experts), and the tokens are MLX's. An expert's first step stops
+    that call after the routing (it is not yet repacked) and goes on through decode_cached; the
+    same steps again are one call each. Block by block (as with --prefetch), the attention
+    block and the experts are one call each: decode_cached, then decode_slots. With the
+    smallest expert cache (one token's experts) the steps that must read take the reading path
+    and the tokens stay."""
     from flashmoe.engine.cpu.fused import CpuDecoderLayer
     from flashmoe.engine.experts.switch import StreamingSwitchGLU
 
     path = model_factory("qwen3_moe", 4, converted=True)
     want = greedy(load(path, kernels="mlx", load_tokenizer=False).model, PROMPT, 10)
-    calls = {"block": [], "experts": [], "slots": []}
+    calls = {"block": [], "experts": [], "slots": [], "layer": []}
     block, cached, slots = CpuAttention.block_np, StreamingSwitchGLU.decode_cached, StreamingSwitchGLU.decode_slots
+    done = StreamingSwitchGLU.fused_done
     monkeypatch.setattr(CpuAttention, "block_np", lambda *a: calls["block"].append(block(*a)) or calls["block"][-1])
     monkeypatch.setattr(StreamingSwitchGLU, "decode_cached",
                         lambda *a: calls["experts"].append(cached(*a)) or calls["experts"][-1])
     monkeypatch.setattr(StreamingSwitchGLU, "decode_slots",
                         lambda *a: calls["slots"].append(slots(*a)) or calls["slots"][-1])
+    monkeypatch.setattr(StreamingSwitchGLU, "fused_done",
+                        lambda self, ids, s, times: calls["layer"].append(s is not None) or done(self, ids, s, times))
+    if not fused:
+        monkeypatch.setattr(StreamingSwitchGLU, "fusable", lambda self: False)
     for budget, hits in ((10**9, True), (0, False)):
         lm = load(path, kernels="cpu", expert_cache=budget, load_tokenizer=False)
         if hits:  # every expert in the cache before the first token
@@ -536,12 +585,18 @@ def test_decode_steps_take_one_call_per_block_and_give_mlx_tokens(model_factory,
             v.clear()
         layers = sum(isinstance(m, CpuDecoderLayer) for _, m in lm.model.named_modules())
         assert greedy(lm.model, PROMPT, 10) == want
-        assert len(calls["block"]) == 10 * layers and all(r is not None for r in calls["block"])
-        done = [r is not None for r in calls["experts"] + calls["slots"]]
-        assert len(done) == 10 * layers and (all(done) if hits else not all(done))
-        if hits:  # the same steps again: every expert is where decode_cached or decode_slots found it
-            assert calls["slots"]  # (an expert's first step repacks it: decode_cached)
+        if fused:
+            assert not calls["block"] and not calls["slots"] and len(calls["layer"]) == 10 * layers
+            computed = [r is not None for r in calls["experts"]]  # (the calls that stopped: cached or read?)
+            assert calls["layer"].count(False) == len(calls["experts"])  # each stopped call went on there
+        else:
+            assert len(calls["block"]) == 10 * layers and all(r is not None for r in calls["block"])
+            assert not calls["layer"]
+            computed = [r is not None for r in calls["experts"] + calls["slots"]]
+        assert (all(computed) if hits else not all(computed))
+        if hits:  # the same steps again: every expert is where the first run left it
             for v in calls.values():
                 v.clear()
             assert greedy(lm.model, PROMPT, 10) == want
-            assert not calls["experts"] and len(calls["slots"]) == 10 * layers
+            assert not calls["experts"]
+            assert (calls["layer"] == [True] * 10 * layers) if fused else (len(calls["slots"]) == 10 * layers)

@@ -338,16 +338,21 @@ class CpuAttention(_Wraps):
         norms, op for op, in one call where it took ten and the Python between them (the
         upcycled demo's step: 15.3 -> 13.7 ms, 55 us a layer). None where the projections are
         not tiled in one format (and kind, float or int8): the caller takes decode_np."""
-        kind = getattr(self._o.tiled, "int8", None)  # (float or int8 kernels: int8.use_int8 switches them)
-        if self._block is None or self._block[0] != kind:
-            self._block = (kind, *self._block_kernel())
-        _, fn, qkv_args, o_args, parallel = self._block
+        _, fn, qkv_args, o_args, parallel = self.block_parts()
         if fn is None:
             return None
         (w1, eps1), (w2, eps2) = norms
         h, n2 = fn(x2, w1, eps1, *qkv_args, *self._position(cache), *o_args, w2, eps2, *parallel)
         cache.offset += 1
         return h, n2
+
+    def block_parts(self) -> tuple:
+        """(the kernels' kind, _attn_half or None, its arguments before the step's own, after them,
+        its parallel flags), for the kind the projections are switched to now."""
+        kind = getattr(self._o.tiled, "int8", None)  # (float or int8 kernels: int8.use_int8 switches them)
+        if self._block is None or self._block[0] != kind:
+            self._block = (kind, *self._block_kernel())
+        return self._block
 
     def _block_kernel(self) -> tuple:
         """(_attn_half or None, its arguments before the step's own, after them, its parallel
@@ -428,6 +433,7 @@ class CpuDecoderLayer(_Wraps):
         for n in ("input_layernorm", "self_attn", "post_attention_layernorm", ffn):
             self[n] = layer[n]
         self._norms = [(np.ascontiguousarray(_np(n.weight), dtype=np.float32), np.float32(n.eps)) for n in norms]
+        self._moe = None  # ((kind, feed-forward block), _moe_layer or None, its arguments): _moe_parts
 
     def __call__(self, x, mask=None, cache=None, **kwargs):
         if not CpuAttention.fast(x, mask, cache, kwargs):
@@ -440,6 +446,10 @@ class CpuDecoderLayer(_Wraps):
 
         (w1, eps1), (w2, eps2) = self._norms
         attn = self["self_attn"]
+        if isinstance(attn, CpuAttention):
+            out = self._moe_step(attn, x2, cache)
+            if out is not None:
+                return out
         block = attn.block_np(x2, cache, self._norms) if isinstance(attn, CpuAttention) else None
         if block is not None:
             h, n2 = block
@@ -453,6 +463,55 @@ class CpuDecoderLayer(_Wraps):
         n2 = h.copy()
         rms_norm_rows(n2, w2, eps2)
         return h + self[self._ffn].np(n2)
+
+
+    def _moe_step(self, attn: CpuAttention, x2: np.ndarray, cache) -> np.ndarray | None:
+        """The whole layer in one kernel call (tiled.py's `_moe_layer`: attention block, router,
+        routing, cached experts), where its MoE block lets it (_moe_parts) and its experts are
+        not read ahead (--prefetch). Where an expert chosen is not in the slot it was last found
+        in, the call stops after the routing and the block goes on from there (CpuMoE.routed).
+        None where the layer cannot: the caller takes the separate calls. On the upcycled demo
+        the separate calls' Python cost about 48 us a layer."""
+        _, fn, route_args, expert_args = self._moe_parts(attn)
+        moe = self[self._ffn]
+        if fn is None or not moe._switch.fusable():
+            return None
+        _, _, qkv_args, o_args, parallel = attn.block_parts()
+        (w1, eps1), (w2, eps2) = self._norms
+        k = moe.k
+        ids, scores, slots, times = (np.empty((1, k), np.int64), np.empty((1, k), np.float32), np.empty(k, np.int64),
+                                     np.zeros(3))
+        out, n2, hit = fn(x2, w1, eps1, *qkv_args, *attn._position(cache), *o_args, w2, eps2, *parallel, *route_args,
+                          *expert_args, ids, scores, slots, times)
+        cache.offset += 1
+        moe._switch.fused_done(ids, slots if hit else None, times)
+        return out if hit else out + moe.routed(n2, ids, scores)
+
+    def _moe_parts(self, attn: CpuAttention) -> tuple:
+        """((kind, block), _moe_layer or None, its router and routing arguments, its experts'
+        arguments), for the kind the projections are switched to now and the feed-forward block: a kernel where the attention block and
+        the experts are one call each and the MoE block has a tiled router and no shared expert."""
+        key = (getattr(attn._o.tiled, "int8", None), self[self._ffn])  # (a probe stubs the block for a while)
+        if self._moe is None or self._moe[0][0] != key[0] or self._moe[0][1] is not key[1]:
+            self._moe = (key, *self._moe_kernel(attn))
+        return self._moe
+
+    def _moe_kernel(self, attn: CpuAttention) -> tuple:
+        from flashmoe.engine.cpu import moe_layer
+
+        moe = self[self._ffn]
+        attn_half = attn.block_parts()[1]
+        if not isinstance(moe, CpuMoE) or moe._shared or moe._gate is None or attn_half is None:
+            return None, (), ()
+        router, bank = moe._gate.tiled, moe._switch.tiled_bank
+        if router is None or bank is None or not bank.one_call:
+            return None, (), ()
+        swiglu_sum, tiles, parallel = bank.sum_args(moe.k, attn._qkv.tiled.k)
+        bias = moe._gate._bias
+        bias = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+        return (moe_layer.kernel(attn_half, swiglu_sum, router.run_kernel()),
+                (router.wt, router.st, router.bt, bias, router.n, moe.k, MODES[moe.routing], *moe._switch.slot_args()),
+                (*tiles, parallel))
 
 
 class _StubFFN(nn.Module):
@@ -548,6 +607,7 @@ class CpuMoE(_Wraps):
         if self.k is None:
             raise ValueError("no top_k")
         self._router = _linear_fn(getattr(block, "gate", None))
+        self._gate = block.gate if isinstance(block.gate, CpuQuantizedLinear) else None  # (fused layer: its tiles)
         self._shared = next((n for n in SHARED_NAMES if n in block), None)
         gate = block.get("shared_expert_gate") if self._shared else None
         self._shared_gate = _linear_fn(gate) if gate is not None else None
@@ -572,20 +632,26 @@ class CpuMoE(_Wraps):
         from time import perf_counter
 
         switch = self._switch
-        shared = (lambda: self.shared_np(x2)) if self._shared else None
         t0 = perf_counter()
         logits = self._router(x2)
         if experts is None and x2.shape[0] == 1:  # decoding: every expert cached takes one call
             ids, scores, slots = switch.route_cached(logits, self.k, MODES[self.routing])
             switch.add_route_time(perf_counter() - t0)
             if slots is not None:  # each where it was last time: no lookups
+                shared = (lambda: self.shared_np(x2)) if self._shared else None
                 return switch.decode_slots(x2, ids, slots, scores, shared)
-            out = switch.decode_cached(x2, ids, scores, shared)
+            return self.routed(x2, ids, scores)
+        ids, scores = route(logits, self.k, self.routing)
+        switch.add_route_time(perf_counter() - t0)
+        return self.routed(x2, ids, scores, experts)
+
+    def routed(self, x2: np.ndarray, ids: np.ndarray, scores: np.ndarray, experts=None) -> np.ndarray:
+        """The block's output for x2 [R, D] routed to ids with scores [R, k]."""
+        switch = self._switch
+        if experts is None and x2.shape[0] == 1:
+            out = switch.decode_cached(x2, ids, scores, (lambda: self.shared_np(x2)) if self._shared else None)
             if out is not None:
                 return out
-        else:
-            ids, scores = route(logits, self.k, self.routing)
-            switch.add_route_time(perf_counter() - t0)
         shared = []
         if experts is not None:
             y = experts(x2, ids)

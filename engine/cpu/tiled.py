@@ -465,6 +465,12 @@ class Tiled:
                 self._all_rows = False
             self._parallel_rows = -(-serial_below // (self.wt.shape[0] * TILE * self.k))
 
+    def run_kernel(self):
+        """The kernel `matmul` calls for the rows it takes (float or int8, as switched):
+        fn(wt, st, bt, x2, parallel) -> [M, tiles * 16]."""
+        self._setup()
+        return self._fn
+
     def entry(self, what: str):
         """Another entry point of the kernel set `matmul` runs on (gather_kernel's names): the
         float or the int8 one, as this matrix is switched."""

@@ -101,15 +101,21 @@ class TiledBank:
         None where `swiglu` would be."""
         if not self.one_call:
             return None
-        key = (slots.size, x2.shape[1], self.int8)
-        if key not in self._sums:  # (the call's arguments but x, slots and scores: made once)
-            fn, serial_below = self._fn(*self.formats["down_proj"], "swiglu_sum")
-            work = slots.size * (2 * self.n["gate_proj"] * x2.shape[1] + self.n["down_proj"] * self.k["down_proj"])
-            self._sums[key] = (fn, tuple(t for n in ("gate_proj", "up_proj", "down_proj") for t in self.tiles[n]),
-                               np.zeros((0, x2.shape[1]), np.float32), work >= serial_below)
-        fn, tiles, none, parallel = self._sums[key]
+        fn, tiles, parallel = self.sum_args(slots.size, x2.shape[1])
+        none = np.zeros((0, x2.shape[1]), np.float32)
         return fn(*tiles, np.ascontiguousarray(x2), slots, np.ascontiguousarray(scores, dtype=np.float32).reshape(-1),
                   none if shared is None else np.ascontiguousarray(shared, dtype=np.float32), parallel)
+
+    def sum_args(self, k: int, width: int) -> tuple:
+        """(swiglu_sum's kernel, its nine tile arrays, its parallel flag) for k experts of x rows
+        `width` wide, in the kernels' current kind (float or int8): made once."""
+        key = (k, width, self.int8)
+        if key not in self._sums:
+            fn, serial_below = self._fn(*self.formats["down_proj"], "swiglu_sum")
+            work = k * (2 * self.n["gate_proj"] * width + self.n["down_proj"] * self.k["down_proj"])
+            self._sums[key] = (fn, tuple(t for n in ("gate_proj", "up_proj", "down_proj") for t in self.tiles[n]),
+                               work >= serial_below)
+        return self._sums[key]
 
     def _fn(self, bits: int, gs: int, what: str):
         """(kernel, from how much work a call uses every core), found once per format."""

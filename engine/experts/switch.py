@@ -120,10 +120,29 @@ class StreamingSwitchGLU(nn.Module):
         from flashmoe.engine.cpu.routing import route_slots
 
         ids, scores, slots = np.empty((1, k), np.int64), np.empty((1, k), np.float32), np.empty(k, np.int64)
-        pool = self._pool
-        hit = route_slots(np.ascontiguousarray(logits, dtype=np.float32), k, mode, self._slot_of, self._layer,
-                          pool.layer_of, pool.expert_of, pool.raw, ids, scores, slots)
+        hit = route_slots(np.ascontiguousarray(logits, dtype=np.float32), k, mode, *self.slot_args(), ids, scores, slots)
         return ids, scores, (slots if hit else None)
+
+    def slot_args(self) -> tuple:
+        """route_slots' arguments after the routing's own: (slot_of, layer, layer_of, expert_of,
+        raw), arrays the pool changes in place."""
+        pool = self._pool
+        return self._slot_of, self._layer, pool.layer_of, pool.expert_of, pool.raw
+
+    def fusable(self) -> bool:
+        """Whether a decoding token's whole layer may be one kernel call (fused.CpuDecoderLayer):
+        not while the next layer's experts are read ahead, which starts before this one's compute."""
+        return not self._store.routers
+
+    def fused_done(self, ids: np.ndarray, slots: np.ndarray | None, times: np.ndarray) -> None:
+        """The books of a fused layer call (fused.CpuDecoderLayer): its routing time, and where
+        it computed the experts (slots given), their hits and compute time, as decode_slots keeps
+        them. times: the call's seconds of attention, routing, experts."""
+        stats = self._store.stats[self._layer]
+        stats.route_s += times[1]
+        if slots is not None:
+            self._store.note_hits(self._layer, ids.reshape(-1).tolist(), slots)
+            stats.compute_s += times[2]
 
     def decode_slots(self, x2: np.ndarray, ids: np.ndarray, slots: np.ndarray, scores: np.ndarray,
                      shared=None) -> np.ndarray:
