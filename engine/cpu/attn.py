@@ -14,7 +14,7 @@ from numba import float32, int32, njit, prange, types
 from numba.extending import intrinsic
 
 from flashmoe.engine.cpu import numba_cache  # noqa: F401 - before any kernel is defined (see there)
-from flashmoe.engine.cpu.attn_ir import LANES, dots16, half_rows, kv_f32, kv_pack, prefetch_rows, wsum
+from flashmoe.engine.cpu.attn_ir import LANES, dots16, half_rows, kv_f32, kv_pack, wsum
 
 
 @njit(cache=True, fastmath=False, nogil=True)
@@ -94,8 +94,6 @@ def _dots(q, Kh, t0, t1, out, o):
     t = t0
     if D % LANES == 0:
         while t + LANES <= t1:
-            if AHEAD:
-                prefetch_rows(Kh, t + AHEAD, LANES)
             dots16(q, Kh, t, out, o + t - t0)
             t += LANES
     for t in range(t, t1):
@@ -226,8 +224,6 @@ def _weighted(p, V, h, t0, n, out):
             wsum(p[j], V[h], t0, n, a[j])
     else:
         for t in range(n):
-            if AHEAD and t % 4 == 0:
-                prefetch_rows(V[h], t0 + t + AHEAD, 4)
             for j in range(g):
                 w = p[j, t]
                 for d in range(D):
@@ -261,8 +257,6 @@ def attend_steps(qs, K, V, T):
     return out
 
 
-import os
-AHEAD = int(os.environ.get('AHEAD', '0'))
 ATTEND_BLOCK = 256  # positions per work item of a long cache's attention
 # From how many positions attention runs in blocks on every core: 9 heads of 64 over 3 kv heads,
 # 300 positions 30 -> 23-32 us, 1,057: 110-113 -> 80-91 us, 4,117: 334-392 -> 274-283 us; 32 heads

@@ -156,26 +156,3 @@ def wsum(typingctx, p, V, t0, n, out):
         return context.get_dummy_value()
 
     return types.void(p, V, t0, n, out), codegen
-
-
-@intrinsic
-def prefetch_rows(typingctx, a, t, n):
-    """Ask for every line of rows t .. t + n - 1 of a [rows, D] (C-contiguous; rows past the end
-    are harmless: a prefetch never faults)."""
-    if a.layout != "C" or a.ndim != 2:
-        return None
-
-    def codegen(context, builder, signature, args):
-        e = Emitter(builder)
-        arr = context.make_array(signature.args[0])(context, builder, args[0])
-        D = e.i64(cgutils.unpack_tuple(builder, arr.shape)[1])
-        item = context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype))
-        data = builder.bitcast(arr.data, ir.IntType(8).as_pointer())
-        first = builder.mul(builder.mul(e.i64(args[1]), D), e.const(item))
-        nbytes = builder.mul(builder.mul(e.i64(args[2]), D), e.const(item))
-        lines = builder.sdiv(builder.add(nbytes, e.const(63)), e.const(64))
-        with cgutils.for_range(builder, lines) as loop:
-            e.prefetch(data, builder.add(first, builder.mul(loop.index, e.const(64))))
-        return context.get_dummy_value()
-
-    return types.void(a, t, n), codegen
