@@ -487,6 +487,11 @@ class CpuDecoderLayer(_Wraps):
         moe._switch.fused_done(ids, slots if hit else None, times)
         return out if hit else out + moe.routed(n2, ids, scores)
 
+    def one_call(self) -> bool:
+        """Whether a decode step can take this layer in one kernel call (_moe_step)."""
+        attn = self["self_attn"]
+        return isinstance(attn, CpuAttention) and self._moe_parts(attn)[1] is not None
+
     def _moe_parts(self, attn: CpuAttention) -> tuple:
         """((kind, block), _moe_layer or None, its router and routing arguments, its experts'
         arguments), for the kind the projections are switched to now and the feed-forward block: a kernel where the attention block and
