@@ -483,7 +483,7 @@ def test_attention_block_in_one_call_is_decode_np_bit_for_bit(model_factory, arc
 
 @pytest.mark.parametrize("arch,bits,int8", [("qwen3_moe", 4, False), ("mixtral", 8, False), ("qwen3_moe", 4, True)])
 def test_layer_in_one_call_is_the_block_calls_bit_for_bit(model_factory, monkeypatch, arch, bits, int8):
-    """A MoE layer's decode step in one call (moe_layer.kernel: attention block, router, routing,
+    """A MoE layer's decode step in one call (layer_step.moe_kernel: attention block, router, routing,
     experts) gives the separate calls' floats and cache rows; where an expert chosen is not in
     the slot it was last found in, the call stops after the routing and CpuMoE.routed gives the
     same floats again. Its books: the hits, and routing and expert seconds that are real (the
@@ -502,7 +502,7 @@ def test_layer_in_one_call_is_the_block_calls_bit_for_bit(model_factory, monkeyp
     fusable = StreamingSwitchGLU.fusable
     for layer, c in zip(layers, cache):
         attn, moe = layer["self_attn"], layer[layer._ffn]
-        assert layer._moe_parts(attn)[1] is not None
+        assert layer.one_call() == "moe"
         for spoil in (False, True):
             x2 = rand(1, attn._o.out_features)
             a, b = _copy(c), _copy(c)
@@ -515,12 +515,46 @@ def test_layer_in_one_call_is_the_block_calls_bit_for_bit(model_factory, monkeyp
             hits, route_s, compute_s = stats.hits, stats.route_s, stats.compute_s
             stopped = []
             monkeypatch.setattr(CpuMoE, "routed", lambda self, *args, f=CpuMoE.routed: stopped.append(1) or f(self, *args))
-            got = layer._moe_step(attn, x2, b)
+            got = layer._one_call(attn, x2, b)
             monkeypatch.undo()
             assert got is not None and np.array_equal(got, want) and len(stopped) == int(spoil)
             assert np.array_equal(np.array(a.keys), np.array(b.keys)) and a.offset == b.offset == c.offset + 1
             assert stats.hits == hits + moe.k and 0 < stats.route_s - route_s < 0.1
             assert (0 < stats.compute_s - compute_s < 0.1)
+
+
+@pytest.mark.parametrize("bits,int8", [(4, False), (8, False), (4, True)])
+def test_dense_layer_in_one_call_is_the_block_calls_bit_for_bit(model_factory, monkeypatch, bits, int8):
+    """A dense layer's decode step in one call (layer_step.mlp_kernel: attention block, gate and
+    up, SiLU, down, residual) gives the separate calls' floats and cache rows (glm4_moe's first
+    layer: dense, q/k norms, partial rope), and greedy tokens stay MLX's."""
+    from flashmoe.engine.cpu.fused import CpuDecoderLayer
+    from flashmoe.engine.cpu.int8 import use_int8
+
+    path = model_factory("glm4_moe", bits, converted=True)
+    lm = load(path, kernels="cpu", load_tokenizer=False)
+    if int8:
+        assert use_int8(lm.model) > 0
+    layers = [(i, m) for i, m in enumerate(lm.model.model.layers) if isinstance(m, CpuDecoderLayer)]
+    assert [i for i, _ in layers] == [0] and layers[0][1].one_call() == "mlp"
+    layer = layers[0][1]
+    cache = _prefilled(lm)
+    one_call = CpuDecoderLayer._one_call
+    for _ in range(3):
+        x2 = rand(1, layer["self_attn"]._o.out_features)
+        a, b = _copy(cache[0]), _copy(cache[0])
+        monkeypatch.setattr(CpuDecoderLayer, "_one_call", lambda *args: None)
+        want = layer.step_np(x2, a)
+        monkeypatch.setattr(CpuDecoderLayer, "_one_call", one_call)
+        got = layer._one_call(layer["self_attn"], x2, b)
+        assert got is not None and np.array_equal(got, want) and a.offset == b.offset == cache[0].offset + 1
+        assert np.array_equal(np.array(a.keys), np.array(b.keys)) and np.array_equal(np.array(a.values), np.array(b.values))
+    if not int8:
+        calls = []
+        monkeypatch.setattr(CpuDecoderLayer, "_one_call",
+                            lambda *args: calls.append(one_call(*args)) or calls[-1])
+        assert greedy(lm.model, PROMPT, 8) == greedy(load(path, kernels="mlx", load_tokenizer=False).model, PROMPT, 8)
+        assert len(calls) >= 7 and all(c is not None for c in calls)
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])

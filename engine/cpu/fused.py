@@ -433,7 +433,7 @@ class CpuDecoderLayer(_Wraps):
         for n in ("input_layernorm", "self_attn", "post_attention_layernorm", ffn):
             self[n] = layer[n]
         self._norms = [(np.ascontiguousarray(_np(n.weight), dtype=np.float32), np.float32(n.eps)) for n in norms]
-        self._moe = None  # ((kind, feed-forward block), _moe_layer or None, its arguments): _moe_parts
+        self._call = None  # what _one_call calls: _call_parts
 
     def __call__(self, x, mask=None, cache=None, **kwargs):
         if not CpuAttention.fast(x, mask, cache, kwargs):
@@ -447,7 +447,7 @@ class CpuDecoderLayer(_Wraps):
         (w1, eps1), (w2, eps2) = self._norms
         attn = self["self_attn"]
         if isinstance(attn, CpuAttention):
-            out = self._moe_step(attn, x2, cache)
+            out = self._one_call(attn, x2, cache)
             if out is not None:
                 return out
         block = attn.block_np(x2, cache, self._norms) if isinstance(attn, CpuAttention) else None
@@ -465,58 +465,71 @@ class CpuDecoderLayer(_Wraps):
         return h + self[self._ffn].np(n2)
 
 
-    def _moe_step(self, attn: CpuAttention, x2: np.ndarray, cache) -> np.ndarray | None:
-        """The whole layer in one kernel call (tiled.py's `_moe_layer`: attention block, router,
-        routing, cached experts), where its MoE block lets it (_moe_parts) and its experts are
-        not read ahead (--prefetch). Where an expert chosen is not in the slot it was last found
-        in, the call stops after the routing and the block goes on from there (CpuMoE.routed).
-        None where the layer cannot: the caller takes the separate calls. On the upcycled demo
-        the separate calls' Python cost about 48 us a layer."""
-        _, fn, route_args, expert_args = self._moe_parts(attn)
-        moe = self[self._ffn]
-        if fn is None or not moe._switch.fusable():
+    def _one_call(self, attn: CpuAttention, x2: np.ndarray, cache) -> np.ndarray | None:
+        """The whole layer in one kernel call (engine/cpu/layer_step.py): the attention block,
+        then a dense MLP, or a MoE block's router, routing and cached experts. A MoE layer whose
+        experts are read ahead (--prefetch) is not (the reads start before its compute). Where
+        an expert chosen is not in the slot it was last found in, the call stops after the
+        routing and the block goes on from there (CpuMoE.routed). None where the layer cannot
+        (_call_parts): the caller takes the separate calls."""
+        _, kind, fn, args = self._call_parts(attn)
+        ffn = self[self._ffn]
+        if fn is None or (kind == "moe" and not ffn._switch.fusable()):
             return None
         _, _, qkv_args, o_args, parallel = attn.block_parts()
         (w1, eps1), (w2, eps2) = self._norms
-        k = moe.k
+        head = (x2, w1, eps1, *qkv_args, *attn._position(cache), *o_args, w2, eps2, *parallel)
+        if kind == "mlp":
+            out = fn(*head, *args)
+            cache.offset += 1
+            return out
+        k = ffn.k
         ids, scores, slots, times = (np.empty((1, k), np.int64), np.empty((1, k), np.float32), np.empty(k, np.int64),
                                      np.zeros(3))
-        out, n2, hit = fn(x2, w1, eps1, *qkv_args, *attn._position(cache), *o_args, w2, eps2, *parallel, *route_args,
-                          *expert_args, ids, scores, slots, times)
+        out, n2, hit = fn(*head, *args, ids, scores, slots, times)
         cache.offset += 1
-        moe._switch.fused_done(ids, slots if hit else None, times)
-        return out if hit else out + moe.routed(n2, ids, scores)
+        ffn._switch.fused_done(ids, slots if hit else None, times)
+        return out if hit else out + ffn.routed(n2, ids, scores)
 
-    def one_call(self) -> bool:
-        """Whether a decode step can take this layer in one kernel call (_moe_step)."""
+    def one_call(self) -> str | None:
+        """What a decode step can take in one kernel call with this layer's attention block (a
+        dense "mlp", or a "moe" block while its experts are cached), or None."""
         attn = self["self_attn"]
-        return isinstance(attn, CpuAttention) and self._moe_parts(attn)[1] is not None
+        return self._call_parts(attn)[1] if isinstance(attn, CpuAttention) else None
 
-    def _moe_parts(self, attn: CpuAttention) -> tuple:
-        """((kind, block), _moe_layer or None, its router and routing arguments, its experts'
-        arguments), for the kind the projections are switched to now and the feed-forward block: a kernel where the attention block and
-        the experts are one call each and the MoE block has a tiled router and no shared expert."""
-        key = (getattr(attn._o.tiled, "int8", None), self[self._ffn])  # (a probe stubs the block for a while)
-        if self._moe is None or self._moe[0][0] != key[0] or self._moe[0][1] is not key[1]:
-            self._moe = (key, *self._moe_kernel(attn))
-        return self._moe
+    def _call_parts(self, attn: CpuAttention) -> tuple:
+        """((kind of kernels, feed-forward block), "moe" / "mlp" / None, the kernel, its arguments
+        after the attention block's), for the kernels' kind now (float or int8, as switched) and
+        the block now (a probe stubs it for a while): made once for each."""
+        key = (getattr(attn._o.tiled, "int8", None), self[self._ffn])
+        if self._call is None or self._call[0][0] != key[0] or self._call[0][1] is not key[1]:
+            self._call = (key, *self._call_kernel(attn))
+        return self._call
 
-    def _moe_kernel(self, attn: CpuAttention) -> tuple:
-        from flashmoe.engine.cpu import moe_layer
+    def _call_kernel(self, attn: CpuAttention) -> tuple:
+        from flashmoe.engine.cpu import layer_step
 
-        moe = self[self._ffn]
-        attn_half = attn.block_parts()[1]
-        if not isinstance(moe, CpuMoE) or moe._shared or moe._gate is None or attn_half is None:
-            return None, (), ()
-        router, bank = moe._gate.tiled, moe._switch.tiled_bank
+        ffn, attn_half = self[self._ffn], attn.block_parts()[1]
+        if attn_half is None:
+            return None, None, ()
+        if isinstance(ffn, CpuMLP):  # gate and up one matrix, gate first, of one width
+            gate_up, down = ffn._gate_up.tiled, ffn._down.tiled
+            if gate_up is None or down is None or ffn._gate_up.starts[0] != 0 or len(set(ffn._gate_up.sizes)) != 1:
+                return None, None, ()
+            return "mlp", layer_step.mlp_kernel(attn_half, gate_up.run_kernel(), down.run_kernel()), (
+                gate_up.wt, gate_up.st, gate_up.bt, ffn._gate_up.starts[1], ffn._gate_up.sizes[0],
+                gate_up.one_row_parallel, down.wt, down.st, down.bt, down.one_row_parallel)
+        if not isinstance(ffn, CpuMoE) or ffn._shared or ffn._gate is None:
+            return None, None, ()
+        router, bank = ffn._gate.tiled, ffn._switch.tiled_bank
         if router is None or bank is None or not bank.one_call:
-            return None, (), ()
-        swiglu_sum, tiles, parallel = bank.sum_args(moe.k, attn._qkv.tiled.k)
-        bias = moe._gate._bias
+            return None, None, ()
+        swiglu_sum, tiles, parallel = bank.sum_args(ffn.k, attn._qkv.tiled.k)
+        bias = ffn._gate._bias
         bias = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
-        return (moe_layer.kernel(attn_half, swiglu_sum, router.run_kernel()),
-                (router.wt, router.st, router.bt, bias, router.n, moe.k, MODES[moe.routing], *moe._switch.slot_args()),
-                (*tiles, parallel))
+        return "moe", layer_step.moe_kernel(attn_half, swiglu_sum, router.run_kernel()), (
+            router.wt, router.st, router.bt, bias, router.n, ffn.k, MODES[ffn.routing], *ffn._switch.slot_args(),
+            *tiles, parallel)
 
 
 class _StubFFN(nn.Module):

@@ -47,8 +47,9 @@ def compute_paths(loaded) -> dict[str, list[int]]:
             if kind in fused:
                 say(f"{kind} as one fused CPU block" if kind != "decoder layer"
                     else "decoder layer fused whole (one sync per layer)", i)
-        if "decoder layer" in fused and layer.one_call():
-            say("decode steps one kernel call a layer while its experts are cached", i)
+        one_call = layer.one_call() if "decoder layer" in fused else None
+        if one_call:
+            say("decode steps one kernel call a layer" + (" while its experts are cached" if one_call == "moe" else ""), i)
         if cpu_attention is not None and any(isinstance(m, cpu_attention) and m.prefill_ok for m in modules):
             say("prompt chunks' attention on numpy's BLAS", i)
         if "attention" not in fused:
