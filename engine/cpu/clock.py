@@ -1,4 +1,4 @@
-"""The monotonic clock inside a kernel: a decode step's fused layer (tiled.SLOT_LOOPS'
+"""The monotonic clock inside a kernel: a MoE layer's decode step in one call (layer_step.py's
 `_moe_layer`) times its attention, routing and experts itself, so the per-layer figures stay what
 the separate calls reported (ExpertStore's route_s, compute_s)."""
 from __future__ import annotations

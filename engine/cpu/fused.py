@@ -464,7 +464,6 @@ class CpuDecoderLayer(_Wraps):
         rms_norm_rows(n2, w2, eps2)
         return h + self[self._ffn].np(n2)
 
-
     def _one_call(self, attn: CpuAttention, x2: np.ndarray, cache) -> np.ndarray | None:
         """The whole layer in one kernel call (engine/cpu/layer_step.py): the attention block,
         then a dense MLP, or a MoE block's router, routing and cached experts. A MoE layer whose

@@ -19,7 +19,7 @@ from flashmoe.engine.cpu.attn import silu_mul
 from flashmoe.engine.cpu.clock import monotonic
 from flashmoe.engine.cpu.routing import route_slots
 
-TEMPLATE = """
+MOE = """
 @njit(cache=True, nogil=True)
 def _moe_layer(x, w1, eps1, wq, sq, bq, bias_q, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_head,
                a, b, partner, K, V, pos, scale, wo, so, bo, bias_o, w2, eps2, par_q, par_o,
@@ -84,8 +84,8 @@ def _instantiate(template: str, name: str, kernels: dict):
 
 
 def moe_kernel(attn_half, swiglu_sum, router_run):
-    """A MoE layer's step (TEMPLATE) over these kernels."""
-    return _instantiate(TEMPLATE, "_moe_layer", dict(attn_half=attn_half, swiglu_sum=swiglu_sum, router_run=router_run))
+    """A MoE layer's step (MOE) over these kernels."""
+    return _instantiate(MOE, "_moe_layer", dict(attn_half=attn_half, swiglu_sum=swiglu_sum, router_run=router_run))
 
 
 def mlp_kernel(attn_half, gate_up_run, down_run):
