@@ -481,13 +481,15 @@ def test_attention_block_in_one_call_is_decode_np_bit_for_bit(model_factory, arc
         assert np.array_equal(np.array(a.keys), np.array(b.keys)) and np.array_equal(np.array(a.values), np.array(b.values))
 
 
-@pytest.mark.parametrize("arch,bits,int8", [("qwen3_moe", 4, False), ("mixtral", 8, False), ("qwen3_moe", 4, True)])
+@pytest.mark.parametrize("arch,bits,int8", [("qwen3_moe", 4, False), ("mixtral", 8, False), ("qwen3_moe", 4, True),
+                                            ("qwen2_moe", 8, False), ("qwen2_moe", 4, True)])
 def test_layer_in_one_call_is_the_block_calls_bit_for_bit(model_factory, monkeypatch, arch, bits, int8):
     """A MoE layer's decode step in one call (layer_step.moe_kernel: attention block, router, routing,
-    experts) gives the separate calls' floats and cache rows; where an expert chosen is not in
-    the slot it was last found in, the call stops after the routing and CpuMoE.routed gives the
-    same floats again. Its books: the hits, and routing and expert seconds that are real (the
-    router at 8 bits beside 4-bit layers, as mlx-lm quantizes it; float and int8 kernels)."""
+    experts; shared_moe_kernel with Qwen2-MoE's gated shared expert, the shipped demo's block)
+    gives the separate calls' floats and cache rows; where an expert chosen is not in the slot it
+    was last found in, the call stops after the routing and CpuMoE.routed gives the same floats
+    again. Its books: the hits, and routing and expert seconds that are real (the router at 8
+    bits beside 4-bit layers, as mlx-lm quantizes it; float and int8 kernels)."""
     from flashmoe.engine.cpu.fused import CpuDecoderLayer
     from flashmoe.engine.cpu.int8 import use_int8
     from flashmoe.engine.experts.switch import StreamingSwitchGLU
@@ -587,8 +589,9 @@ def test_note_hits_keeps_the_books_fetch_keeps(model_factory, policy):
     assert list(a.pools[0].table) == list(b.pools[0].table)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["layer in one call", "block by block"])
-def test_decode_steps_take_one_call_per_layer_and_give_mlx_tokens(model_factory, monkeypatch, fused):
+@pytest.mark.parametrize("arch,fused", [("qwen3_moe", True), ("qwen3_moe", False), ("qwen2_moe", True)],
+                         ids=["layer in one call", "block by block", "with a gated shared expert"])
+def test_decode_steps_take_one_call_per_layer_and_give_mlx_tokens(model_factory, monkeypatch, arch, fused):
     """With every expert cached ahead, a decode step is one kernel call per layer (_moe_layer:
     attention, router, routing, experts), and the tokens are MLX's. An expert's first step stops
     that call after the routing (it is not yet repacked) and goes on through decode_cached; the
@@ -599,7 +602,7 @@ def test_decode_steps_take_one_call_per_layer_and_give_mlx_tokens(model_factory,
     from flashmoe.engine.cpu.fused import CpuDecoderLayer
     from flashmoe.engine.experts.switch import StreamingSwitchGLU
 
-    path = model_factory("qwen3_moe", 4, converted=True)
+    path = model_factory(arch, 4, converted=True)
     want = greedy(load(path, kernels="mlx", load_tokenizer=False).model, PROMPT, 10)
     calls = {"block": [], "experts": [], "slots": [], "layer": []}
     block, cached, slots = CpuAttention.block_np, StreamingSwitchGLU.decode_cached, StreamingSwitchGLU.decode_slots

@@ -39,6 +39,8 @@ CONFIGS = {
                          "mrope_section": [1, 1, 0], "mrope_interleaved": True})),
     "mixtral": dict(_COMMON, model_type="mixtral", intermediate_size=64, num_local_experts=8,
                     num_experts_per_tok=2),
+    "qwen2_moe": dict(_COMMON, model_type="qwen2_moe", intermediate_size=128, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128),
     "olmoe": dict(_COMMON, model_type="olmoe", intermediate_size=64, num_experts=8,
                   num_experts_per_tok=2, norm_topk_prob=False, head_dim=16),
     "deepseek_v3": dict(_COMMON, model_type="deepseek_v3", intermediate_size=128,

@@ -29,7 +29,7 @@ import mlx.nn as nn
 import numpy as np
 
 from flashmoe.engine.cpu.install import CpuQuantizedLinear, set_module
-from flashmoe.engine.cpu.routing import MODES, combine, route
+from flashmoe.engine.cpu.routing import MODES, combine, gate_rows, route
 from flashmoe.engine.hidden import Hidden
 from flashmoe.engine.options import KV_CACHES
 
@@ -409,6 +409,10 @@ class CpuMLP(_Wraps):
         g, u = self._gate_up(x2)
         return _linear_np(self._down, silu_mul(g, u))
 
+    def tiled_parts(self) -> tuple:
+        """(gate and up's tiled matrix, down's), either None where not tiled."""
+        return self._gate_up.tiled, self._down.tiled
+
 
 FFN_NAMES = ("mlp", "block_sparse_moe", "feed_forward")
 
@@ -511,14 +515,13 @@ class CpuDecoderLayer(_Wraps):
         ffn, attn_half = self[self._ffn], attn.block_parts()[1]
         if attn_half is None:
             return None, None, ()
-        if isinstance(ffn, CpuMLP):  # gate and up one matrix, gate first, of one width
-            gate_up, down = ffn._gate_up.tiled, ffn._down.tiled
-            if gate_up is None or down is None or ffn._gate_up.starts[0] != 0 or len(set(ffn._gate_up.sizes)) != 1:
+        if isinstance(ffn, CpuMLP):
+            mlp = _mlp_args(ffn)
+            if mlp is None:
                 return None, None, ()
-            return "mlp", layer_step.mlp_kernel(attn_half, gate_up.run_kernel(), down.run_kernel()), (
-                gate_up.wt, gate_up.st, gate_up.bt, ffn._gate_up.starts[1], ffn._gate_up.sizes[0],
-                gate_up.one_row_parallel, down.wt, down.st, down.bt, down.one_row_parallel)
-        if not isinstance(ffn, CpuMoE) or ffn._shared or ffn._gate is None:
+            runs, args = mlp
+            return "mlp", layer_step.mlp_kernel(attn_half, *runs), args
+        if not isinstance(ffn, CpuMoE) or ffn._gate is None:
             return None, None, ()
         router, bank = ffn._gate.tiled, ffn._switch.tiled_bank
         if router is None or bank is None or not bank.one_call:
@@ -526,9 +529,33 @@ class CpuDecoderLayer(_Wraps):
         swiglu_sum, tiles, parallel = bank.sum_args(ffn.k, attn._qkv.tiled.k)
         bias = ffn._gate._bias
         bias = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
-        return "moe", layer_step.moe_kernel(attn_half, swiglu_sum, router.run_kernel()), (
-            router.wt, router.st, router.bt, bias, router.n, ffn.k, MODES[ffn.routing], *ffn._switch.slot_args(),
-            *tiles, parallel)
+        args = (router.wt, router.st, router.bt, bias, router.n, ffn.k, MODES[ffn.routing],
+                *ffn._switch.slot_args(), *tiles, parallel)
+        if not ffn._shared:
+            return "moe", layer_step.moe_kernel(attn_half, swiglu_sum, router.run_kernel()), args
+        shared = ffn.shared_mlp()
+        gate = ffn._orig.module.get("shared_expert_gate")
+        mlp = _mlp_args(shared) if isinstance(shared, CpuMLP) else None
+        if mlp is None or (gate is not None and not (isinstance(gate, CpuQuantizedLinear) and gate.tiled is not None
+                                                     and gate._bias is None)):
+            return None, None, ()
+        (gate_up_run, down_run), shared_args = mlp
+        g = gate.tiled if gate is not None else shared.tiled_parts()[0]  # (ungated: a stand-in, never read)
+        return "moe", layer_step.shared_moe_kernel(attn_half, swiglu_sum, router.run_kernel(), gate_up_run, down_run,
+                                                   g.run_kernel()), (*args, *shared_args, g.wt, g.st, g.bt,
+                                                                     gate is not None)
+
+
+def _mlp_args(mlp: "CpuMLP") -> tuple | None:
+    """((gate/up's kernel, down's kernel), the arguments layer_step takes for them) of a fused
+    MLP whose gate and up are one tiled matrix (gate first, one width) and down is tiled."""
+    gate_up, down = mlp.tiled_parts()
+    fused = mlp._gate_up
+    if gate_up is None or down is None or fused.starts[0] != 0 or len(set(fused.sizes)) != 1:
+        return None
+    return (gate_up.run_kernel(), down.run_kernel()), (
+        gate_up.wt, gate_up.st, gate_up.bt, fused.starts[1], fused.sizes[0], gate_up.one_row_parallel,
+        down.wt, down.st, down.bt, down.one_row_parallel)
 
 
 class _StubFFN(nn.Module):
@@ -635,13 +662,18 @@ class CpuMoE(_Wraps):
     def __call__(self, x):
         return _mx(self.np(_np(x).reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1))
 
+    def shared_mlp(self):
+        """The shared expert's module (the fused MLP behind a SharedAhead)."""
+        m = self._orig.module[self._shared]
+        return m._orig.module if isinstance(m, SharedAhead) else m
+
     def shared_np(self, x2: np.ndarray) -> np.ndarray:
         """The shared expert's output, through its gate."""
-        m = self._orig.module[self._shared]
-        m = m._orig.module if isinstance(m, SharedAhead) else m
+        m = self.shared_mlp()
         out = m.np(x2) if isinstance(m, (CpuMLP, _StubFFN)) else _np(m(_mx(x2)))  # (not yet fused: MLX)
         if self._shared_gate is not None:
-            out = out * (np.float32(1.0) / (np.float32(1.0) + np.exp(-self._shared_gate(x2))))
+            out = np.array(out, dtype=np.float32)  # (a copy: m's output may be a view of its own)
+            gate_rows(out, np.ascontiguousarray(self._shared_gate(x2), dtype=np.float32))
         return out
 
     def np(self, x2: np.ndarray, experts=None) -> np.ndarray:

@@ -17,7 +17,7 @@ from numba import njit
 from flashmoe.engine.cpu import numba_cache  # noqa: F401 - before any kernel is defined (see there)
 from flashmoe.engine.cpu.attn import silu_mul
 from flashmoe.engine.cpu.clock import monotonic
-from flashmoe.engine.cpu.routing import route_slots
+from flashmoe.engine.cpu.routing import gate_rows, route_slots
 
 MOE = """
 @njit(cache=True, nogil=True)
@@ -51,6 +51,43 @@ def _moe_layer(x, w1, eps1, wq, sq, bq, bias_q, q0, k0, v0, H, Hk, hd, qn, qeps,
     return h, n2, True
 """
 
+SHARED = """
+@njit(cache=True, nogil=True)
+def _shared_moe_layer(x, w1, eps1, wq, sq, bq, bias_q, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps,
+                      k_per_head, a, b, partner, K, V, pos, scale, wo, so, bo, bias_o, w2, eps2, par_q, par_o,
+                      wr, sr, br, bias_r, E, k, mode, slot_of, layer, layer_of, expert_of, raw,
+                      wa, sa, ba, wb, sb, bb, wd, sd, bd, par_e,
+                      wgu, sgu, bgu, u0, n, par_gu, wsd, ssd, bsd, par_sd, wg, sg, bg, gated,
+                      ids, scores, slots, times):
+    # _moe_layer with a shared expert added to the experts' sum: down(silu(gate(n2)) * up(n2)),
+    # gate and up stacked (up from column u0, n wide each), times sigmoid(its gate(n2)) where
+    # `gated` (Qwen2-MoE's shared_expert_gate; wg, sg, bg its tiles); computed with the experts,
+    # in their seconds, as the separate calls compute it
+    t0 = monotonic()
+    h, n2 = attn_half(x, w1, eps1, wq, sq, bq, bias_q, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps,
+                      k_per_head, a, b, partner, K, V, pos, scale, wo, so, bo, bias_o, w2, eps2, par_q, par_o)
+    t1 = monotonic()
+    logits = router_run(wr, sr, br, n2, False)[:, :E]
+    if bias_r.shape[0]:
+        logits = logits + bias_r
+    hit = route_slots(logits, k, mode, slot_of, layer, layer_of, expert_of, raw, ids, scores, slots)
+    t2 = monotonic()
+    times[0] = t1 - t0
+    times[1] = t2 - t1
+    if not hit:
+        return h, n2, False
+    D = n2.shape[1]
+    gu = shared_gate_up_run(wgu, sgu, bgu, n2, par_gu)
+    shared = np.ascontiguousarray(shared_down_run(wsd, ssd, bsd, silu_mul(gu[:, :n], gu[:, u0:u0 + n]), par_sd)[:, :D])
+    if gated:
+        gate_rows(shared, np.ascontiguousarray(shared_gate_run(wg, sg, bg, n2, False)[:, :1]))
+    y = swiglu_sum(wa, sa, ba, wb, sb, bb, wd, sd, bd, n2, slots, scores[0], shared, par_e)
+    for d in range(h.shape[1]):
+        h[0, d] += y[0, d]
+    times[2] = monotonic() - t2
+    return h, n2, True
+"""
+
 MLP = """
 @njit(cache=True, nogil=True)
 def _mlp_layer(x, w1, eps1, wq, sq, bq, bias_q, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_head,
@@ -77,7 +114,7 @@ def _instantiate(template: str, name: str, kernels: dict):
     if key not in _compiled:
         tag = re.sub(r"\W", "_", "__".join(key[1:]))
         ns = dict(__name__=__name__, np=np, njit=njit, monotonic=monotonic, route_slots=route_slots,
-                  silu_mul=silu_mul, **kernels)
+                  gate_rows=gate_rows, silu_mul=silu_mul, **kernels)
         exec(compile(template.replace(f"def {name}(", f"def {name}{tag}("), __file__, "exec"), ns)  # noqa: S102
         _compiled[key] = ns[f"{name}{tag}"]
     return _compiled[key]
@@ -86,6 +123,13 @@ def _instantiate(template: str, name: str, kernels: dict):
 def moe_kernel(attn_half, swiglu_sum, router_run):
     """A MoE layer's step (MOE) over these kernels."""
     return _instantiate(MOE, "_moe_layer", dict(attn_half=attn_half, swiglu_sum=swiglu_sum, router_run=router_run))
+
+
+def shared_moe_kernel(attn_half, swiglu_sum, router_run, shared_gate_up_run, shared_down_run, shared_gate_run):
+    """A MoE layer's step with a shared expert (SHARED) over these kernels."""
+    return _instantiate(SHARED, "_shared_moe_layer", dict(
+        attn_half=attn_half, swiglu_sum=swiglu_sum, router_run=router_run, shared_gate_up_run=shared_gate_up_run,
+        shared_down_run=shared_down_run, shared_gate_run=shared_gate_run))
 
 
 def mlp_kernel(attn_half, gate_up_run, down_run):

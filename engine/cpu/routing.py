@@ -101,6 +101,16 @@ def route_slots(logits, k, mode, slot_of, layer, layer_of, expert_of, raw, ids, 
 
 
 @njit(cache=True, fastmath=False, nogil=True)
+def gate_rows(out, g):
+    """out[r] *= sigmoid(g[r, 0]) in place (a shared expert behind its gate, Qwen2-MoE's): one
+    function for the separate calls and the one-call layer, so both take the same exp."""
+    for r in range(out.shape[0]):
+        s = float32(1.0) / (float32(1.0) + np.exp(-g[r, 0]))
+        for d in range(out.shape[1]):
+            out[r, d] = out[r, d] * s
+
+
+@njit(cache=True, fastmath=False, nogil=True)
 def combine_rows(y, scores, shared, out):
     R, k, D = y.shape
     for r in range(R):
