@@ -23,6 +23,9 @@ from flashmoe.engine.cpu import int8, tiled
 from flashmoe.engine.cpu.gemm import GEMM_ROWS
 
 
+_NO_SHARED = np.zeros((0, 0), np.float32)  # swiglu_sum's `shared` when there is none (it reads no row)
+
+
 class TiledBank:
     """The tiled view of one pool's expert projections; `parts[name] = (w, s, b, bits, gs)` are
     the pool's arrays as numpy views [S, N, ...] in MLX's layout. With `bf16`, every scale and
@@ -102,9 +105,8 @@ class TiledBank:
         if not self.one_call:
             return None
         fn, tiles, parallel = self.sum_args(slots.size, x2.shape[1])
-        none = np.zeros((0, x2.shape[1]), np.float32)
         return fn(*tiles, np.ascontiguousarray(x2), slots, np.ascontiguousarray(scores, dtype=np.float32).reshape(-1),
-                  none if shared is None else np.ascontiguousarray(shared, dtype=np.float32), parallel)
+                  _NO_SHARED if shared is None else np.ascontiguousarray(shared, dtype=np.float32), parallel)
 
     def sum_args(self, k: int, width: int) -> tuple:
         """(swiglu_sum's kernel, its nine tile arrays, its parallel flag) for k experts of x rows
