@@ -244,8 +244,8 @@ def test_gather_sends_busy_experts_to_sgemm_and_the_rest_to_the_kernels(monkeypa
     ids = np.concatenate([np.zeros(100, np.int64), rng.integers(1, 4, 20)]).reshape(60, 2)
     x = rng.standard_normal((60, 128)).astype(np.float32)
     products = []
-    real = gemm.all_cores
-    monkeypatch.setattr(gemm, "all_cores", lambda: products.append(1) or real())
+    real = gemm.matmul_rows
+    monkeypatch.setattr(gemm, "matmul_rows", lambda x2, wt: products.append(1) or real(x2, wt))
     monkeypatch.setattr(gemm, "GEMM_ROWS", 10**9)
     want = gather_qmm(x, q, s, b, ids, 4, 64)  # all on the kernels
     assert products == []
@@ -259,6 +259,51 @@ def test_gather_sends_busy_experts_to_sgemm_and_the_rest_to_the_kernels(monkeypa
     assert products == [1, 1]
     for g in (ga, gb):
         assert np.abs(g - got).max() <= 1e-6 * np.abs(got).max()
+
+
+def test_many_row_products_split_rows_among_our_threads_with_blas_on_one(monkeypatch):
+    """A prefill's sgemm (a resident matrix's, causal attention's) runs its rows on every core
+    through gemm.by_rows, each part on BLAS's single thread: raising BLAS's own thread count woke
+    OpenBLAS's worker, which then spun beside numba's kernel threads. Same result as one call."""
+    import threading
+
+    import numpy as np
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from flashmoe.engine.cpu import gemm
+    from flashmoe.engine.cpu.attn import attend_causal
+    from flashmoe.engine.cpu.tiled import Tiled
+
+    def blas_threads():
+        return [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+
+    seen = []
+    real = np.matmul
+
+    def spy(*args, **kw):
+        seen.append((threading.get_ident(), tuple(blas_threads())))
+        return real(*args, **kw)
+
+    rng = np.random.default_rng(0)
+    w = mx.array(rng.standard_normal((96, 128)).astype(np.float32))
+    q, s, b = mx.quantize(w, group_size=64, bits=4)
+    tiled = Tiled.from_mlx(np.array(q).view(np.uint32), np.array(s), np.array(b), 4, 64)
+    x = rng.standard_normal((gemm.GEMM_ROWS + 37, 128)).astype(np.float32)
+    want = x @ np.array(mx.dequantize(q, s, b, group_size=64, bits=4)).T
+    qh, K, V = (rng.standard_normal(shape).astype(np.float32) for shape in ((4, 150, 16), (2, 170, 16), (2, 170, 16)))
+    with threadpool_limits(1, user_api="blas"):
+        monkeypatch.setattr(gemm.numba, "get_num_threads", lambda: 2)
+        attn_want = attend_causal(qh, K, V, 0.25)
+        monkeypatch.setattr(np, "matmul", spy)
+        got = tiled.matmul(x)
+        attn_got = attend_causal(qh, K, V, 0.25)
+        monkeypatch.setattr(gemm.numba, "get_num_threads", lambda: 1)
+        attn_one = attend_causal(qh, K, V, 0.25)
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert np.array_equal(attn_got, attn_want)
+    assert np.abs(attn_one - attn_got).max() <= 1e-6 * np.abs(attn_got).max()
+    assert len({ident for ident, _ in seen}) == 2  # the caller and one pool thread
+    assert seen and all(n == 1 for _, threads in seen for n in threads)  # (every BLAS loaded: torch's too)
 
 
 def test_causal_attention_matches_mlx():

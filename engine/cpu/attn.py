@@ -349,8 +349,9 @@ def attend_causal(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale) -> np.ndar
 
     Batched matmuls (numpy's BLAS) per kv head group and tile of QUERY_TILE query rows: a tile's
     scores are [H, tile, keys it can see], so nothing T x S is held beyond one tile, and keys
-    past a tile's last position are never multiplied."""
-    from flashmoe.engine.cpu.gemm import all_cores
+    past a tile's last position are never multiplied. Each product's rows are split among the
+    cores (gemm.by_rows)."""
+    from flashmoe.engine.cpu.gemm import by_rows
 
     H, T, D = q.shape
     Hk, S = K.shape[0], K.shape[1]
@@ -361,11 +362,11 @@ def attend_causal(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale) -> np.ndar
     for t0 in range(0, T, QUERY_TILE):
         t1 = min(T, t0 + QUERY_TILE)
         first, seen = S - T + t0, S - T + t1  # absolute positions of the tile's first row, and past its last
-        with all_cores():
-            s = np.matmul(qs[:, :, t0:t1], Kt[..., :seen])  # [Hk, g, tile, seen]
-        softmax_causal(s.reshape(-1, t1 - t0, seen), first)  # (s is contiguous: a view)
-        with all_cores():
-            o = np.matmul(s, V[:, None, :seen])  # [Hk, g, tile, D]
+        s = np.empty((Hk, g, t1 - t0, seen), np.float32)
+        by_rows(t1 - t0, lambda a, b: np.matmul(qs[:, :, t0 + a:t0 + b], Kt[..., :seen], out=s[:, :, a:b]))
+        softmax_causal(s.reshape(-1, t1 - t0, seen), first)
+        o = np.empty((Hk, g, t1 - t0, D), np.float32)
+        by_rows(t1 - t0, lambda a, b: np.matmul(s[:, :, a:b], V[:, None, :seen], out=o[:, :, a:b]))
         out[t0:t1] = o.reshape(H, t1 - t0, D).transpose(1, 0, 2)
     return out
 

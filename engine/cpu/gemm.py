@@ -8,13 +8,17 @@ float32 values mx.dequantize gives bit for bit, and numpy's BLAS (OpenBLAS sgemm
 on this machine's two cores) multiplies every row by it. Measured (benchmarks/bench_kernels.py
 --rows): the sgemm route wins from about GEMM_ROWS rows up, 2.5x at 256 rows.
 
-BLAS runs on one thread for the rest of the process (engine/cpu/install.py says why); each call
-here raises it to numba's thread count for the product and puts it back.
+BLAS runs on one thread for the whole process (engine/cpu/install.py says why), and a product
+of many rows is split by rows among our own threads (`matmul_rows`), each calling it on one.
+Raising BLAS's own thread count for the product, as this module did first, woke OpenBLAS's
+worker thread, which then spins about 0.1 s after every call, beside numba's kernel threads on
+two cores: in some processes it took a whole core from the MoE kernels that follow each layer's
+attention (the upcycled demo's 1k-token prefill, 130 instead of 170 tok/s, process by process).
 """
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
@@ -77,37 +81,41 @@ def _buffer(rows: int, cols: int) -> np.ndarray:
     return buf[:rows * cols].reshape(rows, cols)
 
 
-class _Blas:
-    """Sets OpenBLAS's thread count (threadpoolctl's controller, found once; ~1 us a call)."""
-
-    lib = None
-
-    @classmethod
-    def threads(cls, n: int) -> None:
-        if cls.lib is None:
-            from threadpoolctl import ThreadpoolController
-
-            found = ThreadpoolController().select(user_api="blas").lib_controllers
-            cls.lib = found[0] if found else False
-        if cls.lib:
-            cls.lib.set_num_threads(n)
+_pool: ThreadPoolExecutor | None = None
 
 
-@contextmanager
-def all_cores():
-    """numpy's BLAS on numba's thread count (every core) inside, on one thread again after."""
-    _Blas.threads(numba.get_num_threads())
+def by_rows(n: int, fn) -> None:
+    """fn(start, stop) over row ranges that cover 0 .. n, one on each of numba's threads (every
+    core): the calling thread takes the first, a pool thread each other. numpy releases the GIL
+    inside BLAS, so the ranges' products run side by side, each on one BLAS thread."""
+    global _pool
+    parts = max(1, min(numba.get_num_threads(), n))
+    if parts == 1:
+        fn(0, n)
+        return
+    if _pool is None or _pool._max_workers < parts - 1:
+        _pool = ThreadPoolExecutor(parts - 1, thread_name_prefix="flashmoe-rows")
+    bounds = [n * i // parts for i in range(parts + 1)]
+    later = [_pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
     try:
-        yield
+        fn(bounds[0], bounds[1])
     finally:
-        _Blas.threads(1)
+        for f in later:
+            f.result()
+
+
+def matmul_rows(x2: np.ndarray, wt: np.ndarray) -> np.ndarray:
+    """x2 [R, K] @ wt [K, N] (a transposed view is fine) as a new [R, N] array, its rows split
+    among the cores (by_rows)."""
+    out = np.empty((x2.shape[0], wt.shape[1]), np.float32)
+    by_rows(x2.shape[0], lambda a, b: np.matmul(x2[a:b], wt, out=out[a:b]))
+    return out
 
 
 def matmul_t(x2: np.ndarray, w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, group_size: int) -> np.ndarray:
     """x2 [R, in] @ dequantize(w).T -> [R, O] through a scratch buffer and sgemm."""
     wf = dequantize(w, s, b, bits, group_size, _buffer(w.shape[0], w.shape[1] * 32 // bits))
-    with all_cores():
-        return x2 @ wf.T
+    return matmul_rows(x2, wf.T)
 
 
 def gather_grouped(x2: np.ndarray, idx: np.ndarray, k: int, sizes: list[int], n_in: int, dequant,
@@ -130,8 +138,7 @@ def gather_grouped(x2: np.ndarray, idx: np.ndarray, k: int, sizes: list[int], n_
         for j, n in enumerate(sizes):
             dequant(j, e, wf[start:start + n])
             start += n
-        with all_cores():
-            y = x2[entries // k] @ wf.T
+        y = matmul_rows(x2[entries // k], wf.T)
         start = 0
         for out, n in zip(outs, sizes):
             out[entries] = y[:, start:start + n]

@@ -45,7 +45,7 @@ from numba import float32, njit, prange  # noqa: F401 - float32, prange: the gen
 from flashmoe.engine.cpu import numba_cache  # noqa: F401 - before any kernel is defined (see there)
 from flashmoe.engine.cpu import vector_ir as vir
 from flashmoe.engine.cpu.attn import attend_steps, decode_qs, rms_norm_rows, silu_mul
-from flashmoe.engine.cpu.gemm import GEMM_ROWS, _buffer, all_cores
+from flashmoe.engine.cpu.gemm import GEMM_ROWS, _buffer, matmul_rows
 from flashmoe.engine.cpu.routing import combine_rows
 
 TILE = 16
@@ -443,9 +443,7 @@ class Tiled:
         The result may be a view with a row stride past N (its last tile's padding)."""
         self._setup()
         if x2.shape[0] >= GEMM_ROWS and not self._all_rows:
-            wf = self.dequantize(out=_buffer(self.n, self.k))
-            with all_cores():
-                return x2 @ wf.T
+            return matmul_rows(x2, self.dequantize(out=_buffer(self.n, self.k)).T)
         out = self._fn(self.wt, self.st, self.bt, x2, x2.shape[0] >= self._parallel_rows)
         return out if out.shape[1] == self.n else out[:, :self.n]
 
