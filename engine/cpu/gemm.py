@@ -11,12 +11,14 @@ on this machine's two cores) multiplies every row by it. Measured (benchmarks/be
 BLAS runs on one thread for the whole process (engine/cpu/install.py says why), and a product
 of many rows is split by rows among our own threads (`matmul_rows`), each calling it on one.
 Raising BLAS's own thread count for the product, as this module did first, woke OpenBLAS's
-worker thread, which then spins about 0.1 s after every call, beside numba's kernel threads on
-two cores: in some processes it took a whole core from the MoE kernels that follow each layer's
-attention (the upcycled demo's 1k-token prefill, 130 instead of 170 tok/s, process by process).
+worker thread, which polls for work (sched_yield) before it sleeps. On two cores, in some
+processes, it held a whole core beside numba's kernel threads, through the MoE kernels that
+follow each layer's attention and the decode after the prompt (the upcycled demo's 1k-token
+prefill: 130 instead of 170 tok/s, process by process; benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -82,19 +84,20 @@ def _buffer(rows: int, cols: int) -> np.ndarray:
 
 
 _pool: ThreadPoolExecutor | None = None
+_pool_key = (0, 0)  # (process id, threads) the pool was made for: a forked child makes its own
 
 
 def by_rows(n: int, fn) -> None:
     """fn(start, stop) over row ranges that cover 0 .. n, one on each of numba's threads (every
     core): the calling thread takes the first, a pool thread each other. numpy releases the GIL
     inside BLAS, so the ranges' products run side by side, each on one BLAS thread."""
-    global _pool
+    global _pool, _pool_key
     parts = max(1, min(numba.get_num_threads(), n))
     if parts == 1:
         fn(0, n)
         return
-    if _pool is None or _pool._max_workers < parts - 1:
-        _pool = ThreadPoolExecutor(parts - 1, thread_name_prefix="flashmoe-rows")
+    if _pool_key[0] != os.getpid() or _pool_key[1] < parts - 1:  # (a fork leaves the pool without its threads)
+        _pool, _pool_key = ThreadPoolExecutor(parts - 1, thread_name_prefix="flashmoe-rows"), (os.getpid(), parts - 1)
     bounds = [n * i // parts for i in range(parts + 1)]
     later = [_pool.submit(fn, bounds[i], bounds[i + 1]) for i in range(1, parts)]
     try:
