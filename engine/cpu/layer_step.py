@@ -102,18 +102,20 @@ def _instantiate(template: str, name: str, kernels: dict):
     return _compiled[key]
 
 
+def _moe(fill: dict) -> str:
+    """MOE with its SHARED_ARGS and SHARED_CODE filled in."""
+    return MOE.replace("SHARED_ARGS", fill["SHARED_ARGS"]).replace("SHARED_CODE", fill["SHARED_CODE"])
+
+
 def moe_kernel(attn_half, swiglu_sum, router_run):
     """A MoE layer's step (MOE, no shared expert) over these kernels."""
-    return _instantiate(MOE.replace("SHARED_ARGS", NO_SHARED["SHARED_ARGS"]).replace(
-        "SHARED_CODE", NO_SHARED["SHARED_CODE"]), "_moe_layer",
-        dict(attn_half=attn_half, swiglu_sum=swiglu_sum, router_run=router_run))
+    return _instantiate(_moe(NO_SHARED), "_moe_layer",
+                        dict(attn_half=attn_half, swiglu_sum=swiglu_sum, router_run=router_run))
 
 
 def shared_moe_kernel(attn_half, swiglu_sum, router_run, shared_gate_up_run, shared_down_run, shared_gate_run):
     """A MoE layer's step with a shared expert (MOE with SHARED) over these kernels."""
-    template = SHARED + MOE.replace("SHARED_ARGS", WITH_SHARED["SHARED_ARGS"]).replace(
-        "SHARED_CODE", WITH_SHARED["SHARED_CODE"])
-    return _instantiate(template, "_moe_layer", dict(
+    return _instantiate(SHARED + _moe(WITH_SHARED), "_moe_layer", dict(
         attn_half=attn_half, swiglu_sum=swiglu_sum, router_run=router_run, shared_gate_up_run=shared_gate_up_run,
         shared_down_run=shared_down_run, shared_gate_run=shared_gate_run))
 
