@@ -17,6 +17,7 @@ import regex
 
 from flashmoe.tools import safe_fs
 from flashmoe.tools.errors import PathRefused, ToolRunError
+from flashmoe.tools.globmatch import GlobError
 from flashmoe.tools.policy import Policy, Sandbox, glob_regex
 from flashmoe.tools.registry import Tool, ToolRegistry
 from flashmoe.tools.runner import DEFAULT_MAX_OUTPUT, CommandRunner, ToolResult
@@ -127,7 +128,10 @@ class Builtins:
         base = self.sandbox.resolve(path)
         if not base.is_dir():
             raise ToolRunError(f"no such directory: {path}")
-        name_rx = glob_regex(glob) if glob else None
+        try:
+            name_rx = glob_regex(glob) if glob else None
+        except GlobError as e:
+            raise ToolRunError(f"invalid glob: {e}") from None
         deadline = time.monotonic() + self.time_limit
         hits: list[str] = []
 
@@ -155,7 +159,8 @@ class Builtins:
                         continue
                     for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
                         try:
-                            found = rx.search(line, timeout=max(0.001, deadline - time.monotonic()))
+                            # concurrent: the GIL is let go while matching, so a signal is handled
+                            found = rx.search(line, timeout=max(0.001, deadline - time.monotonic()), concurrent=True)
                         except TimeoutError:
                             return finish(f"[stopped at the time limit of {self.time_limit:g} s in {rel}:{n}; the "
                                           "pattern backtracks too much (nested repetition such as (a+)+); simplify it]")

@@ -23,6 +23,7 @@ from flashmoe.tools import shellwords
 from flashmoe.tools.calls import ToolCall
 from flashmoe.tools.errors import PathRefused, PolicyError
 from flashmoe.tools.gitguard import git_metadata_write
+from flashmoe.tools.globmatch import Glob
 from flashmoe.tools.registry import Tool
 from flashmoe.tools.side_effects import side_effect_option
 
@@ -48,47 +49,11 @@ _SHELL_META = re.compile(r"[;&|`<>\n\r()]|\$\(")
 EXIT_APPROVAL_NEEDED = 5  # headless runs exit with this when a call needed approval nobody could give
 
 
-def glob_regex(pattern: str, *, ignore_case: bool = False) -> re.Pattern[str]:
-    """fnmatch-style glob to regex: `*` matches anything (slashes too), `?` one character,
-    `[...]` a class; `**/` also matches no directory at all and a trailing `/**` matches the directory
-    itself, so `**/.env*` covers `.env` and `.git/**` covers `.git`."""
-    out: list[str] = []
-    i, n = 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if pattern.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-        elif pattern.startswith("/**", i) and i + 3 == n:
-            out.append("(?:/.*)?")
-            i += 3
-        elif c == "*":
-            while i < n and pattern[i] == "*":
-                i += 1
-            out.append(".*")
-        elif c == "?":
-            out.append(".")
-            i += 1
-        elif c == "[":
-            j = i + 1
-            if j < n and pattern[j] in "!^":
-                j += 1
-            if j < n and pattern[j] == "]":
-                j += 1
-            j = pattern.find("]", j)
-            if j < 0:
-                out.append(re.escape(c))
-                i += 1
-            else:
-                body = pattern[i + 1:j].replace("\\", "\\\\")
-                if body[:1] in ("!", "^"):
-                    body = "^" + body[1:]
-                out.append(f"[{body}]")
-                i = j + 1
-        else:
-            out.append(re.escape(c))
-            i += 1
-    return re.compile("".join(out) + r"\Z", re.DOTALL | (re.IGNORECASE if ignore_case else 0))
+def glob_regex(pattern: str, *, ignore_case: bool = False) -> Glob:
+    """A glob (tools/globmatch.py: `*` matches slashes too, `**/` also no directory, a trailing
+    `/**` the directory itself), matched in linear time; `.match(text)` is true for the whole text.
+    Named for the regex it used to compile to, which backtracked on patterns the model wrote."""
+    return Glob(pattern, ignore_case=ignore_case)
 
 
 class Sandbox:
@@ -228,14 +193,14 @@ class Rule:
         return any(rx.match(f) for f in forms)
 
 
-def command_regex(pattern: str) -> re.Pattern[str]:
+def command_regex(pattern: str) -> Glob:
     """A rule pattern for a command line: a glob whose trailing `*` (or ` *`) means "and any further
     arguments", at a word boundary, so `git status*` covers `git status -s` but not `git statusx`."""
     pat = " ".join(pattern.split())
     head = pat.rstrip("*").rstrip()
     if pat.endswith("*") and head:
-        return re.compile(glob_regex(head).pattern[:-2] + r"(?:[ \t].*)?\Z", re.DOTALL)
-    return glob_regex(pat)
+        return Glob(head, word_tail=True)
+    return Glob(pat)
 
 
 @dataclass(frozen=True)
@@ -332,7 +297,7 @@ class Policy:
         forms = [line.strip(), *(c.normalized for c in cmds), *(" ".join(c.argv) for c in cmds)]
         if rule.matches_value(forms, command=True):
             return True, ""
-        if any(not c.program for c in cmds):
+        if any(not c.program and not c.guess for c in cmds):
             return True, " (what it runs is only known at run time, so it cannot be checked against the rule)"
         return False, ""
 
