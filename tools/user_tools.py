@@ -15,10 +15,14 @@ without a shell, so an argument like `; rm -rf /` stays one literal argument:
       command: [wc, -w, "{file}"]
       paths: [file]        # optional: arguments the sandbox checks as workspace paths
       timeout: 30          # optional, seconds
+      allow_leading_at: false  # optional: let a value start an item with '@' (see option_injection)
 
 The flat form {name, description, parameters, command} is accepted too. An argv item whose
 placeholder names an absent optional argument (without a schema default) is left out; `{{` and `}}`
-are literal braces. argv[0] must be fixed. Command tools have risk "exec".
+are literal braces. argv[0] must be fixed, and so must the program behind a wrapper (`env`, `nice`);
+a placeholder may not sit inside code a shell or interpreter runs (`sh -c`, `python -c`, `awk`'s
+program): pass it as a positional argument. A filled item may not start with '-' or '@' where the
+model's value put it (see option_injection). Command tools have risk "exec".
 
 Python tools: every public top-level function defined in the file (or those in `__all__`) becomes a
 tool; type hints give the JSON Schema, the docstring's first paragraph the description and its
@@ -112,22 +116,135 @@ def fill_command(template: list[list[str | tuple[str]]], arguments: dict[str, An
     return argv
 
 
+def _filled_item(parts: list[str | tuple[str]], arguments: dict[str, Any], defaults: dict[str, Any]) -> tuple[str, str | None]:
+    """An argv item as it will be filled, and the argument its first character comes from (None
+    when it comes from the definition itself: a literal or a default)."""
+    text, source = "", None
+    for p in parts:
+        if isinstance(p, tuple):
+            name = p[0]
+            value = _arg_text(arguments[name]) if name in arguments else _arg_text(defaults.get(name))
+            if not text and value:
+                source = name if name in arguments else None
+            text += value
+        else:
+            text += p
+    return text, source
+
+
 def option_injection(template: list[list[str | tuple[str]]], arguments: dict[str, Any],
-                     defaults: dict[str, Any]) -> str | None:
-    """A refusal when an argv item that starts with a placeholder would start with '-': the
-    program would read the value as an option (`sort {file}` given `-o/elsewhere` writes there).
-    Items after a literal `--` in the definition are operands, so they may start with '-'."""
+                     defaults: dict[str, Any], *, allow_leading_at: bool = False) -> str | None:
+    """A refusal when an argv item, filled, would start with a '-' or an '@' that a model's value
+    put there: the program would read it as an option (`sort {file}` given `-o/elsewhere` writes
+    there; `{dir}{name}` with dir empty is the same) or as a response file (gcc, clang, binutils,
+    javac and 7z read options from `@FILE`, which the model may have written first). Each item is
+    checked as a whole, numbers included (-1 is an option too). Items after a literal `--` in the
+    definition are operands, so they may start with '-'; '@' stays refused unless the definition
+    says `allow_leading_at` (response files are read before options are parsed)."""
+    operands = False
     for parts in template[1:]:
         if parts == ["--"]:
-            return None
-        if not parts or not isinstance(parts[0], tuple):
+            operands = True
             continue
-        name = parts[0][0]
-        value = arguments.get(name, defaults.get(name))
-        if isinstance(value, str) and value.startswith("-"):
-            shown = value if len(value) <= 60 else value[:59] + "…"
-            return (f"the value {shown!r} of '{name}' would be read as an option by {_literal(template[0])}; "
+        text, source = _filled_item(parts, arguments, defaults)
+        if source is None:
+            continue
+        shown = text if len(text) <= 60 else text[:59] + "…"
+        if text.startswith("-") and not operands:
+            return (f"the value {shown!r} of '{source}' would be read as an option by {_literal(template[0])}; "
                     "give a value that does not start with '-' (for a file, write ./ in front of its name)")
+        if text.startswith("@") and not allow_leading_at:
+            return (f"the value {shown!r} of '{source}' would make {_literal(template[0])} read its options from "
+                    "a file (a response file, @FILE); give a value that does not start with '@' (for a file, "
+                    "write ./ in front of its name)")
+    return None
+
+
+# Programs that run code written on their command line. A placeholder inside that code would let
+# the model write code (`["sh", "-c", "wc -l {file}"]` given `x; touch /outside/p`), and no quoting
+# is right for every language and context, so such a definition is refused; the value can go in as
+# a positional argument instead (`["sh", "-c", 'wc -l "$1"', "sh", "{file}"]`). Shells are read by
+# tools/shellwords.py (-c, bundled or not); the rest: {name: (short options whose value is code,
+# long ones, whether the first operand is the code unless an option gave it or named a file,
+# options naming a code file, other short options that take a value)}.
+_INTERPRETERS: dict[str, tuple[str, frozenset[str], bool, str, str]] = {
+    "python": ("c", frozenset(), False, "", "WXmQ"), "pypy": ("c", frozenset(), False, "", "WXm"),
+    "perl": ("eE", frozenset(), False, "", "IMmx"), "ruby": ("e", frozenset(), False, "", "IrCEFx"),
+    "node": ("ep", frozenset({"--eval", "--print"}), False, "", "r"), "bun": ("e", frozenset({"--eval"}), False, "", ""),
+    "php": ("rBRE", frozenset(), False, "", "cdz"), "lua": ("e", frozenset(), False, "", "l"),
+    "luajit": ("e", frozenset(), False, "", "lj"), "rscript": ("e", frozenset(), False, "", ""),
+    "osascript": ("e", frozenset(), False, "", "sl"), "tclsh": ("", frozenset(), False, "", ""),
+    "awk": ("e", frozenset({"--source"}), True, "f", "Fvi"), "sed": ("e", frozenset({"--expression"}), True, "f", "l"),
+}
+_ALIASES = {"nodejs": "node", "gawk": "awk", "mawk": "awk", "nawk": "awk", "gsed": "sed", "perl5": "perl"}
+
+
+def _interpreter(name: str) -> tuple[str, frozenset[str], bool, str, str] | None:
+    name = name.lower()
+    base = _ALIASES.get(name) or re.sub(r"[\d.]+$", "", name)  # python3.11 -> python
+    return _INTERPRETERS.get(base)
+
+
+def _code_items(words: list[str]) -> list[int]:
+    """The indexes of the items of a command that hold code its program runs (after wrappers)."""
+    from flashmoe.tools import shellwords
+
+    rest, _ = shellwords.unwrap(words)
+    offset = len(words) - len(rest)
+    if not rest:
+        return []
+    name = os.path.basename(rest[0])
+    if name in shellwords.SHELLS:
+        at, _ = shellwords.shell_script(rest)
+        return [] if at is None else [offset + at]
+    spec = _interpreter(name)
+    if spec is None:
+        return []
+    short, long, first_operand, files, values = spec
+    found: list[int] = []
+    i = 1
+    while i < len(rest):
+        w = rest[i]
+        if w == "--":
+            i += 1
+            break
+        if w.startswith("--"):
+            if w.split("=", 1)[0] in long:
+                found.append(offset + i + (0 if "=" in w else 1))
+            i += 1 if "=" in w or w not in long else 2
+            continue
+        if not w.startswith("-") or w == "-":
+            break
+        i += 1
+        for k, letter in enumerate(w[1:], 1):
+            if letter in short or letter in files or letter in values:
+                if letter in short:
+                    found.append(offset + (i - 1 if w[k + 1:] else i))
+                if letter in files:
+                    first_operand = False
+                if not w[k + 1:]:
+                    i += 1
+                break
+    if first_operand and not found and i < len(rest):
+        found.append(offset + i)
+    return [f for f in found if f < len(words)]
+
+
+def script_problem(template: list[list[str | tuple[str]]], raw: list[str]) -> str | None:
+    """Why a command definition must be refused: a placeholder as the program behind a wrapper
+    (`["env", "{prog}"]`), or inside code its shell or interpreter runs."""
+    from flashmoe.tools import shellwords
+
+    placeholders = [any(isinstance(p, tuple) for p in parts) for parts in template]
+    rest, lines = shellwords.unwrap(raw)
+    if rest and placeholders[len(raw) - len(rest)]:
+        return f"the program {raw[len(raw) - len(rest)]!r} that {raw[0]} runs must be fixed, not a placeholder"
+    for i in [*_code_items(raw), *(j for j, w in enumerate(raw) if w in lines)]:
+        if placeholders[i]:
+            program = os.path.basename(rest[0]) if rest else raw[0]
+            return (f"command item {raw[i]!r} is a script that {program} runs, and a placeholder in it would let the "
+                    "model write code; pass the value as a positional argument instead (e.g. [\"sh\", \"-c\", "
+                    "'wc -l \"$1\"', \"sh\", \"{file}\"]), or to a script file")
     return None
 
 
@@ -158,6 +275,12 @@ def _command_tool(path: str, obj: Any, index: int, runner: CommandRunner) -> Too
     template = [_parse_template(path, name, str(c)) for c in command]
     if any(isinstance(p, tuple) for p in template[0]):
         raise ToolFileError(path, f"{where}: the program (command[0]) must be fixed, not a placeholder")
+    problem = script_problem(template, [str(c) for c in command])
+    if problem:
+        raise ToolFileError(path, f"{where}: {problem}")
+    allow_at = obj.get("allow_leading_at", False)
+    if not isinstance(allow_at, bool):
+        raise ToolFileError(path, f"{where}: \"allow_leading_at\" must be true or false")
     for parts in template:
         for p in parts:
             if isinstance(p, tuple) and p[0] not in props:
@@ -175,7 +298,7 @@ def _command_tool(path: str, obj: Any, index: int, runner: CommandRunner) -> Too
         return runner.run(fill_command(template, arguments, defaults), timeout=timeout)
 
     def check(arguments: dict[str, Any]) -> str | None:
-        return option_injection(template, arguments, defaults)
+        return option_injection(template, arguments, defaults, allow_leading_at=allow_at)
 
     try:
         return Tool(name, str(fn.get("description", "")), params, run, "exec", path_args=tuple(paths), source=path,
