@@ -127,11 +127,24 @@ class ToolExecutor:
             results.append(res)
         return results
 
+    @staticmethod
+    def _tool_wide(tool: Tool) -> bool:
+        """Whether "always" covers every call of the tool: only the built-in file writers, whose
+        every call the sandbox already keeps inside the workspace (what workspace-write allows)."""
+        return tool.source == "builtin" and tool.risk == "write"
+
     def _grant_key(self, tool: Tool, arguments: dict[str, Any]) -> tuple[str, ...]:
-        # "always" covers the tool for writes, but only the exact command for exec tools.
-        if tool.risk == "exec":
-            return (tool.name, json.dumps(arguments.get(tool.primary_arg or ""), sort_keys=True))
-        return (tool.name,)
+        # Otherwise "always" covers exactly the call that was shown, every argument of it:
+        # approving run_query(db=prod, sql=SELECT ...) must not let another sql run.
+        if self._tool_wide(tool):
+            return (tool.name,)
+        return (tool.name, json.dumps(arguments, sort_keys=True, ensure_ascii=False))
+
+    def grant_scope(self, tool: Tool) -> str:
+        """What answering "always" to a call of this tool would allow, for the question."""
+        if self._tool_wide(tool):
+            return f"always: {tool.name} with any arguments inside the workspace, for the rest of this session"
+        return "always: only this exact call (every argument as shown), for the rest of this session"
 
     def _one(self, call: ToolCall) -> ToolResult:
         verdict = check_call(call, self.registry)
@@ -178,6 +191,8 @@ class ToolExecutor:
             from flashmoe.tools.user_tools import DECLARE_RISK_HINT
 
             reason = f"{reason}; {tool.name} {DECLARE_RISK_HINT}"
+        if getattr(self.approver, "interactive", True):
+            reason = f"{reason}; {self.grant_scope(tool)}"
         try:
             answer = self.approver.ask(dataclasses.replace(call, arguments=arguments), reason)
         except (EOFError, OSError):

@@ -53,8 +53,6 @@ class ApproveScreen(ModalScreen[str]):
                 yield Button("Yes (y)", variant="success", id="approve-yes")
                 yield Button("No (n)", variant="error", id="approve-no")
                 yield Button("Always (a)", variant="warning", id="approve-always")
-            yield Static(Text(f"Always: {safe(self.tool_name)} runs without asking for the rest of this session "
-                              "(a command: only this exact command).", style="dim"), id="approve-note")
 
     def on_mount(self) -> None:
         self._armed_at = time.monotonic() + ARM_S
