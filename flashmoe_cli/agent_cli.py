@@ -19,6 +19,9 @@ def add_tool_options(p: argparse.ArgumentParser) -> None:
                         "edit_file, run_shell), one of those names, or a .py / .json / .yaml tools file "
                         "(repeatable, comma-separated)")
     p.add_argument("--workspace", metavar="DIR", default=".", help="the folder tools may touch (default: .)")
+    p.add_argument("--allow-home-workspace", action="store_true",
+                   help="let the workspace be your home folder or a folder above it (refused otherwise: tools "
+                        "would reach every project and file there)")
     p.add_argument("--mode", choices=("read-only", "ask", "workspace-write", "yolo"), default="ask",
                    help="permission mode (default ask); yolo needs --dangerously-skip-approvals")
     p.add_argument("--allow", action="append", default=[], metavar="RULE", help="e.g. 'run_shell(git status*)'")
@@ -43,6 +46,7 @@ class ToolOptions:
 
     tools: tuple[str, ...] = ()  # --tools SPECs; none: no tools, a turn is one plain reply
     workspace: str = "."
+    allow_home_workspace: bool = False
     mode: str = "ask"
     allow: tuple[str, ...] = ()
     ask: tuple[str, ...] = ()
@@ -60,11 +64,44 @@ class ToolOptions:
         if args is None:
             return cls()
         get = lambda name, default: getattr(args, name, default)  # noqa: E731
-        return cls(tools=tuple(get("tools", None) or ()), workspace=get("workspace", "."), mode=get("mode", "ask"),
+        return cls(tools=tuple(get("tools", None) or ()), workspace=get("workspace", "."),
+                   allow_home_workspace=get("allow_home_workspace", False), mode=get("mode", "ask"),
                    allow=tuple(get("allow", ())), ask=tuple(get("ask", ())), deny=tuple(get("deny", ())),
                    dangerously_skip_approvals=get("dangerously_skip_approvals", False),
                    pass_env=tuple(get("pass_env", ())), constrain=get("constrain", "tools"),
                    max_repairs=get("max_repairs", 2), chain_limit=get("chain_limit", 5), raw=get("raw", False))
+
+
+def make_policy(opts: ToolOptions):
+    """The permission policy for these options, or a UsageError naming the bad option. The
+    workspace must be a folder, and not $HOME or a folder above it unless --allow-home-workspace
+    (started from ~, the default workspace "." is $HOME: every project, start-up file and
+    credential would be in reach). FLASHMOE_HOME (conversations, history, caches) is on the deny
+    list wherever it is."""
+    from flashmoe.tools.errors import ToolError
+    from flashmoe.tools.policy import DEFAULT_DENY_PATHS, Policy, literal_glob
+
+    from .errors import UsageError
+    from .paths import home as state_home
+
+    workspace = Path(opts.workspace).expanduser()
+    if not workspace.is_dir():
+        raise UsageError(f"--workspace {opts.workspace}: not a folder")
+    ws, user_home = workspace.resolve(), Path.home().resolve()
+    if (ws == user_home or user_home.is_relative_to(ws)) and not opts.allow_home_workspace:
+        where = "your home folder" if ws == user_home else f"above your home folder {user_home}"
+        default = " (the default workspace is the current folder)" if opts.workspace == "." else ""
+        raise UsageError(f"--workspace {opts.workspace}{default}: {ws} is {where}; tools would reach every project, "
+                         "start-up file and credential in it. Run from a project folder or give --workspace DIR "
+                         "(--allow-home-workspace to use it anyway)")
+    state = state_home()
+    own = {literal_glob(str(p)) + "/**" for p in (state.absolute(), state.resolve())}
+    try:
+        return Policy(workspace, opts.mode, allow=list(opts.allow), ask=list(opts.ask), deny=list(opts.deny),
+                      dangerously_skip_approvals=opts.dangerously_skip_approvals,
+                      deny_paths=(*DEFAULT_DENY_PATHS, *sorted(own)))
+    except (ToolError, ValueError) as e:
+        raise UsageError(str(e)) from None
 
 
 def make_agent(opts: ToolOptions, session, template: str, approver, on_event):
@@ -72,23 +109,19 @@ def make_agent(opts: ToolOptions, session, template: str, approver, on_event):
     from flashmoe.tools.errors import ToolError
     from flashmoe.tools.executor import ToolExecutor
     from flashmoe.tools.parsers import json_tools, parser_for_template
-    from flashmoe.tools.policy import Policy
     from flashmoe.tools.runner import CommandRunner, seal_environment
 
     from .agent import AgentLoop, load_tools
     from .errors import UsageError
 
+    policy = make_policy(opts)
     workspace = Path(opts.workspace).expanduser()
-    if not workspace.is_dir():
-        raise UsageError(f"--workspace {opts.workspace}: not a folder")
     # Tool commands are children of this process: keep what they may read of it free of secrets
     # (its /proc environ too), except the variables the user passes on.
     passed = {n: os.environ[n] for n in opts.pass_env if n in os.environ}
     seal_environment()
     os.environ.update(passed)
     try:
-        policy = Policy(workspace, opts.mode, allow=list(opts.allow), ask=list(opts.ask), deny=list(opts.deny),
-                        dangerously_skip_approvals=opts.dangerously_skip_approvals)
         registry = load_tools(list(opts.tools), policy, CommandRunner(cwd=workspace, pass_env=tuple(opts.pass_env)))
     except (ToolError, ValueError) as e:
         raise UsageError(str(e)) from None

@@ -25,6 +25,7 @@ from flashmoe.tools.errors import PathRefused, PolicyError
 from flashmoe.tools.gitguard import git_metadata_write
 from flashmoe.tools.globmatch import Glob
 from flashmoe.tools.registry import Tool
+from flashmoe.tools.sensitive_paths import CREDENTIAL_STORES, START_UP_FILES
 from flashmoe.tools.side_effects import side_effect_option
 
 Mode = Literal["read-only", "ask", "workspace-write", "yolo"]
@@ -33,14 +34,15 @@ Action = Literal["allow", "ask", "deny"]
 Answer = Literal["yes", "no", "always"]
 
 # Never readable or writable through tools, whatever the mode or rules say: repository metadata,
-# environment files, and the credential stores of common tools (they are under $HOME, so they
-# matter most when the workspace is $HOME itself).
-CREDENTIAL_PATHS: tuple[str, ...] = (
-    "~/.ssh/**", "~/.aws/**", "~/.azure/**", "~/.config/gcloud/**", "~/.netrc", "~/.git-credentials",
-    "~/.config/git/credentials", "~/.config/gh/**", "~/.docker/config.json", "~/.kube/**", "~/.gnupg/**",
-    "~/.pypirc", "~/.npmrc", "~/.config/hub", "~/.password-store/**", "~/.local/share/keyrings/**",
-)
-DEFAULT_DENY_PATHS: tuple[str, ...] = (".git/**", "**/.git/**", "**/.env*", *CREDENTIAL_PATHS)
+# environment files, and (tools/sensitive_paths.py, data) the credential stores and start-up files
+# under $HOME, which matter when the workspace is $HOME or contains it.
+DEFAULT_DENY_PATHS: tuple[str, ...] = (".git/**", "**/.git/**", "**/.env*", *CREDENTIAL_STORES, *START_UP_FILES)
+
+
+def literal_glob(path: str) -> str:
+    """A glob that matches `path` itself: its glob characters put in classes of one."""
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in path)
+
 
 # An allow rule for a command never covers text that chains, substitutes or redirects:
 # `run_shell(git status*)` must not allow `git status; rm -rf ~`.
