@@ -51,10 +51,12 @@ class ToolResult:
     name: str | None = None
 
 
-# Variables dropped from a command's environment, by the upper-cased name: any that contains one of
+# Variables dropped from a command's environment (is_secret): by the shape of the value (below), or
+# by the upper-cased name: any that contains one of
 # SECRET_PARTS (`*TOKEN*`, ...), has one of SECRET_WORDS as a `_`-separated word (`*_KEY`, `KEY_*`,
 # `*_PAT`; a word, so KEYBOARD stays), starts with a cloud's prefix, or is a known credential.
-SECRET_PARTS: tuple[str, ...] = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "APIKEY", "PRIVATEKEY")
+SECRET_PARTS: tuple[str, ...] = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "APIKEY",
+                                  "PRIVATEKEY", "WEBHOOK")
 SECRET_WORDS: frozenset[str] = frozenset({"KEY", "KEYS", "PAT", "PWD", "PASS", "AUTH", "COOKIE", "COOKIES",
                                           "SESSION", "DSN", "OTP", "SALT"})
 SECRET_PREFIXES: tuple[str, ...] = ("AWS_", "AZURE_", "ARM_CLIENT_", "GOOGLE_", "GCLOUD_", "CLOUDSDK_", "GCP_",
@@ -79,6 +81,48 @@ def is_secret_name(name: str) -> bool:
             or any(part in upper for part in SECRET_PARTS))
 
 
+# Values that are secrets whatever the variable is called (CI systems and wrappers pass tokens
+# under names of their own): credentials in a URL, webhook URLs (the URL is the secret), JWTs,
+# private keys, the fixed prefixes of common providers' tokens, and query parameters that carry a
+# key or signature. From the providers' documented token formats.
+SECRET_VALUE = re.compile("|".join((
+    r"\b[a-z][a-z0-9+.-]*://[^/\s:@]*:[^/\s@]+@",  # scheme://user:password@host
+    r"hooks\.slack\.com/|discord(?:app)?\.com/api/webhooks/|webhook\.office\.com/|outlook\.office\.com/webhook|"
+    r"hooks\.zapier\.com/|api\.telegram\.org/bot|maker\.ifttt\.com/trigger/|chat\.googleapis\.com/v1/spaces/",
+    r"[?&](?:[a-z_]*key|[a-z_]*token|secret|sig|signature|password|x-amz-signature|x-goog-signature)=[^&\s]{8,}",
+    r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.",  # a JWT: two base64url JSON objects
+    r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----|AGE-SECRET-KEY-1",
+    r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_\w{20,}|glpat-[\w-]{20,}|glptt-\w{20,}|xox[abposre]-[\w-]{10,}"
+    r"|xapp-[\w-]{10,}|sk-[\w-]{20,}|[sr]k_(?:live|test)_\w{16,}|A[KS]IA[0-9A-Z]{16}|AIza[\w-]{35}|hf_[A-Za-z0-9]{30,}"
+    r"|npm_[A-Za-z0-9]{36}|pypi-AgE[\w-]{20,}|SG\.[\w-]{16,}\.[\w-]{16,}|dop_v1_[0-9a-f]{40,}|shp(?:at|ss|ca)_\w{20,}"
+    r"|ya29\.[\w-]{20,}|dapi[0-9a-f]{32}|glc_[A-Za-z0-9+/=_-]{20,}|sq0(?:atp|csp)-[\w-]{20,})",
+)), re.IGNORECASE)
+_OPAQUE = re.compile(r"[A-Za-z0-9+/=_.-]{32,}")
+
+
+def _looks_random(value: str) -> bool:
+    """A long opaque word with upper and lower case letters and digits, whose characters vary as a
+    generated key's do (a hex digest, a UUID or a path has no upper case or has other characters)."""
+    import math
+    from collections import Counter
+
+    if not _OPAQUE.fullmatch(value) or value.startswith("/"):
+        return False
+    if not (re.search(r"[A-Z]", value) and re.search(r"[a-z]", value) and re.search(r"\d", value)):
+        return False
+    counts = Counter(value)
+    entropy = -sum(n / len(value) * math.log2(n / len(value)) for n in counts.values())
+    return entropy >= 4.0
+
+
+def is_secret(name: str, value: str) -> bool:
+    """Whether a variable is dropped from commands' environments: by its name (is_secret_name) or
+    by the shape of its value, unless its name is on ENV_ALLOW (PATH, HOME, ...)."""
+    if name.upper() in ENV_ALLOW:
+        return False
+    return is_secret_name(name) or bool(SECRET_VALUE.search(value)) or _looks_random(value)
+
+
 def _safe_path(value: str, workspace: str | os.PathLike[str] | None) -> str:
     """PATH without relative or empty entries and without directories inside the workspace."""
     ws = os.path.realpath(workspace) if workspace is not None else None
@@ -100,7 +144,7 @@ def scrub_env(env: Mapping[str, str] | None = None, *, allow: Iterable[str] = ()
     names in `allow` (the user's `pass_env`), and with PATH made safe (see _safe_path)."""
     source = os.environ if env is None else env
     passed = {a.upper() for a in allow}
-    out = {k: v for k, v in source.items() if k.upper() in passed or not is_secret_name(k)}
+    out = {k: v for k, v in source.items() if k.upper() in passed or not is_secret(k, v)}
     if "PATH" in out:
         out["PATH"] = _safe_path(out["PATH"], workspace)
     return out
@@ -139,7 +183,7 @@ def seal_environment() -> list[str]:
     started with, which unsetenv() does not change, so the secret entries are also overwritten
     there with NUL bytes. Returns the names removed. flashmoe itself needs none of them."""
     global _SEALED
-    names = [k for k in os.environ if is_secret_name(k)]
+    names = [k for k, v in os.environ.items() if is_secret(k, v)]
     for k in names:
         del os.environ[k]
     if sys.platform.startswith("linux") and not _SEALED:
@@ -160,8 +204,8 @@ def _wipe_initial_environ() -> None:
         return
     pos = 0
     for entry in block.split(b"\0"):
-        name = entry.split(b"=", 1)[0].decode("utf-8", "replace")
-        if entry and "=" in entry.decode("utf-8", "replace") and is_secret_name(name):
+        name, eq, value = entry.decode("utf-8", "replace").partition("=")
+        if eq and is_secret(name, value):
             ctypes.memset(start + pos, 0, len(entry))
         pos += len(entry) + 1
 
