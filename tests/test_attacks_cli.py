@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.conftest import run_cli
-from tests.tools.test_runner import wait_gone
+from tests.tools.test_runner import marker, survivors
 
 
 def call(name: str, **arguments) -> str:
@@ -71,14 +71,15 @@ def test_planted_git_directory_through_the_agent(tmp_path, ws):
 
 
 def test_nothing_outlives_a_tool_call(tmp_path, ws):
-    cmd = "setsid sleep 300 >/dev/null 2>&1 & echo $!; (setsid sh -c 'sleep 300 & echo $!' &) ; sleep 0.3"
+    a, b = marker(), marker()  # the PIDs the command prints may be its PID namespace's own
+    cmd = f"setsid sleep {a} >/dev/null 2>&1 & echo $!; (setsid sh -c 'sleep {b} & echo $!' &) ; sleep 0.3"
     r, results = agent(tmp_path, ws, [call("run_shell", command=cmd), "done"], "--tools", "builtin",
                        "--mode", "yolo", "--dangerously-skip-approvals")
     assert r.returncode == 0, r.stderr
     pids = [int(x) for x in results[0]["content"].split() if x.isdigit()]
     assert len(pids) == 2
 
-    assert wait_gone(pids) == [], "a setsid child outlived its tool call"
+    assert survivors(a) == [] and survivors(b) == [], "a setsid child outlived its tool call"
 
 
 def test_secrets_are_not_readable_from_any_ancestor(tmp_path, ws):
@@ -128,3 +129,44 @@ def test_search_with_a_fifo_and_a_backtracking_pattern_finishes(tmp_path, ws):
     r, results = agent(tmp_path, ws, [call("search_files", pattern="(a+)+$"), "ok"], "--tools", "builtin")
     assert r.returncode == 0 and time.monotonic() - start < 60
     assert results[0]["content"] == "notes.txt:2: a"
+
+
+# ---- issue 41 -------------------------------------------------------------------------------------
+
+def test_a_command_that_kills_its_reaper_leaves_nothing_behind(tmp_path, ws):
+    m = marker()
+    cmd = f"setsid sleep {m} >/dev/null 2>&1 & sleep 0.2; kill -9 $PPID; kill -STOP $PPID; kill -9 0"
+    r, results = agent(tmp_path, ws, [call("run_shell", command=cmd), "done"], "--tools", "builtin",
+                       "--mode", "yolo", "--dangerously-skip-approvals")
+    assert r.returncode == 0, r.stderr
+    assert survivors(m) == [], "a child outlived its reaper"
+
+
+def test_a_wrapper_above_flashmoe_does_not_show_its_secrets(tmp_path, ws):
+    from flashmoe.tools.reaper import namespaces_work
+
+    if not namespaces_work():
+        pytest.skip("needs unprivileged user and PID namespaces (unshare CLONE_NEWUSER|CLONE_NEWPID): without "
+                    "them an ancestor's /proc/<pid>/environ is out of reach (docs/security.md)")
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    walk = ("p=$$; while [ \"$p\" -gt 1 ]; do cat /proc/$p/environ; echo; "
+            "p=$(sed 's/.*) //' /proc/$p/stat | cut -d' ' -f2); done; ls /proc")
+    (tmp_path / "s.jsonl").write_text(json.dumps({"role": "user", "content": "go"}) + "\n")
+    env = dict(os.environ, FLASHMOE_HOME=str(tmp_path / "home"), ZZ_WRAPPER_TOKEN="hunter2-in-the-wrapper",
+               FLASHMOE_FAKE_REPLIES=json.dumps([call("run_shell", command=walk), "done"]))
+    args = ["agent", "--engine", "fake", "--workspace", str(ws), "--script", str(tmp_path / "s.jsonl"),
+            "--transcript", str(tmp_path / "t.jsonl"), "--tools", "builtin", "--mode", "yolo",
+            "--dangerously-skip-approvals"]
+    # The wrapper (a shell that stays, as a launcher or CI step would) keeps the secret; flashmoe never sees it.
+    script = "env -u ZZ_WRAPPER_TOKEN \"$@\"; true"
+    r = subprocess.run(["sh", "-c", script, "sh", sys.executable, "-m", "flashmoe.cli", *args], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    results = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    text = next(x for x in results if x["event"] == "tool_result")["content"]
+    assert "FLASHMOE_HOME=" in text  # the walk did read an environment (its own namespace's)
+    assert "hunter2-in-the-wrapper" not in text

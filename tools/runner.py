@@ -1,9 +1,11 @@
 """Running commands for tools: own session, timeout, capped output, scrubbed environment.
 
 Commands get stdin from /dev/null, stdout and stderr merged. On Linux each runs under a small
-reaper process (tools/reaper.py, a child subreaper) that kills every process the command started
-when it ends, times out, or when flashmoe dies, including children that left the process group
-with setsid(); elsewhere the process group is killed. No background process survives a call.
+reaper process (tools/reaper.py) that kills every process the command started when it ends, times
+out, or when flashmoe dies, including children that left the process group with setsid(): where
+the kernel allows, in PID and user namespaces of their own, whose init the command can neither
+kill, stop nor see past; elsewhere under a child subreaper, with flashmoe adopting and killing
+what is left if the command kills the reaper. Elsewhere than Linux the process group is killed.
 
 The environment is the user's without secrets (see scrub_env), with PATH limited to absolute
 directories outside the workspace (a program the model wrote is never found by name), and with
@@ -271,13 +273,14 @@ class _Collector:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the command (the reaper passes it on, then kills what is left); SIGKILL to the
-    group if it does not end in time."""
+    """SIGTERM to the command (the reaper passes it on, then kills what is left; SIGCONT wakes a
+    reaper the command stopped); SIGKILL to the group if it does not end in time."""
     target = proc.pid if _USE_REAPER else -proc.pid
-    try:
-        os.kill(target, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
+    for sig in (signal.SIGTERM, signal.SIGCONT):
+        try:
+            os.kill(target, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
     try:
         proc.wait(timeout=3.0 if _USE_REAPER else 0.5)
     except subprocess.TimeoutExpired:
@@ -293,6 +296,71 @@ def _kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
 
 REAPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
 _USE_REAPER = sys.platform.startswith("linux")
+ISOLATE = True  # commands in namespaces of their own where the kernel allows it (tools/reaper.py)
+_namespaces: bool | None = None  # whether it does, tried once
+_adopting = False  # this process is a child subreaper (the fallback's orphans come to it)
+
+
+def isolated() -> bool:
+    """Whether commands run in namespaces of their own: ISOLATE, on a kernel that lets this user
+    make them (unprivileged user namespaces may be off, or refused by seccomp in a container)."""
+    global _namespaces
+    if not (_USE_REAPER and ISOLATE):
+        return False
+    if _namespaces is None:
+        from flashmoe.tools.reaper import namespaces_work
+
+        _namespaces = namespaces_work()
+    return _namespaces
+
+
+def _adopt_orphans() -> None:
+    """Without namespaces a command may kill its reaper; its orphans then come to this process
+    (a child subreaper) instead of init, and _sweep finds them."""
+    global _adopting
+    if not _adopting:
+        ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+        _adopting = True
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])  # proc(5) field 22, starttime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _sweep(reaper: int, since: int | None) -> None:
+    """Kill (and reap) what a command left when it killed its reaper: children of this process
+    started after the reaper, which only orphans re-parented here can be, and their trees."""
+    from flashmoe.tools.reaper import descendants
+
+    me = os.getpid()
+    for _ in range(20):
+        orphans = []
+        for name in os.listdir("/proc"):
+            if name.isdigit() and int(name) not in (me, reaper):
+                try:
+                    with open(f"/proc/{name}/stat", "rb") as f:
+                        fields = f.read().rsplit(b")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(fields[1]) == me and since is not None and int(fields[19]) >= since:
+                    orphans.append(int(name))
+        if not orphans:
+            return
+        for pid in orphans:
+            for victim in (*descendants(pid), pid):
+                try:
+                    os.kill(victim, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for pid in orphans:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
 
 
 def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str] | None = None,
@@ -307,7 +375,11 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str] | None = Non
     base = scrub_env(env, allow=pass_env, workspace=cwd) if scrub else dict(os.environ if env is None else env)
     full_env = guarded_env(base)
     start = time.monotonic()
-    launch = [sys.executable, "-I", "-S", REAPER, str(os.getpid()), *argv] if _USE_REAPER else argv
+    isolate = isolated()
+    if _USE_REAPER and not isolate:
+        _adopt_orphans()
+    launch = [sys.executable, "-I", "-S", REAPER, str(os.getpid()), "1" if isolate else "0", *argv] \
+        if _USE_REAPER else argv
     try:
         proc = subprocess.Popen(launch, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -315,6 +387,7 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str] | None = Non
         msg = f"cannot run {argv[0]!r}: {e.strerror or e}"
         return ToolResult(False, msg, exit_code=None, duration_s=time.monotonic() - start, error=msg,
                           status="error")
+    since = _start_ticks(proc.pid) if _USE_REAPER else None
     collector = _Collector(proc.stdout, max_output)
     timed_out = False
     try:
@@ -326,11 +399,15 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str] | None = Non
         _stop(proc)
         _kill_group(proc.pid)
         proc.wait()
+        if _adopting:
+            _sweep(proc.pid, since)
         raise
     # Whatever is left in the group (background jobs, or stragglers after SIGTERM) goes now;
     # it would otherwise hold the pipe open and outlive the call.
     _kill_group(proc.pid)
     proc.wait()
+    if _adopting:
+        _sweep(proc.pid, since)
     collector.thread.join(timeout=2.0)
     if proc.stdout is not None:
         proc.stdout.close()

@@ -26,7 +26,7 @@ from flashmoe.tools.registry import Tool, ToolRegistry
 from flashmoe.tools.runner import CommandRunner, run_command, scrub_env
 from flashmoe.tools.user_tools import load_tool_file
 
-from tests.tools.test_runner import wait_gone
+from tests.tools.test_runner import marker, survivors
 
 
 @pytest.fixture
@@ -169,17 +169,19 @@ def test_children_that_call_setsid_are_killed():
             "        time.sleep(100)\n"
             "    os._exit(0)\n"
             "time.sleep(0.3)\n")
-    res = run_command([sys.executable, "-c", code], timeout=20)
+    m = marker()  # in its command line: the PID it prints may be a PID namespace's own
+    res = run_command([sys.executable, "-c", code, m], timeout=20)
     assert res.ok, res.content
-    pid = int(res.content.split()[0])
-    assert wait_gone([pid]) == [], "a setsid daemon outlived its tool call"
+    int(res.content.split()[0])
+    assert survivors(m) == [], "a setsid daemon outlived its tool call"
 
 
 def test_setsid_command_and_nohup_background_jobs_are_killed():
-    res = run_command(["sh", "-c", "setsid sleep 100 >/dev/null 2>&1 & echo $!; nohup sleep 100 >/dev/null 2>&1 & "
+    a, b = marker(), marker()
+    res = run_command(["sh", "-c", f"setsid sleep {a} >/dev/null 2>&1 & echo $!; nohup sleep {b} >/dev/null 2>&1 & "
                                    "echo $!"], timeout=20)
     pids = [int(x) for x in res.content.split()]
-    assert len(pids) == 2 and wait_gone(pids) == []
+    assert len(pids) == 2 and survivors(a) == [] and survivors(b) == []
 
 
 def test_timeout_kills_setsid_descendants_too():
@@ -187,10 +189,12 @@ def test_timeout_kills_setsid_descendants_too():
             "if os.fork() == 0:\n"
             "    os.setsid(); print(os.getpid(), flush=True); time.sleep(100)\n"
             "time.sleep(100)\n")
+    m = marker()
     start = time.monotonic()
-    res = run_command([sys.executable, "-c", code], timeout=1.5)
+    res = run_command([sys.executable, "-c", code, m], timeout=1.5)
     assert res.status == "timeout" and time.monotonic() - start < 10
-    assert wait_gone([int(res.content.split()[0])]) == []
+    int(res.content.split()[0])
+    assert survivors(m) == []
 
 
 def test_exit_code_and_signal_pass_through_the_reaper():

@@ -21,6 +21,7 @@ from flashmoe.tools.policy import Policy, ScriptedApprover
 from flashmoe.tools.registry import Tool, ToolRegistry
 from flashmoe.tools.runner import CommandRunner
 from flashmoe.tools.user_tools import load_tool_file
+from tests.tools.test_runner import marker, survivors
 
 
 @pytest.fixture
@@ -428,3 +429,65 @@ def test_ordinary_values_are_kept():
     from flashmoe.tools.runner import scrub_env
 
     assert scrub_env(dict(ORDINARY)) == ORDINARY
+
+
+# ---- item 6: nothing outlives a call, even when the command turns on its reaper ---------------------
+
+def namespaces_available() -> bool:
+    from flashmoe.tools import reaper
+
+    return reaper.namespaces_work()
+
+
+ISOLATION = [pytest.param(True, id="namespace"), pytest.param(False, id="fallback")]
+
+
+@pytest.fixture(params=ISOLATION)
+def isolation(request, monkeypatch):
+    from flashmoe.tools import runner
+
+    if request.param and not namespaces_available():
+        pytest.skip("this kernel does not let an unprivileged process make a user and PID namespace "
+                    "(unshare CLONE_NEWUSER|CLONE_NEWPID); the fallback variant runs instead")
+    monkeypatch.setattr(runner, "ISOLATE", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("attack", [
+    "setsid sleep {m} >/dev/null 2>&1 & sleep 0.2; kill -9 $PPID; sleep 0.3",
+    "setsid sleep {m} >/dev/null 2>&1 & sleep 0.2; kill -9 0",
+    "(trap '' TERM HUP; setsid sleep {m} >/dev/null 2>&1 &); sleep 0.2; kill -KILL $PPID",
+    "setsid sh -c 'trap \"\" TERM; sleep {m}' >/dev/null 2>&1 & sleep 0.2; kill -9 $PPID",
+])
+def test_a_command_that_kills_its_reaper_leaves_nothing_behind(isolation, attack):
+    from flashmoe.tools.runner import run_command
+
+    m = marker()
+    res = run_command(["sh", "-c", attack.format(m=m)], timeout=20)
+    assert survivors(m) == [], (res.content, "a child outlived its reaper")
+
+
+def test_a_command_that_stops_its_reaper_is_stopped_at_its_timeout(isolation):
+    from flashmoe.tools.runner import run_command
+
+    m = marker()
+    start = time.monotonic()
+    res = run_command(["sh", "-c", f"setsid sleep {m} >/dev/null 2>&1 & sleep 0.2; kill -STOP $PPID; sleep 0.2"],
+                      timeout=2)
+    assert time.monotonic() - start < 8, res.content
+    assert survivors(m) == []
+
+
+def test_commands_cannot_see_flashmoes_process_or_its_ancestors(isolation):
+    from flashmoe.tools.runner import run_command
+
+    if not isolation:
+        pytest.skip("out of reach without a PID namespace: /proc shows every process of the same user "
+                    "(docs/security.md)")
+    me = os.getpid()
+    res = run_command(["sh", "-c", f"ls /proc | grep -c '^[0-9]'; test -e /proc/{me}/environ; echo $?; "
+                                   "cat /proc/1/cmdline | tr '\\0' ' '"])
+    count, missing, init = res.content.split("\n", 2)
+    assert int(count) <= 5, res.content  # the namespace's own few processes
+    assert missing == "1", res.content  # flashmoe's process is not there
+    assert "reaper" in init  # PID 1 of the namespace is the reaper, which its processes cannot kill

@@ -32,15 +32,45 @@ def wait_gone(pids, limit=3.0):
     return [p for p in pids if alive(p)]
 
 
+def marker() -> str:
+    """A `sleep` duration (or an argument) no other process has: what survivors() looks for."""
+    import random
+
+    return f"{300 + random.randrange(600)}.{random.randrange(10**6):06d}"
+
+
+def survivors(mark: str, limit: float = 3.0) -> list[int]:
+    """Host PIDs of live processes with `mark` as a word of their command line. Tool commands may
+    run in a PID namespace of their own, where the PIDs they print mean nothing out here."""
+
+    def find():
+        out = []
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    with open(f"/proc/{d}/cmdline", "rb") as f:
+                        if mark.encode() in f.read().split(b"\0") and alive(int(d)):
+                            out.append(int(d))
+                except OSError:
+                    pass
+        return out
+
+    end = time.monotonic() + limit
+    while (found := find()) and time.monotonic() < end:
+        time.sleep(0.05)
+    return found
+
+
 def test_timeout_kills_the_whole_process_group():
     start = time.monotonic()
-    res = run_command(["sh", "-c", "sleep 100 & echo $!; echo $$; exec sleep 100"], timeout=0.5)
+    bg, fg = marker(), marker()
+    res = run_command(["sh", "-c", f"sleep {bg} & echo $!; echo $$; exec sleep {fg}"], timeout=0.5)
     assert time.monotonic() - start < 5
     pids = [int(x) for x in res.content.split()[:2]]
     assert len(pids) == 2
     assert (res.ok, res.status, res.error) == (False, "timeout", "timed out after 0.5 s")
     assert res.content.endswith("[timed out after 0.5 s; the command and its child processes were killed]")
-    assert wait_gone(pids) == []
+    assert survivors(bg) == [] and survivors(fg) == []  # (the PIDs it printed may be a namespace's own)
 
 
 def test_spec_command_shape_is_killed():
@@ -86,10 +116,12 @@ def _marked_sleepers(mark: bytes) -> list[int]:
 
 def test_background_jobs_do_not_outlive_the_call():
     start = time.monotonic()
-    res = run_command(["sh", "-c", "sleep 100 & echo $!"], timeout=10)
+    m = marker()
+    res = run_command(["sh", "-c", f"sleep {m} & echo $!"], timeout=10)
     assert time.monotonic() - start < 5  # did not wait for the background job's pipe
     assert res.ok and res.exit_code == 0
-    assert wait_gone([int(res.content.split()[0])]) == []
+    int(res.content.split()[0])
+    assert survivors(m) == []
 
 
 def test_exit_status_and_output():
