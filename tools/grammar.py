@@ -45,6 +45,13 @@ Grammar choices, for a model that may not know JSON at all:
   arrays without maxItems and free-form objects are unbounded. A call still open at
   max_tokens is closed by ToolCallConstraint.finish() (the generation loop runs on at most
   FINISH_CALL_TOKENS past it).
+* budget (the server's max_tokens, a hard limit): the constraint counts the reply's tokens and,
+  when the tokens left come down to what closing the open call takes (simulated on a copy of
+  the grammar's state: the forced closers, the grammar's forced tokens, the shortest value where
+  a value must come), starts finish() early enough that the call closes inside the budget. In
+  "required" mode with parallel calls, the reply ends (only the end of sequence is allowed)
+  once another call would not fit. At the budget `in_call` is False, so the generation loop
+  stops there; a call it cuts is dropped by the server.
 
 Limits: a tool whose schema uses keywords llguidance does not implement (uniqueItems, not,
 if/then/else, contains, dependentRequired, ...) falls back to llguidance's "lenient" mode, where
@@ -81,6 +88,9 @@ _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedPropertie
 # what fits in a reply: `flashmoe bench tools` (max_tokens 96) saw the demo run a path on as
 # "list_dir.txt.txt.txt..." until max_tokens at 1,024; its real arguments were under 20 characters.
 STRING_BOUND = 128
+# With a budget: how many tokens before its end the closing cost starts being checked (each
+# check plays finish() out on a copy of the grammar: microseconds a token).
+FINISH_WINDOW = 64
 COMMAND_BOUND = 4096
 COMMAND_NAMES = frozenset({"command", "cmd", "query", "url", "prompt", "description", "args", "arguments"})
 LONG_TEXT_BOUND = 65536
@@ -298,12 +308,15 @@ class ToolCallConstraint:
     """The Constraint (engine/runtime/constrain.py) for one generation."""
 
     def __init__(self, lt, matchers: dict[str, Any], mode: str, start: str, start_id: int | None,
-                 fmt: str = "json", closers: dict[str, list[list[int]]] | None = None):
+                 fmt: str = "json", closers: dict[str, list[list[int]]] | None = None,
+                 budget: int | None = None, eos: tuple[int, ...] = (), values: list[list[int]] | None = None,
+                 end_id: int | None = None):
         self._lt = lt
         self._templates = matchers  # "call": whole call(s) (required), "body": after the start marker
         self._mode = mode
         self._start = start.encode("utf-8")
         self._start_id = start_id
+        self._end_id = end_id
         self._fmt = fmt
         self._closers = closers or {}  # see finish(); built per tokenizer by the factory
         self._n = lt.vocab_size
@@ -314,6 +327,12 @@ class ToolCallConstraint:
         self._finishing = False
         self._forced: list[int] = []  # the closer being written (finish())
         self._call = b""  # the text of the call so far (finish() needs to know if it is in a string)
+        self._budget = budget  # tokens the whole reply may have (None: no limit here)
+        self._eos = [t for t in eos if t < self._n]
+        self._values = values or []  # short values, for the closing simulation (see _closing_cost)
+        self._used = 0  # tokens accepted so far
+        self._call_start = 0  # self._used when the open call began
+        self._shortest = 0  # tokens the shortest complete call took (0: none yet)
         if mode == "required":
             self._matcher = self._new_matcher("call")
 
@@ -323,7 +342,15 @@ class ToolCallConstraint:
 
     @property
     def in_call(self) -> bool:
+        """A call is under way that finish() can still close: never at or past the budget."""
+        if self._budget is not None and self._used >= self._budget:
+            return False
         return self._matcher is not None
+
+    @property
+    def left(self) -> int | None:
+        """Tokens the budget has left for the next choice (None: no budget)."""
+        return None if self._budget is None else self._budget - self._used
 
     def finish(self) -> None:
         """Close the call that is under way as soon as the grammar allows (the generation loop
@@ -352,28 +379,103 @@ class ToolCallConstraint:
                 inside = not inside
         return inside
 
-    def _closer(self) -> list[int] | None:
-        """The first closer the grammar accepts whole from here, or None."""
+    def _closer(self, matcher=None, call: bytes | None = None) -> list[int] | None:
+        """The first closer the grammar accepts whole from here (or from `matcher` having read
+        `call`), or None."""
+        matcher = self._matcher if matcher is None else matcher
+        call = self._call if call is None else call
         if self._fmt == "json":
-            order = self._closers.get("string" if self._in_json_string(self._call) else "json", [])
+            order = self._closers.get("string" if self._in_json_string(call) else "json", [])
         else:  # a JSON value sits after the last "<parameter=KEY>\n"; a raw one closes with the first closer
-            at = self._call.rfind(b"<parameter=")
-            value = self._call[self._call.find(b">\n", at) + 2:] if at >= 0 else b""
+            at = call.rfind(b"<parameter=")
+            value = call[call.find(b">\n", at) + 2:] if at >= 0 else b""
             order = self._closers.get("xml", []) + self._closers.get(
                 "string" if self._in_json_string(value) else "json", [])[:3]
         for ids in order:
-            m = self._matcher.deep_copy()
-            if ids and m.consume_tokens(ids) and not m.is_error():
+            if ids and matcher.validate_tokens(ids) == len(ids):
                 return list(ids)
         return None
 
+    def _closing_cost(self, limit: int) -> int:
+        """About how many tokens finish() needs from here to close the open call: finish()'s
+        own choices played out on a copy of the grammar's state (a closer where one fits, else
+        the grammar's forced tokens, else the shortest value that fits). `limit` when it takes
+        that many or more, or when no choice is found."""
+        m = self._matcher.deep_copy()
+        call, n = self._call, 0
+        while n < limit:
+            if m.is_stopped() or (m.is_accepting() and self._mode == "required") or self._closed(m):
+                return n
+            ids = self._closer(m, call) or list(m.compute_ff_tokens()) or next(
+                (v for v in self._values if m.validate_tokens(v) == len(v)), None) or self._any_token(m)
+            if not ids or not m.consume_tokens(ids) or m.is_error():
+                return limit
+            call += self._lt.decode_bytes(ids)
+            n += len(ids)
+        return limit
+
+    def _any_token(self, matcher) -> list[int]:
+        """The lowest token id the grammar allows (a last resort for the simulation)."""
+        bits = np.zeros_like(self._bits)
+        allowed = np.flatnonzero(_allowed(matcher, bits, self._n, "tool-call"))
+        return [int(allowed[0])] if allowed.size else []
+
+    def _closed(self, matcher) -> bool:
+        """In tools mode: the call's grammar is complete (its end marker read)."""
+        return self._mode == "tools" and matcher.is_accepting()
+
+    def _budget_mask(self, mask: np.ndarray) -> np.ndarray:
+        """The mask under the budget: finish() started when closing the call needs what is
+        left; between parallel calls in required mode, only the end when another call would
+        not fit; the start marker's token refused when no call would fit."""
+        left = self._budget - self._used
+        if self._matcher is None:
+            if self._start_id is not None and self._shortest and left <= self._shortest and not self._done:
+                mask = mask.copy() if mask is not None else np.ones(self._n, dtype=bool)
+                mask[self._start_id] = False
+            return mask
+        if self._mode == "required" and self._matcher.is_accepting() and self._eos:
+            if not self._shortest or left <= self._shortest + 1:
+                ends = np.zeros(self._n, dtype=bool)
+                ends[self._eos] = mask[self._eos]
+                if ends.any():
+                    return ends
+            return mask
+        if not self._finishing and left <= FINISH_WINDOW:
+            cost = self._closing_cost(left + 1)
+            if cost + 1 + cost // 8 >= left:  # (a model may take more tokens than the shortest spelling)
+                self._finishing = True
+        return mask
+
+    def _as_token(self, mask: np.ndarray) -> np.ndarray:
+        """Where a marker may come as its one token, only that token: spelled out in pieces it is
+        the same marker in up to a dozen tokens, which a budget cannot count on."""
+        for tid in (self._end_id, self._start_id if self._mode == "required" else None):
+            if tid is not None and mask[tid]:
+                only = np.zeros(self._n, dtype=bool)
+                only[tid] = True
+                return only
+        return mask
+
     def allowed(self) -> np.ndarray | None:
+        if self._budget is not None:
+            base = None if self._matcher is None else self._as_token(
+                _allowed(self._matcher, self._bits, self._n, "tool-call"))
+            mask = self._budget_mask(base)
+            if self._matcher is None:
+                return mask
+            return self._finish_mask(mask)
         if self._matcher is None:
             return None
-        mask = _allowed(self._matcher, self._bits, self._n, "tool-call")
+        return self._finish_mask(_allowed(self._matcher, self._bits, self._n, "tool-call"))
+
+    def _finish_mask(self, mask: np.ndarray) -> np.ndarray:
+        """While finishing: the next closer (or the start marker as its one token) is the only
+        token allowed where one can come."""
         if self._finishing:
             if not self._forced or not mask[self._forced[0]]:
-                self._forced = self._closer() or []
+                marker = [self._start_id] if self._start_id is not None and mask[self._start_id] else []
+                self._forced = self._closer() or marker
             if self._forced and mask[self._forced[0]]:
                 only = np.zeros(self._n, dtype=bool)
                 only[self._forced[0]] = True
@@ -382,6 +484,7 @@ class ToolCallConstraint:
 
     def accept(self, token: int) -> None:
         token = int(token)
+        self._used += 1
         if self._matcher is not None:
             if not self._matcher.consume_token(token):
                 raise RuntimeError(f"tool-call constraint: token {token} not allowed: "
@@ -392,7 +495,11 @@ class ToolCallConstraint:
                 self._forced = []
             if token < self._n:
                 self._call += self._lt.decode_bytes([token])
+            if self._mode == "required" and self._matcher.is_accepting() and not self._matcher.is_stopped():
+                self._call_done()
             if self._matcher.is_stopped():
+                if self._mode == "tools":
+                    self._call_done()
                 self._matcher = None
                 self._tail = b""
                 self._finishing = False
@@ -404,6 +511,7 @@ class ToolCallConstraint:
             return
         if token == self._start_id:
             self._matcher = self._new_matcher("body")
+            self._call_start = self._used - 1
             return
         self._tail += self._lt.decode_bytes([token])
         at = self._tail.find(self._start)
@@ -418,6 +526,15 @@ class ToolCallConstraint:
             return  # text after the marker that no call can continue: leave it unconstrained
         self._call = rest
         self._matcher = matcher
+        self._call_start = self._used - 1
+
+    def _call_done(self) -> None:
+        """A call just completed: remember what the shortest one took, and start the next count."""
+        took = self._used - self._call_start
+        self._shortest = took if not self._shortest else min(self._shortest, took)
+        self._call_start = self._used
+        self._finishing = False
+        self._forced = []
 
     def done(self) -> bool:
         return self._done
@@ -432,7 +549,8 @@ class ToolCallConstraintFactory:
 
     def __init__(self, tools: list[dict], mode: str = "required", fmt: str = "json",
                  start: str = "<tool_call>", end: str = "</tool_call>", *, parallel: bool = False,
-                 closed_objects: bool = True, max_string_length: int | str | None = "auto"):
+                 closed_objects: bool = True, max_string_length: int | str | None = "auto",
+                 budget: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if fmt not in FORMATS:
@@ -442,7 +560,10 @@ class ToolCallConstraintFactory:
         if max_string_length != "auto" and max_string_length is not None and (
                 not isinstance(max_string_length, int) or max_string_length < 0):
             raise ValueError(f"max_string_length must be 'auto', None or an int >= 0, got {max_string_length!r}")
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"budget must be a positive int or None, got {budget!r}")
         self.mode, self.fmt, self.start, self.end, self.parallel = mode, fmt, start, end, parallel
+        self.budget = budget
         self.warnings: list[str] = []
         self.schemas: list[tuple[str, dict, bool]] = []  # (name, parameters, lenient)
         llg = _llg()
@@ -468,8 +589,9 @@ class ToolCallConstraintFactory:
 
     def matchers(self, tokenizer) -> tuple[Any, dict[str, Any], int | None]:
         """llguidance's tokenizer, fresh matchers for "call" (from the start marker) and
-        "body" (after it), the start marker's token id and the closers (_closers); each generation copies the
-        matchers, which is cheap (microseconds, against milliseconds to build one)."""
+        "body" (after it), the start marker's token id, the closers (_closers) and the end marker's
+        token id; each generation copies the matchers, which is cheap (microseconds, against
+        milliseconds to build one)."""
         with self._lock:
             hit = self._cache.get(tokenizer)
             if hit is None:
@@ -486,7 +608,7 @@ class ToolCallConstraintFactory:
                     if m.is_error():
                         raise ValueError(f"tool-call grammar rejected: {m.get_error()}")
                     matchers[which] = m
-                hit = (lt, matchers, start_id, self._closers(lt, end_id))
+                hit = (lt, matchers, start_id, self._closers(lt, end_id), end_id)
                 self._cache[tokenizer] = hit
             return hit
 
@@ -498,7 +620,10 @@ class ToolCallConstraintFactory:
         close = [ids("\n") + end, end]
         return {"string": [ids('"')],
                 "json": [ids("}"), ids("]"), ids(","), *close],
-                "xml": [ids("\n</parameter>\n"), ids("</function>"), *close]}
+                "xml": [ids("\n</parameter>\n"), ids("</function>"), *close],
+                # short values, for the closing simulation where a value must come
+                "values": [ids('""'), ids("0"), ids("false"), ids("null"), ids("[]"), ids("{}"), ids('"'),
+                           ids("0\n</parameter>\n")]}
 
     @staticmethod
     def _marker_id(lt, tokenizer, text: str) -> int | None:
@@ -510,8 +635,10 @@ class ToolCallConstraintFactory:
         return tid
 
     def __call__(self, tokenizer) -> ToolCallConstraint:
-        lt, matchers, start_id, closers = self.matchers(tokenizer)
-        return ToolCallConstraint(lt, matchers, self.mode, self.start, start_id, self.fmt, closers)
+        lt, matchers, start_id, closers, end_id = self.matchers(tokenizer)
+        return ToolCallConstraint(lt, matchers, self.mode, self.start, start_id, self.fmt, closers,
+                                  budget=self.budget, eos=tuple(sorted(tokenizer.eos_token_ids)),
+                                  values=closers.get("values"), end_id=end_id)
 
 
 def tool_call_constraint(tools: list[dict], mode: str = "required", fmt: str = "json",
@@ -520,7 +647,7 @@ def tool_call_constraint(tools: list[dict], mode: str = "required", fmt: str = "
     """A ConstraintFactory for GenerationRequest.constraint (see the module docstring).
 
     options: parallel (bool, "required" mode: allow more than one call), closed_objects (bool),
-    max_string_length ("auto" (default), int or None).
+    max_string_length ("auto" (default), int or None), budget (int: the reply's hard token limit).
     """
     return ToolCallConstraintFactory(tools, mode, fmt, start, end, **options)
 

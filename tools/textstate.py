@@ -237,6 +237,14 @@ class TextState:
     def in_reasoning(self) -> bool:
         return self.state == _REASONING
 
+    @property
+    def open_call(self) -> str | None:
+        """The text of the call under way so far, its opening marker first, or None outside a
+        call: what a server can stream of a call before it is complete."""
+        if self.state != _TOOL:
+            return None
+        return "".join(self._tool) + self._body
+
     # -- markers -----------------------------------------------------------------------------
 
     def _markers(self) -> list[str]:
