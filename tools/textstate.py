@@ -29,6 +29,11 @@ is complete, then given as text or as one call block: one JSON call object, seve
 newlines, `;` or `,`, a list of them, optionally in a ``` fence. Text after a complete object that
 cannot start another call object releases the reply as text.
 
+Calls among prose (parsers with `find_calls_in_text`: plain_json's Llama 3.x calls with text
+around them, json_tools' wrapped forms and a call object after prose): when a reply gave no call
+block, at its end the parser is asked for the calls in its text, by its own rules; they are given
+as tool_call segments after the text that held them.
+
 Near-misses (parsers with `bare_json_calls`: Hermes / Qwen3's json_tools). Low-bit models drop
 the `<tool_call>` wrapper. When the reply gives no call block, `tools` are known, and the visible
 text, stripped, is exactly one JSON object, or exactly one ``` fenced block holding exactly one
@@ -390,6 +395,25 @@ class TextState:
 
     # -- API ---------------------------------------------------------------------------------
 
+    def _calls_in_open_reasoning(self, out: list[Segment]) -> None:
+        """A reply that ended inside reasoning, for parsers that say their models write calls
+        there (calls_in_open_reasoning): the complete calls from the first start marker on are
+        calls (a marker merely mentioned, or a call cut off, stays reasoning; the reasoning stays
+        as it was given)."""
+        if not getattr(self.parser, "calls_in_open_reasoning", False):
+            return
+        at = min((i for i in (self.reasoning.find(m) for m in self.tool_starts) if i >= 0), default=-1)
+        if at < 0:
+            return
+        rest = TextState(self.parser, think_pairs=(), tools=self.tools)
+        rest.feed(self.reasoning[at:])
+        rest.finish()
+        for raw in rest.tool_calls:
+            calls = parse_calls(self.parser, raw, self.tools)
+            if calls and all(c.name and c.arguments is not None and c.error is None for c in calls):
+                self.tool_calls.append(raw)
+                out.append(Segment("tool_call", raw))
+
     def feed(self, chunk: str) -> list[Segment]:
         if self.finished:
             raise RuntimeError("TextState.feed after finish()")
@@ -439,6 +463,7 @@ class TextState:
         self._run(out)  # a fence run at the very end is text
         if self.state == _REASONING:
             self.ended_in_reasoning = True
+            self._calls_in_open_reasoning(out)
         if self.state == _TOOL:
             self._close_tool(out, closed=not self.tool_end)
         if self._held:
@@ -454,6 +479,13 @@ class TextState:
             else:
                 self.text += held
                 out.append(Segment("text", held))
+        find = getattr(self.parser, "find_calls_in_text", None)
+        if find is not None and not self.tool_calls and self.text.strip():
+            # Calls written among prose or in a wrapper of their own (the parser's rules); their
+            # text was given as text already, so a reader may drop it from the answer.
+            for raw in find(self.text, self.tools):
+                self.tool_calls.append(raw)
+                out.append(Segment("tool_call", raw))
         return out
 
 

@@ -168,7 +168,9 @@ def test_qwen3_coder_without_schema_keeps_strings():
     # malformed
     ('[TOOL_CALLS]read_file[ARGS]{"path": ', [("read_file", None, True, '{"path":')]),
     ('[TOOL_CALLS]read_file[ARGS]{\\path\\: \\a\\}', [("read_file", None, True, "{\\path\\: \\a\\}")]),
-    ('[TOOL_CALLS]read_file{"path": "a"}', [(None, None, True, None)]),
+    ('[TOOL_CALLS]read_file{"path": "a"}', [("read_file", {"path": "a"}, False, None)]),  # [ARGS] dropped
+    ('[TOOL_CALLS]  junk [{"name": "a", "arguments": {}}] trail', [("a", {}, False, None)]),
+    ('[TOOL_CALLS]read_file', [(None, None, True, None)]),
     ('[TOOL_CALLS][{"name": "a", "arguments": {"x": }]', [("a", None, True, '{"x": }')]),
     ('[TOOL_CALLS]', [(None, None, True, None)]),
 ])

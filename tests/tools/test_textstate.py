@@ -89,8 +89,10 @@ CASES = [
     # Issue 13.3: plain JSON with several call objects.
     (plain_json, PJ_A + ";\n" + PJ_B, {}, "", "", [PJ_A + ";\n" + PJ_B]),
     (plain_json, PJ_A + "\n" + PJ_B + "\n", {}, "", "", [PJ_A + "\n" + PJ_B + "\n"]),
-    (plain_json, PJ_A + "\nThat is the call.", {}, PJ_A + "\nThat is the call.", "", []),
-    (plain_json, PJ_A + "\n{\"answer\": 1}", {}, PJ_A + "\n{\"answer\": 1}", "", []),
+    # Issue 40: Llama 3.x calls with prose around them are calls (vLLM's llama3_json, SGLang);
+    # the text stays text too.
+    (plain_json, PJ_A + "\nThat is the call.", {}, PJ_A + "\nThat is the call.", "", [PJ_A]),
+    (plain_json, PJ_A + "\n{\"answer\": 1}", {}, PJ_A + "\n{\"answer\": 1}", "", [PJ_A]),
     # Issue 13.4: Hermes near-misses, accepted only when the whole reply is the call.
     (json_tools, PJ_A, {"tools": TOOLS}, "", "", [PJ_A]),
     (json_tools, " ```json\n" + PJ_A + "\n```\n", {"tools": TOOLS}, "", "", [" ```json\n" + PJ_A + "\n```\n"]),

@@ -198,9 +198,10 @@ def _check_json_types(value: Any) -> None:
 
 
 def container(s: str, kind: type) -> Any:
-    """s decoded as a dict or list (JSON, a Python literal, or JSON encoded twice), or None."""
+    """s decoded as a dict or list (JSON, a Python literal, JSON encoded twice, or JSON whose
+    quotes the model escaped as if inside a string: `[{\\"id\\": 1}]`, as GLM writes them), or None."""
     s = s.strip()
-    for decode in (json.loads, literal):
+    for decode in (json.loads, literal, _escaped_json):
         try:
             v = decode(s)
         except ValueError:  # JSONDecodeError is one
@@ -213,6 +214,16 @@ def container(s: str, kind: type) -> Any:
         if isinstance(v, kind):
             return v
     return None
+
+
+def _escaped_json(s: str) -> Any:
+    """JSON written with its quotes escaped (`{\\"a\\": 1}`): read as a string's content first."""
+    if '\\"' not in s:
+        raise ValueError("no escaped quotes")
+    try:
+        return json.loads(json.loads(f'"{s}"'))
+    except (ValueError, TypeError) as e:
+        raise ValueError(str(e)) from None
 
 
 def guess(value: str) -> Any:

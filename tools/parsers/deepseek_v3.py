@@ -26,6 +26,9 @@ call_end = "<｜tool▁call▁end｜>"
 sep = "<｜tool▁sep｜>"
 R1_STARTS = ("<｜tool_calls_begin｜>", "<｜tool calls begin｜>", "<｜tool\\_calls\\_begin｜>", "<｜tool▁calls｜>")
 tool_call_starts = (tool_call_start, *R1_STARTS)  # any of them opens a call (tools.textstate)
+# V3.1 writes calls inside a reasoning block it never closes (the prompt opened it): a reply that
+# ends inside reasoning has its calls read from there (tools.textstate; llama.cpp does the same).
+calls_in_open_reasoning = True
 
 
 def _one(body: str, raw: str) -> ToolCall:

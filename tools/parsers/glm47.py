@@ -6,7 +6,8 @@
     </tool_call>
 
 (4.7 writes it without the newlines.) The template writes string values bare and everything else
-as JSON, so values are typed by the tool's schema, or decoded as JSON when there is none. Also
+as JSON, so values are typed by the tool's schema, or decoded as JSON when there is none; a
+string value keeps its spaces and newlines as written (indented code, a diff). Also
 read, as GLM models sometimes write them: a JSON call object, `NAME {json}` and `NAME k=v ...`.
 """
 from __future__ import annotations
@@ -40,7 +41,8 @@ def kv_call(body: str, raw: str, info: ToolsInfo, key: str = KEY, value: str = V
         k = m.group(1).strip()
         if k in args:
             return ToolCall(fname, None, raw, error=f"argument '{k}' is given twice")
-        args[k] = coerce(m.group(2).strip(), info.property_schema(fname, k), untyped="guess")
+        # a string value as written, spaces included (vLLM keeps them: indented code, diffs)
+        args[k] = coerce(m.group(2), info.property_schema(fname, k), untyped="guess")
     return ToolCall(fname, args, raw)
 
 
