@@ -69,7 +69,11 @@ class FakeEngine:
 
     def _play(self, handle: Handle, reply: str) -> None:
         put = handle.events.put
-        opened = self._reasoning(handle.request)
+        try:
+            opened = self._reasoning(handle.request)
+        except Exception as e:  # as the real engine: a template that fails is the request's failure
+            put(EngineFailed(str(e), type(e).__name__, getattr(e, "exit_code", 1)))
+            return
         put(PrefillProgress(0, self.prompt_tokens, 0, opened))
         put(PrefillProgress(self.prompt_tokens, self.prompt_tokens, 0, opened))
         if self.fail:

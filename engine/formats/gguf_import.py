@@ -98,6 +98,137 @@ _GATING_SOFTMAX, _GATING_SIGMOID = 1, 2
 _MISSING = object()
 
 
+# What check_structure() allows before GGUFReader allocates anything: nesting of arrays, tensor
+# dimensions (GGML_MAX_DIMS) and elements, key and string lengths.
+_MAX_ARRAY_DEPTH = 4
+_MAX_DIMS = 4
+_MAX_ELEMENTS = 1 << 48
+_MAX_KEY = 1 << 16
+# Bytes per value of GGUF's scalar types (gguf.GGUFValueType: 0-7 and 10-12), for bounds.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+
+
+def check_structure(path: Path) -> None:
+    """Walk a GGUF file's header, metadata and tensor table the way GGUFReader will, checking every
+    count and length against the bytes that are left before anything is allocated (an array count
+    of 2**62 would grow memory without bound; a truncated file, a duplicate key or a tensor past
+    the end would give a traceback): ValueError, one line, naming what is wrong."""
+    import mmap
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size = path.stat().st_size
+    if size < 24:
+        raise ValueError(f"not a GGUF file ({size} bytes, shorter than a GGUF header)")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            raise ValueError("not a GGUF file (no GGUF magic)")
+        order = "<" if struct.unpack_from("<I", data, 4)[0] & 0xFFFF else ">"
+        version = struct.unpack_from(order + "I", data, 4)[0]
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+        pos = 8
+
+        def take(fmt: str, what: str) -> int:
+            nonlocal pos
+            n = struct.calcsize(fmt)
+            if pos + n > size:
+                raise ValueError(f"GGUF file ends inside {what} (at byte {pos:,} of {size:,})")
+            (value,) = struct.unpack_from(order + fmt, data, pos)
+            pos += n
+            return value
+
+        def string(what: str, limit: int | None = None) -> bytes:
+            nonlocal pos
+            n = take("Q", what)
+            if n > size - pos or (limit is not None and n > limit):
+                raise ValueError(f"GGUF {what} is {n:,} bytes long, past the end of the file or its limit")
+            pos += n
+            return data[pos - n:pos]
+
+        def value(kind: int, key: str, depth: int) -> None:
+            nonlocal pos
+            if kind in _SCALAR_BYTES:
+                take({1: "B", 2: "H", 4: "I", 8: "Q"}[_SCALAR_BYTES[kind]], f"the value of {key}")
+            elif kind == _STRING:
+                string(f"string of {key}")
+            elif kind == _ARRAY:
+                if depth >= _MAX_ARRAY_DEPTH:
+                    raise ValueError(f"GGUF array {key} nests more than {_MAX_ARRAY_DEPTH} deep")
+                item, count = take("I", f"the array {key}"), take("Q", f"the array {key}")
+                least = _SCALAR_BYTES.get(item, 8 if item in (_STRING, _ARRAY) else 0)
+                if item not in _SCALAR_BYTES and item not in (_STRING, _ARRAY):
+                    raise ValueError(f"GGUF array {key} holds values of unknown type {item}")
+                if count * least > size - pos:
+                    raise ValueError(f"GGUF array {key} claims {count:,} values, more than the file holds")
+                if item in _SCALAR_BYTES:
+                    pos += count * least
+                else:
+                    for _ in range(count):
+                        value(item, key, depth + 1)
+            else:
+                raise ValueError(f"GGUF key {key} has a value of unknown type {kind}")
+
+        tensors, kvs = take("Q", "the tensor count"), take("Q", "the key count")
+        if kvs * 13 > size - pos or tensors * 24 > size - pos:
+            raise ValueError(f"GGUF header claims {kvs:,} keys and {tensors:,} tensors, more than the file holds")
+        keys: set[bytes] = set()
+        alignment = 32
+        for _ in range(kvs):
+            key = string("a key name", _MAX_KEY)
+            shown = key.decode("utf-8", "replace")
+            if key in keys:
+                raise ValueError(f"GGUF key {shown!r} is defined twice")
+            keys.add(key)
+            kind = take("I", f"the type of {shown}")
+            if key == b"general.alignment":
+                if kind != 4:
+                    raise ValueError("GGUF general.alignment is not a uint32")
+                alignment = take("I", "general.alignment")
+                if alignment == 0 or alignment & (alignment - 1):
+                    raise ValueError(f"GGUF general.alignment {alignment} is not a power of two")
+            else:
+                value(kind, shown, 0)
+        names: set[bytes] = set()
+        table = []
+        for _ in range(tensors):
+            raw = string("a tensor name", _MAX_KEY)
+            name = raw.decode("utf-8", "replace")
+            if raw in names:
+                raise ValueError(f"GGUF tensor {name!r} is listed twice")
+            names.add(raw)
+            n_dims = take("I", f"tensor {name}")
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise ValueError(f"GGUF tensor {name!r} has {n_dims} dimensions (1 to {_MAX_DIMS})")
+            dims = [take("Q", f"tensor {name}") for _ in range(n_dims)]
+            kind, offset = take("I", f"tensor {name}"), take("Q", f"tensor {name}")
+            elements = math.prod(dims)
+            if elements > _MAX_ELEMENTS:
+                raise ValueError(f"GGUF tensor {name!r} claims {elements:,} elements")
+            try:
+                block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            except (ValueError, KeyError):
+                raise ValueError(f"GGUF tensor {name!r} has unknown GGML type {kind}") from None
+            if dims[0] % block:
+                raise ValueError(f"GGUF tensor {name!r} has rows of {dims[0]} values, not whole blocks of {block}")
+            table.append((name, offset, elements // block * type_bytes))
+        start = pos + (-pos % alignment)
+        for name, offset, nbytes in table:
+            if start + offset + nbytes > size:
+                raise ValueError(f"GGUF tensor {name!r} lies past the end of the file ({start + offset + nbytes:,} "
+                                 f"> {size:,} bytes)")
+
+
+def _open_reader(path: Path) -> GGUFReader:
+    """GGUFReader on a file check_structure() passed; anything it still refuses, as ValueError."""
+    check_structure(path)
+    try:
+        return GGUFReader(path)
+    except (ValueError, KeyError, IndexError, TypeError, OverflowError, struct.error) as e:
+        raise ValueError(f"GGUF file cannot be read: {e}") from None
+
+
 def gguf_to_hf_folder(gguf_path, out_dir, *, upcycle_experts: int = 0,
                       experts_per_token: int = 2, seed: int = 0) -> Path:
     """Convert `gguf_path` into a float32 model folder at `out_dir` and return its path.
@@ -115,7 +246,7 @@ def gguf_to_hf_folder(gguf_path, out_dir, *, upcycle_experts: int = 0,
         raise ValueError(f"experts_per_token must be between 1 and {upcycle_experts}, "
                          f"got {experts_per_token}")
 
-    reader = GGUFReader(gguf_path)
+    reader = _open_reader(gguf_path)
     arch = _meta(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported "
@@ -123,6 +254,8 @@ def gguf_to_hf_folder(gguf_path, out_dir, *, upcycle_experts: int = 0,
     if upcycle_experts and arch != "llama":
         raise ValueError(f"upcycle_experts needs a dense llama GGUF; this one is {arch!r}")
     tokens = _meta(reader, "tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ValueError("GGUF tokenizer.ggml.tokens is not a list of strings")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ValueError("GGUF is missing tensor 'token_embd.weight'")

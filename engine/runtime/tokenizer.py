@@ -8,13 +8,18 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
+import jinja2.utils
+import jinja2.visitor
 import tokenizers
 
 from flashmoe.engine.errors import FlashMoEError, ModelLoadError
@@ -64,11 +69,231 @@ class _GenerationTag(jinja2.ext.Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+# Bounds on what a chat template may do: a template is model-supplied code (a downloaded model, a
+# GGUF's tokenizer.chat_template). The sandbox stops it reaching Python; these stop it spending
+# unbounded time or memory: every loop iteration and call is a step, every string, list or number
+# it builds and the text it renders are measured, and past a bound rendering stops with a
+# ChatTemplateError (one line) instead of running past --timeout or handing the tokenizer a
+# gigabyte to abort on.
+MAX_TEMPLATE_STEPS = 5_000_000  # loop iterations and calls in one rendering (a real one takes thousands)
+MAX_TEMPLATE_SECONDS = 5.0  # and the time they may take (macro calls are slow: 5 million would take 15 s)
+MAX_TEMPLATE_CHARS = 32 << 20  # characters of any one value and of the rendered prompt
+_NUMBER_BITS = 1 << 16  # an integer the template computes may have at most this many bits
+
+
+class _Budget(threading.local):
+    steps = MAX_TEMPLATE_STEPS
+    deadline = float("inf")
+
+
+_budget = _Budget()
+
+
+def _step() -> None:
+    _budget.steps -= 1
+    if _budget.steps < 0:
+        raise ChatTemplateError(f"the chat template ran more than {MAX_TEMPLATE_STEPS:,} steps (loop iterations and "
+                                "calls); it is refused")
+    if not _budget.steps & 1023 and time.monotonic() > _budget.deadline:
+        raise ChatTemplateError(f"the chat template ran for more than {MAX_TEMPLATE_SECONDS:g} s; it is refused")
+
+
+def _too_big(what: str) -> ChatTemplateError:
+    return ChatTemplateError(f"the chat template built {what} of more than {MAX_TEMPLATE_CHARS:,} characters; it is "
+                             "refused")
+
+
+def _sized(value: Any) -> Any:
+    """value, unless it is a string or sequence past MAX_TEMPLATE_CHARS or an integer past _NUMBER_BITS."""
+    if isinstance(value, (str, list, tuple)) and len(value) > MAX_TEMPLATE_CHARS:
+        raise _too_big("a value")
+    if isinstance(value, int) and value.bit_length() > _NUMBER_BITS:
+        raise ChatTemplateError(f"the chat template computed a number of more than {_NUMBER_BITS:,} bits; it is "
+                                "refused")
+    return value
+
+
+class _Counted:
+    """A loop's iterable, counting a step per item (len() as the iterable's, for loop.length)."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Any) -> None:
+        self._items = items
+
+    def __iter__(self):
+        for item in self._items:
+            _step()
+            yield item
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_WIDTH = re.compile(r"%[-#0 +]*(\d+)|\{[^{}]*?(\d{7,})[^{}]*\}")
+
+
+def _check_widths(fmt: str) -> None:
+    """A printf or str.format width wider than the bound (`'%1000000000s' % x`)."""
+    for m in _WIDTH.finditer(fmt):
+        if int(m.group(1) or m.group(2)) > MAX_TEMPLATE_CHARS:
+            raise _too_big("a formatted string")
+
+
+def _grows(obj: Any, name: str, args: tuple) -> None:
+    """Refuse a string method call whose result would pass the bound, before it allocates."""
+    if not isinstance(obj, str):
+        return
+    ints = [a for a in args if isinstance(a, int)]
+    if name in ("ljust", "rjust", "center", "zfill") and ints and ints[0] > MAX_TEMPLATE_CHARS:
+        raise _too_big("a padded string")
+    if name == "expandtabs" and ints and len(obj) * max(1, ints[0]) > MAX_TEMPLATE_CHARS:
+        raise _too_big("a string")
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        if (obj.count(args[0]) if args[0] else len(obj) + 1) * len(args[1]) + len(obj) > MAX_TEMPLATE_CHARS:
+            raise _too_big("a string")
+    if name in ("format", "format_map"):
+        _check_widths(obj)
+
+
+class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The sandbox, with the bounds above: `*`, `+`, `%` and `**` are checked before and after,
+    calls and loop items count as steps, `~` joins and risky filters are measured."""
+
+    intercepted_binops = frozenset({"*", "+", "%", "**"})
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        _step()
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_TEMPLATE_CHARS:
+                    raise _too_big("a repeated value")
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
+            if right * max(1, abs(left).bit_length()) > _NUMBER_BITS:
+                raise ChatTemplateError(f"the chat template computed a number of more than {_NUMBER_BITS:,} bits; "
+                                        "it is refused")
+        elif operator == "%" and isinstance(left, str):
+            _check_widths(left)
+        return _sized(super().call_binop(context, operator, left, right))
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
+        _step()
+        _grows(getattr(__obj, "__self__", None), getattr(__obj, "__name__", ""), args)
+        return _sized(super().call(__context, __obj, *args, **kwargs))
+
+    def _parse(self, source, name, filename):
+        """The template's tree, with every loop's iterable counted and every `~` measured."""
+        return _Bounds().visit(super()._parse(source, name, filename))
+
+
+class _Bounds(jinja2.visitor.NodeTransformer):
+    def visit_For(self, node):
+        self.generic_visit(node)
+        node.iter = jinja2.nodes.Filter(node.iter, "flashmoe_counted", [], [], None, None, lineno=node.lineno)
+        return node
+
+    def visit_Concat(self, node):
+        self.generic_visit(node)
+        return jinja2.nodes.Filter(node, "flashmoe_sized", [], [], None, None, lineno=node.lineno)
+
+
+def _bounded_filter(fn, grows):
+    def wrapper(*args, **kwargs):
+        _step()
+        grows(*args, **kwargs)
+        return _sized(fn(*args, **kwargs))
+
+    return wrapper
+
+
+@jinja2.pass_context  # (a filter that takes the context is never run at compile time)
+def _counted(context, items: Any) -> _Counted:
+    return _Counted(items)
+
+
+@jinja2.pass_context
+def _sized_filter(context, value: Any) -> Any:
+    return _sized(value)
+
+
+def _no_check(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+def _center_check(value: Any, width: Any = 80, *args: Any) -> None:
+    if isinstance(width, int) and width > MAX_TEMPLATE_CHARS:
+        raise _too_big("a padded string")
+
+
+def _indent_check(value: Any, width: Any = 4, *args: Any, **kwargs: Any) -> None:
+    if isinstance(width, str):
+        width = len(width)
+    if isinstance(width, int) and width * (str(value).count("\n") + 1) + len(str(value)) > MAX_TEMPLATE_CHARS:
+        raise _too_big("an indented string")
+
+
+def _replace_check(value: Any, old: Any = "", new: Any = "", *args: Any) -> None:
+    _grows(str(value), "replace", (str(old), str(new)))
+
+
+def _format_check(value: Any, *args: Any, **kwargs: Any) -> None:
+    _check_widths(str(value))
+
+
+# Jinja's filters that can make a value bigger than what they were given, with the check each
+# needs before it allocates (the result is measured after, as every call's is).
+_GROWING_FILTERS = {"center": _center_check, "indent": _indent_check, "replace": _replace_check,
+                    "format": _format_check, "join": _no_check, "wordwrap": _no_check, "list": _no_check,
+                    "string": _no_check, "batch": _no_check, "slice": _no_check, "map": _no_check,
+                    "tojson": _no_check, "pprint": _no_check, "urlencode": _no_check, "xmlattr": _no_check}
+
+
+def _bounded_filter(fn, check):
+    @jinja2.pass_context
+    def bounded(context, *args: Any, **kwargs: Any) -> Any:
+        _step()
+        check(*args, **kwargs)
+        if jinja2.utils._PassArg.from_obj(fn) is jinja2.utils._PassArg.context:
+            return _sized(fn(context, *args, **kwargs))
+        if jinja2.utils._PassArg.from_obj(fn) is jinja2.utils._PassArg.eval_context:
+            return _sized(fn(context.eval_ctx, *args, **kwargs))
+        if jinja2.utils._PassArg.from_obj(fn) is jinja2.utils._PassArg.environment:
+            return _sized(fn(context.environment, *args, **kwargs))
+        return _sized(fn(*args, **kwargs))
+
+    return bounded
+
+
+class _BoundedTemplate(jinja2.Template):
+    def render(self, *args: Any, **kwargs: Any) -> str:
+        """The rendering, within the bounds: steps counted from zero, the text measured as it comes."""
+        _budget.steps, _budget.deadline = MAX_TEMPLATE_STEPS, time.monotonic() + MAX_TEMPLATE_SECONDS
+        out: list[str] = []
+        size = 0
+        try:
+            for piece in self.generate(*args, **kwargs):
+                size += len(piece)
+                if size > MAX_TEMPLATE_CHARS:
+                    raise _too_big("a prompt")
+                out.append(piece)
+        except RecursionError:
+            raise ChatTemplateError("the chat template calls itself too deeply (a macro or a recursive loop); it "
+                                    "is refused") from None
+        except MemoryError:
+            raise ChatTemplateError("the chat template ran out of memory; it is refused") from None
+        return "".join(out)
+
+
 def _make_environment() -> jinja2.Environment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    env = _BoundedEnvironment(
         trim_blocks=True, lstrip_blocks=True,
         extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+    env.template_class = _BoundedTemplate
     env.filters["tojson"] = _tojson
+    for name, check in _GROWING_FILTERS.items():
+        env.filters[name] = _bounded_filter(env.filters[name], check)
+    env.filters["flashmoe_counted"] = _counted
+    env.filters["flashmoe_sized"] = _sized_filter
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
