@@ -33,6 +33,7 @@ from .stats import TurnStats
 
 CONSTRAIN_MODES = ("off", "tools", "required")
 POLL_S = 0.1  # how often the wait for the next event wakes (saves a stalled reply, checks the deadline)
+STOP_GRACE_S = 2.0  # past the deadline, how long the engine has to end the reply before the turn ends without it
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ class AgentLoop:
         self.stats.begin_turn()
         if self.executor is not None:
             self.executor.begin_turn()
+            self.executor.deadline = deadline  # no tool runs past it
         rounds = 0
         while True:
             reply, calls, done, failed = self._generate(text if rounds == 0 else None)
@@ -262,7 +264,8 @@ class AgentLoop:
                     ev = handle.get(timeout=self._wait_s())
                 except queue.Empty:
                     self.session.save_draft()  # what was shown is saved even while the model stalls
-                    self._expired()
+                    if self._expired() and time.monotonic() > self._deadline + STOP_GRACE_S:
+                        break  # the engine is still busy (a template rendering): the turn ends without it
                     continue
                 with signals.deferred():
                     self.stats.feed(ev)

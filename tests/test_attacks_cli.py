@@ -170,3 +170,92 @@ def test_a_wrapper_above_flashmoe_does_not_show_its_secrets(tmp_path, ws):
     text = next(x for x in results if x["event"] == "tool_result")["content"]
     assert "FLASHMOE_HOME=" in text  # the walk did read an environment (its own namespace's)
     assert "hunter2-in-the-wrapper" not in text
+
+
+SLOW_TOOL = '''import time
+
+
+def nap() -> str:
+    """Sleeps for a minute.
+
+    Risk: read
+    """
+    time.sleep(60)
+    return "rested"
+'''
+FOREVER_TEMPLATE = ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+                    "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+
+
+def timed_run(tmp_path, ws, replies, *extra, env=None, limit=60):
+    """`flashmoe run --timeout 3` with tools, the model scripted; (result, seconds it took)."""
+    import time
+
+    start = time.monotonic()
+    r = run_cli("run", "--engine", "fake", "--workspace", ws, "--mode", "yolo", "--dangerously-skip-approvals",
+                "--timeout", "3", *extra, "go", timeout=limit,
+                env={"FLASHMOE_HOME": str(tmp_path / "home"), "FLASHMOE_FAKE_REPLIES": json.dumps(replies),
+                     **(env or {})})
+    assert "Traceback" not in r.stderr, r.stderr
+    return r, time.monotonic() - start
+
+
+@pytest.mark.parametrize("kind", ["run_shell", "python tool", "template", "search glob"])
+def test_timeout_bounds_the_whole_run(tmp_path, ws, kind):
+    """--timeout 3 against a tool or a template that would run for minutes: the run ends at its
+    limit (exit 4), with what it could say, instead of after the tool."""
+    (tmp_path / "slow.py").write_text(SLOW_TOOL)
+    (tmp_path / "forever.jinja").write_text(FOREVER_TEMPLATE)
+    (ws / ("a" * 200)).write_text("x\n")
+    reply, extra, env = {
+        "run_shell": (call("run_shell", command="sleep 60"), ["--tools", "builtin"], {}),
+        "python tool": (call("nap"), ["--tools", str(tmp_path / "slow.py")], {}),
+        "template": ("hello", [], {"FLASHMOE_FAKE_TEMPLATE": str(tmp_path / "forever.jinja")}),
+        "search glob": (call("search_files", pattern="x", glob="*a*a*a*a*a*a*a*a*a*a*a*a*a*b"),
+                        ["--tools", "builtin"], {}),
+    }[kind]
+    r, took = timed_run(tmp_path, ws, [reply, "done"], *extra, env=env)
+    assert took < 30, f"the run took {took:.0f} s"
+    if kind == "search glob":  # matched in linear time: nothing to stop
+        assert r.returncode == 0, r.stderr
+    elif kind == "template":  # bounded in steps: it fails on its own, before the run's limit
+        assert r.returncode == 1 and "chat template ran more than" in r.stderr, (r.returncode, r.stderr)
+    else:
+        assert r.returncode == 4 and "timed out after 3 s" in r.stderr, (r.returncode, r.stderr)
+
+
+def test_a_command_may_not_ask_for_more_time_than_the_tool_limit(tmp_path, ws):
+    r, took = timed_run(tmp_path, ws, [call("run_shell", command="sleep 60", timeout=3600), "done"],
+                        "--tools", "builtin", "--json")
+    assert took < 30, f"the run took {took:.0f} s"
+    results = [json.loads(x) for x in r.stdout.splitlines() if '"tool_result"' in x]
+    assert results and "3600 is greater than the maximum of 120" in results[0]["content"], r.stdout
+
+
+@pytest.mark.parametrize("reply, extra", [
+    (call("run_shell", command="sleep 60"), ["--tools", "builtin"]),
+    (call("nap"), ["--tools", "{slow}"]),
+])
+def test_sigterm_stops_a_running_tool(tmp_path, ws, reply, extra):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT
+
+    (tmp_path / "slow.py").write_text(SLOW_TOOL)
+    extra = [e.format(slow=tmp_path / "slow.py") for e in extra]
+    env = dict(os.environ, FLASHMOE_HOME=str(tmp_path / "home"), FLASHMOE_FAKE_REPLIES=json.dumps([reply, "done"]))
+    p = subprocess.Popen([sys.executable, "-m", "flashmoe.cli", "run", "--engine", "fake", "--workspace", str(ws),
+                          "--mode", "yolo", "--dangerously-skip-approvals", *extra, "go"], env=env, cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(6)  # started, and inside the tool
+        sent = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert time.monotonic() - sent < 10 and p.returncode == 143, (p.returncode, err)
+    assert "Traceback" not in err

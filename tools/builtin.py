@@ -230,8 +230,9 @@ class Builtins:
             raise ToolRunError("old_string and new_string are the same; nothing to change")
         try:
             with self._writer(path, p, create=False) as fd:
+                before = safe_fs.read_fd(fd)
                 try:
-                    text = safe_fs.read_fd(fd).decode("utf-8")
+                    text = before.decode("utf-8")
                 except UnicodeDecodeError:
                     raise ToolRunError(f"{path} is not UTF-8 text; edit_file cannot change it safely") from None
                 count = text.count(old_string)
@@ -242,11 +243,18 @@ class Builtins:
                     raise ToolRunError(f"old_string occurs {count} times in {path}; include more surrounding "
                                        "text to make it unique, or set replace_all to true")
                 text = text.replace(old_string, new_string) if replace_all else text.replace(old_string, new_string, 1)
+                if safe_fs.read_fd(fd) != before:  # another program saved it meanwhile: its write would be lost
+                    raise ToolRunError(f"{path} changed while it was being edited (another program wrote it); read "
+                                       "it again and repeat the edit")
                 safe_fs.write_text(fd, text)
         except OSError as e:
             raise ToolRunError(f"cannot write {path}: {e.strerror or e}") from None
         n = count if replace_all else 1
         return f"replaced {n} occurrence{'s' if n != 1 else ''} in {self._rel(p)}"
+
+    def _max_timeout(self) -> int:
+        """The longest a command may ask for: the runner's own limit (120 s by default)."""
+        return max(1, int(self.runner.timeout)) if self.runner.timeout else 3600
 
     def run_shell(self, command: str, timeout: int | None = None) -> ToolResult:
         return self.runner.shell(command, timeout=timeout)
@@ -295,7 +303,7 @@ class Builtins:
                  "output and exit code. Commands time out; background processes are killed at the end.",
                  {"type": "object", "properties": {
                      "command": {"type": "string", "description": "The command line."},
-                     "timeout": {"type": "integer", "minimum": 1, "maximum": 3600,
+                     "timeout": {"type": "integer", "minimum": 1, "maximum": self._max_timeout(),
                                  "description": "Seconds before the command is killed."}},
                   "required": ["command"], "additionalProperties": False},
                  self.run_shell, "exec", source="builtin", self_limited=True),

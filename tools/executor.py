@@ -5,6 +5,7 @@ refusals say why and what to do instead. Every call is recorded (CallRecord) for
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import json
 import threading
@@ -17,7 +18,7 @@ from flashmoe.tools.calls import ToolCall
 from flashmoe.tools.errors import ToolError
 from flashmoe.tools.policy import Approver, Decision, NonInteractiveApprover, Policy
 from flashmoe.tools.registry import Tool, ToolRegistry
-from flashmoe.tools.runner import DEFAULT_MAX_OUTPUT, ToolResult, cap_text
+from flashmoe.tools.runner import DEFAULT_MAX_OUTPUT, ToolResult, cap_text, run_deadline
 from flashmoe.tools.validate import RejectedCall, RepairLoop, check_call
 
 DEFAULT_TOOL_TIME_LIMIT_S = 120.0
@@ -49,7 +50,8 @@ class ToolExecutor:
     failure run with the repaired arguments when `accept_repaired` (the result carries a note).
     Tools that do not enforce a time limit of their own (all but commands) run on a worker thread
     and the model hears "timed out" after `time_limit` seconds (the thread cannot be killed; it is
-    left to finish in the background, and what it returns then is dropped).
+    left to finish in the background, and what it returns then is dropped). With a `deadline`
+    (the run's --timeout) no call runs past it: commands are killed there, other tools abandoned.
     """
 
     def __init__(self, registry: ToolRegistry, policy: Policy, approver: Approver | None = None, *,
@@ -67,6 +69,7 @@ class ToolExecutor:
         self.on_record = on_record
         self.records: list[CallRecord] = []
         self.rounds = 0
+        self.deadline: float | None = None  # time.monotonic() by which the run ends (`run --timeout`)
         self._grants: set[tuple[str, ...]] = set()
         self.begin_turn()
 
@@ -211,28 +214,39 @@ class ToolExecutor:
         return ToolResult(False, msg, error="declined", status="declined", name=tool.name), "ask:no"
 
     def _call(self, tool: Tool, arguments: dict[str, Any]) -> Any:
-        """tool.fn(**arguments), under the wall-clock limit unless the tool keeps its own."""
+        """tool.fn(**arguments), under the wall-clock limit unless the tool keeps its own, and
+        never past the run's deadline."""
         if tool.resolved_paths:
             arguments = dict(arguments)
             for arg in tool.path_args:
                 if isinstance(arguments.get(arg), str):
                     arguments[arg] = str(self.policy.sandbox.resolve(arguments[arg], write=tool.risk == "write"))
+        limit, why = self.time_limit, f"timed out after {self.time_limit:g} s"
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                return ToolResult(False, "[not run: the run's time limit (--timeout) is reached]",
+                                  error="the run's time limit is reached", status="timeout")
+            if left < limit:
+                limit, why = left, "stopped at the run's time limit (--timeout)"
         if tool.self_limited:
-            return tool.fn(**arguments)
+            with run_deadline(self.deadline):
+                return tool.fn(**arguments)
         box: dict[str, Any] = {}
 
         def work() -> None:
             try:
-                box["value"] = tool.fn(**arguments)
+                with run_deadline(self.deadline):  # commands a Python tool runs end in time too
+                    box["value"] = tool.fn(**arguments)
             except BaseException as e:  # handed to the caller's thread below
                 box["error"] = e
 
-        worker = threading.Thread(target=work, name=f"tool-{tool.name}", daemon=True)
+        worker = threading.Thread(target=contextvars.copy_context().run, args=(work,), name=f"tool-{tool.name}",
+                                  daemon=True)
         worker.start()
-        worker.join(self.time_limit)
+        worker.join(limit)
         if worker.is_alive():
-            return ToolResult(False, f"[{tool.name} timed out after {self.time_limit:g} s and was abandoned]",
-                              error=f"timed out after {self.time_limit:g} s", status="timeout")
+            return ToolResult(False, f"[{tool.name} {why} and was abandoned]", error=why, status="timeout")
         if "error" in box:
             raise box["error"]
         return box.get("value")

@@ -14,6 +14,7 @@ git's configuration from the workspace neutralised (see GIT_GUARD).
 from __future__ import annotations
 
 import codecs
+import contextvars
 import ctypes
 import os
 import re
@@ -22,7 +23,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -363,6 +365,30 @@ def _sweep(reaper: int, since: int | None) -> None:
                 pass
 
 
+# The monotonic time by which the whole run must end (`run --timeout`), set by the executor around
+# a tool call: a command's own timeout is cut to what is left.
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("flashmoe_run_deadline", default=None)
+
+
+@contextmanager
+def run_deadline(when: float | None) -> Iterator[None]:
+    """Commands started inside end by `when` (time.monotonic()), whatever their own timeout."""
+    token = _DEADLINE.set(when)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def _cut(timeout: float | None) -> tuple[float | None, bool]:
+    """The timeout, cut to the run's deadline; and whether the deadline is what limits it."""
+    end = _DEADLINE.get()
+    if end is None:
+        return timeout, False
+    left = max(0.0, end - time.monotonic())
+    return (left, True) if timeout is None or left < timeout else (timeout, False)
+
+
 def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str] | None = None,
                 timeout: float | None = DEFAULT_TIMEOUT_S, max_output: int = DEFAULT_MAX_OUTPUT,
                 env: Mapping[str, str] | None = None, scrub: bool = True,
@@ -370,8 +396,13 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str] | None = Non
     """Run argv (no shell unless argv asks for one) and return its merged, capped output.
 
     On timeout the command gets SIGTERM, and everything it started SIGKILL half a second later.
+    Inside run_deadline() the timeout is cut to what is left of the run.
     """
     argv = [str(a) for a in argv]
+    timeout, by_deadline = _cut(timeout)
+    if by_deadline and timeout <= 0:
+        msg = "[not run: the run's time limit (--timeout) is reached]"
+        return ToolResult(False, msg, error="the run's time limit is reached", status="timeout")
     base = scrub_env(env, allow=pass_env, workspace=cwd) if scrub else dict(os.environ if env is None else env)
     full_env = guarded_env(base)
     start = time.monotonic()
@@ -415,7 +446,9 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str] | None = Non
     text, truncated = collector.text()
     code = proc.returncode
     if timed_out:
-        note = f"[timed out after {timeout:g} s; the command and its child processes were killed]"
+        note = (f"[timed out after {timeout:g} s; the command and its child processes were killed]" if not by_deadline
+                else f"[stopped after {timeout:g} s at the run's time limit (--timeout); the command and its child "
+                     "processes were killed]")
         content = (text.rstrip("\n") + "\n" + note) if text else note
         return ToolResult(False, content, exit_code=code, truncated=truncated, duration_s=duration,
                           error=f"timed out after {timeout:g} s", status="timeout")
