@@ -84,7 +84,9 @@ def open_history(path: Path | None = None, stderr=None) -> History:
 
         path = history_file()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        from .paths import private_file
+
+        private_file(path)  # what the user typed is nobody else's: 0600
         with open(path, "ab"), open(path, "rb"):  # can it be written and read back?
             pass
         return Utf8FileHistory(str(path))

@@ -70,8 +70,10 @@ class Conversation:
 
 class Store:
     def __init__(self, path: str | Path):
+        from .paths import private_file
+
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_file(self.path)  # 0600 before sqlite makes it 0644 (its -wal and -shm take its mode)
         self.db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=BUSY_TIMEOUT_S)
         # WAL: a commit appends to the log, readers never block the writer. NORMAL: no fsync per
         # commit; a process crash loses nothing committed (only a power cut can).

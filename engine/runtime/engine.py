@@ -163,8 +163,12 @@ class Engine:
             if isinstance(item, tuple) and item[0] == "reset":
                 self._sessions.pop(item[1], None)
                 continue
-            self._serve(item)
-            self._save_usage(every_s=USAGE_SAVE_EVERY_S)
+            try:
+                self._serve(item)
+                self._save_usage(every_s=USAGE_SAVE_EVERY_S)
+            except Exception as e:  # noqa: BLE001  no one request may end the thread every later one needs
+                _warn(f"a request failed: {type(e).__name__}: {e}")
+                item.events.put(EngineFailed(f"{type(e).__name__}: {e}", type(e).__name__, 1))
         self._save_usage()
         if self.loaded is not None:
             self.loaded.close()

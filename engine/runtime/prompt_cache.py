@@ -11,6 +11,10 @@ for the conversation it came from.
 """
 from __future__ import annotations
 
+import errno
+import math
+import os
+
 from flashmoe.engine.runtime.generate import Session
 
 
@@ -101,13 +105,15 @@ class PromptCachePool:
         return session
 
     def save(self, session: Session) -> None:
-        """Save a session's cache to disk; a full or read-only disk costs the cache, not the reply."""
+        """Save a session's cache to disk, best effort: a full or read-only disk, a removed kv/
+        folder (OSError, or MLX's RuntimeError) costs the cache, never the reply or the engine."""
         try:
             self.disk.save(session)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001
             import logging
 
-            logging.getLogger("flashmoe").warning("flashmoe: warning: prompt cache not saved: %s", e)
+            logging.getLogger("flashmoe").warning("flashmoe: warning: prompt cache not saved: %s",
+                                                  str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     def _evict(self, keep: Session) -> None:
         while len(self.entries) > self.max_entries or (
@@ -152,24 +158,93 @@ def model_identity(path) -> str:
     return h.hexdigest()
 
 
-def _header_metadata(file) -> dict:
-    """The user metadata of a saved cache, read from the safetensors header alone."""
+class Damaged(Exception):
+    """A file in kv/ that is not a prompt cache this code wrote; the message says why."""
+
+
+MAX_HEADER_BYTES = 64 << 20
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+                "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
+
+
+def read_header(file) -> dict:
+    """The safetensors header of a saved cache, checked before any of it is used: a regular file
+    (not a FIFO, a device or a symlink), a header that fits the file and is a JSON object of at
+    most MAX_HEADER_BYTES, string metadata, and every tensor's dtype, shape and data offsets inside
+    the file. Raises Damaged."""
     import json
+    import stat
     import struct
 
-    with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 64 << 20:
-            raise ValueError("header too large")
-        meta = json.loads(f.read(n)).get("__metadata__") or {}
-    return {k[2:]: v for k, v in meta.items() if k.startswith("0.")}
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise Damaged("a symbolic link" if e.errno == errno.ELOOP else (e.strerror or str(e))) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Damaged("not a regular file")
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise Damaged("too short to be a saved cache")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > st.st_size:
+            raise Damaged(f"its header claims {n:,} bytes, past the end of the file or its limit")
+        raw = b""
+        while len(raw) < n:
+            chunk = os.pread(fd, n - len(raw), 8 + len(raw))
+            if not chunk:
+                raise Damaged("it ends inside its header")
+            raw += chunk
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise Damaged(f"its header is not JSON ({'nested too deeply' if isinstance(e, RecursionError) else e})") from None
+    if not isinstance(header, dict):
+        raise Damaged("its header is not a JSON object")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise Damaged("its metadata is not a table of strings")
+    data_bytes = st.st_size - 8 - n
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        ok = (isinstance(entry, dict) and entry.get("dtype") in _DTYPE_BYTES and isinstance(entry.get("shape"), list)
+              and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in entry["shape"])
+              and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
+              and all(isinstance(o, int) and not isinstance(o, bool) for o in entry["data_offsets"]))
+        if not ok:
+            raise Damaged(f"its tensor {name[:40]!r} is not described as safetensors describes one")
+        begin, end = entry["data_offsets"]
+        if not 0 <= begin <= end <= data_bytes or end - begin != math.prod(entry["shape"]) * _DTYPE_BYTES[entry["dtype"]]:
+            raise Damaged(f"its tensor {name[:40]!r} lies outside the file or does not match its shape")
+    return header
+
+
+def _metadata(header: dict) -> dict:
+    """The user metadata of a saved cache (mlx-lm's save_prompt_cache keeps it under "0.")."""
+    return {k[2:]: v for k, v in header.get("__metadata__", {}).items() if k.startswith("0.")}
+
+
+def _tokens(meta: dict) -> list[int]:
+    try:
+        tokens = [int(t) for t in meta.get("tokens", "").split(",") if t]
+    except ValueError:
+        raise Damaged("its token list is not numbers") from None
+    if any(t < 0 for t in tokens):
+        raise Damaged("its token list is not numbers")
+    return tokens
 
 
 class DiskPromptCache:
     """Prompt caches saved under `folder` (FLASHMOE_HOME/kv/), one safetensors file each (mlx-lm's
-    save_prompt_cache), with the model's identity and the token ids in its metadata. Written to a
-    temporary name and renamed; checked on load (the model, and that the cache holds as many
-    positions as it has tokens); the oldest go when the folder passes `cap_bytes`."""
+    save_prompt_cache), with the model's identity and the token ids in its metadata. Written
+    private (0600 in a 0700 folder) to a fresh temporary name, created exclusively and never
+    through a symlink, then renamed; checked on load (read_header, the model, and that the cache
+    holds as many positions as it has tokens); a file that is not a cache we wrote is skipped and
+    deleted with one line; the oldest go when the folder passes `cap_bytes`."""
 
     MIN_TOKENS = 16  # shorter prompts are cheaper to run again than to read back
 
@@ -182,17 +257,37 @@ class DiskPromptCache:
         self.cap_bytes = cap_bytes
         self.refused: list[str] = []  # files not used, and why (for logs and tests)
         self.index: dict = {}  # file -> token ids, this model's only
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # (FLASHMOE_HOME, if this makes it)
+        self.folder.mkdir(mode=0o700, exist_ok=True)
+        _private(self.folder, 0o700)
         for f in sorted(self.folder.glob("*.safetensors")):
             if ".partial" in f.name:
+                _remove_stale(f)
                 continue
             try:
-                meta = _header_metadata(f)
+                meta = _metadata(read_header(f))
                 if meta.get("model") != self.model or meta.get("kv_cache", "float32") != self.kv_cache:
                     continue  # another model's (or KV cache's): load() refuses it if asked
-                self.index[f] = [int(t) for t in meta["tokens"].split(",") if t]
-            except (OSError, ValueError, KeyError) as e:
-                self.refused.append(f"{f.name}: {e}")
+                self.index[f] = _tokens(meta)
+            except Damaged as e:
+                self._discard(f, str(e))
+
+    def _discard(self, file, why: str) -> None:
+        """Skip a damaged or planted file with one line, and delete it (a folder is left as it is:
+        it was not written by us)."""
+        import logging
+
+        try:
+            file.unlink()
+            what = "deleted"
+        except IsADirectoryError:
+            what = "left where it is"
+        except OSError as e:
+            what = f"could not be deleted ({e.strerror or e})"
+        self.index.pop(file, None)
+        self.refused.append(f"{file.name}: {why}")
+        logging.getLogger("flashmoe").warning("flashmoe: warning: prompt cache %s: %s; skipped and %s",
+                                              file, why, what)
 
     def best(self, ids: list[int]) -> tuple[object, int]:
         """(file, shared tokens) of the saved cache that shares the longest prefix with `ids`
@@ -205,13 +300,19 @@ class DiskPromptCache:
         return (best, shared) if best is not None else (None, 0)
 
     def load(self, file, loaded) -> Session | None:
-        """The saved session, or None (said in `refused`) when it is not this model's or is damaged."""
+        """The saved session, or None (said in `refused`) when it is not this model's or is damaged
+        (then deleted)."""
         from mlx_lm.models.cache import load_prompt_cache
 
         try:
+            read_header(file)  # before MLX reads a byte of it
             cache, meta = load_prompt_cache(str(file), return_metadata=True)
+            tokens = _tokens(meta)
+        except Damaged as e:
+            self._discard(file, str(e))
+            return None
         except Exception as e:  # noqa: BLE001  (a damaged file is refused, never fatal)
-            self.refused.append(f"{file.name}: unreadable ({e})")
+            self._discard(file, f"unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
             return None
         if meta.get("model") != self.model:
             self.refused.append(f"{file.name}: written by another model")
@@ -220,13 +321,12 @@ class DiskPromptCache:
         if kv != want:  # (its rows would be read as they are, the other way than this run asks)
             self.refused.append(f"{file.name}: its KV cache is {kv}, this run keeps {want}")
             return None
-        tokens = [int(t) for t in meta.get("tokens", "").split(",") if t]
         from mlx_lm.models.cache import make_prompt_cache
 
         offsets = {getattr(c, "offset", len(tokens)) for c in cache}
         fresh = make_prompt_cache(loaded.model)
         if [type(c) for c in cache] != [type(c) for c in fresh] or offsets - {len(tokens)}:
-            self.refused.append(f"{file.name}: its cache does not match its tokens or this model")
+            self._discard(file, "its cache does not match its tokens or this model")
             return None
         session = Session(loaded)
         session.cache, session.tokens = cache, tokens
@@ -234,7 +334,7 @@ class DiskPromptCache:
 
     def save(self, session: Session) -> None:
         import hashlib
-        import os
+        import secrets
 
         from mlx_lm.models.cache import save_prompt_cache
 
@@ -244,11 +344,18 @@ class DiskPromptCache:
         kv = "" if self.kv_cache == "float32" else f":{self.kv_cache}"  # (float32: the names files had before)
         key = hashlib.sha256(f"{self.model}{kv}:{tokens}".encode()).hexdigest()[:32]
         final = self.folder / f"{key}.safetensors"
-        tmp = self.folder / f"{key}.partial.safetensors"
-        save_prompt_cache(str(tmp), session.cache, {"model": self.model, "tokens": ",".join(map(str, tokens)),
-                                                    "format": "flashmoe-kv-1",
-                                                    "kv_cache": self.kv_cache})
-        os.replace(tmp, final)
+        # A name no one could have planted a symlink at, created here or not at all (O_EXCL and
+        # O_NOFOLLOW), written through this descriptor: never through a link to another file.
+        tmp = self.folder / f"{key}.{secrets.token_hex(8)}.partial.safetensors"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                save_prompt_cache(out, session.cache, {"model": self.model, "tokens": ",".join(map(str, tokens)),
+                                                       "format": "flashmoe-kv-1", "kv_cache": self.kv_cache})
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         # The turns before this one are prefixes of it: this file serves them too.
         for f, old in list(self.index.items()):
             if f != final and len(old) <= len(tokens) and old == tokens[:len(old)]:
@@ -258,11 +365,38 @@ class DiskPromptCache:
         self._trim()
 
     def _trim(self) -> None:
-        files = sorted(self.folder.glob("*.safetensors"), key=lambda f: f.stat().st_mtime)
-        total = sum(f.stat().st_size for f in files)
-        for f in files[:-1]:
+        files = []
+        for f in self.folder.glob("*.safetensors"):
+            try:
+                files.append((f.lstat().st_mtime, f.lstat().st_size, f))
+            except OSError:
+                continue
+        files.sort()
+        total = sum(size for _, size, _ in files)
+        for _, size, f in files[:-1]:
             if total <= self.cap_bytes:
                 break
-            total -= f.stat().st_size
+            total -= size
             f.unlink(missing_ok=True)
             self.index.pop(f, None)
+
+
+def _remove_stale(partial, age_s: float = 3600.0) -> None:
+    """A temporary file a crashed save left (another process's may be being written: an hour)."""
+    import time
+
+    try:
+        if time.time() - os.lstat(partial).st_mtime > age_s:
+            partial.unlink()
+    except OSError:
+        pass
+
+
+def _private(path, mode: int) -> None:
+    """Take group and other permissions off a file or folder of ours (it may predate this code)."""
+    try:
+        st = os.lstat(path)
+        if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+            os.chmod(path, mode, follow_symlinks=False)
+    except (OSError, NotImplementedError):
+        pass
