@@ -7,6 +7,8 @@ check on writes.
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 from pathlib import Path
 
 # Entries git's repository discovery looks for (setup.c: is_git_directory), lower-cased for
@@ -44,3 +46,34 @@ def git_metadata_write(root: Path, path: Path) -> Path | None:
             return d
         d = d / part
     return None
+
+
+# Keys of a repository's own config that make git run a program, or reach one (a driver for the
+# files .gitattributes names, an external diff, an ssh or proxy command, a credential helper, an
+# alias, an include that may set any of these). The runner's command-line guard (runner.GIT_GUARD)
+# outranks six of them; these are too many, some are lists and driver names are the repository's
+# own, so instead an allow rule does not cover git in a repository whose config sets one.
+_PROGRAM_KEY = re.compile(
+    r"^(?:core\.(?:sshcommand|gitproxy|askpass|editor|pager|fsmonitor|hookspath|attributesfile)"
+    r"|diff\.external|diff\..+\.(?:command|textconv)|filter\..+\.(?:clean|smudge|process)|merge\..+\.driver"
+    r"|gpg(?:\..+)?\.program|credential\..*helper|include\.path|includeif\..+\.path|alias\..+|sequence\.editor"
+    r"|pager\..+|interactive\.difffilter|uploadpack\..+|protocol\..*allow|remote\..+\.(?:uploadpack|receivepack|vcs|proxy)"
+    r"|url\..+\.(?:insteadof|pushinsteadof)|ssh\.variant|http\..*proxy|difftool\..+|mergetool\..+|web\.browser"
+    r"|browser\..+\.(?:cmd|path)|sendemail\..+)$", re.IGNORECASE)
+
+
+def program_keys(workspace: Path) -> list[str]:
+    """The keys of the workspace's repository config (.git/config and what it includes) that name
+    a program git would run: [] outside a repository or without git. Read by git itself, with no
+    system or global config and no inherited GIT_* variables; reading config runs nothing."""
+    from flashmoe.tools.runner import guarded_env
+
+    env = guarded_env({k: v for k, v in os.environ.items() if not k.startswith("GIT_")})
+    try:
+        out = subprocess.run(["git", "-C", str(workspace), "config", "--local", "--includes", "--name-only", "--list"],
+                             env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    return [k for k in out.stdout.split() if _PROGRAM_KEY.match(k)]

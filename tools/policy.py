@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from flashmoe.tools import shellwords
 from flashmoe.tools.calls import ToolCall
 from flashmoe.tools.errors import PathRefused, PolicyError
-from flashmoe.tools.gitguard import git_metadata_write
+from flashmoe.tools.gitguard import git_metadata_write, program_keys
 from flashmoe.tools.globmatch import Glob
 from flashmoe.tools.registry import Tool
 from flashmoe.tools.sensitive_paths import CREDENTIAL_STORES, START_UP_FILES
@@ -274,7 +274,8 @@ class Policy:
         """The one form of a command line an allow rule may cover, or None when no allow rule may:
         a single simple command, no shell syntax or expansion, the program found on PATH (not a
         file the model wrote), no wrapper in front, no option that writes files or runs programs,
-        and no argument that leaves the workspace or reaches the deny list."""
+        no argument that leaves the workspace or reaches the deny list, and for git no repository
+        config that names a program (gitguard.program_keys)."""
         if _SHELL_META.search(line) or shellwords.has_expansion(line):
             return None
         cmds = shellwords.commands(line)
@@ -285,6 +286,8 @@ class Policy:
             return None
         if any(self.sandbox.argument_escapes(a) for a in cmd.argv[1:]):
             return None
+        if cmd.program == "git" and program_keys(self.sandbox.root):
+            return None  # the repository's own config would choose a program git runs
         return cmd.normalized
 
     def _command_rule_hits(self, rule: Rule, line: str) -> tuple[bool, str]:

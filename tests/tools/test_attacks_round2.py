@@ -491,3 +491,77 @@ def test_commands_cannot_see_flashmoes_process_or_its_ancestors(isolation):
     assert int(count) <= 5, res.content  # the namespace's own few processes
     assert missing == "1", res.content  # flashmoe's process is not there
     assert "reaper" in init  # PID 1 of the namespace is the reaper, which its processes cannot kill
+
+
+# ---- Low: a real repository's own config names a program; edit_file and a concurrent write ---------
+
+def git_repo(ws):
+    import subprocess
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(ws), "-c", "user.email=a@b", "-c", "user.name=n", *args], check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    git("add", "notes.txt")
+    git("commit", "-qm", "x")
+    (ws / "notes.txt").write_text("c\n")
+    return git
+
+
+@pytest.mark.parametrize("key, value, command, attributes", [
+    ("diff.external", "touch {m}", "git diff", None),
+    ("diff.evil.textconv", "touch {m}; cat", "git diff", "* diff=evil\n"),
+    ("diff.evil.command", "touch {m}", "git diff", "* diff=evil\n"),
+    ("core.sshCommand", "touch {m}", "git fetch origin", None),
+    ("include.path", "{included}", "git diff", None),
+])
+def test_a_repository_config_that_names_a_program_is_not_covered_by_an_allow_rule(tmp_path, ws, key, value, command,
+                                                                                  attributes):
+    from flashmoe.tools.policy import NonInteractiveApprover
+
+    m = tmp_path / "outside" / "pwned"
+    git = git_repo(ws)
+    git("remote", "add", "origin", "ssh://127.0.0.1:1/x")
+    included = tmp_path / "outside" / "included.gitconfig"
+    included.write_text(f"[diff]\n\texternal = touch {m}\n")
+    git("config", key, value.format(m=m, included=included))  # someone else's config: tools cannot write .git
+    if attributes:
+        (ws / ".gitattributes").write_text(attributes)
+    policy = Policy(ws, "ask", allow=["run_shell(git diff*)", "run_shell(git fetch*)", "run_shell(git status*)"])
+    ex = ToolExecutor(ToolRegistry(builtin_tools(policy)), policy, NonInteractiveApprover())
+    res = ex.execute(ToolCall("run_shell", {"command": command}, "raw"))
+    assert res.status == "approval-needed", res.content
+    assert not m.exists()
+
+
+def test_a_repository_without_such_config_keeps_its_allow_rules(tmp_path, ws):
+    git_repo(ws)
+    policy = Policy(ws, "ask", allow=["run_shell(git diff*)"])
+    ex = ToolExecutor(ToolRegistry(builtin_tools(policy)), policy, ScriptedApprover([]))
+    res = ex.execute(ToolCall("run_shell", {"command": "git diff --stat"}, "raw"))
+    assert res.ok and "notes.txt" in res.content, res.content
+
+
+def test_edit_file_does_not_lose_a_concurrent_write(ws, monkeypatch):
+    from flashmoe.tools import safe_fs
+    from flashmoe.tools.errors import ToolRunError
+
+    (ws / "a.txt").write_text("one\ntwo\n")
+    b = Builtins(Policy(ws, "workspace-write").sandbox)
+    real = safe_fs.read_fd
+    calls = []
+
+    def read_then_someone_writes(fd):
+        data = real(fd)
+        if not calls:  # between edit_file's read and its write, another program saves the file
+            (ws / "a.txt").write_text("one\ntwo\nthree (typed by the user meanwhile)\n")
+        calls.append(1)
+        return data
+
+    monkeypatch.setattr(safe_fs, "read_fd", read_then_someone_writes)
+    with pytest.raises(ToolRunError, match="changed while"):
+        b.edit_file("a.txt", "two", "2")
+    assert (ws / "a.txt").read_text() == "one\ntwo\nthree (typed by the user meanwhile)\n"
+    monkeypatch.setattr(safe_fs, "read_fd", real)
+    assert b.edit_file("a.txt", "two", "2").startswith("replaced 1")
