@@ -634,6 +634,16 @@ class ToolCallConstraintFactory:
             return None
         return tid
 
+    def with_budget(self, budget: int | None) -> ToolCallConstraintFactory:
+        """This factory for replies of at most `budget` tokens: the same tools, grammars and
+        per-tokenizer matchers (built once, shared), so a server that sees the same tools on
+        every request builds them once."""
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"budget must be a positive int or None, got {budget!r}")
+        other = copy.copy(self)
+        other.budget = budget
+        return other
+
     def __call__(self, tokenizer) -> ToolCallConstraint:
         lt, matchers, start_id, closers, end_id = self.matchers(tokenizer)
         return ToolCallConstraint(lt, matchers, self.mode, self.start, start_id, self.fmt, closers,
