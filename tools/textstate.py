@@ -11,11 +11,15 @@ Feed it text chunks as they arrive; it returns segments in order:
 
 Markers can be split across chunks at any offset: text that could still be the start of a marker
 is held back until the next chunk decides it, so no marker ever leaks into the visible text.
-Tool-call markers inside reasoning are not calls, and neither are those inside a fenced Markdown
-code block of the answer (a call shown as an example): a fence is a line that starts (after at most
-three spaces) with three or more backticks or tildes, closed by a line starting with as many of the
-same. The state can start inside reasoning (`in_reasoning`), for templates whose generation prompt
-opened the block; `ended_in_reasoning` says a reply was cut off before it closed it.
+Tool-call markers inside reasoning are not calls, and neither are those the answer shows rather
+than makes (a call quoted as an example): inside a fenced Markdown code block (a line that starts,
+after at most three spaces, with three or more backticks or tildes, closed by a line starting with
+as many of the same), an inline code span (a run of backticks closed by a run as long on the same
+line; text after a run is held back until its line decides), an HTML comment (`<!--` to `-->`), a
+`>` quote line, or an indented code block (a line indented four columns after a blank line that
+follows text, or after another such line). The state can start inside reasoning (`in_reasoning`),
+for templates whose generation prompt opened the block; `ended_in_reasoning` says a reply was cut
+off before it closed it.
 
 A format may open calls with several markers (`tool_call_starts`: Qwen3-Coder's `<tool_call>` and a
 bare `<function=`, DeepSeek-R1's variant openers); any of them opens a call. A call ends at the
@@ -62,6 +66,10 @@ THINK_END = "</think>"
 
 _TEXT, _REASONING, _TOOL = "text", "reasoning", "tool"
 _FENCES = ("```", "~~~")
+_BACKTICK = "`"  # also opens an inline code span, where it does not open a fence
+_COMMENT_OPEN, _COMMENT_CLOSE = "<!--", "-->"
+_QUOTE_LINE = re.compile(r" {0,3}>")
+_CODE_INDENT = re.compile(r" {0,3}\t| {4}")  # four columns
 _FENCE_OPEN = re.compile(r"^```[A-Za-z0-9_-]*")
 
 
@@ -231,7 +239,12 @@ class TextState:
         # Fenced code blocks matter where a marker opens a call (not for bare JSON replies).
         self._fences = _FENCES if self.tool_start else ()
         self._fence = ""  # the fence we are inside ("" outside): its character times its length
+        self._inline = ""  # the backtick run that opened the inline code span we are in ("" outside)
+        self._comment = False  # inside an HTML comment
         self._indent: int | None = 0  # blanks since the line started; None once it has other text
+        self._line_head = ""  # the current line's first characters (a quote? indented?)
+        self._after_blank = False  # an indented line here would be a code block (after a blank line)
+        self._seen_text = False  # a line with text has ended (an indented reply start is not shown code)
         self.text = ""
         self.reasoning = ""
         self.tool_calls: list[str] = []
@@ -256,7 +269,11 @@ class TextState:
         if self.state == _TEXT:
             if self._fence:
                 return [self._fence[0] * 3]
+            if self._comment:
+                return [_COMMENT_CLOSE]
             ms = [m for pair in self.think_pairs for m in pair] + [*self.tool_starts, *self._fences]
+            if self._fences:  # (where a marker opens a call)
+                ms += [_BACKTICK, _COMMENT_OPEN]
         elif self.state == _REASONING:
             ms = [self._think_end]
         else:
@@ -308,7 +325,16 @@ class TextState:
         out.append(Segment("text", s))
 
     def _track_line(self, s: str) -> None:
-        """Where the current line stands: only blanks so far (how many), or other text (None)."""
+        """Where the current line stands: only blanks so far (how many), or other text (None); its
+        first characters; and whether a line that ended here leaves room for an indented code block."""
+        *ended, rest = s.split("\n")
+        for part in ended:
+            head = (self._line_head + part)[:8]
+            blank = self._indent is not None and not part.strip(" \t")
+            self._after_blank = (blank and self._seen_text) or (self._after_blank and bool(_CODE_INDENT.match(head)))
+            self._seen_text = self._seen_text or not blank
+            self._line_head, self._indent = "", 0
+        self._line_head = (self._line_head + rest)[:8]
         line = s.rsplit("\n", 1)[-1]
         start = 0 if "\n" in s else self._indent
         if start is None or line.strip(" \t"):
@@ -325,17 +351,44 @@ class TextState:
             return False
         run, self._buf = self._buf[:n], self._buf[n:]
         at_line_start = self._indent is not None and self._indent <= 3
-        if at_line_start and not self._fence:
+        if at_line_start and not self._fence and len(run) >= 3:
             self._fence = run
-        elif at_line_start and run[0] == self._fence[0] and len(run) >= len(self._fence):
+        elif at_line_start and self._fence and run[0] == self._fence[0] and len(run) >= len(self._fence):
             self._fence = ""
+        elif ch == _BACKTICK and not self._fence:
+            self._inline = run
         self._emit_text(run, out)
         return True
+
+    def _inline_span(self, out: list[Segment]) -> bool:
+        """Inside an inline code span: up to a backtick run as long as the one that opened it is
+        code, shown as text. A line (or the reply) that ends first leaves the opening run a literal
+        one, and what followed it is read as usual. False while undecided (held back)."""
+        buf, n = self._buf, len(self._inline)
+        nl = buf.find("\n")
+        for m in re.finditer(r"`+", buf if nl < 0 else buf[:nl]):
+            if m.end() == len(buf) and not self.finished:
+                return False  # the run may still grow
+            if len(m.group()) == n:
+                self._buf, self._inline = buf[m.end():], ""
+                self._emit_text(buf[:m.end()], out)
+                return True
+        if nl >= 0 or self.finished:
+            self._inline = ""  # never closed on its line: the backticks were text
+            return True
+        return False
+
+    def _shown_as_code(self) -> bool:
+        """Whether the current line is a `>` quote or a line of an indented code block."""
+        head = self._line_head
+        return bool(_QUOTE_LINE.match(head)) or (self._after_blank and bool(_CODE_INDENT.match(head)))
 
     def _transition(self, marker: str, out: list[Segment]) -> None:
         if self.state == _TEXT:
             if marker in self._closer:
                 self.state, self._think_end = _REASONING, self._closer[marker]
+            elif marker in self.tool_starts and self._shown_as_code():
+                self._emit_text(marker, out)  # a call quoted or indented as code is shown, not made
             elif marker in self.tool_starts:
                 self._release_held(out)  # a real call: the text before it is text
                 self.state = _TOOL
@@ -344,7 +397,7 @@ class TextState:
             # a stray closing marker in the answer is dropped
         elif self.state == _REASONING:
             self.state = _TEXT
-            self._indent = 0  # the answer starts a line
+            self._indent, self._line_head, self._after_blank = 0, "", False  # the answer starts
         else:
             self._tool.append(marker)
             self._close_tool(out, closed=True)
@@ -389,7 +442,7 @@ class TextState:
         raw = "".join(self._tool) + self._body
         self._tool, self._body = [], ""
         self.state = _TEXT
-        self._indent = None
+        self._indent, self._line_head, self._after_blank = None, "\0", False  # the text after a call goes on its line
         self.tool_calls.append(raw)
         out.append(Segment("tool_call", raw, closed))
 
@@ -428,6 +481,10 @@ class TextState:
                 if not self._structured_end(out):
                     break
                 continue
+            if self.state == _TEXT and self._inline:
+                if not self._inline_span(out):
+                    break
+                continue
             markers = self._markers()
             if not markers:  # inside a call that runs to the end of the reply
                 self._emit(self._buf, out)
@@ -437,9 +494,14 @@ class TextState:
             if i >= 0:
                 self._emit(self._buf[:i], out)
                 self._buf = self._buf[i:]
-                if m in _FENCES and self.state == _TEXT:
+                if (m in _FENCES or m == _BACKTICK) and self.state == _TEXT:
                     if not self._fence_run(m, out):
                         break
+                    continue
+                if self.state == _TEXT and m in (_COMMENT_OPEN, _COMMENT_CLOSE):
+                    self._buf = self._buf[len(m):]
+                    self._emit_text(m, out)
+                    self._comment = m == _COMMENT_OPEN
                     continue
                 self._buf = self._buf[len(m):]
                 self._transition(m, out)

@@ -565,3 +565,51 @@ def test_edit_file_does_not_lose_a_concurrent_write(ws, monkeypatch):
     assert (ws / "a.txt").read_text() == "one\ntwo\nthree (typed by the user meanwhile)\n"
     monkeypatch.setattr(safe_fs, "read_fd", real)
     assert b.edit_file("a.txt", "two", "2").startswith("replaced 1")
+
+
+# ---- Low: a call the reply shows (inline code, an indented block, a quote, a comment) is not made ---
+
+CALL = '<tool_call>\n{"name": "run_shell", "arguments": {"command": "touch pwned"}}\n</tool_call>'
+ONE_LINE_CALL = '<tool_call>{"name": "run_shell", "arguments": {"command": "touch pwned"}}</tool_call>'
+
+SHOWN = {
+    "inline code": f"To call it, write `{ONE_LINE_CALL}` in your reply.",
+    "inline code, double backticks": f"Write ``{ONE_LINE_CALL}`` like that.",
+    "indented block": f"Like this:\n\n    {CALL.replace(chr(10), chr(10) + '    ')}\n\nDone.",
+    "indented by a tab": f"Example:\n\n\t{ONE_LINE_CALL}\n",
+    "quote": f"You wrote:\n> {CALL}",
+    "quote, indented": f"You wrote:\n   > {ONE_LINE_CALL}",
+    "HTML comment": f"Here <!-- {CALL} --> it is.",
+    "HTML comment over lines": f"<!--\nhidden\n{CALL}\n-->\nvisible",
+}
+
+
+@pytest.mark.parametrize("kind", list(SHOWN))
+@pytest.mark.parametrize("chunk", [0, 1, 3], ids=["whole", "by characters", "by threes"])
+def test_a_call_the_reply_only_shows_is_not_made(kind, chunk):
+    from flashmoe.tools.parsers import json_tools
+    from flashmoe.tools.textstate import TextState
+
+    text = SHOWN[kind]
+    st = TextState(json_tools)
+    pieces = [text] if not chunk else [text[i:i + chunk] for i in range(0, len(text), chunk)]
+    for piece in pieces:
+        st.feed(piece)
+    st.finish()
+    assert st.tool_calls == [] and st.text == text, (st.tool_calls, st.text)
+
+
+@pytest.mark.parametrize("text", [
+    f"Use `code` then:\n{CALL}",  # an inline span closed before the call
+    f"say ``` here {CALL}",  # a backtick run never closed on its line is text
+    f"> quoted\n\n{CALL}",  # the quote was another line
+    f"<!-- note -->\n{CALL}",  # the comment closed
+    f"Text\n    {ONE_LINE_CALL}",  # indented, but inside a paragraph: not a code block
+    f"  {CALL}",  # indented less than four columns
+    "\n    " + CALL.replace("\n", "\n    "),  # a reply that starts indented (mlx-lm's peer case reads it)
+])
+def test_calls_next_to_shown_ones_are_still_made(text):
+    from flashmoe.tools.parsers import json_tools
+    from flashmoe.tools.textstate import split_reply
+
+    assert len(split_reply(text, json_tools).tool_calls) == 1, text
