@@ -61,7 +61,7 @@ def cmd_bench_cache(args) -> int:
     model = resolve_model(args.model)
     # read-ahead must run for its guesses to be recorded: "hint" (page cache only) unless asked for slots
     prefetch = "slots" if args.prefetch == "slots" else "hint"
-    loaded = load(model, expert_cache=args.expert_cache, io_threads=args.io_threads,
+    loaded = load(model, expert_cache=args.expert_cache, ctx_size=getattr(args, "ctx_size", None), io_threads=args.io_threads,
                   direct_io=args.direct_io, dtype=resolve_dtype(args.dtype), kernels=args.kernels, kv_cache=args.kv_cache,
                   prefetch=prefetch, cache_policy=args.cache_policy,
                   verify_reads=args.verify_reads != "off", experts_per_token=args.experts_per_token,

@@ -48,7 +48,7 @@ def cmd_bench_quality(args) -> int:
     ks = args.experts_per_token_list or [None]
 
     def open_model(model, k):
-        return load(model, expert_cache=args.expert_cache, io_threads=args.io_threads,
+        return load(model, expert_cache=args.expert_cache, ctx_size=getattr(args, "ctx_size", None), io_threads=args.io_threads,
                     direct_io=args.direct_io, dtype=resolve_dtype(args.dtype), kernels=args.kernels, kv_cache=args.kv_cache,
                     cache_policy=args.cache_policy, verify_reads=args.verify_reads != "off",
                     experts_per_token=k, allow_resident_experts=args.allow_resident_experts)

@@ -27,7 +27,7 @@ def cmd_bench_speed(args) -> int:
     if args.disk_cache:  # every run here must prefill its whole prompt
         raise UsageError("--disk-cache: bench speed measures prefill, so it keeps no saved prompt caches")
     model = resolve_model(args.model)
-    loaded = load(model, expert_cache=args.expert_cache, io_threads=args.io_threads, direct_io=args.direct_io,
+    loaded = load(model, expert_cache=args.expert_cache, ctx_size=getattr(args, "ctx_size", None), io_threads=args.io_threads, direct_io=args.direct_io,
                   dtype=resolve_dtype(args.dtype), kernels=args.kernels, kv_cache=args.kv_cache, prefetch=args.prefetch,
                   cache_policy=args.cache_policy, verify_reads=args.verify_reads != "off",
                   allow_resident_experts=args.allow_resident_experts, experts_per_token=args.experts_per_token)

@@ -47,6 +47,7 @@ SETTINGS = {
     "seed": (None, int),
     "timing": ("step", TIMING_CHOICES),
     "expert_cache": (None, "size"),
+    "ctx_size": (None, "count"),
     "io_threads": (8, "count"),
     "dtype": ("auto", DTYPE_CHOICES),
     "kernels": ("auto", KERNEL_CHOICES),

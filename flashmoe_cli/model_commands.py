@@ -25,7 +25,7 @@ def cmd_info(args) -> int:
     from flashmoe.engine.runtime.info import describe, expert_bits_summary, layers_text
 
     path = resolve_model(model_arg(args))  # no MODEL: the demo, as `run` uses it
-    d = describe(path)
+    d = describe(path, ctx_size=getattr(args, "ctx_size", None))
     if args.load:
         d["compute_at_load"] = loaded_compute(path, args.kernels)
     elif args.kernels != "auto":
@@ -50,6 +50,9 @@ def cmd_info(args) -> int:
         rows.append((title if i == 0 else "", f"{how} ({layers_text(layers)})"))
     if d["not_streamable"]:
         rows.append(("streaming", f"no: {d['not_streamable']}"))
+    memory = d["memory"]
+    rows += [tuple(r) for r in memory["rows"]] if "rows" in memory else [("memory budget", f"does not fit: {memory['refused']}")]
+    rows += [("", f"also read: {o}") for o in memory.get("other_limits", [])]
     for k, v in rows:
         print(f"{k:>26}: {v}")
     return ExitCode.OK

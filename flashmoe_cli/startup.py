@@ -31,7 +31,8 @@ class EngineOptions:
     allow_resident_experts: bool = False
     truncate_prompt: str = "off"
     experts_per_token: int | None = None  # None: as the model was trained
-    prompt_cache_bytes: int = 2 << 30  # prompt caches kept in memory for requests without a conversation
+    ctx_size: int | None = None  # None: what the memory plan leaves room for (engine/runtime/memory.py)
+    prompt_cache_bytes: int = 0  # prompt caches kept in memory for requests without a conversation (serve)
     prompt_cache_dir: str | None = None  # where they are also saved (serve: FLASHMOE_HOME/kv); None: not
     prompt_cache_disk_bytes: int = 8 << 30
 
@@ -44,7 +45,8 @@ class EngineOptions:
                    truncate_prompt=getattr(args, "truncate_prompt", "off"),
                    experts_per_token=getattr(args, "experts_per_token", None),
                    expert_usage=getattr(args, "expert_usage", "on") != "off",
-                   prompt_cache_bytes=getattr(args, "prompt_cache", 2 << 30), **disk_cache(args))
+                   ctx_size=getattr(args, "ctx_size", None),
+                   prompt_cache_bytes=getattr(args, "prompt_cache", 0), **disk_cache(args))
 
 
 DISK_CACHE_BYTES = 8 << 30
@@ -85,6 +87,7 @@ def make_engine(opts: EngineOptions):
                   allow_resident_experts=opts.allow_resident_experts, truncate_prompt=opts.truncate_prompt,
                   prompt_cache_bytes=opts.prompt_cache_bytes, prompt_cache_dir=opts.prompt_cache_dir,
                   prompt_cache_disk_bytes=opts.prompt_cache_disk_bytes, experts_per_token=opts.experts_per_token,
+                  ctx_size=opts.ctx_size,
                   expert_usage=opts.expert_usage)
 
 

@@ -14,7 +14,6 @@ from time import perf_counter
 
 from flashmoe.engine.errors import FlashMoEError, ModelLoadError
 from flashmoe.engine.events import EngineFailed, GenerationFinished, ModelLoaded
-from flashmoe.engine.runtime.config_check import context_length
 from flashmoe.engine.runtime.generate import TRUNCATE_MODES, GenerationRequest, Session, generate, model_bits
 
 _STOP = object()
@@ -61,7 +60,8 @@ class Engine:
                  prefetch: bool | str = False, cache_policy: str = "lfu", verify_reads: bool = True,
                  truncate_prompt: str = "off", allow_resident_experts: bool = False,
                  prompt_cache_bytes: int = 2 << 30, prompt_cache_dir=None, prompt_cache_disk_bytes: int = 8 << 30,
-                 experts_per_token: int | None = None, expert_usage: bool = False, usage_file=None):
+                 experts_per_token: int | None = None, expert_usage: bool = False, usage_file=None,
+                 ctx_size: int | None = None):
         """truncate_prompt: for requests that do not say, what to do with a prompt longer than the
         model's context (generate.TRUNCATE_MODES). expert_usage: learn which experts this model's
         runs use in a file kept across runs, and preload the hottest at start (experts/usage.py);
@@ -74,7 +74,8 @@ class Engine:
         self._load_args = dict(expert_cache=expert_cache, io_threads=io_threads, direct_io=direct_io, dtype=dtype,
                                kernels=kernels, kv_cache=kv_cache, prefetch=prefetch, cache_policy=cache_policy,
                                verify_reads=verify_reads, allow_resident_experts=allow_resident_experts,
-                               experts_per_token=experts_per_token)
+                               experts_per_token=experts_per_token, ctx_size=ctx_size,
+                               prompt_cache=prompt_cache_bytes)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loaded_event = threading.Event()
         self._stopped = threading.Event()
@@ -135,7 +136,7 @@ class Engine:
                 bits=model_bits(lm.config), cache_bytes=lm.store.capacity_bytes if lm.store else 0,
                 load_s=perf_counter() - t0, chat_template=lm.tokenizer.template_source if lm.tokenizer else "",
                 kernels="cpu-int8" if lm.int8_matrices else lm.kernels, kv_cache=lm.kv_cache, cache_policy=lm.store.policy if lm.store else "",
-                context=context_length(lm.config), resident_experts=lm.resident_experts,
+                context=lm.context, resident_experts=lm.resident_experts,
                 trained_top_k=lm.trained_top_k)
             if self._expert_usage and lm.store is not None:
                 self.loaded_info = self._start_usage(lm)
@@ -153,6 +154,8 @@ class Engine:
                     import logging
 
                     logging.getLogger("flashmoe").warning("flashmoe: warning: no prompt caches on disk: %s", e)
+            if self.loaded.memory is not None:  # the share of the memory plan (runtime/memory.py)
+                budget = self.loaded.memory.prompt_caches
             self.pool = PromptCachePool(self.loaded, budget, disk=disk)
         self._loaded_event.set()
 

@@ -148,25 +148,38 @@ def template_reasoning(tok, request: GenerationRequest, text: str) -> str:
     return prompt_reasoning(text, bare)
 
 
-def fit_context(ids: list[int], context: int | None, mode: str, max_tokens: int) -> tuple[list[int], int]:
+def fit_context(ids: list[int], context: int | None, mode: str, max_tokens: int,
+                what: str | None = None) -> tuple[list[int], int]:
     """The prompt ids the model will run, and how many of the oldest were dropped.
 
     "off" refuses a prompt longer than the context (it would run past the positions the model was
-    trained on, slower with every token, into garbage). "left" drops the oldest tokens so that the
-    prompt leaves room for the reply: max_tokens, at most half the context."""
+    trained on, slower with every token, into garbage; or past the KV cache the memory plan made
+    room for). "left" drops the oldest tokens so that the prompt leaves room for the reply:
+    max_tokens, at most half the context. `what` names the context in the error."""
     if context is None:
         return ids, 0
     if mode != "left":
         if len(ids) > context:
+            what = what or f"the model's context of {context} tokens (max_position_embeddings in config.json)"
             raise ContextLengthError(
-                f"the prompt is {len(ids)} tokens, longer than the model's context of {context} tokens "
-                "(max_position_embeddings in config.json); shorten it, or pass --truncate-prompt left "
+                f"the prompt is {len(ids)} tokens, longer than {what}; shorten it, or pass --truncate-prompt left "
                 "to drop the oldest tokens")
         return ids, 0
     keep = context - min(max_tokens, context // 2)
     if len(ids) <= keep:
         return ids, 0
     return ids[-keep:], len(ids) - keep
+
+
+def context_of(loaded) -> tuple[int | None, str | None]:
+    """The context a generation may fill, and how to name it when it is the memory plan's rather
+    than the model's own (None)."""
+    model = context_length(loaded.config)
+    context = getattr(loaded, "context", model)
+    if context is None or model is None or context >= model:
+        return model if context is None else min(context, model) if model else context, None
+    return context, (f"the context of {context} tokens the memory budget leaves room for (the model's is {model}; "
+                     "--ctx-size sets it, at the expert cache's cost)")
 
 
 class DecodeFigures:
@@ -209,11 +222,12 @@ def generate(loaded, session: Session, request: GenerationRequest,
     ids, opened = render_prompt_text(loaded, request)
     if not ids:
         raise ValueError("the prompt is empty")
-    context = context_length(loaded.config)
-    ids, dropped = fit_context(ids, context, request.truncate_prompt or "off", request.max_tokens)
+    context, what = context_of(loaded)
+    ids, dropped = fit_context(ids, context, request.truncate_prompt or "off", request.max_tokens, what)
     if dropped:
         log.warning("flashmoe: warning: prompt truncated: dropped its oldest %d tokens, kept the newest %d, "
-                    "to fit the model's context of %d tokens (--truncate-prompt left)", dropped, len(ids), context)
+                    "to fit %s (--truncate-prompt left)", dropped, len(ids),
+                    what or f"the model's context of {context} tokens")
     reused = session.prepare(ids)
     todo = ids[reused:]
 

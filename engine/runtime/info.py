@@ -6,10 +6,13 @@ from pathlib import Path
 
 from flashmoe.engine.experts.layout import read_manifest
 from flashmoe.engine.experts.blocks import cpu_kernels_reason, expert_blocks, expert_tensor_of, kind, layer_index, no_blocks_reason
-from flashmoe.engine.runtime.loader import EXPERTS_DIR, RESIDENT, _safetensors_files, build_model, read_config, text_config, top_k_of
+from flashmoe.engine.runtime.loader import EXPERTS_DIR, RESIDENT, _direct_layers, _safetensors_files, build_model, \
+    memory_plan, read_config, resident_bytes, text_config, top_k_of
+from flashmoe.engine.runtime.memory import MemoryTooSmall
 from flashmoe.engine.formats.safetensors_io import read_header
 
-def describe(path: str | Path) -> dict:
+def describe(path: str | Path, upcast: bool = True, ctx_size: int | None = None) -> dict:
+    """`upcast`: 16-bit floats widened to float32 as loaded (the CPU default), for the memory plan."""
     path = Path(path)
     config = read_config(path)
     c = text_config(config)
@@ -17,7 +20,8 @@ def describe(path: str | Path) -> dict:
     model = build_model(config, path)  # lazy: nothing is computed, it only says where the experts are
     blocks = expert_blocks(model)
     if packed:
-        resident = sum(t.nbytes for t in read_header(path / RESIDENT).values())
+        tensors = list(read_header(path / RESIDENT).values())
+        resident = sum(t.nbytes for t in tensors)
         manifest = read_manifest(path / EXPERTS_DIR)
         layers = [(l.layer, l.num_experts, l.expert_bytes) for l in manifest]
         modules = {l.layer: l.module for l in manifest}
@@ -25,7 +29,9 @@ def describe(path: str | Path) -> dict:
         headers = {}
         for f in _safetensors_files(path):
             headers.update(read_header(f))
-        resident = sum(t.nbytes for k, t in headers.items() if not expert_tensor_of(k, blocks))
+        tensors = [t for k, t in headers.items() if not expert_tensor_of(k, blocks)]
+        resident = sum(t.nbytes for t in tensors)
+        manifest = _direct_layers(path, blocks, headers, c.get("model_type", config["model_type"])) if blocks else []
         per_module = defaultdict(lambda: [0, 0])
         for k, t in headers.items():
             b = expert_tensor_of(k, blocks)
@@ -49,6 +55,13 @@ def describe(path: str | Path) -> dict:
             how = "CPU kernels" if why is None else f"MLX (the CPU kernels do not run {why})"
             compute.setdefault(f"{kind(block)} on {how}", []).append(layer)
     expert_total = sum(e * b for _, e, b in layers)
+    try:
+        memory = memory_plan(config, manifest, resident_bytes(tensors, upcast), upcast=upcast, ctx_size=ctx_size)
+        memory = {"rows": [list(r) for r in memory.lines()], "expert_cache_bytes": memory.expert_cache,
+                  "available_bytes": memory.limit.available, "context": memory.context,
+                  "notes": list(memory.notes), "other_limits": list(memory.limit.others)}
+    except MemoryTooSmall as e:
+        memory = {"refused": str(e)}
     return {
         "path": str(path),
         "format": "flashmoe (packed experts)" if packed else "mlx-lm folder (direct mode)",
@@ -69,6 +82,7 @@ def describe(path: str | Path) -> dict:
         # which code computes the experts under --kernels cpu: the numba kernels or MLX's own
         "expert_compute": compute,
         "not_streamable": None if blocks else no_blocks_reason(model, config),
+        "memory": memory,
     }
 
 

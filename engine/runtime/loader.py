@@ -7,6 +7,7 @@ Two kinds of folder load the same way:
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,17 +15,21 @@ from types import SimpleNamespace
 import mlx.core as mx
 import mlx.nn as nn
 
-from flashmoe.engine.runtime.config_check import check_values, check_against_weights
+from flashmoe.engine.runtime.config_check import check_values, check_against_weights, context_length
 from flashmoe.engine.errors import ModelLoadError, OptionError
 from flashmoe.engine.experts.blocks import declared_experts, expert_blocks, expert_params, expert_tensor_of, kind, layer_index, \
     no_blocks_reason, resident_expert_modules
 from flashmoe.engine.experts.layout import LayerExperts, Part, read_manifest
 from flashmoe.engine.experts.store import ExpertStore
-from flashmoe.engine.experts.switch import StreamingSwitchGLU
+from flashmoe.engine.experts.switch import StreamingSwitchGLU, _CpuExperts
 from flashmoe.engine.runtime.jsonfile import read_json
+from flashmoe.engine.runtime.memory import MemoryPlan, MemoryTooSmall, kv_bytes_per_token, plan, read_limit, \
+    working_bytes
 from flashmoe.engine.options import KV_CACHES, PREFETCH_MODES
 from flashmoe.engine.telemetry import Telemetry
 from flashmoe.engine.formats.safetensors_io import read_header
+
+log = logging.getLogger("flashmoe")
 
 RESIDENT = "resident.safetensors"
 EXPERTS_DIR = "experts"
@@ -50,6 +55,13 @@ class LoadedModel:
     # CPU blocks hold them too, out of the module tree)
     resident_experts: str | None = None  # why the experts are in memory (--allow-resident-experts)
     trained_top_k: int | None = None  # the config's experts per token, when --experts-per-token changed it
+    memory: MemoryPlan | None = None  # the shares of what the process may use (runtime/memory.py)
+
+    @property
+    def context(self) -> int | None:
+        """The longest prompt and reply the KV cache is planned for: the memory plan's context
+        (--ctx-size, or what the budget allows), else the model's own."""
+        return self.memory.context if self.memory is not None else context_length(self.config)
 
     @property
     def top_k(self) -> int:
@@ -477,11 +489,40 @@ def _replace(model, modules: dict, path: str, new) -> None:
         setattr(parent, attr, new)
 
 
+def resident_bytes(tensors, upcast: bool) -> int:
+    """What the resident tensors take once loaded: 16-bit floats twice their size when widened."""
+    return sum(t.nbytes * (2 if upcast and t.dtype in ("BF16", "F16") else 1) for t in tensors)
+
+
+def memory_plan(config: dict, layers: list[LayerExperts], resident: int, *, upcast: bool, kv_cache: str = "float32",
+                io_threads: int = 8, expert_cache: int | None = None, ctx_size: int | None = None,
+                prompt_cache: int = 0, limit=None, keep_bf16=None) -> MemoryPlan:
+    """The memory plan (runtime/memory.py) for a model of `config` whose streamed experts are
+    `layers` and whose resident weights take `resident` bytes, under `limit` (read now if None).
+    Raises MemoryTooSmall when the resident part does not fit."""
+    from flashmoe.engine.experts.store import held_parts
+
+    c = text_config(config)
+    k = top_k_of(config)
+    keep = keep_bf16 or (lambda layer: False)
+    held = {l.signature: sum(p.nbytes for p in held_parts(l.parts, upcast, keep(l))) for l in layers}
+    by_layer = [held[l.signature] for l in layers]
+    all_experts = sum(b * l.num_experts for b, l in zip(by_layer, layers))
+    min_experts = sum(min(k, max(l.num_experts for l in layers)) * b for b in held.values())
+    dtype_bytes = 2 if kv_cache == "float16" or not upcast else 4
+    return plan(read_limit() if limit is None else limit, resident=resident,
+                working=working_bytes(c, k, 512, io_threads, max(by_layer, default=0)),
+                kv_per_token=kv_bytes_per_token(c, dtype_bytes), model_context=context_length(config),
+                all_experts=all_experts, min_experts=min_experts, ctx_size=ctx_size, prompt_cache=prompt_cache,
+                expert_cache=expert_cache)
+
+
 def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = 8,
          direct_io: bool = False, load_tokenizer: bool = True, dtype: str | None = None,
          kernels: str = "mlx", prefetch: bool | str = False, cache_policy: str = "lfu",
          verify_reads: bool = True, allow_resident_experts: bool = False,
-         experts_per_token: int | None = None, kv_cache: str = "float32") -> LoadedModel:
+         experts_per_token: int | None = None, kv_cache: str = "float32", ctx_size: int | None = None,
+         prompt_cache: int = 0, memory_limit=None) -> LoadedModel:
     """Build the model for `path` with streamed experts. Resident weights are loaded here.
 
     dtype "float32" widens 16-bit float tensors (weights, quantization scales and biases, and
@@ -580,11 +621,24 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         missing = sorted(set(blocks) - {l.module for l in layers})
         raise ModelLoadError(where, f"no experts for {missing[0]}")
 
+    # Before any large allocation: the slots, the resident weights and the KV cache must fit in
+    # what this process may use (the cgroup's limit, MemAvailable, rlimits), or it says so now.
+    tensors = resident.values() if packed else [t for k, t in headers.items() if not expert_tensor_of(k, blocks)]
+    # the CPU kernels tile bfloat16 scales as they are: their slots keep them so (switch._CpuExperts)
+    keep_bf16 = (lambda l: _CpuExperts.keeps_bf16(blocks[l.module], l)) if kernels == "cpu" else None
+    try:
+        memory = memory_plan(config, layers, resident_bytes(tensors, dtype == "float32"), upcast=dtype == "float32",
+                             kv_cache=kv_cache, io_threads=io_threads, expert_cache=expert_cache, ctx_size=ctx_size,
+                             prompt_cache=prompt_cache, limit=memory_limit, keep_bf16=keep_bf16)
+    except MemoryTooSmall as e:
+        raise ModelLoadError(path, str(e)) from None
+    for note in memory.notes:
+        log.warning("flashmoe: warning: %s", note)
     store = ExpertStore(path / EXPERTS_DIR if packed else path, layers, top_k_of(config),
-                        budget_bytes=expert_cache, io_threads=io_threads, direct_io=direct_io,
+                        budget_bytes=memory.expert_cache, io_threads=io_threads, direct_io=direct_io,
                         upcast=dtype == "float32", cpu_kernels=kernels == "cpu", policy=cache_policy,
-                        verify_reads=verify_reads) if layers else None
-    loaded = LoadedModel(model, config, path, "packed" if packed else "direct", store, layers)
+                        verify_reads=verify_reads, keep_bf16=keep_bf16) if layers else None
+    loaded = LoadedModel(model, config, path, "packed" if packed else "direct", store, layers, memory=memory)
     loaded.trained_top_k = trained_top_k
     loaded.block_kinds = {l.module: kind(blocks[l.module]) for l in layers}
     loaded.resident_experts = None if layers else no_blocks_reason(model, config)
