@@ -43,7 +43,7 @@ Models
              SmolLM2's 49152-token tokenizer. The same float weights (deterministic per tensor)
              are written as an MLX 4-bit g64 folder (converted to flashmoe, then removed) and as a
              Q4_0 GGUF for llama.cpp. flashmoe runs with an expert cache that holds every expert
-             (prewarmed: read, and repacked into tiles as the first tokens would), and with a
+             (prewarmed: read, landing in tiles on the reader threads), and with a
              smaller cache (--synthetic-cache-gb) with the expert files dropped from the page
              cache (posix_fadvise DONTNEED) before the run and after prefill ("cold"), or before
              every forward pass ("cold each tok"). llama.cpp runs warm only (its mmapped pages
@@ -167,7 +167,6 @@ def open_flashmoe(path: str, kernels: str, expert_cache, kv_cache: str = "float3
 
 def child_flashmoe(spec: dict) -> dict:
     from flashmoe.engine.events import GenerationFinished, TokenGenerated
-    from flashmoe.engine.experts.switch import repack_cached
     from flashmoe.engine.runtime.generate import GenerationRequest, Session, generate, render_prompt
 
     t0 = time.perf_counter()
@@ -191,7 +190,6 @@ def child_flashmoe(spec: dict) -> dict:
         for l in loaded.layers:
             store.fetch(l.layer, list(range(l.num_experts)))
         store.step_done()
-        repack_cached(loaded.model)  # in tiles already, as after the first tokens that use them
         drop_from_page_cache(files)  # the slots hold everything; the page cache copy is not needed
     runs = []
     for i in range(spec["warmup"] + spec["runs"]):

@@ -4,6 +4,7 @@ expert reads change nothing and keep the budget."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 import numba  # noqa: E402,F401 - required: a missing one fails here, never skips
@@ -165,14 +166,33 @@ def test_an_expert_is_ready_once_all_its_pieces_landed(model_factory, monkeypatc
     pool = store.pool(info.layer)
     seen = []
 
-    def ready(lut, experts):
+    assert pool.land is not None  # the CPU kernels' tiles: the reader thread repacks what landed
+
+    def landed(e):
+        """Expert e's bytes from the file, through the landing step, as its slot must hold them."""
+        from flashmoe.engine.cpu.tiled_experts import TiledBank
+
+        ext, = info.extents(store.root, e)
+        with open(ext.path, "rb") as f:
+            f.seek(ext.offset)
+            data, pos, arrays = f.read(ext.nbytes), 0, {}
+        for part, held in zip(pool.parts, pool.held):
+            arrays[part.name] = np.frombuffer(data, np.uint8, part.nbytes, pos).copy()
+            pos += part.nbytes
+        one = {n: tuple(arrays[f"{n}.{a}"].view(m.dtype).reshape(1, *m.shape[1:])
+                        for a, m in zip(("weight", "scales", "biases"), bank.w[n][:3])) + bank.w[n][3:]
+               for n in bank.w}
+        TiledBank(one, np.ones(1, bool), bank.bank.bf16).land(0)
+        return b"".join(one[n][i].tobytes() for n in bank.w for i in range(3))
+
+    bank = lm.switches[info.module]._cpu
+
+    def ready(lut, experts, more=False):
         for e in experts:
             slot = int(lut[e])
-            got = b"".join(bytes(v) for v in pool.slot_views(slot, 0, len(pool.held)))
-            ext, = info.extents(store.root, e)
-            with open(ext.path, "rb") as f:
-                f.seek(ext.offset)
-                assert got == f.read(ext.nbytes), f"expert {e} computed before all its bytes landed"
+            assert not pool.raw[slot], f"expert {e} computed before it landed"
+            got = b"".join(pool.numpy(f"{n}.{a}")[slot].tobytes() for n in bank.w for a in ("weight", "scales", "biases"))
+            assert got == landed(e), f"expert {e} computed before all its bytes landed and were repacked"
             seen.append(e)
 
     want = list(range(1, 1 + pool.slots))

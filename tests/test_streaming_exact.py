@@ -69,6 +69,40 @@ def test_streamed_equals_resident(model_factory, arch, bits):
         lm.close()
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_bfloat16_scales_stream_as_the_resident_model_computes(tmp_path, arch):
+    """An mlx-lm folder whose quantization scales and biases are bfloat16, as mlx-community's are.
+    Loaded in float32 (the CPU default), every expert's scales are widened on read (MLX kernels)
+    or kept as they are (the CPU kernels' tiles), and the weights beside them must land too: the
+    resident mlx-lm model, its floats widened the same way, is the reference. (The staged read
+    once widened the scales and dropped the weights of the same read, on both sides of the older
+    comparison, so that test agreed with itself.)"""
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.utils import save_model
+
+    from tests.tiny_models import save_folder
+
+    src = save_folder(tmp_path / "f32", arch, bits=4)
+    model = reference_model(src)
+    model.update(tree_map(lambda p: p.astype(mx.bfloat16) if p.dtype == mx.float32 else p, model.parameters()))
+    save_model(tmp_path / "f32", model)  # same folder and config, every float in bfloat16
+    assert all(p.dtype == mx.bfloat16 for n, p in tree_flatten(model.parameters()) if n.endswith("scales"))
+    ref = reference_model(src)
+    ref.update(tree_map(lambda p: p.astype(mx.float32) if p.dtype == mx.bfloat16 else p, ref.parameters()))
+    want = greedy(ref, PROMPT, 16)
+    assert len(set(want)) > 3
+    from flashmoe.engine.formats.convert import convert
+
+    packed = convert(src, tmp_path / "fm")
+    for path in (src, packed):
+        for kernels in ("mlx", "cpu"):
+            lm = load(path, load_tokenizer=False, dtype="float32", kernels=kernels)
+            diff = mx.abs(lm.model(mx.array([PROMPT])) - ref(mx.array([PROMPT]))).max().item()
+            assert diff <= (1e-5 if kernels == "mlx" else 1e-3), (path.name, kernels, diff)
+            assert greedy(lm.model, PROMPT, 16) == want, (path.name, kernels)
+            lm.close()
+
+
 def test_small_budget_really_streams(model_factory):
     """With a budget below one layer's experts, decoding must miss and evict, not cache all."""
     packed = model_factory("qwen3_moe", 4, converted=True)

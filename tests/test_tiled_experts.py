@@ -206,29 +206,34 @@ def test_swiglu_sum_is_swiglu_then_combine(int8):
     assert mixed.swiglu_sum(x, slots, scores) is None
 
 
-def test_repack_cached_readies_a_prewarmed_cache_and_changes_no_token(model_factory):
-    """switch.repack_cached: experts fetched ahead of any token (a benchmark's prewarm) are all
-    repacked at once, and the greedy tokens are those of a run that repacks each on first use."""
-    from flashmoe.engine.experts.switch import StreamingSwitchGLU, repack_cached
+def test_experts_land_in_tiles_on_the_reader_threads_and_change_no_token(model_factory):
+    """A read lands in its slot already repacked into tiles (SlotPool.land, run by the reader
+    thread that landed the expert's last piece): experts fetched ahead of any token (a
+    benchmark's prewarm) are ready to compute, the decode thread repacks nothing, and the greedy
+    tokens are those of a cache that reads each expert on demand."""
+    from flashmoe.engine.cpu import tiled
+    from flashmoe.engine.experts.switch import StreamingSwitchGLU
     from flashmoe.engine.runtime.loader import load
     from tests.test_streaming_exact import PROMPT, greedy
 
     packed = model_factory("qwen3_moe", 8, converted=True)
-
-    def prewarmed():
-        lm = load(packed, load_tokenizer=False, kernels="cpu")
-        for layer in lm.layers:
-            lm.store.fetch(layer.layer, list(range(layer.num_experts)))
-        lm.store.step_done()
-        return lm
-
-    lazy, eager = prewarmed(), prewarmed()
+    eager = load(packed, load_tokenizer=False, kernels="cpu")
+    for layer in eager.layers:
+        eager.store.fetch(layer.layer, list(range(layer.num_experts)))
+    eager.store.step_done()
     blocks = [m for m in eager.model.modules() if isinstance(m, StreamingSwitchGLU) and m.tiled_bank is not None]
     held = [(m, np.array(sorted(m._store.pool(m._layer).table.values()))) for m in blocks]
-    assert held and all(m.tiled_bank._raw[slots].all() for m, slots in held)  # as read
-    assert repack_cached(eager.model) == sum(layer.num_experts for layer in eager.layers)
-    assert not any(m.tiled_bank._raw[slots].any() for m, slots in held)
-    assert greedy(eager.model, PROMPT, 8) == greedy(lazy.model, PROMPT, 8)
+    assert held and not any(m.tiled_bank._raw[slots].any() for m, slots in held)  # landed in tiles
+    assert eager.store.land_s > 0
+    calls = []
+    real = tiled._repack
+    tiled._repack = lambda *a: calls.append(1) or real(*a)
+    try:
+        tokens = greedy(eager.model, PROMPT, 8)
+    finally:
+        tiled._repack = real
+    assert not calls  # nothing left to repack on the decode thread
+    assert tokens == greedy(load(packed, load_tokenizer=False, kernels="cpu", expert_cache=0).model, PROMPT, 8)
 
 
 @pytest.mark.parametrize("int8", [False, True])

@@ -17,6 +17,8 @@ a step) for the same floats.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from flashmoe.engine.cpu import int8, tiled
@@ -28,24 +30,28 @@ _NO_SHARED = np.zeros((0, 0), np.float32)  # swiglu_sum's `shared` when there is
 
 class TiledBank:
     """The tiled view of one pool's expert projections; `parts[name] = (w, s, b, bits, gs)` are
-    the pool's arrays as numpy views [S, N, ...] in MLX's layout. With `bf16`, every scale and
-    bias is a bfloat16 value (stored so on disk) and the tiles keep their bfloat16 bits."""
+    the pool's arrays as numpy views [S, N, ...] in MLX's layout. Scales and biases held as
+    uint16 are bfloat16 bits (a pool that keeps them as stored: their tiles take the same bytes);
+    held as float32 with `bf16`, every one is a bfloat16 value (widened on read) and the tiles
+    keep their bfloat16 bits in the first half of the slot's scale bytes."""
 
     def __init__(self, parts: dict[str, tuple], raw: np.ndarray, bf16: bool = False):
         self._raw = raw
         self._mlx = {n: p[:3] for n, p in parts.items()}
         self.formats = {n: p[3:] for n, p in parts.items()}
-        self.bf16 = bf16
+        self.native16 = all(p[1].dtype == np.uint16 for p in parts.values())  # bfloat16 bits as held
+        self.bf16 = bf16 or self.native16
         self.tiles = {}
         for n, (w, s, b, bits, gs) in parts.items():
             S, N, ng = *w.shape[:2], s.shape[2]
-            if bf16:  # uint16 over the same bytes, 2 N/16 tiles a slot: its tiles are the first N/16
+            if self.bf16 and not self.native16:  # uint16 over float32 bytes: 2 N/16 tiles a slot, the first N/16 used
                 s, b = s.view(np.uint16), b.view(np.uint16)
             self.tiles[n] = (w.reshape(S, N // 16, w.shape[2], 16), s.reshape(S, -1, ng, 16), b.reshape(S, -1, ng, 16))
         self.n = {n: p[0].shape[1] for n, p in parts.items()}
         self.int8 = False  # entries on int8 activations (int8.py, --kernels cpu-int8)
         self._fns = {}
         self._sums = {}  # swiglu_sum's fixed arguments by (k, width, int8)
+        self._scratch = threading.local()  # land()'s copies of a slot's bytes as read, per reader thread
         # gate and up in one call where they share format and size; all three where down does too
         f, n = self.formats, self.n
         self.pair = "gate_proj" in f and (f["gate_proj"], n["gate_proj"]) == (f.get("up_proj"), n.get("up_proj"))
@@ -54,27 +60,42 @@ class TiledBank:
 
     @staticmethod
     def supports(parts: dict[str, tuple]) -> bool:
-        """Every part in a tiled format, N a multiple of 16, the arrays contiguous float32 / uint32."""
+        """Every part in a tiled format, N a multiple of 16, the arrays contiguous, weights uint32,
+        scales and biases float32 (or uint16: bfloat16 bits)."""
         return all(tiled.supports(bits, gs) and w.shape[1] % 16 == 0
                    and all(a.flags.c_contiguous for a in (w, s, b))
-                   and w.dtype == np.uint32 and s.dtype == b.dtype == np.float32
+                   and w.dtype == np.uint32 and s.dtype == b.dtype and s.dtype in (np.float32, np.uint16)
                    for w, s, b, bits, gs in parts.values())
 
     def ready(self, slots: np.ndarray) -> None:
-        """Repack the slots among these that still hold their bytes as read."""
+        """Repack the slots among these that still hold their bytes as read (a reader thread
+        usually has: see land)."""
         raw = self._raw[slots]
-        if not raw.any():  # the usual case: an earlier token already repacked every one
+        if not raw.any():  # the usual case: every one landed repacked, or an earlier token did it
             return
         for slot in np.unique(slots[raw]):
-            for name, (w, s, b) in self._mlx.items():
-                wt, st, bt = self.tiles[name]
-                if self.bf16:  # (the bfloat16 copies are made before the tiles overwrite their bytes)
-                    nb = wt.shape[1]
-                    tiled._repack(w[slot].copy(), tiled.to_bf16(s[slot]), tiled.to_bf16(b[slot]), wt[slot],
-                                  st[slot, :nb], bt[slot, :nb])
-                else:
-                    tiled._repack(w[slot].copy(), s[slot].copy(), b[slot].copy(), wt[slot], st[slot], bt[slot])
-            self._raw[slot] = False
+            self.land(int(slot))
+
+    def land(self, slot: int) -> None:
+        """Repack one slot, as read, into tiles over the same bytes; the expert store's landing
+        step (SlotPool.land), run by the reader thread that landed the expert's last piece. The
+        bytes as read are copied into this thread's scratch first (the tiles overwrite them)."""
+        scratch = self._scratch.__dict__
+        for name, (w, s, b) in self._mlx.items():
+            wt, st, bt = self.tiles[name]
+            copies = scratch.get(name)
+            if copies is None:
+                copies = scratch[name] = tuple(np.empty_like(a[0]) for a in (w, s, b))
+            cw, cs, cb = copies
+            np.copyto(cw, w[slot])
+            if self.bf16 and not self.native16:  # float32 values that are bfloat16: their top halves
+                nb = wt.shape[1]
+                tiled._repack(cw, tiled.to_bf16(s[slot]), tiled.to_bf16(b[slot]), wt[slot], st[slot, :nb], bt[slot, :nb])
+            else:
+                np.copyto(cs, s[slot])
+                np.copyto(cb, b[slot])
+                tiled._repack(cw, cs, cb, wt[slot], st[slot], bt[slot])
+        self._raw[slot] = False
 
     def gather(self, x2: np.ndarray, idx: np.ndarray, k: int, names: tuple[str, ...]) -> list[np.ndarray]:
         """For each entry i of idx (slots, flat): x2[i // k] @ W[idx[i]].T, for each projection
@@ -84,17 +105,18 @@ class TiledBank:
             return list(self._grouped(x2, idx, k, names))
         return list(self._kernel(np.ascontiguousarray(x2), _entry_rows(idx, k), idx, names))
 
-    def swiglu(self, x2: np.ndarray, idx: np.ndarray, k: int) -> np.ndarray | None:
+    def swiglu(self, x2: np.ndarray, idx: np.ndarray, k: int, parallel: bool = True) -> np.ndarray | None:
         """down(silu(gate(x)) * up(x)) for each entry of idx (as `gather`) in one kernel call:
         a decode step, with the three projections in one format and gate and up of one size.
-        None where that does not hold (the caller gathers each projection then)."""
+        None where that does not hold (the caller gathers each projection then). `parallel`
+        False keeps it on this thread (the other core is landing expert reads)."""
         if idx.size >= GEMM_ROWS or not self.one_call:
             return None
         names = ("gate_proj", "up_proj", "down_proj")
         fn, serial_below = self._fn(*self.formats["down_proj"], "swiglu")
         work = idx.size * (2 * self.n[names[0]] * x2.shape[1] + self.n[names[2]] * self.k[names[2]])
         return fn(*(t for n in names for t in self.tiles[n]), np.ascontiguousarray(x2), _entry_rows(idx, k),
-                  np.ascontiguousarray(idx, dtype=np.int64), work >= serial_below)
+                  np.ascontiguousarray(idx, dtype=np.int64), parallel and work >= serial_below)
 
     def swiglu_sum(self, x2: np.ndarray, slots: np.ndarray, scores: np.ndarray,
                    shared: np.ndarray | None = None) -> np.ndarray | None:

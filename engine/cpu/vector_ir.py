@@ -19,7 +19,7 @@ VH16 = ir.VectorType(I16, 16)
 # How far ahead of the word it decodes a kernel asks for the weights (llvm.prefetch), in 64-byte
 # lines (one word of a tile's 16 rows): the hardware prefetchers alone left a decode step's
 # experts, read from RAM, at 7 GB/s a core. Swept on the upcycled demo's experts, every one
-# cached, two cores, huge pages (engine/huge_pages.py): 8 lines 282, 16 272, 32 313, 64 294 us a
+# cached, two cores, on 2 MiB pages: 8 lines 282, 16 272, 32 313, 64 294 us a
 # layer, none 325 (benchmarks/RESULTS.md).
 PREFETCH_LINES = 16
 

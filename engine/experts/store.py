@@ -12,7 +12,6 @@ import concurrent.futures
 import mmap
 import os
 import threading
-import zlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,9 +20,9 @@ from time import perf_counter
 
 import mlx.core as mx
 import numpy as np
+from zlib_ng.zlib_ng import crc32  # zlib's CRC-32, 6-10x faster (PCLMULQDQ): every first read is checked
 
 from flashmoe.engine.errors import ModelLoadError
-from flashmoe.engine.huge_pages import ask_for_zeroed
 from flashmoe.engine.options import CACHE_POLICIES
 from flashmoe.engine.experts.layout import Extent, LayerExperts, Part
 
@@ -49,6 +48,10 @@ def _to_float32(src: memoryview, dtype: str, dst: memoryview) -> None:
         out[:] = np.frombuffer(src, dtype=np.float16)
 
 
+def _address(view: memoryview) -> int:
+    return np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
+
+
 def pieces(job, size: int) -> list:
     """Split one read job (extent, slot views, conversions) into jobs of at most `size` bytes
     that together read the same bytes into the same places. Jobs that widen 16-bit parts read
@@ -71,15 +74,47 @@ def pieces(job, size: int) -> list:
     return out
 
 
-class _Check:
-    """The CRC-32 check of one expert's first read in this process, run by the reader thread that
-    lands its last piece (pieces land in any order; the check needs all of them)."""
+class _Landing:
+    """One expert's read into its slot. Pieces land in any order, on any reader thread; the thread
+    that lands the last one checks the expert's CRC-32 (its first read in this process, when the
+    manifest has one) and runs the pool's landing step (SlotPool.land: the CPU kernels' repack
+    into tiles), so the expert is ready to compute when its read completes, off the decode
+    thread."""
 
-    __slots__ = ("layer", "expert", "expected", "path", "views", "left")
+    __slots__ = ("layer", "expert", "pool", "slot", "check", "path", "left")
 
-    def __init__(self, layer: int, expert: int, expected: int, path: str, views: list[memoryview]):
-        self.layer, self.expert, self.expected, self.path, self.views = layer, expert, expected, path, views
+    def __init__(self, layer: int, expert: int, pool: "SlotPool", slot: int, check: int | None, path: str):
+        self.layer, self.expert, self.pool, self.slot = layer, expert, pool, slot
+        self.check, self.path = check, path  # the manifest's CRC-32, or None: nothing to check
         self.left = 1  # pieces not landed yet
+
+
+class BusyClock:
+    """Seconds during which at least one read was at the device (a reader thread inside preadv):
+    with the decode's wall time, the share of it the drive was kept busy (the overlap)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._active = 0
+        self._since = 0.0
+        self.busy_s = 0.0
+
+    def __enter__(self):
+        with self._lock:
+            if self._active == 0:
+                self._since = perf_counter()
+            self._active += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._active -= 1
+            if self._active == 0:
+                self.busy_s += perf_counter() - self._since
+
+    def now(self) -> float:
+        """busy_s, counting a stretch still under way."""
+        with self._lock:
+            return self.busy_s + (perf_counter() - self._since if self._active else 0.0)
 
 
 @dataclass
@@ -96,42 +131,34 @@ class LayerStats:
     prefetch_used: int = 0  # of those, ones this layer then asked for
 
 
-def default_budget(total_expert_bytes: int) -> int:
-    """Every expert if they fit in a quarter of physical memory, else that quarter."""
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 8 << 30
-    return min(total_expert_bytes, ram // 4)
-
-
-def _gpu() -> bool:
-    """Whether MLX has a GPU here (Metal or CUDA)."""
-    return mx.metal.is_available() or getattr(getattr(mx, "cuda", None), "is_available", lambda: False)()
-
-
-def held_parts(parts, upcast: bool) -> list[Part]:
-    """The parts as the slots hold them: 16-bit floats widened to float32 when upcasting."""
-    return [Part(p.name, "F32", p.shape) if upcast and p.dtype in _HALF else p for p in parts]
+def held_parts(parts, upcast: bool, keep_bf16: bool = False) -> list[Part]:
+    """The parts as the slots hold them: 16-bit floats widened to float32 when upcasting, except
+    bfloat16 with `keep_bf16` (kernels that take bfloat16 scales as they are: no bytes widened
+    on read, and the cache holds more experts)."""
+    return [Part(p.name, "F32", p.shape) if upcast and p.dtype in _HALF and not (keep_bf16 and p.dtype == "BF16")
+            else p for p in parts]
 
 
 class SlotPool:
     """S slots for experts of one signature: one MLX array of shape [S, *part.shape] per part."""
 
-    def __init__(self, parts, slots: int, upcast: bool = False):
+    def __init__(self, parts, slots: int, upcast: bool = False, keep_bf16: bool = False):
         self.parts = parts  # as stored on disk
         # MLX's CPU gather_mm takes float32 only (and half-precision scales are slow there):
         # with `upcast`, 16-bit float parts live in the slots as float32, converted on read.
-        self.held = held_parts(parts, upcast)
+        self.held = held_parts(parts, upcast, keep_bf16)
         self.slots = slots
         self.expert_bytes = sum(p.nbytes for p in self.held)
         self.arrays = {p.name: mx.zeros((slots, *p.shape), dtype=p.mx_dtype) for p in self.held}
         mx.eval(list(self.arrays.values()))
-        # Writable byte views of each slot of each part: reads land here directly.
+        # Writable byte views of each slot of each part: reads land here directly. MLX wrote the
+        # zeros, so every page is present and a landing read takes no page fault. (The slots
+        # used to be dropped and asked for 2 MiB pages, faulted in by the first write: a decode
+        # step's experts computed 5-7% faster on them, but each fault was paid inside a reader's
+        # preadv, and with a cold cache of 8 GB, every miss landing in a fresh slot, decode ran
+        # at 4.1-5.5 tok/s against 8.2-8.8 (the synthetic MoE at a 1.5x limit). Faulting them in
+        # ahead instead, 2 MiB pages included, added 25 s to the load on this VM.)
         self._views = [memoryview(self.arrays[p.name]).cast("B") for p in self.held]
-        if not _gpu():  # MLX's CPU memory only: a GPU's is its driver's
-            for view in self._views:  # (still all zeros)
-                ask_for_zeroed(np.frombuffer(view, np.uint8).ctypes.data, view.nbytes)
         self.table: OrderedDict[tuple[int, int], int] = OrderedDict()  # (layer, expert) -> slot, least recent first
         self.free = list(range(slots - 1, -1, -1))
         # The same, per slot, as arrays: LFU picks its victim with one vectorised pass.
@@ -141,6 +168,9 @@ class SlotPool:
         # True while a slot holds its expert's bytes as read; a compute path that repacks slots
         # in place (engine/cpu/tiled_experts.py) clears it, and every put sets it again.
         self.raw = np.ones(slots, dtype=bool)
+        # What a reader thread does to a slot once its expert has landed and been checked
+        # (land(slot)): the CPU kernels' repack into tiles; None: it is used as read.
+        self.land = None
 
     def put(self, key: tuple[int, int], slot: int, tick: int) -> None:
         self.raw[slot] = True
@@ -151,6 +181,13 @@ class SlotPool:
         self.table.clear()
         self.free = list(range(self.slots - 1, -1, -1))
         self.layer_of[:] = -1
+
+    def numpy(self, name: str) -> np.ndarray:
+        """The part `name` of every slot as a numpy array [S, *shape] over the slots' own bytes
+        (bfloat16 as its uint16 bits)."""
+        i = next(i for i, p in enumerate(self.held) if p.name == name)
+        dtype = {"F32": np.float32, "U32": np.uint32, "BF16": np.uint16, "F16": np.float16}.get(self.held[i].dtype)
+        return np.frombuffer(self._views[i], dtype if dtype is not None else np.uint8).reshape(self.slots, *self.held[i].shape)
 
     def slot_views(self, slot: int, first: int, last: int) -> list[memoryview]:
         return [self._views[i][slot * p.nbytes:(slot + 1) * p.nbytes]
@@ -173,9 +210,11 @@ class ExpertStore:
     """Owns the slot pools, the open files and the reader threads."""
 
     def __init__(self, root: Path, layers: list[LayerExperts], top_k: int,
-                 budget_bytes: int | None = None, io_threads: int = 8, direct_io: bool = False,
+                 budget_bytes: int, io_threads: int = 8, direct_io: bool = False,
                  upcast: bool = False, cpu_kernels: bool = False, policy: str = "lfu",
-                 verify_reads: bool = True):
+                 verify_reads: bool = True, keep_bf16=None):
+        """keep_bf16(layer experts) -> whether their pool keeps bfloat16 parts as stored when
+        upcasting (the CPU kernels' tiles take them so); None: never."""
         if policy not in CACHE_POLICIES:
             raise ValueError(f"cache policy must be one of {CACHE_POLICIES}, got {policy!r}")
         self.policy = policy
@@ -190,6 +229,7 @@ class ExpertStore:
         self._local = threading.local()
         self._pool_of: dict[int, SlotPool] = {}
         self.upcast = upcast
+        self.keep_bf16 = keep_bf16 or (lambda layer: False)
         self._inflight: dict[tuple[int, int], concurrent.futures.Future] = {}
         self.routers: dict[int, np.ndarray] = {}  # layer -> router weight [E, H], for --prefetch
         self.prefetch_mode = "off"  # "slots": read guesses into slots; "hint": into the page cache
@@ -219,6 +259,7 @@ class ExpertStore:
         # preload's reads get threads of their own: a miss is never queued behind them
         self._preload_exec: ThreadPoolExecutor | None = None
         self.peak_used_bytes = 0
+        self.busy = BusyClock()  # the drive kept busy by this store's reads (benchmarks' overlap)
         # Each expert block of a packed folder is checked against the manifest's CRC-32 the first
         # time this process reads it (direct mode has no checksums): a flipped bit on the disk is
         # an error naming layer and expert, not garbage output. One flag per (layer, expert).
@@ -227,6 +268,7 @@ class ExpertStore:
                           for l in layers if l.file is not None and l.checksums}
         self._verify_lock = threading.Lock()
         self.verify_s = 0.0  # seconds the reader threads spent computing checksums, in total
+        self.land_s = 0.0  # ... and in the pools' landing steps (the CPU kernels' repack into tiles)
         self.verified_bytes = 0
 
     # -- sizing --------------------------------------------------------------------------
@@ -235,17 +277,16 @@ class ExpertStore:
         for l in layers:
             groups.setdefault(l.signature, []).append(l)
         total = sum(l.expert_bytes * l.num_experts for l in layers)
-        if budget_bytes is None:
-            budget_bytes = default_budget(total)
         granted = 0
         for sig, ls in groups.items():
             group_total = sum(l.expert_bytes * l.num_experts for l in ls)
             share = budget_bytes * group_total // total if total else 0
-            eb = sum(p.nbytes for p in held_parts(ls[0].parts, self.upcast))
+            keep = self.keep_bf16(ls[0])
+            eb = sum(p.nbytes for p in held_parts(ls[0].parts, self.upcast, keep))
             # Never below one token's experts; never above every expert of these layers.
             slots = min(max(self.top_k, share // eb), sum(l.num_experts for l in ls))
             slots = max(slots, min(self.top_k, max(l.num_experts for l in ls)))
-            pool = SlotPool(ls[0].parts, slots, self.upcast)
+            pool = SlotPool(ls[0].parts, slots, self.upcast, keep)
             self.pools.append(pool)
             for l in ls:
                 self._pool_of[l.layer] = pool
@@ -288,8 +329,9 @@ class ExpertStore:
         """Make sure `experts` (distinct ids, at most pool.slots of them) of `layer` sit in slots.
 
         Returns a lookup table expert id -> slot id (0 for experts not asked for). With `ready`,
-        the caller computes while the reads are in flight: ready(lut, ids) is called first with
-        the experts already cached, then with each missing expert as soon as it has landed.
+        the caller computes while the reads are in flight: ready(lut, ids, more) is called first
+        with the experts already cached (maybe none), then with the missing experts that have
+        landed since the last call; `more` says whether more calls follow.
         `during()` is called once, after that first ready call: while the misses are being read
         when there are any.
         """
@@ -317,7 +359,7 @@ class ExpertStore:
             stats.prefetch_used += len(hinted.intersection(misses))
         if not misses:
             if ready is not None:
-                ready(lut, hits)
+                ready(lut, hits, False)
             if during is not None:
                 during()
             return lut
@@ -325,28 +367,22 @@ class ExpertStore:
         if self.pending:
             mx.eval(self.pending)
             self.pending.clear()
-        jobs: dict[int, list] = {}
-        checks: dict[int, _Check | None] = {}
         slots = self._take_slots(pool, layer, wanted, len(misses))
         if len(slots) < len(misses):  # read-ahead holds the rest: let it land, then evict as usual
             self._drain_inflight()
             slots += self._take_slots(pool, layer, wanted, len(misses) - len(slots))
+        futures = {}  # piece -> expert
         for e, slot in zip(misses, slots):
             pool.put((layer, e), slot, self._tick)
             lut[e] = slot
-            jobs[e] = [(ext, pool.slot_views(slot, ext.first, ext.last), pool.conversions(ext.first, ext.last))
-                       for ext in info.extents(self.root, e)]
-            checks[e] = self._check_for(info, e, pool, slot)
-        futures, unread = {}, {}  # piece -> expert; expert -> pieces not landed yet
-        for e, js in jobs.items():
-            split = [p for job in js for p in pieces(job, READ_PIECE)]
-            unread[e] = len(split)
-            if checks[e] is not None:
-                checks[e].left = len(split)
+            landing, split = self._pieces(info, pool, e, slot)
             for p in split:
-                futures[self._exec.submit(self._read, *p, checks[e])] = e
-        if ready is not None and hits:
-            ready(lut, hits)  # cached experts compute while the misses are read
+                futures[self._exec.submit(self._read, *p, landing)] = e
+        unread = {e: 0 for e in misses}
+        for e in futures.values():
+            unread[e] += 1
+        if ready is not None:
+            ready(lut, hits, True)  # cached experts compute while the misses are read
         if during is not None:
             during()  # and so does the caller's other work (a shared expert)
         wait = 0.0
@@ -356,12 +392,15 @@ class ExpertStore:
                 t0 = perf_counter()
                 done, pending = concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
                 wait += perf_counter() - t0
+                landed = []
                 for f in done:
                     f.result()  # a read error or a checksum mismatch surfaces here
                     e = futures[f]
                     unread[e] -= 1
-                    if ready is not None and not unread[e]:
-                        ready(lut, [e])
+                    if not unread[e]:
+                        landed.append(e)
+                if ready is not None and landed:
+                    ready(lut, landed, bool(pending))  # what landed since the last wait, in one call
         except BaseException:
             # No slot may keep a half-read or corrupted expert for a later request to find:
             # let every read finish, then forget all of this call's misses.
@@ -376,11 +415,20 @@ class ExpertStore:
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         return lut
 
-    def _read_all(self, jobs, check=None) -> None:
-        if check is not None:
-            check.left = len(jobs)
+    def _pieces(self, info: LayerExperts, pool: SlotPool, expert: int, slot: int) -> tuple[_Landing, list]:
+        """The read jobs (extent, slot views, conversions) that bring `expert` into `slot`, in
+        pieces of at most READ_PIECE, and the _Landing that counts them."""
+        jobs = [(ext, pool.slot_views(slot, ext.first, ext.last), pool.conversions(ext.first, ext.last))
+                for ext in info.extents(self.root, expert)]
+        split = [p for job in jobs for p in pieces(job, READ_PIECE)]
+        landing = _Landing(info.layer, expert, pool, slot, self._check_for(info, expert),
+                           str(self.root / info.file) if info.file else str(self.root))
+        landing.left = len(split)
+        return landing, split
+
+    def _read_all(self, jobs, landing: _Landing) -> None:
         for job in jobs:
-            self._read(*job, check)
+            self._read(*job, landing)
 
     def _forget(self, pool: SlotPool, key: tuple[int, int]) -> None:
         """Drop an expert whose read failed from the cache; its slot becomes free."""
@@ -395,35 +443,42 @@ class ExpertStore:
         """Whether there is anything to check (packed folders; direct mode has no checksums)."""
         return bool(self._verified)
 
-    def _check_for(self, info: LayerExperts, expert: int, pool: SlotPool, slot: int) -> _Check | None:
-        """The check a read of `expert` must pass, or None: verified before, or nothing to check."""
+    def _check_for(self, info: LayerExperts, expert: int) -> int | None:
+        """The CRC-32 a read of `expert` must have, or None: verified before, or nothing to check."""
         done = self._verified.get(info.layer)
         if not self.verify_reads or done is None or done[expert]:
             return None
-        return _Check(info.layer, expert, info.checksums[expert], str(self.root / info.file),
-                      pool.slot_views(slot, 0, len(pool.held)))
+        return info.checksums[expert]
 
-    def _verify(self, check: _Check, data: list[memoryview] | None) -> None:
-        """Count a landed piece; after the last one, compare the expert's CRC-32 with the manifest's.
-        `data`: the on-disk bytes when they were staged (parts widened to float32 on read), else
-        the slot holds them as they are on disk."""
+    def _landed_piece(self, landing: _Landing, staged: list[memoryview] | None) -> None:
+        """Count a landed piece; after the last one, check the expert's CRC-32 against the
+        manifest's and run the pool's landing step, on this reader thread. `staged`: the on-disk
+        bytes when they were staged (parts widened to float32 on read); else the slot holds them."""
         with self._verify_lock:
-            check.left -= 1
-            if check.left:
+            landing.left -= 1
+            if landing.left:
                 return
-        t0 = perf_counter()
-        crc, n = 0, 0
-        for v in data if data is not None else check.views:
-            crc = zlib.crc32(v, crc)  # releases the GIL on large buffers
-            n += len(v)
-        took = perf_counter() - t0
-        with self._verify_lock:
-            self.verify_s += took
-            self.verified_bytes += n
-        if crc != check.expected:
-            raise ModelLoadError(check.path, f"layer {check.layer} expert {check.expert}: checksum mismatch, the "
-                                 "file is corrupted (`flashmoe verify` checks every expert)")
-        self._verified[check.layer][check.expert] = True
+        pool, slot = landing.pool, landing.slot
+        if landing.check is not None:
+            t0 = perf_counter()
+            crc, n = 0, 0
+            for v in staged if staged is not None else pool.slot_views(slot, 0, len(pool.held)):
+                crc = crc32(v, crc)  # releases the GIL
+                n += len(v)
+            took = perf_counter() - t0
+            with self._verify_lock:
+                self.verify_s += took
+                self.verified_bytes += n
+            if crc != landing.check:
+                raise ModelLoadError(landing.path, f"layer {landing.layer} expert {landing.expert}: checksum "
+                                     "mismatch, the file is corrupted (`flashmoe verify` checks every expert)")
+            self._verified[landing.layer][landing.expert] = True
+        if pool.land is not None:
+            t0 = perf_counter()
+            pool.land(slot)
+            took = perf_counter() - t0
+            with self._verify_lock:
+                self.land_s += took
 
     def _count(self, layer: int, wanted: set[int]) -> None:
         self._tick += 1
@@ -485,9 +540,7 @@ class ExpertStore:
                 return
             slot = slots[0]
             pool.put(key, slot, self._tick)
-            jobs = [(ext, pool.slot_views(slot, ext.first, ext.last), pool.conversions(ext.first, ext.last))
-                    for ext in info.extents(self.root, key[1])]
-            self._inflight[key] = self._exec.submit(self._read_all, jobs, self._check_for(info, key[1], pool, slot))
+            self._inflight[key] = self._exec.submit(self._read_all, *self._pieces(info, pool, key[1], slot)[::-1])
             stats = self.stats[layer]
             stats.prefetched += 1
             stats.bytes_read += info.expert_bytes
@@ -567,10 +620,8 @@ class ExpertStore:
                 continue  # this pool is full; another may not be
             slot = pool.free.pop()
             pool.put((layer, e), slot, self._tick)
-            jobs = [(ext, pool.slot_views(slot, ext.first, ext.last), pool.conversions(ext.first, ext.last))
-                    for ext in info.extents(self.root, e)]
-            self._inflight[(layer, e)] = self._preload_exec.submit(self._read_all, jobs,
-                                                                   self._check_for(info, e, pool, slot))
+            self._inflight[(layer, e)] = self._preload_exec.submit(self._read_all,
+                                                                   *self._pieces(info, pool, e, slot)[::-1])
             started += 1
             self.preloaded_bytes += info.expert_bytes
         self.preloaded += started
@@ -609,35 +660,42 @@ class ExpertStore:
             self._fds[path] = fd
         return fd
 
-    def _read(self, ext: Extent, views: list[memoryview], conversions: list, check: _Check | None = None) -> None:
+    def _read(self, ext: Extent, views: list[memoryview], conversions: list, landing: _Landing) -> None:
         fd = self._fd(ext.path)
         targets = views
         if any(conversions):
-            # Read the on-disk bytes into a staging buffer, then widen each part into its slot.
-            sizes = [len(v) // 2 if c else len(v) for v, c in zip(views, conversions)]
-            stage = memoryview(bytearray(sum(sizes)))
+            # Parts to widen are read into a staging buffer, then widened into their slots; the
+            # others straight into theirs.
+            stage = memoryview(bytearray(sum(len(v) // 2 for v, c in zip(views, conversions) if c)))
             views, pos = [], 0
-            for n in sizes:
-                views.append(stage[pos:pos + n])
-                pos += n
+            for v, c in zip(targets, conversions):
+                if c:
+                    views.append(stage[pos:pos + len(v) // 2])
+                    pos += len(v) // 2
+                else:
+                    views.append(v)
         try:
-            if self.direct_io:
-                got = self._read_direct(fd, ext, views)
-            else:
-                got = os.preadv(fd, views, ext.offset)
+            with self.busy:
+                if self.direct_io:
+                    got = self._read_direct(fd, ext, views)
+                else:
+                    got = os.preadv(fd, views, ext.offset)
         except OSError as e:
             raise ModelLoadError(ext.path, f"read failed at offset {ext.offset}: {e.strerror or e}") from None
         if got != ext.nbytes:
             raise ModelLoadError(ext.path, f"truncated: wanted {ext.nbytes} bytes at offset {ext.offset}, got {got}")
-        if check is not None:  # before widening: the checksum is of the bytes on disk
-            self._verify(check, views if any(conversions) else None)
         for src, dst, conv in zip(views, targets, conversions):
             if conv:
                 _to_float32(src, conv, dst)
+        # the checksum is of the bytes on disk: the staged ones where they were widened
+        self._landed_piece(landing, views if any(conversions) else None)
 
     def _read_direct(self, fd: int, ext: Extent, views: list[memoryview]) -> int:
-        # O_DIRECT needs aligned offsets, sizes and memory: read an aligned window into a
-        # page-aligned staging buffer (one per reader thread), then copy the parts out.
+        # O_DIRECT needs aligned offsets, sizes and memory. Slots whose parts are page-aligned
+        # in address and size (a packed folder's usually are) are read into directly; else an
+        # aligned window goes through a page-aligned staging buffer (one per reader thread).
+        if ext.offset % PAGE == 0 and all(len(v) % PAGE == 0 and _address(v) % PAGE == 0 for v in views):
+            return os.preadv(fd, views, ext.offset)
         start = ext.offset - ext.offset % PAGE
         end = -(-(ext.offset + ext.nbytes) // PAGE) * PAGE
         buf = getattr(self._local, "buf", None)
