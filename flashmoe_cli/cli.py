@@ -33,7 +33,12 @@ def _add_engine_options(p: argparse.ArgumentParser, k_list: bool = False, usage:
     which measure cold and warm caches themselves)."""
     p.add_argument("--expert-cache", type=parse_size, default=S, metavar="SIZE",
                    help="byte budget of the expert cache, e.g. 2GB, 512MB; 0 keeps only what the "
-                        "current token needs (default: every expert, at most a quarter of the RAM)")
+                        "current token needs (default: what the memory this process may use leaves after the "
+                        "resident weights, the KV cache, the kernels and a margin: cgroup limit, MemAvailable, "
+                        "rlimits; `flashmoe info` prints it)")
+    p.add_argument("--ctx-size", type=at_least(256), default=S, metavar="N",
+                   help="the longest prompt and reply, in tokens, the KV cache gets room for (default: the "
+                        "model's context where the memory budget has room, else what a quarter of it holds)")
     p.add_argument("--cache-policy", choices=CACHE_POLICY_CHOICES, default=S,
                    help="which cached expert a miss evicts: lfu (default), the least often used, or lru, "
                         "the least recently used")
@@ -260,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "its oldest tokens")
     serve.add_argument("--prompt-cache", type=parse_size, default=2 << 30, metavar="SIZE",
                        help="memory for the caches of recent prompts, reused by requests that resend them (0: none) "
-                            "(default 2GB)")
+                            "(default 2GB, at most a quarter of what the memory budget leaves after the weights and "
+                            "the KV cache)")
     serve.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
                        help="a model name clients may ask for (repeatable; default: any name is this model)")
     serve.add_argument("--strict-fields", action="store_true",
@@ -305,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "default: the demo model, built on first use")
     info.add_argument("-m", "--model", dest="model_flag", metavar="MODEL", help="the same as MODEL")
     info.add_argument("--json", action="store_true", help="print the description as JSON")
+    info.add_argument("--ctx-size", type=at_least(256), default=None, metavar="N",
+                      help="plan the memory budget for this context, as run and chat would (default: theirs)")
     info.add_argument("--load", action="store_true",
                       help="also load the model (its resident weights) and say which code computes each block "
                            "as loaded: MLX, the CPU kernels, or a fused CPU block")
