@@ -1,9 +1,14 @@
-"""The ASGI app: routes, the API key, the bounded queue, disconnects, /health and /metrics.
+"""The ASGI app: routes, the API key, the bounded queue, disconnects, keepalives, /health and /metrics.
 
 One engine serves every client: requests wait their turn on its thread (engine.py), at most
 `max_queue` at a time (in flight or waiting); past that a request is refused at once (HTTP 429
 for OpenAI routes, 529 overloaded for Anthropic's), so a client never waits without knowing.
-A client that goes away cancels its generation (the engine checks between tokens).
+A client that goes away cancels its generation (the engine checks between tokens). A request is
+read, checked and, when streamed, its prompt counted before anything is sent (`_prepare`, off
+the event loop): one that cannot run is an HTTP error, never a 200 that ends in an error event.
+A stream that has nothing to say for `keepalive_s` (a long prefill, a call being written) sends
+a keepalive: Anthropic's `ping` event, an SSE comment for OpenAI's routes. Every error, from a
+route or from Starlette (404, 405, ...), is JSON in the calling API's shape.
 """
 from __future__ import annotations
 
@@ -12,16 +17,23 @@ import hmac
 import json
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import anthropic_api, openai_api, responses_api
 from .errors import APIError
+from .fields import Fields
 from .generation import Generation
+
+KEEPALIVE_S = 5.0
+PING = 'event: ping\ndata: {"type": "ping"}\n\n'
+COMMENT = ": keepalive\n\n"
 
 
 @dataclass
@@ -34,6 +46,7 @@ class Metrics:
     decode_s: float = 0.0
     expert_bytes: float = 0.0
     hit_weighted: float = 0.0  # hit rate x decoded tokens, for a mean over tokens
+    ignored: Counter = field(default_factory=Counter)  # requests that carried each ignored field
     started: float = field(default_factory=time.time)
 
     def add(self, done) -> None:
@@ -46,14 +59,42 @@ class Metrics:
         self.hit_weighted += done.hit_rate * fed
 
 
+def _is_anthropic(request: Request) -> bool:
+    """Which API's shape an error takes: Anthropic's for its routes and for clients that say
+    they speak it (the anthropic-version header every Anthropic SDK sends)."""
+    return request.url.path.startswith("/v1/messages") or "anthropic-version" in request.headers
+
+
+def _users_turn(messages: list[dict]) -> bool:
+    """Whether the reply answers the user (no tool result since the last assistant message)."""
+    for m in reversed(messages):
+        if m["role"] == "assistant":
+            return True
+        if m["role"] == "tool":
+            return False
+    return True
+
+
 class Server:
     def __init__(self, engine, info, model_id: str, *, api_key: str | None = None, max_queue: int = 16,
-                 default_max_tokens: int = 1024, allow_origins: tuple[str, ...] = ()):
-        self.engine, self.info, self.model_id = engine, info, model_id
+                 default_max_tokens: int = 1024, allow_origins: tuple[str, ...] = (),
+                 served_names: tuple[str, ...] = (), strict_fields: bool = False, keepalive_s: float = KEEPALIVE_S,
+                 force_first_call: bool = False):
+        """served_names: the model names clients may ask for (--served-model-name); none: any
+        name is this model. strict_fields: refuse what would be ignored or translated.
+        force_first_call: a reply to the user's message, with tools offered under tool_choice
+        auto, must be a call (--force-first-call: for models too small to start one)."""
+        self.engine, self.info = engine, info
+        self.names = tuple(served_names) or (model_id,)
+        self.model_id = self.names[0]
+        self.restrict_names = bool(served_names)
         self.api_key = api_key
         self.max_queue = max_queue
         self.default_max_tokens = default_max_tokens
         self.allow_origins = tuple(allow_origins)  # CORS: none unless asked
+        self.strict_fields = strict_fields
+        self.keepalive_s = keepalive_s
+        self.force_first_call = force_first_call
         self.pending = 0
         self.metrics = Metrics()
 
@@ -76,10 +117,36 @@ class Server:
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         model = body.get("model")
-        if model is not None and model != self.model_id:
-            raise APIError(404, f"model {model!r} is not served here; this server runs {self.model_id!r} "
-                                "(GET /v1/models)", param="model")
+        if self.restrict_names and model is not None and model not in self.names:
+            raise APIError(404, f"model {model!r} is not served here; this server answers to "
+                                f"{', '.join(map(repr, self.names))} (GET /v1/models)", param="model")
         return body
+
+    def _answering(self, body: dict) -> str:
+        """The model name a response gives: the one asked for when it is one of ours, else ours."""
+        return body.get("model") if body.get("model") in self.names else self.model_id
+
+    def _prepare(self, parse, body: dict, stream: bool) -> tuple[Generation, Fields]:
+        """Everything a request needs before it is queued, all CPU work (run it off the event
+        loop): the body read through its API's field policy (every problem in one 400), the
+        engine request and its grammar built, and, for a stream, the prompt counted, so a
+        prompt that cannot run is an HTTP error before the first byte."""
+        fields = Fields(strict=self.strict_fields)
+        try:
+            call = parse(body, fields)
+        except APIError as e:
+            fields.check(also=e)
+        except (TypeError, AttributeError, KeyError, ValueError) as e:  # a body of the wrong shapes
+            fields.check(also=APIError(400, f"malformed request: {type(e).__name__}: {e}"))
+        fields.check()
+        if self.force_first_call and call.tool_choice == "auto" and call.tools and _users_turn(call.messages):
+            call.tool_choice, call.parallel_tool_calls = "required", False
+            fields.record("tool_choice: required (--force-first-call)")
+        gen = Generation(self.engine, call, self.info.chat_template, fields)
+        fields.check()
+        if stream:
+            gen.count_prompt()
+        return gen, fields
 
     def _admit(self, anthropic: bool, hold: bool = True) -> None:
         """Refuse past the queue's bound; `hold`: count the request as pending from now (a stream
@@ -104,17 +171,18 @@ class Server:
             try:
                 self._check_key(request)
                 body = await self._body(request)
-                call = parse(body)
-                gen = Generation(self.engine, call, self.info.chat_template)
-                self._admit(anthropic, hold=not body.get("stream"))
+                streamed = bool(body.get("stream"))
+                gen, fields = await asyncio.to_thread(self._prepare, parse, body, streamed)
+                self._admit(anthropic, hold=not streamed)
             except APIError as e:
                 return self._error(e, anthropic)
-            except (TypeError, AttributeError, KeyError, ValueError) as e:  # a body of the wrong shapes
-                return self._error(APIError(400, f"malformed request: {type(e).__name__}: {e}"), anthropic)
+            self.metrics.ignored.update(fields.ignored)
+            model = self._answering(body)
             rid = ("msg_" if anthropic else "chatcmpl-") + secrets.token_hex(12)
-            if body.get("stream"):
-                return StreamingResponse(self._sse(gen, stream(gen, self.model_id, rid, self.info), anthropic),
-                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            if streamed:
+                return StreamingResponse(self._sse(gen, stream(gen, model, rid, self.info), anthropic),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", **fields.header})
             try:
                 reply = await self._run_watched(gen, request)
             except APIError as e:
@@ -123,7 +191,7 @@ class Server:
                 self._done(gen)
             if reply is None:
                 return Response(status_code=499)
-            return JSONResponse(respond(reply, self.model_id, rid, self.info))
+            return JSONResponse(respond(gen, model, rid, self.info), headers=fields.header)
 
         return handler
 
@@ -139,37 +207,110 @@ class Server:
         return task.result()
 
     async def _sse(self, gen: Generation, events, anthropic: bool):
+        """The stream: each event as the API writes it, a keepalive whenever `keepalive_s` pass
+        without one, and an error event (in the API's shape) if the reply fails after it began."""
         self.pending += 1
+        out: asyncio.Queue = asyncio.Queue(maxsize=16)
+
+        async def produce():
+            try:
+                async for item in events:
+                    await out.put(("item", item))
+                await out.put(("end", None))
+            except APIError as e:
+                await out.put(("error", e))
+            except Exception as e:  # noqa: BLE001  (the client hears of it; the server goes on)
+                await out.put(("error", APIError(500, f"{type(e).__name__}: {e}")))
+
+        task = asyncio.create_task(produce())
         try:
-            async for item in events:
+            while True:
+                try:
+                    kind, item = await asyncio.wait_for(out.get(), self.keepalive_s)
+                except asyncio.TimeoutError:
+                    yield PING if anthropic else COMMENT
+                    continue
+                if kind == "end":
+                    if not anthropic:
+                        yield "data: [DONE]\n\n"
+                    return
+                if kind == "error":  # after the headers went out: an error event, in the API's shape
+                    payload = json.dumps(item.anthropic() if anthropic else item.openai())
+                    yield f"event: error\ndata: {payload}\n\n" if anthropic else f"data: {payload}\n\n"
+                    return
                 if anthropic:
                     name, payload = item
                     yield f"event: {name}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
                 else:
                     yield f"data: {json.dumps(item, ensure_ascii=False)}\n\n"
-            if not anthropic:
-                yield "data: [DONE]\n\n"
-        except APIError as e:  # after the headers went out: an error event, in the API's shape
-            payload = e.anthropic() if anthropic else e.openai()
-            yield (f"event: error\ndata: {json.dumps(payload)}\n\n" if anthropic else f"data: {json.dumps(payload)}\n\n")
         finally:
+            task.cancel()
             gen.cancel()  # a no-op after a complete reply; a client that left stops the engine
             self._done(gen)
 
     def _error(self, e: APIError, anthropic: bool) -> JSONResponse:
         return JSONResponse(e.anthropic() if anthropic else e.openai(), status_code=e.status)
 
+    async def http_error(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's own errors (no such route, a method the route does not take, ...) in the
+        calling API's shape."""
+        what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        e = APIError(exc.status_code, what.get(exc.status_code, str(exc.detail)))
+        return JSONResponse(e.anthropic() if _is_anthropic(request) else e.openai(), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    async def server_error(self, request: Request, exc: Exception) -> Response:
+        e = APIError(500, f"internal error: {type(exc).__name__}")
+        return JSONResponse(e.anthropic() if _is_anthropic(request) else e.openai(), status_code=500)
+
     # -- plain routes -----------------------------------------------------------------------
+    def _model(self, name: str, anthropic: bool) -> dict:
+        """One served model as the calling API lists it (no paths: its name and figures)."""
+        if anthropic:
+            return {"type": "model", "id": name, "display_name": name,
+                    "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.metrics.started))}
+        return {"id": name, "object": "model", "created": int(self.metrics.started), "owned_by": "flashmoe",
+                "flashmoe": {"model_type": self.info.model_type, "bits": self.info.bits,
+                             "experts": self.info.experts, "experts_per_token": self.info.top_k,
+                             "context": self.info.context}}
+
     async def models(self, request: Request) -> Response:
+        anthropic = _is_anthropic(request)
         try:
             self._check_key(request)
         except APIError as e:
-            return self._error(e, False)
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_id, "object": "model", "created": int(self.metrics.started), "owned_by": "flashmoe",
-             "flashmoe": {"path": self.info.model, "model_type": self.info.model_type, "bits": self.info.bits,
-                          "experts": self.info.experts, "experts_per_token": self.info.top_k,
-                          "context": self.info.context}}]})
+            return self._error(e, anthropic)
+        data = [self._model(n, anthropic) for n in self.names]
+        if anthropic:
+            return JSONResponse({"data": data, "has_more": False, "first_id": self.names[0], "last_id": self.names[-1]})
+        return JSONResponse({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: this model under any name unless --served-model-name lists them."""
+        anthropic = _is_anthropic(request)
+        name = request.path_params["name"]
+        try:
+            self._check_key(request)
+            if self.restrict_names and name not in self.names:
+                raise APIError(404, f"model {name!r} is not served here; this server answers to "
+                                    f"{', '.join(map(repr, self.names))}", param="model")
+        except APIError as e:
+            return self._error(e, anthropic)
+        return JSONResponse(self._model(name if name in self.names or not self.restrict_names else self.model_id,
+                                        anthropic))
+
+    async def count_tokens(self, request: Request) -> Response:
+        """POST /v1/messages/count_tokens: the prompt's length as the chat template renders it."""
+        try:
+            self._check_key(request)
+            body = await self._body(request)
+            gen, fields = await asyncio.to_thread(
+                self._prepare, lambda b, f: anthropic_api.parse_messages(b, f, counting=True), body, True)
+        except APIError as e:
+            return self._error(e, True)
+        if gen.prompt_tokens is None:
+            return self._error(APIError(501, "this engine cannot count tokens"), True)
+        return JSONResponse(anthropic_api.count_tokens_response(gen), headers=fields.header)
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": self.model_id, "queue": self.pending})
@@ -187,24 +328,27 @@ class Server:
             "generated_tokens": m.generated_tokens,
             "decode_tok_per_s": round(m.generated_tokens / m.decode_s, 2) if m.decode_s else 0.0,
             "expert_hit_rate": round(m.hit_weighted / fed, 4), "bytes_read_per_token": round(m.expert_bytes / fed),
+            "ignored_fields": dict(sorted(m.ignored.items())),
             "uptime_s": round(time.time() - m.started, 1)})
 
     def app(self) -> Starlette:
         d = self.default_max_tokens
         routes = [
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{name:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_route, methods=["GET"]),
-            Route("/v1/chat/completions", self.endpoint(lambda b: openai_api.parse_chat(b, d),
+            Route("/v1/chat/completions", self.endpoint(lambda b, f: openai_api.parse_chat(b, f, d),
                                                         openai_api.chat_response, openai_api.chat_chunks),
                   methods=["POST"]),
-            Route("/v1/completions", self.endpoint(lambda b: openai_api.parse_completion(b, d),
+            Route("/v1/completions", self.endpoint(lambda b, f: openai_api.parse_completion(b, f, d),
                                                    openai_api.completion_response, openai_api.completion_chunks),
                   methods=["POST"]),
-            Route("/v1/responses", self.endpoint(lambda b: responses_api.parse_responses(b, d),
+            Route("/v1/responses", self.endpoint(lambda b, f: responses_api.parse_responses(b, f, d),
                                                  responses_api.response, responses_api.events), methods=["POST"]),
             Route("/v1/messages", self.endpoint(anthropic_api.parse_messages, anthropic_api.message_response,
                                                 anthropic_api.message_events, anthropic=True), methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
         ]
         middleware = []
         if self.allow_origins:
@@ -213,4 +357,5 @@ class Server:
 
             middleware.append(Middleware(CORSMiddleware, allow_origins=list(self.allow_origins),
                                          allow_methods=["GET", "POST"], allow_headers=["*"]))
-        return Starlette(routes=routes, middleware=middleware)
+        return Starlette(routes=routes, middleware=middleware,
+                         exception_handlers={HTTPException: self.http_error, Exception: self.server_error})

@@ -26,6 +26,8 @@ def cmd_serve(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: not a port number (0-65535)")
+    if not 0 < args.keepalive <= 60:
+        raise UsageError(f"--keepalive {args.keepalive}: give seconds between 0 and 60")
     try:
         import uvicorn
 
@@ -38,7 +40,9 @@ def cmd_serve(args) -> int:
         info = engine.wait_loaded()
         name = model_id(args)
         server = Server(engine, info, name, api_key=args.api_key, max_queue=args.max_queue,
-                        default_max_tokens=args.max_tokens, allow_origins=tuple(args.allow_origin))
+                        default_max_tokens=args.max_tokens, allow_origins=tuple(args.allow_origin),
+                        served_names=tuple(args.served_model_name), strict_fields=args.strict_fields,
+                        keepalive_s=args.keepalive, force_first_call=args.force_first_call)
         config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=30, lifespan="off")
 
@@ -60,7 +64,7 @@ def cmd_serve(args) -> int:
                     port = self.servers[0].sockets[0].getsockname()[1]
                     key = "; every request needs the API key" if args.api_key else ""
                     bits = f"{info.bits}-bit" if info.bits else "unquantized"
-                    print(f"flashmoe: serving {name} ({info.model_type}, {bits}, "
+                    print(f"flashmoe: serving {server.model_id} ({info.model_type}, {bits}, "
                           f"K={info.top_k} of {info.experts} experts) at http://{args.host}:{port}/v1{key}",
                           file=sys.stderr, flush=True)
 

@@ -1,25 +1,42 @@
 """OpenAI's Responses API, the subset coding agents use: POST /v1/responses with `input` as text
-or items (messages, function_call, function_call_output), `instructions`, function tools, and
-streamed events. Nothing is stored (`store` must not be true), so `previous_response_id` is
-refused by name like any other field we do not implement."""
+or items (messages, function_call, function_call_output, reasoning), `instructions`, function
+tools, and streamed events. Nothing is stored, so `store: true` and `previous_response_id` are
+refused by name; what else each field comes to is in RESPONSES and docs/serve.md."""
 from __future__ import annotations
 
 import json
 import secrets
 import time
 
-from .errors import APIError, unknown_fields
+from .errors import APIError
+from .fields import Fields, Policy
 from .generation import ChatCall, Reply
-from .openai_api import conditions, max_tokens, response_format, sampling, text_of, tool_choice
+from .openai_api import (conditions, forced_name_check, max_tokens, response_format, sampling, text_of,
+                         thinking_from_effort, tool_choice)
 
-FIELDS = {"model", "input", "instructions", "stream", "max_output_tokens", "temperature", "top_p", "tools",
-          "tool_choice", "parallel_tool_calls", "store", "text", "include", "prompt_cache_key"}
+RESPONSES = Policy(
+    honoured=frozenset({"model", "input", "instructions", "stream", "max_output_tokens", "temperature", "top_p",
+                        "tools", "tool_choice", "parallel_tool_calls", "store", "text", "reasoning", "include",
+                        "previous_response_id", "conversation", "background", "top_logprobs"}),
+    ignored=frozenset({"client_metadata", "metadata", "prompt_cache_key", "prompt_cache_retention", "service_tier",
+                       "safety_identifier", "user", "stream_options", "truncation"}))
+TEXT = Policy(honoured=frozenset({"format"}), ignored=frozenset({"verbosity"}))
+REASONING = Policy(honoured=frozenset({"effort", "summary", "generate_summary"}))
+ITEM = Policy(honoured=frozenset({"type", "role", "content", "call_id", "name", "arguments", "output"}),
+              ignored=frozenset({"id", "status"}))
+FUNCTION = Policy(honoured=frozenset({"type", "name", "description", "parameters", "strict"}),
+                  ignored=frozenset({"defer_loading", "cache_control"}))
+SUMMARIES = ("auto", "concise", "detailed", "none")
+# include values about reasoning we do not encrypt, or tools we never run: they change nothing.
+IGNORED_INCLUDES = ("reasoning.encrypted_content", "web_search_call.action.sources", "web_search_call.results",
+                    "file_search_call.results", "code_interpreter_call.outputs",
+                    "computer_call_output.output.image_url", "message.input_image.image_url")
 
 
-def _input(body: dict) -> list[dict]:
+def _input(body: dict, fields: Fields) -> list[dict]:
     out: list[dict] = []
     if body.get("instructions"):
-        out.append({"role": "system", "content": text_of(body["instructions"], "instructions")})
+        out.append({"role": "system", "content": text_of(body["instructions"], "instructions", fields)})
     items = body.get("input")
     if isinstance(items, str):
         return out + [{"role": "user", "content": items}]
@@ -27,64 +44,102 @@ def _input(body: dict) -> list[dict]:
         raise APIError(400, "input must be a string or a non-empty list of items", param="input")
     for i, item in enumerate(items):
         where = f"input[{i}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if not isinstance(item, dict):
+            fields.refuse(f"{where} must be an object", "input")
+            continue
+        kind = item.get("type", "message")
+        if kind == "reasoning":
+            fields.ignore(f"{where} (type 'reasoning')", "earlier reasoning is left out, as templates do")
+            continue
+        fields.top(item, ITEM, where)
         if kind == "message":
             role = "system" if item.get("role") == "developer" else item.get("role")
             if role not in ("system", "user", "assistant"):
-                raise APIError(400, f"{where}: role must be system, developer, user or assistant", param="input")
-            out.append({"role": role, "content": text_of(item.get("content"), where)})
+                fields.refuse(f"{where}: role must be system, developer, user or assistant", "input")
+                continue
+            out.append({"role": role, "content": text_of(item.get("content"), where, fields)})
         elif kind == "function_call":
             try:
                 args = json.loads(item.get("arguments") or "{}")
             except json.JSONDecodeError:
-                raise APIError(400, f"{where}: arguments are not JSON", param="input") from None
+                fields.refuse(f"{where}: arguments are not JSON", "input")
+                continue
             call = {"id": item.get("call_id") or "", "name": item.get("name") or "", "arguments": args}
-            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
-                out[-1]["tool_calls"].append(call)
-            elif out and out[-1]["role"] == "assistant" and not out[-1].get("tool_calls"):
-                out[-1]["tool_calls"] = [call]
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else text_of(output, where)})
-        elif kind == "reasoning":
-            continue  # earlier reasoning: templates drop it from the history too
+                        "content": output if isinstance(output, str) else text_of(output, where, fields)})
         else:
-            raise APIError(400, f"{where}: item type {kind!r} is not supported", param="input")
+            fields.refuse(f"{where}: item type {kind!r} is not supported"
+                          + (" (nothing is stored here: send the items themselves)" if kind == "item_reference"
+                             else ""), "input")
     return out
 
 
-def _tools(tools) -> list[dict]:
-    out = []
+def _tools(tools, fields: Fields) -> tuple[list[dict], dict[str, str]]:
+    out, dropped = [], {}
     for i, t in enumerate(tools or []):
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
-            raise APIError(400, f"tools[{i}]: only function tools are supported", param="tools")
-        unknown_fields(t, {"type", "name", "description", "parameters", "strict"}, f"tools[{i}]")
+        if not isinstance(t, dict):
+            fields.refuse(f"tools[{i}] must be an object", "tools")
+            continue
+        if t.get("type") != "function":
+            dropped[str(t.get("name") or t.get("type"))] = str(t.get("type"))
+            fields.ignore(f"tools[{i}] (type {t.get('type')!r})", "only function tools are run here")
+            continue
+        fields.top(t, FUNCTION, f"tools[{i}]")
+        if not isinstance(t.get("name"), str):
+            fields.refuse(f"tools[{i}]: a function tool needs a name", "tools")
+            continue
         out.append({"name": t["name"], "description": t.get("description") or "",
                     "parameters": t.get("parameters") or {"type": "object", "properties": {}}})
-    return out
+    return out, dropped
 
 
-def parse_responses(body: dict, default_max: int) -> ChatCall:
-    unknown_fields(body, FIELDS)
+def parse_responses(body: dict, fields: Fields, default_max: int) -> ChatCall:
+    fields.top(body, RESPONSES)
     if body.get("store"):
-        raise APIError(400, "store: responses are not stored here; send store: false and the whole input",
-                       param="store")
-    if body.get("include"):
-        raise APIError(400, "include is not supported", param="include")
-    fmt = (body.get("text") or {}).get("format")
+        fields.refuse("store: true: responses are not stored here; send store: false and the whole input", "store")
+    for name in ("previous_response_id", "conversation"):
+        if body.get(name) is not None:
+            fields.refuse(f"{name}: nothing is stored here; send the whole conversation as input", name)
+    if body.get("background"):
+        fields.refuse("background: true is not supported (stream instead)", "background")
+    for value in body.get("include") or []:
+        if value in IGNORED_INCLUDES:
+            fields.ignore(f"include {value}")
+        else:
+            fields.refuse(f"include {value!r} is not supported", "include")
+    text = body.get("text") or {}
+    fields.top(text, TEXT, "text")
+    fmt = text.get("format")
     if fmt is not None and fmt.get("type") == "json_schema":
         fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
     json_reply, schema = response_format(fmt)
+    reasoning = body.get("reasoning") or {}
+    fields.top(reasoning, REASONING, "reasoning")
+    summary = reasoning.get("summary") or reasoning.get("generate_summary")
+    if summary is not None and summary not in SUMMARIES:
+        fields.refuse(f"reasoning.summary must be one of {', '.join(SUMMARIES)}", "reasoning")
+    tools, dropped = _tools(body.get("tools"), fields)
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function":
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    return ChatCall(messages=_input(body), tools=_tools(body.get("tools")), tool_choice=tool_choice(choice),
+    elif isinstance(choice, dict) and choice.get("type") in dropped.values():
+        raise APIError(400, f"tool_choice names a tool of type {choice['type']!r}: flashmoe serve runs function "
+                            "tools only", param="tool_choice")
+    choice = tool_choice(choice)
+    forced_name_check(choice, dropped)
+    return ChatCall(messages=_input(body, fields), tools=tools, tool_choice=choice,
                     parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
                     response_schema=schema, json_reply=json_reply,
-                    max_tokens=max_tokens(body, "max_output_tokens", default=default_max), sampling=sampling(body))
+                    max_tokens=max_tokens(body, "max_output_tokens", default=default_max),
+                    sampling=sampling(body, fields), summary=summary not in (None, "none"),
+                    thinking=thinking_from_effort(reasoning.get("effort"), "reasoning.effort", fields),
+                    thinking_field="reasoning.effort")
 
 
 def _usage(reply: Reply) -> dict:
@@ -100,67 +155,163 @@ def _message(mid: str, text: str, status: str = "completed") -> dict:
             "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
 
 
-def _calls(reply: Reply) -> list[dict]:
-    return [{"id": f"fc_{secrets.token_hex(8)}", "type": "function_call", "call_id": c.id, "name": c.name,
-             "arguments": json.dumps(c.arguments, ensure_ascii=False), "status": "completed"} for c in reply.calls]
+def _reasoning(rid: str, text: str, summary: bool) -> dict:
+    """A reasoning item: the model's reasoning as its summary when one was asked for, else as content."""
+    item = {"id": rid, "type": "reasoning", "summary": []}
+    if summary:
+        item["summary"] = [{"type": "summary_text", "text": text}]
+    else:
+        item["content"] = [{"type": "reasoning_text", "text": text}]
+    return item
+
+
+def _call_item(c, item_id: str | None = None) -> dict:
+    return {"id": item_id or f"fc_{secrets.token_hex(8)}", "type": "function_call", "call_id": c.id, "name": c.name,
+            "arguments": json.dumps(c.arguments, ensure_ascii=False), "status": "completed"}
+
+
+def _status(reply: Reply | None) -> str:
+    if reply is None:
+        return "in_progress"
+    return "incomplete" if reply.done.reason in ("length", "context") and not reply.calls else "completed"
 
 
 def _response(rid: str, model: str, output: list, reply: Reply | None, info, created: int) -> dict:
+    status = _status(reply)
     out = {"id": rid, "object": "response", "created_at": created, "model": model, "output": output,
-           "status": "in_progress" if reply is None else
-           ("incomplete" if reply.done.reason in ("length", "context") and not reply.calls else "completed"),
-           "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "error": None,
-           "incomplete_details": {"reason": "max_output_tokens"} if reply is not None and reply.done.reason in (
-               "length", "context") and not reply.calls else None}
+           "status": status, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "error": None,
+           "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None}
     if reply is not None:
         out["usage"] = _usage(reply)
         out["flashmoe"] = conditions(reply, info)
     return out
 
 
-def response(reply: Reply, model: str, rid: str, info) -> dict:
-    output = ([_message(f"msg_{secrets.token_hex(8)}", reply.text)] if reply.text else []) + _calls(reply)
+def response(gen, model: str, rid: str, info) -> dict:
+    reply, summary = gen.reply, gen.call.summary
+    output = [_reasoning(f"rs_{secrets.token_hex(8)}", reply.reasoning, summary)] if reply.reasoning else []
+    output += [_message(f"msg_{secrets.token_hex(8)}", reply.text)] if reply.text else []
+    output += [_call_item(c) for c in reply.calls]
     return _response(rid.replace("chatcmpl-", "resp_"), model, output, reply, info, int(time.time()))
 
 
 async def events(gen, model: str, rid: str, info):
-    """The streamed events, each with its sequence_number, as the SDK's event types read them."""
+    """The streamed events, each with its sequence_number, as the SDK's event types read them:
+    one output item at a time (reasoning, the message, each call), closed before the next opens;
+    `response.incomplete` last when the reply ran out of tokens, else `response.completed`."""
     rid = rid.replace("chatcmpl-", "resp_")
+    summary = gen.call.summary
     created, seq = int(time.time()), 0
-    mid = f"msg_{secrets.token_hex(8)}"
+    output: list[dict] = []
+    current: dict | None = None  # the item open now: {"kind", "id", "text", "index"}
 
     def ev(kind: str, **fields) -> dict:
         nonlocal seq
         seq += 1
         return {"type": kind, "sequence_number": seq - 1, **fields}
 
+    def close():
+        """The events that close the open item (its final form goes into `output`)."""
+        nonlocal current
+        c, current = current, None
+        if c is None:
+            return
+        i, text = c["index"], c["text"]
+        if c["kind"] == "reasoning":
+            item = _reasoning(c["id"], text, summary)
+            if summary:
+                yield ev("response.reasoning_summary_text.done", item_id=c["id"], output_index=i, summary_index=0,
+                         text=text)
+                yield ev("response.reasoning_summary_part.done", item_id=c["id"], output_index=i, summary_index=0,
+                         part={"type": "summary_text", "text": text})
+            else:
+                yield ev("response.reasoning_text.done", item_id=c["id"], output_index=i, content_index=0, text=text)
+        elif c["kind"] == "message":
+            item = _message(c["id"], text)
+            yield ev("response.output_text.done", item_id=c["id"], output_index=i, content_index=0, text=text,
+                     logprobs=[])
+            yield ev("response.content_part.done", item_id=c["id"], output_index=i, content_index=0,
+                     part=item["content"][0])
+        else:
+            item = {"id": c["id"], "type": "function_call", "call_id": c["call_id"], "name": c["name"],
+                    "arguments": text, "status": "completed"}
+            yield ev("response.function_call_arguments.done", item_id=c["id"], output_index=i, arguments=text,
+                     name=c["name"])
+        output.append(item)
+        yield ev("response.output_item.done", output_index=i, item=item)
+
+    def open_item(kind: str, **extra):
+        nonlocal current
+        i = len(output)
+        prefix = {"reasoning": "rs", "message": "msg", "call": "fc"}[kind]
+        current = {"kind": kind, "id": f"{prefix}_{secrets.token_hex(8)}", "text": "", "index": i, **extra}
+        if kind == "reasoning":
+            yield ev("response.output_item.added", output_index=i, item={"id": current["id"], "type": "reasoning",
+                                                                         "summary": []})
+            if summary:
+                yield ev("response.reasoning_summary_part.added", item_id=current["id"], output_index=i,
+                         summary_index=0, part={"type": "summary_text", "text": ""})
+        elif kind == "message":
+            yield ev("response.output_item.added", output_index=i, item=_message(current["id"], "", "in_progress"))
+            yield ev("response.content_part.added", item_id=current["id"], output_index=i, content_index=0,
+                     part={"type": "output_text", "text": "", "annotations": []})
+        else:
+            yield ev("response.output_item.added", output_index=i, item={
+                "id": current["id"], "type": "function_call", "call_id": extra["call_id"], "name": extra["name"],
+                "arguments": "", "status": "in_progress"})
+
     yield ev("response.created", response=_response(rid, model, [], None, info, created))
     yield ev("response.in_progress", response=_response(rid, model, [], None, info, created))
-    text, opened = "", False
     async for d in gen.deltas():
-        if d.kind != "text":
+        if d.kind == "call":
+            for e in close():
+                yield e
+            for e in open_item("call", call_id=d.id, name=d.name):
+                yield e
             continue
-        if not opened:
-            opened = True
-            yield ev("response.output_item.added", output_index=0, item=_message(mid, "", "in_progress"))
-            yield ev("response.content_part.added", item_id=mid, output_index=0, content_index=0,
-                     part={"type": "output_text", "text": "", "annotations": []})
-        text += d.text
-        yield ev("response.output_text.delta", item_id=mid, output_index=0, content_index=0, delta=d.text, logprobs=[])
+        if d.kind == "call_end":
+            for e in close():
+                yield e
+            continue
+        kind = {"text": "message", "reasoning": "reasoning", "args": "call"}[d.kind]
+        if current is None or current["kind"] != kind:
+            for e in close():
+                yield e
+            for e in open_item(kind):
+                yield e
+        current["text"] += d.text
+        i, item_id = current["index"], current["id"]
+        if kind == "message":
+            yield ev("response.output_text.delta", item_id=item_id, output_index=i, content_index=0, delta=d.text,
+                     logprobs=[])
+        elif kind == "reasoning" and summary:
+            yield ev("response.reasoning_summary_text.delta", item_id=item_id, output_index=i, summary_index=0,
+                     delta=d.text)
+        elif kind == "reasoning":
+            yield ev("response.reasoning_text.delta", item_id=item_id, output_index=i, content_index=0, delta=d.text)
+        else:
+            yield ev("response.function_call_arguments.delta", item_id=item_id, output_index=i, delta=d.text)
     reply = gen.reply
-    output = []
-    if opened:
-        part = {"type": "output_text", "text": reply.text, "annotations": []}
-        yield ev("response.output_text.done", item_id=mid, output_index=0, content_index=0, text=reply.text, logprobs=[])
-        yield ev("response.content_part.done", item_id=mid, output_index=0, content_index=0, part=part)
-        output.append(_message(mid, reply.text))
-        yield ev("response.output_item.done", output_index=0, item=output[-1])
-    for call in _calls(reply):
+    if reply.invalid_text:  # the text of a call that failed: as the non-streamed reply has it
+        if current is None or current["kind"] != "message":
+            for e in close():
+                yield e
+            for e in open_item("message"):
+                yield e
+        current["text"] += reply.invalid_text
+        yield ev("response.output_text.delta", item_id=current["id"], output_index=current["index"],
+                 content_index=0, delta=reply.invalid_text, logprobs=[])
+    for e in close():
+        yield e
+    streamed = sum(1 for o in output if o["type"] == "function_call")
+    for c in reply.calls[streamed:]:
+        item = _call_item(c)
         i = len(output)
-        yield ev("response.output_item.added", output_index=i, item={**call, "arguments": "", "status": "in_progress"})
-        yield ev("response.function_call_arguments.delta", item_id=call["id"], output_index=i, delta=call["arguments"])
-        yield ev("response.function_call_arguments.done", item_id=call["id"], output_index=i,
-                 arguments=call["arguments"], name=call["name"])
-        output.append(call)
-        yield ev("response.output_item.done", output_index=i, item=call)
-    yield ev("response.completed", response=_response(rid, model, output, reply, info, created))
+        yield ev("response.output_item.added", output_index=i, item={**item, "arguments": "", "status": "in_progress"})
+        yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=item["arguments"])
+        yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                 arguments=item["arguments"], name=item["name"])
+        output.append(item)
+        yield ev("response.output_item.done", output_index=i, item=item)
+    final = _response(rid, model, output, reply, info, created)
+    yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final)

@@ -1,0 +1,244 @@
+"""The server's field policy (docs/serve.md): hints accepted and recorded, translations, one 400
+naming every problem, --strict-fields, model names, errors in each API's shape, no paths.
+
+In-process (Starlette's TestClient over the ASGI app) on the scripted test engine: these are
+about what the server does with a body, not about generation."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from flashmoe.cli.serve import anthropic_api, openai_api, responses_api
+from flashmoe.cli.serve.app import Server
+from flashmoe.cli.serve.fields import Fields
+from flashmoe.cli.serve.generation import Prompter, system_anywhere
+from flashmoe.engine.testing import FakeEngine
+from tests.tiny_tokenizer import CHAT_TEMPLATE
+
+ROOT = Path(__file__).resolve().parents[1]
+HELLO = [{"role": "user", "content": "Hello"}]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+WEATHER = {"name": "get_weather", "description": "Weather", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+# Qwen3.5's rule: one system message, first (the template raises otherwise).
+ONE_SYSTEM = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+              "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+              "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def client(replies=("Hello there friend",), template=CHAT_TEMPLATE, **options) -> TestClient:
+    engine = FakeEngine(list(replies), chat_template=template)
+    return TestClient(Server(engine, engine.loaded_info, "demo", **options).app())
+
+
+@pytest.fixture(scope="module")
+def c():
+    return client()
+
+
+def ignored(r) -> list[str]:
+    return [x for x in r.headers.get("x-flashmoe-ignored", "").split(", ") if x]
+
+
+# -- what Claude Code and Codex send that was refused before (issue 40) -----------------------
+
+def test_claude_codes_hint_fields_are_accepted_and_recorded(c):
+    body = {"model": "claude-sonnet-4-5", "max_tokens": 32000, "messages": HELLO, "metadata": {"user_id": "u"},
+            "thinking": {"type": "adaptive"}, "context_management": {"edits": [{"type": "clear_thinking_20251015"}]},
+            "output_config": {"effort": "high"},
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.6fc; cc_entrypoint=cli;"},
+                       {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}}]}
+    r = c.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "demo"  # any name: the one model answers, and says so
+    assert set(ignored(r)) == {"metadata", "thinking", "context_management", "output_config.effort",
+                               "system.x-anthropic-billing-header", "cache_control"}
+    m = c.get("/metrics").json()["ignored_fields"]
+    assert m["context_management"] >= 1 and m["system.x-anthropic-billing-header"] >= 1
+
+
+def test_codexs_hint_fields_are_accepted_and_non_function_tools_dropped(c):
+    body = {"model": "gpt-5.3-codex", "input": [{"type": "message", "role": "developer", "id": "m1",
+                                                 "content": [{"type": "input_text", "text": "Be brief."}]},
+                                                {"type": "message", "role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "name": "exec_command", "parameters": {"type": "object"}, "strict": False},
+                      {"type": "namespace", "name": "multi_agent_v1", "tools": []},
+                      {"type": "web_search", "external_web_access": False}],
+            "tool_choice": "auto", "parallel_tool_calls": True, "reasoning": {"summary": "auto"}, "store": False,
+            "include": ["reasoning.encrypted_content"], "prompt_cache_key": "k", "client_metadata": {"a": "b"},
+            "stream": True}
+    r = c.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    got = set(ignored(r))
+    assert {"client_metadata", "prompt_cache_key", "include reasoning.encrypted_content", "input[].id",
+            "tools[] (type 'namespace')", "tools[] (type 'web_search')"} <= got
+    assert r.text.rstrip().splitlines()[-1].startswith("data: ") and '"response.completed"' in r.text
+
+
+def test_every_problem_is_named_in_one_400(c):
+    body = {"input": "hi", "previous_response_id": "resp_1", "store": True, "top_logprobs": 3, "frobnicate": 1,
+            "include": ["message.output_text.logprobs"]}
+    r = c.post("/v1/responses", json=body)
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert msg.startswith("5 problems")
+    for name in ("previous_response_id", "store", "top_logprobs", "frobnicate", "message.output_text.logprobs"):
+        assert name in msg
+    r = c.post("/v1/chat/completions", json={"messages": HELLO, "n": 2, "logprobs": True, "logit_bias": {"1": 2},
+                                            "store": True})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("4 problems")
+    image = {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "AA=="}}]}
+    r = c.post("/v1/messages", json={"max_tokens": 5, "messages": [image], "container": "x"})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "text only" in r.json()["error"]["message"] and "container" in r.json()["error"]["message"]
+
+
+def test_a_tool_choice_naming_a_dropped_tool_is_refused(c):
+    r = c.post("/v1/messages", json={"max_tokens": 5, "messages": HELLO, "tool_choice": {"type": "tool", "name": "web"},
+                                     "tools": [{"type": "web_search_20250305", "name": "web"}]})
+    assert r.status_code == 400 and "web_search_20250305" in r.json()["error"]["message"]
+    r = c.post("/v1/responses", json={"input": "hi", "tools": [{"type": "web_search"}],
+                                      "tool_choice": {"type": "web_search"}})
+    assert r.status_code == 400 and "function tools only" in r.json()["error"]["message"]
+    r = c.post("/v1/chat/completions", json={"messages": HELLO, "tools": [{"type": "custom", "custom": {"name": "x"}}],
+                                            "tool_choice": {"type": "custom", "custom": {"name": "x"}}})
+    assert r.status_code == 400 and "'custom'" in r.json()["error"]["message"]
+
+
+def test_strict_fields_refuses_what_would_be_ignored_naming_each():
+    strict = client(strict_fields=True)
+    body = {"max_tokens": 5, "messages": HELLO, "metadata": {}, "context_management": {}, "thinking": {"type": "adaptive"}}
+    r = strict.post("/v1/messages", json=body)
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert msg.startswith("3 problems") and all(n in msg for n in ("metadata", "context_management", "thinking"))
+    assert strict.post("/v1/messages", json={"max_tokens": 5, "messages": HELLO}).status_code == 200
+
+
+# -- translations -----------------------------------------------------------------------------
+
+def test_mid_conversation_system_messages_follow_the_template():
+    assert system_anywhere(CHAT_TEMPLATE) and not system_anywhere(ONE_SYSTEM)
+    from flashmoe.cli.serve.generation import ChatCall
+
+    history = [{"role": "system", "content": "A"}, {"role": "user", "content": "u"},
+               {"role": "system", "content": "B"}, {"role": "user", "content": "v"}]
+    kept = Prompter(CHAT_TEMPLATE).messages(ChatCall(messages=history), [])
+    assert [m["role"] for m in kept] == ["system", "user", "system", "user"]
+    fields = Fields()
+    merged = Prompter(ONE_SYSTEM).messages(ChatCall(messages=history), [], fields)
+    assert merged == [{"role": "system", "content": "A\n\nB"}, {"role": "user", "content": "u"},
+                      {"role": "user", "content": "v"}]
+    assert fields.translated == ["system messages: merged into the system prompt"]
+    # Claude Code's mid-conversation system message, through the API and the template that refuses it
+    c = client(template=ONE_SYSTEM)
+    r = c.post("/v1/messages", json={"max_tokens": 5, "system": "A", "messages": [
+        {"role": "user", "content": "u"}, {"role": "system", "content": "B"}, {"role": "user", "content": "v"}]})
+    assert r.status_code == 200, r.text
+    assert "merged" in r.headers["x-flashmoe-translated"]
+
+
+def test_thinking_goes_onto_the_templates_switch_or_is_recorded():
+    switch = "{% if enable_thinking is defined and not enable_thinking %}NOTHINK{% endif %}" + CHAT_TEMPLATE
+    engine = FakeEngine(["ok"], chat_template=switch)
+    c = TestClient(Server(engine, engine.loaded_info, "demo").app())
+    r = c.post("/v1/messages", json={"max_tokens": 5, "messages": HELLO, "thinking": {"type": "disabled"}})
+    assert r.headers["x-flashmoe-translated"] == "thinking -> enable_thinking=false"
+    assert engine.requests[-1].template_kwargs == {"enable_thinking": False}
+    c.post("/v1/responses", json={"input": "hi", "reasoning": {"effort": "high"}})
+    assert engine.requests[-1].template_kwargs == {"enable_thinking": True}
+    c.post("/v1/chat/completions", json={"messages": HELLO, "reasoning_effort": "minimal"})
+    assert engine.requests[-1].template_kwargs == {"enable_thinking": False}
+    # no switch in the template: nothing it could change, recorded as ignored
+    r = client().post("/v1/chat/completions", json={"messages": HELLO, "reasoning_effort": "high"})
+    assert ignored(r) == ["reasoning_effort"]
+
+
+def test_force_first_call_requires_a_call_only_in_reply_to_the_user():
+    engine = FakeEngine([CALL, "The weather is fine."], chat_template=CHAT_TEMPLATE)
+    c = TestClient(Server(engine, engine.loaded_info, "demo", force_first_call=True).app())
+    first = c.post("/v1/messages", json={"max_tokens": 50, "messages": [{"role": "user", "content": "Oslo?"}],
+                                         "tools": [WEATHER]})
+    assert first.json()["stop_reason"] == "tool_use" and "force-first-call" in first.headers["x-flashmoe-translated"]
+    assert engine.requests[-1].constraint.mode == "required" and not engine.requests[-1].constraint.parallel
+    use = first.json()["content"][0]
+    after = c.post("/v1/messages", json={"max_tokens": 50, "tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"},
+                                     {"type": "text", "text": "<system-reminder>be brief</system-reminder>"}]}]})
+    assert engine.requests[-1].constraint.mode == "tools" and "x-flashmoe-translated" not in after.headers
+
+
+# -- names, routes, errors ----------------------------------------------------------------------
+
+def test_served_model_names_restrict_the_names_and_models_routes_show_no_paths():
+    named = client(served_names=("flash", "flash-2"))
+    r = named.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": HELLO})
+    assert r.status_code == 404 and "'flash'" in r.json()["error"]["message"]
+    assert named.post("/v1/chat/completions", json={"model": "flash-2", "messages": HELLO}).json()["model"] == "flash-2"
+    assert [m["id"] for m in named.get("/v1/models").json()["data"]] == ["flash", "flash-2"]
+    assert named.get("/v1/models/nope").status_code == 404
+    any_name = client()
+    assert any_name.get("/v1/models/claude-opus-4").json()["id"] == "claude-opus-4"
+    listing = any_name.get("/v1/models", headers={"anthropic-version": "2023-06-01"}).json()
+    assert listing["data"][0]["type"] == "model" and listing["has_more"] is False
+    for text in (any_name.get("/v1/models").text, named.get("/v1/models/flash").text):
+        assert not re.search(r'"/[^"]*/', text), text
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/nothing", 404), ("GET", "/v1/messages", 405),
+                                                ("DELETE", "/v1/chat/completions", 405), ("GET", "/nope", 404)])
+def test_every_error_is_json_in_the_calling_apis_shape(c, method, path, status):
+    r = c.request(method, path)
+    assert r.status_code == status and r.headers["content-type"] == "application/json"
+    body = r.json()
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and body["error"]["type"] in ("not_found_error", "invalid_request_error")
+    else:
+        assert body["error"]["message"] and "type" in body["error"]
+    assert c.request(method, path, headers={"anthropic-version": "2023-06-01"}).json()["type"] == "error"
+
+
+def test_paths_in_error_messages_are_cut_to_their_last_part():
+    from flashmoe.cli.serve.errors import APIError
+
+    e = APIError(500, "cannot read /root/.local/share/flashmoe/models/demo/experts/layer3.bin at http://x:1/v1/y")
+    assert e.message == "cannot read layer3.bin at http://x:1/v1/y"
+
+
+# -- the policy tables and the docs agree ------------------------------------------------------
+
+@pytest.mark.parametrize("heading,policies", [
+    ("POST /v1/messages (Anthropic)", [anthropic_api.MESSAGES, anthropic_api.OUTPUT_CONFIG, anthropic_api.THINKING,
+                                       anthropic_api.TOOL, anthropic_api.TEXT_BLOCK]),
+    ("POST /v1/messages/count_tokens (Anthropic)", [anthropic_api.COUNT_TOKENS]),
+    ("POST /v1/chat/completions (OpenAI)", [openai_api.CHAT, openai_api.MESSAGE, openai_api.FUNCTION, openai_api.TOOL]),
+    ("POST /v1/completions (OpenAI)", [openai_api.COMPLETION]),
+    ("POST /v1/responses (OpenAI Responses)", [responses_api.RESPONSES, responses_api.TEXT, responses_api.REASONING,
+                                               responses_api.FUNCTION, responses_api.ITEM])])
+def test_docs_name_every_field_of_each_endpoints_policy(heading, policies):
+    doc = (ROOT / "docs" / "serve.md").read_text()
+    section = doc.split(f"### {heading}\n", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z_]+)`", section))
+    for policy in policies:
+        missing = (policy.honoured | policy.ignored) - named
+        assert not missing, (heading, missing)
+
+
+def test_the_issue_40_first_requests_parse_without_problems():
+    """The field sets issue 40 lists, read by the parsers alone (the replays of the recorded
+    requests are tests/test_serve_agents.py)."""
+    fields = Fields()
+    anthropic_api.parse_messages({"model": "m", "max_tokens": 32000, "messages": HELLO, "thinking": {"type": "adaptive"},
+                                  "context_management": {}, "output_config": {"effort": "high"}, "stream": True,
+                                  "metadata": {}}, fields)
+    responses_api.parse_responses({"model": "m", "input": "hi", "client_metadata": {}, "reasoning": {},
+                                   "include": ["reasoning.encrypted_content"], "store": False,
+                                   "tools": [{"type": "namespace", "name": "n", "tools": []}]}, fields, 64)
+    assert fields.problems == []
+    json.dumps(fields.header)
