@@ -2,11 +2,19 @@
 10-turn conversation, in one sitting.
 
     python benchmarks/serve_bench.py [-m MODEL] [--tokens 32] [--turns 10]
+    python benchmarks/serve_bench.py --agent-sessions [-m MODEL]
 
 Prints time to first token and decode tok/s through the server (the openai SDK, streaming, as a
 client sees them) beside `flashmoe run --json` (its own events, after the model is loaded), and the
 prefill of each turn of a resent conversation with the prompt cache and without it (a second
 server with --prompt-cache 0 --disk-cache 0). Greedy; every figure with its conditions.
+
+--agent-sessions: what a prompt-cache hit costs across coding-agent sessions. Sessions that
+share a long system prompt and tools (Claude Code's recorded first request, tests/fixtures/agents/
+claude.json, its per-prompt billing block differing in each) each send a new task; each session's
+time to first token, streamed as a client sees it, against the prefill of its new tokens alone
+(the engine's prefill_s) and against a short prompt of as many new tokens: the difference is what
+the hit itself costs (finding and copying the cached prefix, rendering the longer prompt).
 """
 from __future__ import annotations
 
@@ -77,11 +85,67 @@ def run_cli(model: str | None, tokens: int, home: str) -> dict:
     return {"ttft_s": first - t_loaded, "decode_tps": done["generation_tps"], "prompt_tokens": done["prompt_tokens"]}
 
 
+def agent_sessions(model: str | None, home: str, sessions: int = 4) -> None:
+    """See the module docstring (--agent-sessions)."""
+    import httpx
+
+    fixture = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "agents", "claude.json")
+    with open(fixture, encoding="utf-8") as f:
+        first = next(e for e in json.load(f)["exchanges"] if e["method"] == "POST")["body"]
+    proc, url = start(model, home=home)
+    base = url[:-3]
+    rows = []
+    try:
+        for i in range(sessions + 1):
+            body = json.loads(json.dumps(first))
+            body.update(max_tokens=1, stream=True, temperature=0, model="demo")
+            body.pop("thinking", None)
+            body["system"][0]["text"] = f"x-anthropic-billing-header: cc_version=2.1.197.{i:03x}; cc_entrypoint=sdk-cli;"
+            task = (f"Session {i}: list the files and say which of them is the largest." if i < sessions
+                    else "Say hello.")
+            if i == sessions:  # the short prompt: about as many new tokens, nothing cached to share
+                body = {"model": "demo", "max_tokens": 1, "stream": True, "temperature": 0,
+                        "messages": [{"role": "user", "content": f"A prompt of its own {i}: " + task * 2}]}
+            else:
+                body["messages"] = [{"role": "user", "content": task}]
+            time.sleep(2.0)  # as an agent runs its tools between requests: the last reply's cache is saved by now
+            t0 = time.perf_counter()
+            first_byte = first_text = None
+            done = None
+            with httpx.stream("POST", f"{base}/v1/messages", json=body, timeout=600,
+                              headers={"anthropic-version": "2023-06-01"}) as r:
+                for line in r.iter_lines():
+                    now = time.perf_counter()
+                    first_byte = first_byte or now
+                    if line.startswith("data: ") and '"content_block_delta"' in line:
+                        first_text = first_text or now
+                    if line.startswith("data: ") and '"message_delta"' in line:
+                        done = json.loads(line[6:])
+            use = done["usage"]
+            rows.append({"session": i, "ttft_s": (first_text or time.perf_counter()) - t0,
+                         "prefill_s": done["flashmoe"]["prefill_s"], "new": use["input_tokens"],
+                         "cached": use["cache_read_input_tokens"]})
+    finally:
+        proc.terminate()
+        proc.wait()
+    print(f"{'session':>8}{'cached':>8}{'new tok':>9}{'ttft s':>9}{'prefill s':>11}{'ttft - prefill':>16}")
+    for r in rows:
+        label = "short" if r["session"] == sessions else str(r["session"])
+        print(f"{label:>8}{r['cached']:8d}{r['new']:9d}{r['ttft_s']:9.3f}{r['prefill_s']:11.3f}"
+              f"{r['ttft_s'] - r['prefill_s']:16.3f}")
+    short = rows[-1]["ttft_s"] - rows[-1]["prefill_s"]
+    hits = [r["ttft_s"] - r["prefill_s"] for r in rows[1:-1]]
+    print(f"a hit's cost beyond its new tokens' prefill: {min(hits) * 1e3:.0f}-{max(hits) * 1e3:.0f} ms "
+          f"(a short uncached prompt's: {short * 1e3:.0f} ms); the hit itself: "
+          f"{(sum(hits) / len(hits) - short) * 1e3:.0f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-m", "--model", default=None, help="model folder (default: the demo)")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--turns", type=int, default=10)
+    ap.add_argument("--agent-sessions", action="store_true", help="what a prompt-cache hit costs across sessions")
     args = ap.parse_args()
     import openai
 
@@ -91,6 +155,9 @@ def main() -> None:
         src = os.path.join(home, sub)
         if os.path.isdir(src):
             os.symlink(src, os.path.join(kv_home, sub))
+    if args.agent_sessions:
+        agent_sessions(args.model, kv_home)
+        return
     name = "demo" if not args.model else os.path.basename(args.model.rstrip("/"))
     ref = run_cli(args.model, args.tokens, home)
     proc, url = start(args.model, home=kv_home)

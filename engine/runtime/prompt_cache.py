@@ -33,17 +33,26 @@ def cache_bytes(session: Session) -> int:
     return sum(int(getattr(c, "nbytes", 0) or 0) for c in session.cache)
 
 
-def _copy_cache(cache: list):
-    """An independent copy of a prompt cache (mlx-lm's cache objects), buffers included."""
+def _copy_cache(cache: list, keep: int | None = None):
+    """An independent copy of a prompt cache (mlx-lm's cache objects), buffers included. With
+    `keep`, a cache of plain KV caches only is copied only as far as its first `keep` positions
+    (rounded up to the allocation step) and ends there, as a trim would leave it: a hit on a long
+    conversation's cache for the system prompt a new session shares copies the prefix, not the
+    conversation."""
     import copy
 
     import mlx.core as mx
     from mlx.utils import tree_map
+    from mlx_lm.models.cache import KVCache
 
+    cut = keep is not None and all(type(c) is KVCache and c.keys is not None and c.offset >= keep for c in cache)
     out = []
     for c in cache:
         new = copy.copy(c)
-        if c.state is not None:
+        if cut:
+            rows = min(c.keys.shape[2], -(-keep // c.step) * c.step)
+            new.state = (c.keys[..., :rows, :] + 0, c.values[..., :rows, :] + 0, keep)
+        elif c.state is not None:
             new.state = tree_map(lambda x: x + 0 if isinstance(x, mx.array) else x, c.state)
         out.append(new)
     mx.eval([c.state for c in out if c.state is not None])
@@ -86,7 +95,9 @@ class PromptCachePool:
             session = best
         else:
             session = Session(self.loaded)
-            session.cache, session.tokens = _copy_cache(best.cache), list(best.tokens)
+            session.cache, session.tokens = _copy_cache(best.cache, keep=shared), list(best.tokens)
+            if all(getattr(c, "offset", None) == shared for c in session.cache):
+                session.tokens = session.tokens[:shared]
         self.entries.append(session)
         self._evict(keep=session)
         return session
