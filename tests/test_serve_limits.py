@@ -252,3 +252,15 @@ def test_the_grammar_closes_calls_inside_the_budget(tok, mode, parallel):
                 jsonschema.validate(call.arguments, WEATHER["function"]["parameters"])
             if mode == "required":
                 assert ended, (budget, seed, text)  # the end of sequence, not the cut
+
+
+def test_a_call_read_out_of_the_text_is_not_content_too():
+    """A model that writes its call without <tool_call> (llama.cpp's lenient Hermes forms): the
+    call comes back as a call, and its markup is not also the answer's text."""
+    wrapped = '<tools>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}\n</tools>'
+    c = scripted(wrapped)
+    r = c.post("/v1/chat/completions", json={"messages": HELLO, "tools": [WEATHER], "max_tokens": 50}).json()
+    message = r["choices"][0]["message"]
+    assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_weather"
+    m = c.post("/v1/messages", json={"messages": HELLO, "tools": [TOOL_A], "max_tokens": 50}).json()
+    assert [b["type"] for b in m["content"]] == ["tool_use"] and m["stop_reason"] == "tool_use"

@@ -281,6 +281,7 @@ class _Block:
     raw: str
     closed: bool
     streamed: tuple[int, str] | None = None
+    in_text: bool = False  # read out of text already given (no marker opened it)
 
 
 class Generation:
@@ -300,6 +301,7 @@ class Generation:
         self._announced: tuple[int, str] | None = None  # its index among the calls and its id, once named
         self._streamed = 0  # calls announced so far
         self._held = ""  # blank text after a call or before one: not content if a call follows
+        self._opened = False  # a call marker opened the block under way
         self._ids: list[int] = []  # the generated token ids (which stop string matched)
         self._shown = 0  # TokenGenerated events seen
         self._whole = False  # run(): the reply is sent whole, nothing of it was streamed
@@ -385,12 +387,13 @@ class Generation:
             elif seg.kind == "text" and seg.text:
                 yield from self._text(seg.text)
             elif seg.kind == "tool_call_begin":
-                self._held = ""  # blanks between calls are not content
+                self._held, self._opened = "", True  # blanks between calls are not content
                 left = self.call.max_tokens - len(self._ids)
                 if self.prompter.streams_calls() and left >= STREAM_CALL_MIN_TOKENS:
                     self._stream, self._announced = JsonCallStream(seg.text), None
             elif seg.kind == "tool_call":
-                block = _Block(seg.text, seg.closed)
+                block = _Block(seg.text, seg.closed, in_text=not self._opened)
+                self._opened = False
                 if self._stream is not None:
                     yield from self._stream_call(seg.text, block)
                     if block.streamed is not None:
@@ -445,9 +448,10 @@ class Generation:
             named = any(c.name is not None for _, cs in parsed for c in cs)
             for i, (block, found) in enumerate(parsed):
                 if not block.closed:
-                    invalid.append({"raw": block.raw, "error": f"cut by max_tokens ({self.call.max_tokens})"})
-                    self._check_streamed(block, None, "it was cut by max_tokens "
-                                                      f"({self.call.max_tokens}) before it was complete")
+                    why = (f"cut by max_tokens ({self.call.max_tokens})" if done.reason == "length"
+                           else f"the reply ended inside it ({done.reason})")
+                    invalid.append({"raw": block.raw, "error": why})
+                    self._check_streamed(block, None, f"{why} before it was complete")
                     continue
                 if named:  # a stray empty block beside named calls is no call (parse_reply's rule)
                     found = [c for c in found if c.name is not None]
@@ -465,9 +469,11 @@ class Generation:
                         self._check_streamed(block, calls[-1] if ok else None, verdict.message)
                 if block.streamed and not found:
                     self._check_streamed(block, None, "it could not be read")
+        for block in self._blocks:  # a call read out of the text (a wrapper, prose around it) is not content
+            if block.in_text:
+                text = text.replace(block.raw, "", 1)
         reply_text = (text.strip() if self._blocks else text) + invalid_text  # blanks around calls: not content
-        return Reply(reply_text, state.reasoning, calls, invalid, done, self._matched_stop(done),
-                     invalid_text if invalid_text else "")
+        return Reply(reply_text, state.reasoning, calls, invalid, done, self._matched_stop(done), invalid_text)
 
     def _check_streamed(self, block: _Block, call: ToolCall | None, why: str) -> None:
         if block.streamed is None or self._whole:
