@@ -134,7 +134,7 @@ class Server:
         fields = Fields(strict=self.strict_fields)
         try:
             call = parse(body, fields)
-        except APIError as e:
+        except APIError as e:  # a problem that stopped the reading: named with the others
             fields.check(also=e)
         except (TypeError, AttributeError, KeyError, ValueError) as e:  # a body of the wrong shapes
             fields.check(also=APIError(400, f"malformed request: {type(e).__name__}: {e}"))
@@ -142,10 +142,13 @@ class Server:
         if self.force_first_call and call.tool_choice == "auto" and call.tools and _users_turn(call.messages):
             call.tool_choice, call.parallel_tool_calls = "required", False
             fields.record("tool_choice: required (--force-first-call)")
-        gen = Generation(self.engine, call, self.info.chat_template, fields)
+        try:
+            gen = Generation(self.engine, call, self.info.chat_template, fields)
+            if stream:
+                gen.count_prompt()
+        except (TypeError, AttributeError, KeyError, ValueError) as e:
+            raise APIError(400, f"malformed request: {type(e).__name__}: {e}") from None
         fields.check()
-        if stream:
-            gen.count_prompt()
         return gen, fields
 
     def _admit(self, anthropic: bool, hold: bool = True) -> None:
