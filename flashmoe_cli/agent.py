@@ -33,7 +33,7 @@ from .stats import TurnStats
 
 CONSTRAIN_MODES = ("off", "tools", "required")
 POLL_S = 0.1  # how often the wait for the next event wakes (saves a stalled reply, checks the deadline)
-STOP_GRACE_S = 2.0  # past the deadline, how long the engine has to end the reply before the turn ends without it
+STOP_GRACE_S = 2.0  # past the deadline, how long the engine may take to end the reply before the turn ends
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,8 @@ _PROGRAM_KEY = re.compile(
     r"^(?:core\.(?:sshcommand|gitproxy|askpass|editor|pager|fsmonitor|hookspath|attributesfile)"
     r"|diff\.external|diff\..+\.(?:command|textconv)|filter\..+\.(?:clean|smudge|process)|merge\..+\.driver"
     r"|gpg(?:\..+)?\.program|credential\..*helper|include\.path|includeif\..+\.path|alias\..+|sequence\.editor"
-    r"|pager\..+|interactive\.difffilter|uploadpack\..+|protocol\..*allow|remote\..+\.(?:uploadpack|receivepack|vcs|proxy)"
+    r"|pager\..+|interactive\.difffilter|uploadpack\..+|protocol\..*allow"
+    r"|remote\..+\.(?:uploadpack|receivepack|vcs|proxy)"
     r"|url\..+\.(?:insteadof|pushinsteadof)|ssh\.variant|http\..*proxy|difftool\..+|mergetool\..+|web\.browser"
     r"|browser\..+\.(?:cmd|path)|sendemail\..+)$", re.IGNORECASE)
 

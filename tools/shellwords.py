@@ -104,6 +104,9 @@ WRAPPERS: dict[str, Wrapper] = {
     "caffeinate": _w("tw"), "dbus-run-session": _w("", "--config-file --dbus-daemon"), "dbus-launch": _w(),
     "ssh-agent": _w("aEPt"), "with-lock-ex": _w(words=1), "tsp": _w("LND"), "expect": _w("cf", line="-c"),
 }
+# Behind a wrapper, how many of its words are tried as the program (its options and their values
+# come first; a word further on is an argument of whatever runs), and how many words each keeps.
+_GUESSES, _GUESS_WORDS = 32, 256
 # find's actions that run a command: the words after them, up to ';' or '+', are an argv.
 _FIND_EXEC = frozenset({"-exec", "-execdir", "-ok", "-okdir"})
 _FD_EXEC = frozenset({"-x", "--exec", "-X", "--exec-batch"})
@@ -266,12 +269,12 @@ def commands(line: str, _depth: int = 0) -> list[SimpleCommand] | None:
         for carried in lines:
             if not follow(carried):
                 return None
-        for wrapper, tail in tails:  # behind a wrapper, any later word may be the program
-            for k, w in enumerate(tail):
+        for wrapper, tail in tails:  # behind a wrapper, any of its first words may be the program
+            for k, w in enumerate(tail[:_GUESSES]):
                 if not w.startswith("-") and not _ASSIGNMENT.match(w) and w not in ("--", ":::"):
                     if re.search(r"\s", w):
                         follow(w, guess=True)
-                    out.append(SimpleCommand(tuple(tail[k:]), os.path.basename(w), True, guess=True))
+                    out.append(SimpleCommand(tuple(tail[k:k + _GUESS_WORDS]), os.path.basename(w), True, guess=True))
             if wrapper == "watch" and words:  # watch runs its arguments through sh -c
                 follow(" ".join(words), guess=True)
         if not words:

@@ -116,7 +116,8 @@ def fill_command(template: list[list[str | tuple[str]]], arguments: dict[str, An
     return argv
 
 
-def _filled_item(parts: list[str | tuple[str]], arguments: dict[str, Any], defaults: dict[str, Any]) -> tuple[str, str | None]:
+def _filled_item(parts: list[str | tuple[str]], arguments: dict[str, Any],
+                 defaults: dict[str, Any]) -> tuple[str, str | None]:
     """An argv item as it will be filled, and the argument its first character comes from (None
     when it comes from the definition itself: a literal or a default)."""
     text, source = "", None
@@ -170,7 +171,8 @@ def option_injection(template: list[list[str | tuple[str]]], arguments: dict[str
 _INTERPRETERS: dict[str, tuple[str, frozenset[str], bool, str, str]] = {
     "python": ("c", frozenset(), False, "", "WXmQ"), "pypy": ("c", frozenset(), False, "", "WXm"),
     "perl": ("eE", frozenset(), False, "", "IMmx"), "ruby": ("e", frozenset(), False, "", "IrCEFx"),
-    "node": ("ep", frozenset({"--eval", "--print"}), False, "", "r"), "bun": ("e", frozenset({"--eval"}), False, "", ""),
+    "node": ("ep", frozenset({"--eval", "--print"}), False, "", "r"),
+    "bun": ("e", frozenset({"--eval"}), False, "", ""),
     "php": ("rBRE", frozenset(), False, "", "cdz"), "lua": ("e", frozenset(), False, "", "l"),
     "luajit": ("e", frozenset(), False, "", "lj"), "rscript": ("e", frozenset(), False, "", ""),
     "osascript": ("e", frozenset(), False, "", "sl"), "tclsh": ("", frozenset(), False, "", ""),

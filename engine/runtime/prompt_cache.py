@@ -212,7 +212,8 @@ def read_header(file) -> dict:
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError) as e:
-        raise Damaged(f"its header is not JSON ({'nested too deeply' if isinstance(e, RecursionError) else e})") from None
+        why = "nested too deeply" if isinstance(e, RecursionError) else e
+        raise Damaged(f"its header is not JSON ({why})") from None
     if not isinstance(header, dict):
         raise Damaged("its header is not a JSON object")
     meta = header.get("__metadata__", {})
@@ -229,7 +230,8 @@ def read_header(file) -> dict:
         if not ok:
             raise Damaged(f"its tensor {name[:40]!r} is not described as safetensors describes one")
         begin, end = entry["data_offsets"]
-        if not 0 <= begin <= end <= data_bytes or end - begin != math.prod(entry["shape"]) * _DTYPE_BYTES[entry["dtype"]]:
+        size = math.prod(entry["shape"]) * _DTYPE_BYTES[entry["dtype"]]
+        if not 0 <= begin <= end <= data_bytes or end - begin != size:
             raise Damaged(f"its tensor {name[:40]!r} lies outside the file or does not match its shape")
     return header
 

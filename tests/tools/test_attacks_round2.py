@@ -174,6 +174,15 @@ def test_wrappers_around_other_programs_are_not_denied(ws, command):
     assert policy.decide(tool, {"command": command}).action == "allow", command
 
 
+def test_a_long_line_behind_a_wrapper_is_checked_in_linear_time(ws):
+    policy = Policy(ws, "yolo", dangerously_skip_approvals=True, deny=["run_shell(rm *)"])
+    tool = ToolRegistry(builtin_tools(policy))["run_shell"]
+    start = time.monotonic()
+    assert policy.decide(tool, {"command": "env " + "a " * 100_000 + "x"}).action == "allow"
+    assert policy.decide(tool, {"command": "env -u A -u B " + "rm " + "x " * 100_000}).action == "deny"
+    assert time.monotonic() - start < 10
+
+
 def test_the_wrapper_table_is_data():
     from flashmoe.tools.shellwords import WRAPPERS
 
