@@ -242,3 +242,18 @@ def test_the_issue_40_first_requests_parse_without_problems():
                                    "tools": [{"type": "namespace", "name": "n", "tools": []}]}, fields, 64)
     assert fields.problems == []
     json.dumps(fields.header)
+
+
+def test_a_clients_text_in_the_record_breaks_no_header_and_grows_no_metrics():
+    """Attack: what gets recorded can hold a client's text (a tool's type). A line break must not
+    split the header (no injected header), text outside Latin-1 must not make a 500, and a flood
+    of distinct names must not grow /metrics without bound."""
+    c = client()
+    evil = [{"type": "网\r\nx-evil: 1", "name": "x"}, {"type": "a" * 5000, "name": "y"}]
+    r = c.post("/v1/messages", json={"max_tokens": 5, "messages": HELLO, "tools": evil})
+    assert r.status_code == 200 and "x-evil" not in r.headers
+    assert "\\u7f51\\r\\n" in r.headers["x-flashmoe-ignored"] and len(r.headers["x-flashmoe-ignored"]) <= 2000
+    for i in range(300):
+        c.post("/v1/messages", json={"max_tokens": 1, "messages": HELLO, "tools": [{"type": f"t{i}", "name": "z"}]})
+    counted = c.get("/metrics").json()["ignored_fields"]
+    assert len(counted) <= 257 and counted["(other names)"] >= 40

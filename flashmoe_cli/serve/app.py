@@ -32,6 +32,7 @@ from .fields import Fields
 from .generation import Generation
 
 KEEPALIVE_S = 5.0
+IGNORED_NAMES = 256  # distinct ignored-field names /metrics counts (a tool's type is a client's text)
 PING = 'event: ping\ndata: {"type": "ping"}\n\n'
 COMMENT = ": keepalive\n\n"
 
@@ -48,6 +49,11 @@ class Metrics:
     hit_weighted: float = 0.0  # hit rate x decoded tokens, for a mean over tokens
     ignored: Counter = field(default_factory=Counter)  # requests that carried each ignored field
     started: float = field(default_factory=time.time)
+
+    def count_ignored(self, names: list[str]) -> None:
+        for name in names:
+            known = name in self.ignored or len(self.ignored) < IGNORED_NAMES
+            self.ignored[name if known else "(other names)"] += 1
 
     def add(self, done) -> None:
         self.prompt_tokens += done.prompt_tokens
@@ -179,7 +185,7 @@ class Server:
                 self._admit(anthropic, hold=not streamed)
             except APIError as e:
                 return self._error(e, anthropic)
-            self.metrics.ignored.update(fields.ignored)
+            self.metrics.count_ignored(fields.ignored)
             model = self._answering(body)
             rid = ("msg_" if anthropic else "chatcmpl-") + secrets.token_hex(12)
             if streamed:

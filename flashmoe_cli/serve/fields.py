@@ -18,6 +18,7 @@ from .errors import APIError
 _INDEX = re.compile(r"\[\d+\]")
 # Hints that appear all over a body (every block of Claude Code's): recorded by their name alone.
 EVERYWHERE = ("cache_control",)
+HEADER_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -98,10 +99,11 @@ class Fields:
     @property
     def header(self) -> dict[str, str]:
         """The response headers that record what was ignored and what translated (none when
-        nothing was)."""
+        nothing was). A name can hold a client's text (a tool's type): escaped to ASCII and cut
+        short, so a header is never broken, split or huge."""
         out = {}
-        if self.ignored:
-            out["x-flashmoe-ignored"] = ", ".join(self.ignored)
-        if self.translated:
-            out["x-flashmoe-translated"] = ", ".join(self.translated)
+        for name, items in (("x-flashmoe-ignored", self.ignored), ("x-flashmoe-translated", self.translated)):
+            if items:
+                value = ", ".join(items).encode("ascii", "backslashreplace").decode("ascii")
+                out[name] = value if len(value) <= HEADER_CHARS else value[:HEADER_CHARS - 3] + "..."
         return out
