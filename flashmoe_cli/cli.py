@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a stream may stay silent (a long prefill, a call being written) before a "
                             "keepalive is sent (default 5)")
     serve.add_argument("--force-first-call", action="store_true",
-                       help="a reply to the user's message must be a tool call when tools are offered under "
+                       help="a conversation's first reply must be a tool call when tools are offered under "
                             "tool_choice auto (for models too small to start one, like the demo)")
     _add_engine_options(serve)
     serve.add_argument("--engine", choices=("real", "fake"), default="real", help=argparse.SUPPRESS)
@@ -304,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                       help="cast float tensors (and quantization scales) to this type; float32 is "
                            "fastest on CPU (default: keep the source's)")
+    conv.add_argument("--expert-layout", choices=("auto", "mlx", "tiles"), default="auto",
+                      help="how the experts' bytes are ordered: auto (default) stores them in the CPU kernels' "
+                           "tiles wherever those compute them, so a read lands ready (the MLX kernels put them "
+                           "back in rows as they land); mlx keeps MLX's rows; tiles fails where a layer cannot")
 
     info = sub.add_parser("info", help="describe a model folder")
     info.add_argument("model", metavar="MODEL", nargs="?",

@@ -159,7 +159,7 @@ def test_thinking_goes_onto_the_templates_switch_or_is_recorded():
     assert ignored(r) == ["reasoning_effort"]
 
 
-def test_force_first_call_requires_a_call_only_in_reply_to_the_user():
+def test_force_first_call_requires_only_the_conversations_first_reply_to_be_a_call():
     engine = FakeEngine([CALL, "The weather is fine."], chat_template=CHAT_TEMPLATE)
     c = TestClient(Server(engine, engine.loaded_info, "demo", force_first_call=True).app())
     first = c.post("/v1/messages", json={"max_tokens": 50, "messages": [{"role": "user", "content": "Oslo?"}],
@@ -172,6 +172,12 @@ def test_force_first_call_requires_a_call_only_in_reply_to_the_user():
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"},
                                      {"type": "text", "text": "<system-reminder>be brief</system-reminder>"}]}]})
     assert engine.requests[-1].constraint.mode == "tools" and "x-flashmoe-translated" not in after.headers
+    # a later user message (Claude Code's "continue" after a reply hit max_tokens) is not forced:
+    # forcing each would loop call, result, reply, continue for ever on a model that never stops
+    c.post("/v1/messages", json={"max_tokens": 50, "tools": [WEATHER], "messages": [
+        {"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": "Let me see"},
+        {"role": "user", "content": "Go on."}]})
+    assert engine.requests[-1].constraint.mode == "tools"
 
 
 # -- names, routes, errors ----------------------------------------------------------------------

@@ -71,14 +71,9 @@ def _is_anthropic(request: Request) -> bool:
     return request.url.path.startswith("/v1/messages") or "anthropic-version" in request.headers
 
 
-def _users_turn(messages: list[dict]) -> bool:
-    """Whether the reply answers the user (no tool result since the last assistant message)."""
-    for m in reversed(messages):
-        if m["role"] == "assistant":
-            return True
-        if m["role"] == "tool":
-            return False
-    return True
+def _first_reply(messages: list[dict]) -> bool:
+    """Whether the reply is the conversation's first (no assistant message, no tool result yet)."""
+    return not any(m["role"] in ("assistant", "tool") for m in messages)
 
 
 class Server:
@@ -88,7 +83,7 @@ class Server:
                  force_first_call: bool = False):
         """served_names: the model names clients may ask for (--served-model-name); none: any
         name is this model. strict_fields: refuse what would be ignored or translated.
-        force_first_call: a reply to the user's message, with tools offered under tool_choice
+        force_first_call: a conversation's first reply, with tools offered under tool_choice
         auto, must be a call (--force-first-call: for models too small to start one)."""
         self.engine, self.info = engine, info
         self.names = tuple(served_names) or (model_id,)
@@ -145,7 +140,7 @@ class Server:
         except (TypeError, AttributeError, KeyError, ValueError) as e:  # a body of the wrong shapes
             fields.check(also=APIError(400, f"malformed request: {type(e).__name__}: {e}"))
         fields.check()
-        if self.force_first_call and call.tool_choice == "auto" and call.tools and _users_turn(call.messages):
+        if self.force_first_call and call.tool_choice == "auto" and call.tools and _first_reply(call.messages):
             call.tool_choice, call.parallel_tool_calls = "required", False
             fields.record("tool_choice: required (--force-first-call)")
         try:
