@@ -304,10 +304,6 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                       help="cast float tensors (and quantization scales) to this type; float32 is "
                            "fastest on CPU (default: keep the source's)")
-    conv.add_argument("--expert-layout", choices=("auto", "mlx", "tiles"), default="auto",
-                      help="how the experts' bytes are ordered: auto (default) stores them in the CPU kernels' "
-                           "tiles wherever those compute them, so a read lands ready (the MLX kernels put them "
-                           "back in rows as they land); mlx keeps MLX's rows; tiles fails where a layer cannot")
 
     info = sub.add_parser("info", help="describe a model folder")
     info.add_argument("model", metavar="MODEL", nargs="?",
