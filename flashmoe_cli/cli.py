@@ -42,7 +42,11 @@ def _add_engine_options(p: argparse.ArgumentParser, k_list: bool = False, usage:
     p.add_argument("--cache-policy", choices=CACHE_POLICY_CHOICES, default=S,
                    help="which cached expert a miss evicts: lfu (default), the least often used, or lru, "
                         "the least recently used")
-    p.add_argument("--direct-io", action="store_true", help="read experts with O_DIRECT (bypass the page cache)")
+    p.add_argument("--direct-io", action="store_const", const=True, default=None,
+                   help="read experts with O_DIRECT, and fail where the file system cannot (default: O_DIRECT "
+                        "wherever it can, else through the page cache)")
+    p.add_argument("--buffered-io", dest="direct_io", action="store_const", const=False,
+                   help="read experts through the page cache")
     p.add_argument("--io-threads", type=at_least(1), default=S, metavar="N", help="parallel expert reads (default 8)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=S,
                    help="float32 widens 16-bit weights and scales (much faster on MLX's CPU backend); "
@@ -304,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                       help="cast float tensors (and quantization scales) to this type; float32 is "
                            "fastest on CPU (default: keep the source's)")
+    conv.add_argument("--expert-layout", choices=("auto", "mlx", "tiles"), default="auto",
+                      help="how the experts' bytes are ordered: auto (default) stores them in the CPU kernels' "
+                           "tiles wherever those compute them, so a read lands ready (the MLX kernels put them "
+                           "back in rows as they land); mlx keeps MLX's rows; tiles fails where a layer cannot")
 
     info = sub.add_parser("info", help="describe a model folder")
     info.add_argument("model", metavar="MODEL", nargs="?",

@@ -16,7 +16,8 @@ def cmd_convert(args) -> int:
     from flashmoe.engine.formats.hf_cache import resolve
 
     out = convert(resolve(args.src), args.out, bits=args.bits, group_size=args.group_size,  # org/name: the cache's
-                  expert_bits=args.expert_bits, layer_bits=args.layer_bits, dtype=args.dtype, progress=Progress())
+                  expert_bits=args.expert_bits, layer_bits=args.layer_bits, dtype=args.dtype, progress=Progress(),
+                  expert_layout=args.expert_layout)
     print(f"flashmoe: wrote {out}", file=sys.stderr)
     return ExitCode.OK
 

@@ -20,7 +20,7 @@ class EngineOptions:
     engine: str = "real"  # "fake": the scripted test double (the hidden --engine flag)
     expert_cache: int | None = None
     io_threads: int = 8
-    direct_io: bool = False
+    direct_io: bool | None = None  # None: O_DIRECT where the file system takes it
     dtype: str = "auto"  # options.DTYPES
     kernels: str = "auto"
     kv_cache: str = "float32"  # options.KV_CACHES

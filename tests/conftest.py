@@ -117,18 +117,19 @@ def model_factory(tmp_path_factory):
     cache: dict = {}
     base = tmp_path_factory.mktemp("models")
 
-    def make(arch: str, bits: int | None = None, group_size: int = 64, converted: bool = False) -> Path:
+    def make(arch: str, bits: int | None = None, group_size: int = 64, converted: bool = False,
+             expert_layout: str = "auto") -> Path:
         key = (arch, bits, group_size)
         if key not in cache:
             cache[key] = save_folder(base / f"{arch}-{bits}-{group_size}", arch, bits=bits, group_size=group_size)
         src = cache[key]
         if not converted:
             return src
-        out = src.with_name(src.name + "-fm")
+        out = src.with_name(src.name + "-fm" + ("" if expert_layout == "auto" else f"-{expert_layout}"))
         if not out.exists():
             from flashmoe.engine.formats.convert import convert
 
-            convert(src, out)
+            convert(src, out, expert_layout=expert_layout)
         return out
 
     return make

@@ -78,10 +78,14 @@ def test_conversion_errors(model_factory, tmp_path):
     assert r.returncode == 2
 
 
-def test_manifest_describes_the_packed_files(model_factory):
-    out = model_factory("glm4_moe", 4, converted=True)
+@pytest.mark.parametrize("layout,version", [("auto", 2), ("mlx", 1)])
+def test_manifest_describes_the_packed_files(model_factory, layout, version):
+    """Version 1 when every layer keeps MLX's rows; 2 when some are in the CPU kernels' tiles, so
+    that a flashmoe from before tiles refuses the folder instead of reading tiles as rows."""
+    out = model_factory("glm4_moe", 4, converted=True, expert_layout=layout)
     doc = json.loads((out / "experts/manifest.json").read_text())
-    assert doc["format"] == "flashmoe-experts" and doc["version"] == 1
+    assert doc["format"] == "flashmoe-experts" and doc["version"] == version
+    assert all(l.get("layout", "mlx") == ("tiles" if version == 2 else "mlx") for l in doc["layers"])
     for layer in doc["layers"]:
         assert layer["stride"] % doc["alignment"] == 0 and layer["stride"] >= layer["expert_bytes"]
         names = [p["name"] for p in layer["parts"]]

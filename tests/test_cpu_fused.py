@@ -613,7 +613,7 @@ def test_decode_steps_take_one_call_per_layer_and_give_mlx_tokens(model_factory,
     monkeypatch.setattr(StreamingSwitchGLU, "decode_slots",
                         lambda *a: calls["slots"].append(slots(*a)) or calls["slots"][-1])
     monkeypatch.setattr(StreamingSwitchGLU, "fused_done",
-                        lambda self, ids, s, times: calls["layer"].append(s is not None) or done(self, ids, s, times))
+                        lambda self, ids, s, times, **kw: calls["layer"].append(s is not None) or done(self, ids, s, times, **kw))
     if not fused:
         monkeypatch.setattr(StreamingSwitchGLU, "fusable", lambda self: False)
     for budget, hits in ((10**9, True), (0, False)):

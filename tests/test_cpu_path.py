@@ -166,10 +166,14 @@ def test_an_expert_is_ready_once_all_its_pieces_landed(model_factory, monkeypatc
     pool = store.pool(info.layer)
     seen = []
 
-    assert pool.land is not None  # the CPU kernels' tiles: the reader thread repacks what landed
+    assert info.layout == "tiles" and pool.reads_tiles and pool.land is None  # (convert's default here)
+    mlx_rows = load(model_factory("qwen3_moe", 4, converted=True, expert_layout="mlx"), kernels="cpu",
+                    expert_cache=0, load_tokenizer=False)
+    assert mlx_rows.layers[0].layout == "mlx" and mlx_rows.store.pool(info.layer).land is not None
 
     def landed(e):
-        """Expert e's bytes from the file, through the landing step, as its slot must hold them."""
+        """Expert e's bytes from the file, through the landing step, as its slot must hold them:
+        tiles, as stored (convert's default) or as the reader thread repacks MLX's rows."""
         from flashmoe.engine.cpu.tiled_experts import TiledBank
 
         ext, = info.extents(store.root, e)
@@ -182,7 +186,8 @@ def test_an_expert_is_ready_once_all_its_pieces_landed(model_factory, monkeypatc
         one = {n: tuple(arrays[f"{n}.{a}"].view(m.dtype).reshape(1, *m.shape[1:])
                         for a, m in zip(("weight", "scales", "biases"), bank.w[n][:3])) + bank.w[n][3:]
                for n in bank.w}
-        TiledBank(one, np.ones(1, bool), bank.bank.bf16).land(0)
+        if not pool.reads_tiles:
+            TiledBank(one, np.ones(1, bool), bank.bank.bf16).land(0)
         return b"".join(one[n][i].tobytes() for n in bank.w for i in range(3))
 
     bank = lm.switches[info.module]._cpu

@@ -126,6 +126,36 @@ def test_o_direct_reads_give_the_same_logits(model_factory, path_kind):
     lm.close()
 
 
+@pytest.mark.parametrize("direct_io", [None, False])
+def test_reads_are_o_direct_by_default_and_buffered_where_the_file_system_refuses(model_factory, monkeypatch,
+                                                                                  direct_io):
+    """The default (None) opens the expert files with O_DIRECT; where a file system says EINVAL
+    to it, the file is read through the page cache instead, with the same logits. --buffered-io
+    (False) never asks; --direct-io (True) that cannot is one error naming the file."""
+    import errno
+
+    from flashmoe.engine.errors import ModelLoadError
+
+    packed = model_factory("mixtral", 4, converted=True)
+    ref = reference_model(model_factory("mixtral", 4))(mx.array([PROMPT]))
+    lm = load(packed, expert_cache=0, direct_io=direct_io, load_tokenizer=False)
+    lm.model(mx.array([PROMPT]))
+    assert bool(lm.store._direct_fds) == (direct_io is None)
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    lm = load(packed, expert_cache=0, direct_io=direct_io, load_tokenizer=False)
+    assert mx.abs(lm.model(mx.array([PROMPT])) - ref).max().item() <= 1e-5
+    assert not lm.store._direct_fds and lm.store._fds
+    with pytest.raises(ModelLoadError, match="cannot open with O_DIRECT: Invalid argument"):
+        load(packed, expert_cache=0, direct_io=True, load_tokenizer=False).model(mx.array([PROMPT]))
+
+
 def _open_fds() -> list[str]:
     return [os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")
             if os.path.exists(f"/proc/self/fd/{f}")]

@@ -216,7 +216,7 @@ def test_experts_land_in_tiles_on_the_reader_threads_and_change_no_token(model_f
     from flashmoe.engine.runtime.loader import load
     from tests.test_streaming_exact import PROMPT, greedy
 
-    packed = model_factory("qwen3_moe", 8, converted=True)
+    packed = model_factory("qwen3_moe", 8, converted=True, expert_layout="mlx")
     eager = load(packed, load_tokenizer=False, kernels="cpu")
     for layer in eager.layers:
         eager.store.fetch(layer.layer, list(range(layer.num_experts)))
@@ -234,6 +234,35 @@ def test_experts_land_in_tiles_on_the_reader_threads_and_change_no_token(model_f
         tiled._repack = real
     assert not calls  # nothing left to repack on the decode thread
     assert tokens == greedy(load(packed, load_tokenizer=False, kernels="cpu", expert_cache=0).model, PROMPT, 8)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_experts_stored_in_tiles_are_used_as_read_and_give_the_same_tokens(model_factory, bits):
+    """convert stores experts in the CPU kernels' tiles (layout "tiles"): the CPU kernels use a
+    read as it lands (no repack anywhere), the MLX kernels put it back in rows as it lands, and
+    both give the tokens of the same model stored in MLX's rows, and of the resident mlx-lm model."""
+    from flashmoe.engine.cpu import tiled
+    from flashmoe.engine.runtime.loader import load
+    from tests.test_streaming_exact import PROMPT, greedy
+    from tests.tiny_models import reference_model
+
+    tiles = model_factory("qwen3_moe", bits, converted=True)
+    rows = model_factory("qwen3_moe", bits, converted=True, expert_layout="mlx")
+    want = greedy(reference_model(model_factory("qwen3_moe", bits)), PROMPT, 12)
+    assert greedy(load(rows, load_tokenizer=False, kernels="cpu").model, PROMPT, 12) == want
+    lm = load(tiles, load_tokenizer=False, kernels="cpu")
+    assert all(l.layout == "tiles" for l in lm.layers) and all(p.reads_tiles and p.land is None for p in lm.store.pools)
+    calls = []
+    real = tiled._repack
+    tiled._repack = lambda *a: calls.append(1) or real(*a)
+    try:
+        assert greedy(lm.model, PROMPT, 12) == want
+    finally:
+        tiled._repack = real
+    assert not calls and lm.store.land_s == 0  # nothing repacked: the bytes landed as the kernels read them
+    mlx = load(tiles, load_tokenizer=False, kernels="mlx", expert_cache=0)  # untiled as each read lands
+    assert all(p.land is not None for p in mlx.store.pools)
+    assert greedy(mlx.model, PROMPT, 12) == want
 
 
 @pytest.mark.parametrize("int8", [False, True])

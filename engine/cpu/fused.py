@@ -491,7 +491,7 @@ class CpuDecoderLayer(_Wraps):
                                      np.zeros(3))
         out, n2, hit = fn(*head, *args, ids, scores, slots, times)
         cache.offset += 1
-        ffn._switch.fused_done(ids, slots if hit else None, times)
+        ffn._switch.fused_done(ids, slots if hit else None, times, n2=n2)
         return out if hit else out + ffn.routed(n2, ids, scores)
 
     def one_call(self) -> str | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from zlib_ng.zlib_ng import crc32  # zlib's CRC-32, many times faster
 
 from flashmoe.engine.errors import ModelLoadError
@@ -23,7 +24,9 @@ from flashmoe.engine.runtime.jsonfile import read_json
 from flashmoe.engine.formats.safetensors_io import DTYPES, ITEM_SIZES, array_bytes
 
 FORMAT = "flashmoe-experts"
-VERSION = 1
+VERSION = 1  # every layer in MLX's layout
+TILED_VERSION = 2  # some layers in tiles (LayerExperts.layout): an older flashmoe must refuse them
+LAYOUTS = ("mlx", "tiles")
 ALIGNMENT = 16 * 1024
 MANIFEST = "manifest.json"
 
@@ -74,6 +77,11 @@ class LayerExperts:
     quantization: dict | None = None  # {"bits", "group_size"} of these experts; None if float
     # direct mode only: sources[part][expert] = (path, offset) of that slice
     sources: list[list[tuple[str, int]]] | None = None
+    # How each part's bytes are ordered: "mlx" (rows, as MLX stores them), or "tiles": rows in
+    # groups of 16, each group stored column by column ([N/16, X, 16] for a part of [N, X]),
+    # the CPU kernels' own order (engine/cpu/tiled.py), so a read lands ready to compute. The
+    # part shapes and sizes are the same either way.
+    layout: str = "mlx"
 
     @property
     def expert_bytes(self) -> int:
@@ -87,7 +95,7 @@ class LayerExperts:
     @property
     def signature(self) -> tuple:
         """Layers with the same signature can share one slot pool."""
-        return tuple((p.name, p.dtype, p.shape) for p in self.parts)
+        return (self.layout, *((p.name, p.dtype, p.shape) for p in self.parts))
 
 
 def layer_file_name(layer: int) -> str:
@@ -99,8 +107,9 @@ def stride_for(expert_bytes: int) -> int:
 
 
 def write_layer(folder: Path, layer: int, module: str, tensors: dict[str, mx.array],
-                part_names: list[str], quantization: dict | None = None) -> LayerExperts:
-    """Pack one layer's stacked expert tensors ([E, ...] each) into experts/layer_NNN.bin.
+                part_names: list[str], quantization: dict | None = None, layout: str = "mlx") -> LayerExperts:
+    """Pack one layer's stacked expert tensors ([E, ...] each) into experts/layer_NNN.bin, each
+    part in `layout` (LayerExperts.layout: "tiles" reorders every part's rows in tiles of 16).
 
     Written under a temporary name and renamed, so a half-written file is never taken for a
     finished one.
@@ -114,6 +123,9 @@ def write_layer(folder: Path, layer: int, module: str, tensors: dict[str, mx.arr
     stride = stride_for(expert_bytes)
     pad = b"\0" * (stride - expert_bytes)
     views = [array_bytes(tensors[n]) for n in part_names]
+    if layout == "tiles":  # the same bytes in tile order (as unsigned ints of the element's size)
+        views = [memoryview(to_tiles(np.frombuffer(v, f"u{p.nbytes // _elements(p)}").reshape(num_experts, *p.shape))).cast("B")
+                 for v, p in zip(views, parts)]
     checksums = []
     name = layer_file_name(layer)
     tmp = folder / (name + ".partial")
@@ -130,13 +142,32 @@ def write_layer(folder: Path, layer: int, module: str, tensors: dict[str, mx.arr
         os.fsync(f.fileno())
     os.replace(tmp, folder / name)
     return LayerExperts(layer, module, num_experts, parts, file=name, stride=stride, checksums=checksums,
-                        quantization=quantization)
+                        quantization=quantization, layout=layout)
+
+
+def _elements(p: Part) -> int:
+    n = 1
+    for s in p.shape:
+        n *= s
+    return n
+
+
+def to_tiles(a: np.ndarray) -> np.ndarray:
+    """Experts' parts [E, N, X] in tiles: [E, N/16, X, 16], element [e, t, x, l] = a[e, 16t + l, x]."""
+    E, N, X = a.shape
+    return np.ascontiguousarray(a.reshape(E, N // 16, 16, X).transpose(0, 1, 3, 2))
+
+
+def from_tiles(tiles: np.ndarray, out: np.ndarray) -> None:
+    """The inverse of to_tiles for one expert's part: tiles [N/16, X, 16] -> out [N, X]."""
+    T, X, _ = tiles.shape
+    out.reshape(T, 16, X)[:] = tiles.transpose(0, 2, 1)
 
 
 def write_manifest(folder: Path, layers: list[LayerExperts], extra: dict | None = None) -> None:
     doc = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": TILED_VERSION if any(l.layout != "mlx" for l in layers) else VERSION,
         "alignment": ALIGNMENT,
         **(extra or {}),
         "layers": [
@@ -150,6 +181,7 @@ def write_manifest(folder: Path, layers: list[LayerExperts], extra: dict | None 
                 "quantization": l.quantization,
                 "parts": [{"name": p.name, "dtype": p.dtype, "shape": list(p.shape)} for p in l.parts],
                 "checksums": l.checksums,
+                **({"layout": l.layout} if l.layout != "mlx" else {}),
             }
             for l in layers
         ],
@@ -165,8 +197,9 @@ def read_manifest(folder: Path) -> list[LayerExperts]:
     doc = read_json(path)
     if doc.get("format") != FORMAT:
         raise ModelLoadError(path, f"not a flashmoe expert manifest (format {doc.get('format')!r})")
-    if doc.get("version") != VERSION:
-        raise ModelLoadError(path, f"format version {doc.get('version')} is not supported (this flashmoe reads {VERSION})")
+    if doc.get("version") not in (VERSION, TILED_VERSION):
+        raise ModelLoadError(path, f"format version {doc.get('version')} is not supported (this flashmoe reads "
+                             f"{VERSION} and {TILED_VERSION})")
     if not isinstance(doc.get("layers"), list):
         raise ModelLoadError(path, "malformed manifest (layers must be a list)")
     layers = []
@@ -217,8 +250,12 @@ def _layer_entry(d) -> LayerExperts:
         raise TypeError("module must be a string and checksums a list")
     checksums = [_count(c) for c in d["checksums"]]
     _count(d["expert_bytes"])
+    layout = d.get("layout", "mlx")
+    if layout not in LAYOUTS or (layout == "tiles" and any(len(p.shape) != 2 or p.shape[0] % 16 for p in parts)):
+        raise ValueError(f"layout {layout!r} (one of {', '.join(LAYOUTS)}; tiles need parts of [16n, x])")
     return LayerExperts(_count(d["layer"]), d["module"], _count(d["num_experts"], 1), tuple(parts), file=file,
-                        stride=_count(d["stride"], 1), checksums=checksums, quantization=d.get("quantization"))
+                        stride=_count(d["stride"], 1), checksums=checksums, quantization=d.get("quantization"),
+                        layout=layout)
 
 
 def verify(folder: Path, layers: list[LayerExperts], progress=None) -> list[tuple[int, int, str]]:

@@ -20,6 +20,12 @@ from flashmoe.engine.hidden import Hidden
 from flashmoe.engine.telemetry import Telemetry
 
 
+# Experts read ahead for the next layer (--prefetch slots), its likeliest not cached: as many as
+# the drive reads while it would otherwise sit idle, between the last of a layer's reads landing
+# and the next layer's routing (the miss computation, the next attention: 2-3 ms, 1-2 experts).
+READ_AHEAD = 2
+
+
 class StreamingSwitchGLU(nn.Module):
     def __init__(self, inner: nn.Module, layer: int, store: ExpertStore, telemetry: Telemetry):
         super().__init__()
@@ -106,10 +112,12 @@ class StreamingSwitchGLU(nn.Module):
         store, layer = self._store, self._layer
         stats = store.stats[layer]
         wanted = np.unique(ids)
-        if store.routers and ids.size == ids.shape[-1]:  # decoding one token: read the next layer ahead
-            self._read_ahead(x2, set(int(e) for e in wanted))
+        landed = None
+        if store.routers and ids.size == ids.shape[-1]:  # decoding one token: once this layer's reads
+            def landed():  # have landed (the drive is idle), read the next layer's likely experts
+                self._read_ahead(x2, set(int(e) for e in wanted))
         t1 = perf_counter()
-        y = self._cpu(x2, ids, wanted, store.pool(layer).slots, store, layer, during)
+        y = self._cpu(x2, ids, wanted, store.pool(layer).slots, store, layer, during, landed)
         stats.compute_s += perf_counter() - t1 - (stats.io_wait_s - self._cpu.wait_before)
         return y
 
@@ -131,18 +139,23 @@ class StreamingSwitchGLU(nn.Module):
 
     def fusable(self) -> bool:
         """Whether a decoding token's whole layer may be one kernel call (fused.CpuDecoderLayer):
-        not while the next layer's experts are read ahead, which starts before this one's compute."""
-        return not self._store.routers
+        always (read-ahead starts after the call, from its feed-forward input); the tests turn
+        it off to compare the call with the separate ones."""
+        return True
 
-    def fused_done(self, ids: np.ndarray, slots: np.ndarray | None, times: np.ndarray) -> None:
+    def fused_done(self, ids: np.ndarray, slots: np.ndarray | None, times: np.ndarray, n2=None) -> None:
         """The books of a fused layer call (fused.CpuDecoderLayer): its routing time, and where
         it computed the experts (slots given), their hits and compute time, as decode_slots keeps
-        them. times: the call's seconds of attention, routing, experts."""
+        them. times: the call's seconds of attention, routing, experts. With read-ahead, a call
+        that computed its experts (no read: the drive is idle) starts reading the next layer's
+        likely ones from n2, the feed-forward input."""
         stats = self._store.stats[self._layer]
         stats.route_s += times[1]
         if slots is not None:
             self._store.note_hits(self._layer, ids.reshape(-1).tolist(), slots)
             stats.compute_s += times[2]
+            if self._store.routers and n2 is not None:
+                self._read_ahead(n2, set(ids.reshape(-1).tolist()))
 
     def decode_slots(self, x2: np.ndarray, ids: np.ndarray, slots: np.ndarray, scores: np.ndarray,
                      shared=None) -> np.ndarray:
@@ -192,6 +205,10 @@ class StreamingSwitchGLU(nn.Module):
             mx.eval(x)
         h = np.array(x, copy=False).reshape(-1)
         guess = np.argpartition(-(w @ h), len(wanted) - 1)[: len(wanted)]
+        if store.prefetch_mode == "slots":  # the likeliest not cached, as many as the drive reads while idle
+            logits = w[guess] @ h
+            table = store.pool(nxt).table
+            guess = [int(e) for e in guess[np.argsort(-logits)] if (nxt, int(e)) not in table][:READ_AHEAD]
         if store.guesses is not None:
             store.guesses.append((len(store.trace or ()), nxt, tuple(sorted(int(e) for e in guess))))
         if store.prefetch_mode == "hint":
@@ -242,19 +259,28 @@ class _CpuExperts:
         return _CpuExperts._computes(inner) and all(held[f"{n}.scales"] in ("F32", "BF16") for n in _CpuExperts.PROJS)
 
     @staticmethod
-    def keeps_bf16(inner, layer) -> bool:
-        """Whether the slots of these experts (LayerExperts) can keep bfloat16 scales and biases
-        as stored: their tiles (tiled_experts.py) take the bits as they are, so nothing is widened
-        on read and the cache holds 10-15% more experts."""
+    def tileable(inner, parts) -> bool:
+        """Whether experts of this block with these parts (layout.Part) run on the tiled kernels
+        (engine/cpu/tiled_experts.py): then `flashmoe convert` stores them in tiles
+        (LayerExperts.layout), and a read lands ready to compute."""
         from flashmoe.engine.cpu import tiled
 
-        parts = {p.name: p for p in layer.parts}
+        parts = {p.name: p for p in parts}
         names = {f"{n}.{a}" for n in _CpuExperts.PROJS for a in ("weight", "scales", "biases")}
         if not _CpuExperts._computes(inner) or set(parts) != names:
             return False
         return all(tiled.supports(getattr(inner, n).bits, getattr(inner, n).group_size)
-                   and parts[f"{n}.weight"].shape[0] % 16 == 0
-                   and parts[f"{n}.scales"].dtype == parts[f"{n}.biases"].dtype == "BF16" for n in _CpuExperts.PROJS)
+                   and parts[f"{n}.weight"].shape[0] % 16 == 0 and parts[f"{n}.weight"].dtype == "U32"
+                   and parts[f"{n}.scales"].dtype == parts[f"{n}.biases"].dtype in ("F32", "BF16")
+                   for n in _CpuExperts.PROJS)
+
+    @staticmethod
+    def keeps_bf16(inner, layer) -> bool:
+        """Whether the slots of these experts (LayerExperts) can keep bfloat16 scales and biases
+        as stored: their tiles (tiled_experts.py) take the bits as they are, so nothing is widened
+        on read and the cache holds 10-15% more experts."""
+        return _CpuExperts.tileable(inner, layer.parts) and all(
+            p.dtype == "BF16" for p in layer.parts if p.name.endswith((".scales", ".biases")))
 
     def __init__(self, inner, pool):
         from flashmoe.engine.cpu.tiled_experts import TiledBank
@@ -271,7 +297,9 @@ class _CpuExperts:
         self.bank = TiledBank(self.w, pool.raw, bf16) if TiledBank.supports(self.w) else None
         if self.bank is None and any(w[1].dtype != np.float32 for w in self.w.values()):
             raise ValueError("experts held with bfloat16 scales need the tiled kernels (keeps_bf16 said they would)")
-        if self.bank is not None:
+        if self.bank is not None and pool.layout == "tiles":  # stored in tiles: used as read
+            pool.land, pool.reads_tiles = None, True
+        elif self.bank is not None:
             pool.land = self.bank.land
         self.wait_before = 0.0
 
@@ -303,28 +331,33 @@ class _CpuExperts:
         h = silu_mul(g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]))
         return gather_qmm(h, *self.w["down_proj"][:3], slots.reshape(-1), *self.w["down_proj"][3:])
 
-    def __call__(self, x2, ids, wanted, slots, store, layer, during=None):
+    def __call__(self, x2, ids, wanted, slots, store, layer, during=None, landed=None):
+        """The experts' outputs for x2 routed to ids; `landed()` runs once every read has landed
+        (the caller's read-ahead: the drive is idle then), before the last computation."""
         flat = ids.reshape(x2.shape[0], -1)
         out = np.empty((flat.size, x2.shape[1]), dtype=np.float32)
         self.wait_before = store.stats[layer].io_wait_s
 
         decoding = x2.shape[0] == 1
-        calls, landed = [0], []
+        calls, arrived = [0], []
 
         def ready(lut, experts, more=False):
             calls[0] += 1
+            if not more and landed is not None:
+                landed()
             if len(experts) == len(wanted):  # all at once (all cached): x rows are prepared once
                 out[:] = self._swiglu(x2, lut[flat].astype(np.int64))
                 return
             if decoding and calls[0] > 1:  # a decode step's misses: one call once the last has landed
-                landed.extend(experts)
+                arrived.extend(experts)
                 if more:
                     return
-                experts = landed
+                experts = arrived
             pairs = np.nonzero(np.isin(flat.reshape(-1), experts))[0]
             if pairs.size:
                 out[pairs] = self._swiglu(x2[pairs // flat.shape[1]], lut[flat].reshape(-1)[pairs].astype(np.int64))
 
         for start in range(0, len(wanted), slots):  # more distinct experts than slots: in groups
+            calls[0], arrived[:] = 0, []  # (a group's slots are the next group's: each computes in its own fetch)
             store.fetch(layer, wanted[start:start + slots], ready=ready, during=during if start == 0 else None)
         return out.reshape(*ids.shape, -1)

@@ -99,13 +99,19 @@ def parse_layer_bits(specs: list[str], num_layers: int) -> tuple[tuple[int, int]
 
 def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_size: int = 64,
             expert_bits: int | None = None, layer_bits=(),
-            dtype: str | None = None, progress: Progress | None = None,
+            dtype: str | None = None, progress: Progress | None = None, expert_layout: str = "auto",
             _fail_after_layers: int | None = None) -> Path:
     """Convert `src` (an mlx-lm / Hugging Face folder, or a .gguf file) into a flashmoe folder at
     `out`; returns `out`. Does nothing if `out` is already complete.
 
     `layer_bits` overrides the experts' bits per layer: (layer, bits) pairs, or specs such as
     "first:2=4", "last:2=4", "3-5=8" (see parse_layer_bits).
+
+    `expert_layout` (EXPERT_LAYOUTS): "auto" stores each layer's experts in the CPU kernels'
+    tiles where those kernels compute them (layout.LayerExperts.layout), so a read lands ready
+    to compute with no repack (the synthetic MoE at a quarter of its size in memory: 1.3-1.5x
+    the decode speed); the MLX kernels put them back in rows as they land. "mlx" keeps MLX's
+    row order everywhere; "tiles" is "auto" that fails where a layer cannot be tiled.
     """
     src, out = Path(src), Path(out)
     progress = progress or (lambda *a: None)
@@ -114,12 +120,15 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
         return out
     if out.exists():
         raise ConvertError(out, "exists and is not a finished flashmoe model; remove it or pick another path")
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ConvertError(src, f"expert layout {expert_layout!r} is not one of {', '.join(EXPERT_LAYOUTS)}")
     plan = QuantPlan(bits, group_size, expert_bits, tuple(l for l in layer_bits if not isinstance(l, str)))
     plan.check(src)
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise ConvertError(src, f"dtype {dtype!r} is not supported (use {', '.join(FLOAT_DTYPES)})")
     if src.is_file() and src.suffix == ".gguf":
-        return _convert_gguf(src, out, plan=plan, layer_bits=layer_bits, dtype=dtype, progress=progress)
+        return _convert_gguf(src, out, plan=plan, layer_bits=layer_bits, dtype=dtype, progress=progress,
+                             expert_layout=expert_layout)
 
     config = read_config(src)
     specs = [l for l in layer_bits if isinstance(l, str)]
@@ -188,7 +197,7 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
 
     work = out.with_name(out.name + ".partial")
     options = {"source": str(src.resolve()), "bits": bits, "group_size": group_size, "expert_bits": expert_bits,
-               "layer_bits": [list(x) for x in layer_bits], "dtype": dtype}
+               "layer_bits": [list(x) for x in layer_bits], "dtype": dtype, "expert_layout": expert_layout}
     with _writing(work, work):
         _prepare_workdir(work, options)
         (work / EXPERTS_DIR).mkdir(exist_ok=True)
@@ -208,9 +217,10 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
                 raise RuntimeError("injected failure (test)")
             tensors = dict(parts)
             mx.eval(list(tensors.values()))
+            layout = _layout_for(expert_layout, experts[module], module, tensors, src)
             with _writing(work / EXPERTS_DIR / layer_file_name(layer), work):
                 l = write_layer(work / EXPERTS_DIR, layer, module, tensors, [n for n, _ in parts],
-                                quantization=module_quantization(config, module))
+                                quantization=module_quantization(config, module), layout=layout)
                 del tensors
                 _write_json(done, _layer_to_json(l))
             layers.append(l)
@@ -299,16 +309,36 @@ def _finished_layer(done: Path, file: Path) -> LayerExperts | None:
     return l
 
 
+EXPERT_LAYOUTS = ("auto", "mlx", "tiles")
+
+
+def _layout_for(choice: str, block, module: str, tensors: dict, src: Path) -> str:
+    """The layout a layer's experts are stored in (convert's `expert_layout`)."""
+    from flashmoe.engine.experts.switch import _CpuExperts
+    from flashmoe.engine.formats.safetensors_io import DTYPE_NAMES
+
+    if choice == "mlx":
+        return "mlx"
+    parts = [Part(n, DTYPE_NAMES[t.dtype], tuple(t.shape[1:])) for n, t in tensors.items()]
+    if _CpuExperts.tileable(block, parts):
+        return "tiles"
+    if choice == "tiles":
+        raise ConvertError(src, f"--expert-layout tiles: the experts of {module} do not run on the CPU kernels' "
+                           "tiles (a SwiGLU of 2-, 4- or 8-bit affine projections, rows a multiple of 16)")
+    return "mlx"
+
+
 def _layer_to_json(l: LayerExperts) -> dict:
     return {"layer": l.layer, "module": l.module, "num_experts": l.num_experts, "file": l.file,
             "stride": l.stride, "checksums": l.checksums, "quantization": l.quantization,
-            "parts": [[p.name, p.dtype, list(p.shape)] for p in l.parts]}
+            "parts": [[p.name, p.dtype, list(p.shape)] for p in l.parts], "layout": l.layout}
 
 
 def _layer_from_json(d: dict) -> LayerExperts:
     parts = tuple(Part(n, dt, tuple(s)) for n, dt, s in d["parts"])
     return LayerExperts(d["layer"], d["module"], d["num_experts"], parts, file=d["file"],
-                        stride=d["stride"], checksums=d["checksums"], quantization=d.get("quantization"))
+                        stride=d["stride"], checksums=d["checksums"], quantization=d.get("quantization"),
+                        layout=d.get("layout", "mlx"))
 
 
 FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -350,7 +380,7 @@ def _quantize(model, config: dict, plan: QuantPlan):
         return quantize_model(model, config, plan.group_size, base_bits, quant_predicate=predicate)
 
 
-def _convert_gguf(src: Path, out: Path, *, plan: QuantPlan, layer_bits, dtype, progress) -> Path:
+def _convert_gguf(src: Path, out: Path, *, plan: QuantPlan, layer_bits, dtype, progress, expert_layout: str) -> Path:
     """GGUF: dequantize into a float Hugging Face folder beside OUT, then convert that."""
     from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
 
@@ -370,6 +400,6 @@ def _convert_gguf(src: Path, out: Path, *, plan: QuantPlan, layer_bits, dtype, p
             shutil.rmtree(stage, ignore_errors=True)
             raise ConvertError(src, str(e)) from None
     result = convert(stage, out, bits=plan.bits, group_size=plan.group_size, expert_bits=plan.expert_bits,
-                     layer_bits=layer_bits, dtype=dtype, progress=progress)
+                     layer_bits=layer_bits, dtype=dtype, progress=progress, expert_layout=expert_layout)
     shutil.rmtree(stage, ignore_errors=True)
     return result

@@ -56,7 +56,7 @@ class Handle:
 
 class Engine:
     def __init__(self, model_path, *, expert_cache: int | None = None, io_threads: int = 8,
-                 direct_io: bool = False, dtype: str | None = None, kernels: str = "mlx", kv_cache: str = "float32",
+                 direct_io: bool | None = None, dtype: str | None = None, kernels: str = "mlx", kv_cache: str = "float32",
                  prefetch: bool | str = False, cache_policy: str = "lfu", verify_reads: bool = True,
                  truncate_prompt: str = "off", allow_resident_experts: bool = False,
                  prompt_cache_bytes: int = 2 << 30, prompt_cache_dir=None, prompt_cache_disk_bytes: int = 8 << 30,

@@ -518,7 +518,7 @@ def memory_plan(config: dict, layers: list[LayerExperts], resident: int, *, upca
 
 
 def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = 8,
-         direct_io: bool = False, load_tokenizer: bool = True, dtype: str | None = None,
+         direct_io: bool | None = None, load_tokenizer: bool = True, dtype: str | None = None,
          kernels: str = "mlx", prefetch: bool | str = False, cache_policy: str = "lfu",
          verify_reads: bool = True, allow_resident_experts: bool = False,
          experts_per_token: int | None = None, kv_cache: str = "float32", ctx_size: int | None = None,
@@ -621,6 +621,8 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         missing = sorted(set(blocks) - {l.module for l in layers})
         raise ModelLoadError(where, f"no experts for {missing[0]}")
 
+    if prefetch == "hint" and direct_io is None:
+        direct_io = False  # hints bring experts into the page cache, which only buffered reads find
     # Before any large allocation: the slots, the resident weights and the KV cache must fit in
     # what this process may use (the cgroup's limit, MemAvailable, rlimits), or it says so now.
     tensors = resident.values() if packed else [t for k, t in headers.items() if not expert_tensor_of(k, blocks)]
