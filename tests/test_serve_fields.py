@@ -98,6 +98,36 @@ def test_every_problem_is_named_in_one_400(c):
     assert "text only" in r.json()["error"]["message"] and "container" in r.json()["error"]["message"]
 
 
+def test_a_problem_that_stops_one_reading_does_not_hide_the_others(c):
+    """A bad max_tokens, tool_choice, response format, stop or message content used to end the
+    reading at once: the 400 named it and the problems before it, not the ones after."""
+    image = {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "AA=="}}]}
+    body = {"messages": [image, {"role": "user", "content": 5}], "container": "x", "tool_choice": {"type": "bogus"},
+            "stop_sequences": 5, "output_config": {"format": {"type": "xml"}}}  # and no max_tokens
+    msg = c.post("/v1/messages", json=body).json()["error"]["message"]
+    assert msg.startswith("7 problems"), msg
+    for named in ("container", "max_tokens", "tool_choice", "output_config.format", "text only",
+                  "messages[1].content", "stop_sequences"):
+        assert named in msg, (named, msg)
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}, {"role": "user", "content": 5}],
+            "n": 2, "response_format": {"type": "xml"}, "tool_choice": "sometimes", "max_tokens": 0, "stop": 5}
+    msg = c.post("/v1/chat/completions", json=body).json()["error"]["message"]
+    assert msg.startswith("7 problems"), msg
+    for named in ("n must be 1", "'image_url'", "messages[1]", "response_format", "tool_choice", "max_tokens",
+                  "stop must"):
+        assert named in msg, (named, msg)
+    body = {"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}], "store": True,
+            "text": {"format": {"type": "xml"}}, "tool_choice": "sometimes", "max_output_tokens": -1}
+    msg = c.post("/v1/responses", json=body).json()["error"]["message"]
+    assert msg.startswith("5 problems"), msg
+    for named in ("store", "'input_image'", "'xml'", "tool_choice", "max_output_tokens"):
+        assert named in msg, (named, msg)
+    # a problem found building the engine request (a tool_choice naming no offered tool) is named too
+    msg = c.post("/v1/chat/completions", json={"messages": HELLO, "n": 2, "tool_choice": {
+        "type": "function", "function": {"name": "nope"}}}).json()["error"]["message"]
+    assert msg.startswith("2 problems") and "'nope'" in msg and "n must be 1" in msg, msg
+
+
 def test_a_tool_choice_naming_a_dropped_tool_is_refused(c):
     r = c.post("/v1/messages", json={"max_tokens": 5, "messages": HELLO, "tool_choice": {"type": "tool", "name": "web"},
                                      "tools": [{"type": "web_search_20250305", "name": "web"}]})

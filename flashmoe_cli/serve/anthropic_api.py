@@ -80,49 +80,53 @@ def messages(body: dict, fields: Fields) -> list[dict]:
         out.append({"role": "system", "content": system})
     expect(body.get("messages"), list, "messages")
     for i, m in enumerate(body["messages"]):
-        where = f"messages[{i}]"
-        role = m.get("role") if isinstance(m, dict) else None
-        if role == "system":  # Claude Code's mid-conversation system messages
-            if fields.translate(f"{where}.role", "a system message inside messages"):
-                out.append({"role": "system", "content": _text(m.get("content"), f"{where}.content", fields)})
-            continue
-        if role not in ("user", "assistant"):
-            fields.refuse(f"{where}: role must be user or assistant", "messages")
-            continue
-        fields.top(m, MESSAGE, where)
-        content = m.get("content")
-        if isinstance(content, str):
-            out.append({"role": role, "content": content})
-            continue
-        expect(content, list, f"{where}.content")
-        text, calls = [], []
-        for j, b in enumerate(content):
-            at = f"{where}.content[{j}]"
-            kind = b.get("type") if isinstance(b, dict) else None
-            if kind == "text":
-                fields.top(b, TEXT_BLOCK, at)
-                text.append(b.get("text") or "")
-            elif kind == "tool_use" and role == "assistant":
-                fields.top(b, TOOL_USE, at)
-                calls.append({"id": b.get("id") or "", "name": b.get("name") or "", "arguments": b.get("input") or {}})
-            elif kind == "tool_result" and role == "user":
-                fields.top(b, TOOL_RESULT, at)
-                if text:
-                    out.append({"role": "user", "content": "".join(text)})
-                    text = []
-                result = _text(b.get("content"), f"{at}.content", fields)
-                if b.get("is_error"):
-                    result = f"error: {result}"
-                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": result})
-            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-                fields.ignore(f"{where}.content[] (type {kind!r})", "earlier reasoning is left out, as templates do")
-            else:
-                fields.refuse(_block_problem(at, kind), "messages")
-        if calls:
-            out.append({"role": "assistant", "content": "".join(text), "tool_calls": calls})
-        elif text or role == "assistant":
-            out.append({"role": role, "content": "".join(text)})
+        fields.attempt(_message, m, f"messages[{i}]", out, fields)  # a bad message hides no other problem
     return out
+
+
+def _message(m, where: str, out: list[dict], fields: Fields) -> None:
+    """One message of `messages`, read into `out`."""
+    role = m.get("role") if isinstance(m, dict) else None
+    if role == "system":  # Claude Code's mid-conversation system messages
+        if fields.translate(f"{where}.role", "a system message inside messages"):
+            out.append({"role": "system", "content": _text(m.get("content"), f"{where}.content", fields)})
+        return
+    if role not in ("user", "assistant"):
+        fields.refuse(f"{where}: role must be user or assistant", "messages")
+        return
+    fields.top(m, MESSAGE, where)
+    content = m.get("content")
+    if isinstance(content, str):
+        out.append({"role": role, "content": content})
+        return
+    expect(content, list, f"{where}.content")
+    text, calls = [], []
+    for j, b in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text":
+            fields.top(b, TEXT_BLOCK, at)
+            text.append(b.get("text") or "")
+        elif kind == "tool_use" and role == "assistant":
+            fields.top(b, TOOL_USE, at)
+            calls.append({"id": b.get("id") or "", "name": b.get("name") or "", "arguments": b.get("input") or {}})
+        elif kind == "tool_result" and role == "user":
+            fields.top(b, TOOL_RESULT, at)
+            if text:
+                out.append({"role": "user", "content": "".join(text)})
+                text = []
+            result = _text(b.get("content"), f"{at}.content", fields)
+            if b.get("is_error"):
+                result = f"error: {result}"
+            out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": result})
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            fields.ignore(f"{where}.content[] (type {kind!r})", "earlier reasoning is left out, as templates do")
+        else:
+            fields.refuse(_block_problem(at, kind), "messages")
+    if calls:
+        out.append({"role": "assistant", "content": "".join(text), "tool_calls": calls})
+    elif text or role == "assistant":
+        out.append({"role": role, "content": "".join(text)})
 
 
 def tool_defs(tools, fields: Fields) -> tuple[list[dict], dict[str, str]]:
@@ -190,18 +194,24 @@ def output_format(value, fields: Fields) -> tuple[bool, dict | None]:
     return response_format({"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}})
 
 
-def parse_messages(body: dict, fields: Fields, counting: bool = False) -> ChatCall:
-    fields.top(body, COUNT_TOKENS if counting else MESSAGES)
+def max_tokens(body: dict, counting: bool) -> int:
     n = body.get("max_tokens", 1 if counting else None)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise APIError(400, "max_tokens is required and must be a positive integer", param="max_tokens")
+    return n
+
+
+def parse_messages(body: dict, fields: Fields, counting: bool = False) -> ChatCall:
+    """The body as a ChatCall; each part is read even after another was refused (fields.attempt)."""
+    fields.top(body, COUNT_TOKENS if counting else MESSAGES)
+    n = fields.attempt(max_tokens, body, counting, default=1)
     tools, dropped = tool_defs(body.get("tools"), fields)
-    choice, parallel = tool_choice(body.get("tool_choice"), dropped)
-    json_reply, schema = output_format(body.get("output_config"), fields)
-    return ChatCall(messages=messages(body, fields), tools=tools, tool_choice=choice,
+    choice, parallel = fields.attempt(tool_choice, body.get("tool_choice"), dropped, default=("auto", True))
+    json_reply, schema = fields.attempt(output_format, body.get("output_config"), fields, default=(False, None))
+    return ChatCall(messages=fields.attempt(messages, body, fields, default=[]), tools=tools, tool_choice=choice,
                     parallel_tool_calls=parallel, max_tokens=n, sampling=sampling(body, fields),
-                    stop=stops(body.get("stop_sequences"), "stop_sequences"), json_reply=json_reply,
-                    response_schema=schema, thinking=thinking(body.get("thinking"), fields))
+                    stop=fields.attempt(stops, body.get("stop_sequences"), "stop_sequences", default=()),
+                    json_reply=json_reply, response_schema=schema, thinking=thinking(body.get("thinking"), fields))
 
 
 def usage(reply: Reply) -> dict:

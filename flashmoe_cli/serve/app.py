@@ -139,16 +139,19 @@ class Server:
             fields.check(also=e)
         except (TypeError, AttributeError, KeyError, ValueError) as e:  # a body of the wrong shapes
             fields.check(also=APIError(400, f"malformed request: {type(e).__name__}: {e}"))
-        fields.check()
-        if self.force_first_call and call.tool_choice == "auto" and call.tools and _first_reply(call.messages):
+        clean = not fields.problems  # else the engine request is built only for the problems it finds
+        forced = self.force_first_call and call.tool_choice == "auto" and call.tools
+        if clean and forced and _first_reply(call.messages):
             call.tool_choice, call.parallel_tool_calls = "required", False
             fields.record("tool_choice: required (--force-first-call)")
         try:
             gen = Generation(self.engine, call, self.info.chat_template, fields)
-            if stream:
+            if stream and clean:
                 gen.count_prompt()
+        except APIError as e:  # named with the problems the reading found
+            fields.check(also=e)
         except (TypeError, AttributeError, KeyError, ValueError) as e:
-            raise APIError(400, f"malformed request: {type(e).__name__}: {e}") from None
+            fields.check(also=APIError(400, f"malformed request: {type(e).__name__}: {e}"))
         fields.check()
         return gen, fields
 

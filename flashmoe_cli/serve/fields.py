@@ -81,6 +81,17 @@ class Fields:
     def refuse(self, message: str, param: str | None = None) -> None:
         self.problems.append((message, param))
 
+    def attempt(self, read, *args, default=None):
+        """`read(*args)`; where it refuses the request (a 400), the refusal is one more problem
+        and `default` stands in, so the reading goes on and one 400 names every problem."""
+        try:
+            return read(*args)
+        except APIError as e:
+            if e.status != 400:
+                raise
+            self.refuse(e.message, e.param)
+            return default
+
     def check(self, also: APIError | None = None) -> None:
         """Raise one 400 naming every problem so far (and `also`, an error that stopped the
         reading), or nothing when there is none."""

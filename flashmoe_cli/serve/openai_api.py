@@ -206,7 +206,7 @@ def chat_messages(messages, fields: Fields) -> list[dict]:
             fields.refuse(f"{where}: role must be system, developer, user, assistant or tool", "messages")
             continue
         fields.top(m, MESSAGE, where)
-        msg = {"role": role, "content": text_of(m.get("content"), where, fields)}
+        msg = {"role": role, "content": fields.attempt(text_of, m.get("content"), where, fields, default="")}
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = []
             for c in m["tool_calls"]:
@@ -227,20 +227,22 @@ def chat_messages(messages, fields: Fields) -> list[dict]:
 
 
 def parse_chat(body: dict, fields: Fields, default_max: int) -> ChatCall:
+    """The body as a ChatCall; each part is read even after another was refused (fields.attempt)."""
     fields.top(body, CHAT)
     if body.get("store"):
         fields.refuse("store: true: completions are not stored here", "store")
     if body.get("modalities") not in (None, ["text"]):
         fields.refuse("modalities: this model writes text only", "modalities")
-    json_reply, schema = response_format(body.get("response_format"))
-    tools, dropped = tool_defs(body.get("tools"), fields)
-    choice = tool_choice(body.get("tool_choice"))
-    forced_name_check(choice, dropped)
-    return ChatCall(messages=chat_messages(body.get("messages"), fields), tools=tools, tool_choice=choice,
-                    parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
+    json_reply, schema = fields.attempt(response_format, body.get("response_format"), default=(False, None))
+    tools, dropped = fields.attempt(tool_defs, body.get("tools"), fields, default=([], {}))
+    choice = fields.attempt(tool_choice, body.get("tool_choice"), default="auto")
+    fields.attempt(forced_name_check, choice, dropped)
+    return ChatCall(messages=fields.attempt(chat_messages, body.get("messages"), fields, default=[]), tools=tools,
+                    tool_choice=choice, parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
                     response_schema=schema, json_reply=json_reply,
-                    max_tokens=max_tokens(body, "max_completion_tokens", "max_tokens", default=default_max),
-                    sampling=sampling(body, fields), stop=stops(body.get("stop")),
+                    max_tokens=fields.attempt(lambda: max_tokens(body, "max_completion_tokens", "max_tokens",
+                                                                 default=default_max), default=default_max),
+                    sampling=sampling(body, fields), stop=fields.attempt(stops, body.get("stop"), default=()),
                     thinking=thinking_from_effort(body.get("reasoning_effort"), "reasoning_effort", fields),
                     thinking_field="reasoning_effort")
 

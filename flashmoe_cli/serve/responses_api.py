@@ -57,7 +57,8 @@ def _input(body: dict, fields: Fields) -> list[dict]:
             if role not in ("system", "user", "assistant"):
                 fields.refuse(f"{where}: role must be system, developer, user or assistant", "input")
                 continue
-            out.append({"role": role, "content": text_of(item.get("content"), where, fields)})
+            out.append({"role": role, "content": fields.attempt(text_of, item.get("content"), where, fields,
+                                                                default="")})
         elif kind == "function_call":
             try:
                 args = json.loads(item.get("arguments") or "{}")
@@ -99,7 +100,20 @@ def _tools(tools, fields: Fields) -> tuple[list[dict], dict[str, str]]:
     return out, dropped
 
 
+def _tool_choice(choice, dropped: dict[str, str]):
+    """tool_choice in the Responses API's form (a function named at the top level)."""
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    elif isinstance(choice, dict) and choice.get("type") in dropped.values():
+        raise APIError(400, f"tool_choice names a tool of type {choice['type']!r}: flashmoe serve runs function "
+                            "tools only", param="tool_choice")
+    choice = tool_choice(choice)
+    forced_name_check(choice, dropped)
+    return choice
+
+
 def parse_responses(body: dict, fields: Fields, default_max: int) -> ChatCall:
+    """The body as a ChatCall; each part is read even after another was refused (fields.attempt)."""
     fields.top(body, RESPONSES)
     if body.get("store"):
         fields.refuse("store: true: responses are not stored here; send store: false and the whole input", "store")
@@ -118,25 +132,19 @@ def parse_responses(body: dict, fields: Fields, default_max: int) -> ChatCall:
     fmt = text.get("format")
     if fmt is not None and fmt.get("type") == "json_schema":
         fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
-    json_reply, schema = response_format(fmt)
+    json_reply, schema = fields.attempt(response_format, fmt, default=(False, None))
     reasoning = body.get("reasoning") or {}
     fields.top(reasoning, REASONING, "reasoning")
     summary = reasoning.get("summary") or reasoning.get("generate_summary")
     if summary is not None and summary not in SUMMARIES:
         fields.refuse(f"reasoning.summary must be one of {', '.join(SUMMARIES)}", "reasoning")
     tools, dropped = _tools(body.get("tools"), fields)
-    choice = body.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
-    elif isinstance(choice, dict) and choice.get("type") in dropped.values():
-        raise APIError(400, f"tool_choice names a tool of type {choice['type']!r}: flashmoe serve runs function "
-                            "tools only", param="tool_choice")
-    choice = tool_choice(choice)
-    forced_name_check(choice, dropped)
-    return ChatCall(messages=_input(body, fields), tools=tools, tool_choice=choice,
+    choice = fields.attempt(_tool_choice, body.get("tool_choice"), dropped, default="auto")
+    return ChatCall(messages=fields.attempt(_input, body, fields, default=[]), tools=tools, tool_choice=choice,
                     parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
                     response_schema=schema, json_reply=json_reply,
-                    max_tokens=max_tokens(body, "max_output_tokens", default=default_max),
+                    max_tokens=fields.attempt(lambda: max_tokens(body, "max_output_tokens", default=default_max),
+                                              default=default_max),
                     sampling=sampling(body, fields), summary=summary not in (None, "none"),
                     thinking=thinking_from_effort(reasoning.get("effort"), "reasoning.effort", fields),
                     thinking_field="reasoning.effort")
