@@ -128,6 +128,40 @@ def test_a_problem_that_stops_one_reading_does_not_hide_the_others(c):
     assert msg.startswith("2 problems") and "'nope'" in msg and "n must be 1" in msg, msg
 
 
+def test_a_deferred_tool_stays_out_of_the_prompt_unless_named():
+    """Claude Code 2.1.337 sends `DeferredToolPlaceholder` ("never call this tool") with
+    defer_loading: true. Offered to the demo under a forced first call, it was the call made,
+    and Claude Code answered "No such tool". A deferred tool is loaded only when a tool search
+    finds it, and this server runs none: it is left out, as Anthropic's API and OpenAI's leave it."""
+    placeholder = {"name": "DeferredToolPlaceholder", "description": "never call this tool",
+                   "input_schema": {"type": "object", "properties": {}}, "defer_loading": True}
+    engine = FakeEngine([CALL], chat_template=CHAT_TEMPLATE)
+    c = TestClient(Server(engine, engine.loaded_info, "demo", force_first_call=True).app())
+
+    def offered() -> str:
+        r = engine.requests[-1]
+        return json.dumps([r.messages, r.tools])
+
+    r = c.post("/v1/messages", json={"max_tokens": 50, "messages": HELLO, "tools": [placeholder, WEATHER]})
+    assert r.status_code == 200 and r.json()["content"][0]["name"] == "get_weather"
+    assert "DeferredToolPlaceholder" not in offered() and "get_weather" in offered()
+    assert "defer_loading" in r.headers["x-flashmoe-translated"]
+    fn = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}, "defer_loading": True}
+    c.post("/v1/chat/completions", json={"messages": HELLO, "tools": [fn, {"type": "function", "function": {
+        "name": "get_weather", "parameters": WEATHER["input_schema"]}}]})
+    assert "lookup" not in offered()
+    c.post("/v1/responses", json={"input": "hi", "tools": [{"type": "function", "name": "lookup", "defer_loading": True,
+                                                            "parameters": {"type": "object"}}]})
+    assert "lookup" not in offered()
+    # named by tool_choice, it is what the client asked for: offered
+    r = c.post("/v1/messages", json={"max_tokens": 50, "messages": HELLO, "tools": [placeholder],
+                                     "tool_choice": {"type": "tool", "name": "DeferredToolPlaceholder"}})
+    assert r.status_code == 200 and "DeferredToolPlaceholder" in offered()
+    # only deferred tools: the reply is not forced (there is no tool to force)
+    r = c.post("/v1/messages", json={"max_tokens": 50, "messages": HELLO, "tools": [placeholder]})
+    assert r.status_code == 200 and engine.requests[-1].constraint is None
+
+
 def test_a_tool_choice_naming_a_dropped_tool_is_refused(c):
     r = c.post("/v1/messages", json={"max_tokens": 5, "messages": HELLO, "tool_choice": {"type": "tool", "name": "web"},
                                      "tools": [{"type": "web_search_20250305", "name": "web"}]})

@@ -25,9 +25,9 @@ TEXT_BLOCK = Policy(honoured=frozenset({"type", "text"}), ignored=frozenset({"ca
 TOOL_USE = Policy(honoured=frozenset({"type", "id", "name", "input"}), ignored=frozenset({"cache_control", "caller"}))
 TOOL_RESULT = Policy(honoured=frozenset({"type", "tool_use_id", "content", "is_error"}),
                      ignored=frozenset({"cache_control"}))
-TOOL = Policy(honoured=frozenset({"name", "description", "input_schema", "type"}),
-              ignored=frozenset({"cache_control", "eager_input_streaming", "defer_loading", "input_examples",
-                                 "strict", "allowed_callers"}))
+TOOL = Policy(honoured=frozenset({"name", "description", "input_schema", "type", "defer_loading"}),
+              ignored=frozenset({"cache_control", "eager_input_streaming", "input_examples", "strict",
+                                 "allowed_callers"}))
 MESSAGE = Policy(honoured=frozenset({"role", "content"}))
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 THINKING_TYPES = {"enabled": True, "adaptive": True, "disabled": False}
@@ -142,8 +142,9 @@ def tool_defs(tools, fields: Fields) -> tuple[list[dict], dict[str, str]]:
             fields.ignore(f"tools[{i}] (type {t['type']!r})", "only custom tools are run here")
             continue
         fields.top(t, TOOL, f"tools[{i}]")
-        out.append({"name": t["name"], "description": t.get("description") or "",
-                    "parameters": t.get("input_schema") or {"type": "object", "properties": {}}})
+        out.append(fields.defer({"name": t["name"], "description": t.get("description") or "",
+                                 "parameters": t.get("input_schema") or {"type": "object", "properties": {}}},
+                                t, f"tools[{i}]"))
     return out, dropped
 
 

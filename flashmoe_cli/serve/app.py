@@ -29,7 +29,7 @@ from starlette.routing import Route
 from . import anthropic_api, openai_api, responses_api
 from .errors import APIError
 from .fields import Fields
-from .generation import Generation
+from .generation import Generation, loaded_tools
 
 KEEPALIVE_S = 5.0
 IGNORED_NAMES = 256  # distinct ignored-field names /metrics counts (a tool's type is a client's text)
@@ -140,7 +140,7 @@ class Server:
         except (TypeError, AttributeError, KeyError, ValueError) as e:  # a body of the wrong shapes
             fields.check(also=APIError(400, f"malformed request: {type(e).__name__}: {e}"))
         clean = not fields.problems  # else the engine request is built only for the problems it finds
-        forced = self.force_first_call and call.tool_choice == "auto" and call.tools
+        forced = self.force_first_call and call.tool_choice == "auto" and loaded_tools(call)
         if clean and forced and _first_reply(call.messages):
             call.tool_choice, call.parallel_tool_calls = "required", False
             fields.record("tool_choice: required (--force-first-call)")

@@ -53,7 +53,7 @@ class Fields:
 
     def ignore(self, name: str, why: str = "") -> None:
         """A hint accepted and recorded (refused under --strict-fields). The record names the
-        field without list indices (`tools[].defer_loading`), so /metrics counts add up."""
+        field without list indices (`tools[].eager_input_streaming`), so /metrics counts add up."""
         if self.strict:
             self.refuse(f"unsupported field {name!r}{': ' + why if why else ''} (--strict-fields)", name)
             return
@@ -71,6 +71,17 @@ class Fields:
             self.refuse(f"unsupported field {name!r}: {what} (--strict-fields)", name)
             return False
         return True
+
+    def defer(self, tool: dict, sent: dict, where: str) -> dict:
+        """`tool`, marked to stay out of the prompt when the client `sent` it with defer_loading:
+        true. Such a tool is loaded only when a tool search finds it (Anthropic's and OpenAI's
+        tool search), and this server runs none: offered anyway, a model calls it (Claude Code's
+        DeferredToolPlaceholder, "never call this tool"). A tool_choice naming it brings it in
+        (generation.py: offered_tools)."""
+        if sent.get("defer_loading") is True and self.translate(f"{where}.defer_loading", "a deferred tool"):
+            self.record("tools[].defer_loading: left out of the prompt")
+            return {**tool, "deferred": True}
+        return tool
 
     def record(self, name: str) -> None:
         """A translation made (the response's x-flashmoe-translated header)."""

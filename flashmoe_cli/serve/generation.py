@@ -39,7 +39,7 @@ class ChatCall:
     [{"id", "name", "arguments": dict}], tool results with `tool_call_id` (and `name`)."""
 
     messages: list[dict]
-    tools: list[dict] = field(default_factory=list)  # [{"name", "description", "parameters"}]
+    tools: list[dict] = field(default_factory=list)  # [{"name", "description", "parameters", "deferred"?}]
     tool_choice: str | dict = "auto"  # "auto" | "none" | "required" | {"name": NAME}
     parallel_tool_calls: bool = True
     response_schema: dict | None = None  # response_format: the reply is JSON of this schema
@@ -218,8 +218,14 @@ def as_openai_tool(t: dict) -> dict:
                                              "parameters": t["parameters"]}}
 
 
+def loaded_tools(call: ChatCall) -> list[dict]:
+    """The tools not deferred (fields.py: Fields.defer): those a model may call unasked."""
+    return [t for t in call.tools if not t.get("deferred")]
+
+
 def offered_tools(call: ChatCall) -> list[dict]:
-    """The tools the model sees: none under tool_choice "none", only the named one when named."""
+    """The tools the model sees: none under tool_choice "none", only the named one when named
+    (deferred or not), else those not deferred."""
     if call.tool_choice == "none":
         return []
     if isinstance(call.tool_choice, dict):
@@ -228,9 +234,9 @@ def offered_tools(call: ChatCall) -> list[dict]:
             raise APIError(400, f"tool_choice names {call.tool_choice['name']!r}, which is not in tools",
                            param="tool_choice")
         return wanted
-    if call.tool_choice == "required" and not call.tools:
-        raise APIError(400, "tool_choice 'required' needs at least one tool", param="tool_choice")
-    return call.tools
+    if call.tool_choice == "required" and not loaded_tools(call):
+        raise APIError(400, "tool_choice 'required' needs at least one tool (not deferred)", param="tool_choice")
+    return loaded_tools(call)
 
 
 def template_kwargs(call: ChatCall, template: str, fields=None) -> dict:

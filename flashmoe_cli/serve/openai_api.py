@@ -31,7 +31,7 @@ COMPLETION = Policy(
     ignored=frozenset({"user", "metadata", "service_tier"}))
 MESSAGE = Policy(honoured=frozenset({"role", "content", "name", "tool_calls", "tool_call_id"}),
                  ignored=frozenset({"refusal", "annotations", "reasoning_content", "reasoning", "cache_control"}))
-TOOL = Policy(honoured=frozenset({"type", "function"}), ignored=frozenset({"cache_control", "defer_loading"}))
+TOOL = Policy(honoured=frozenset({"type", "function", "defer_loading"}), ignored=frozenset({"cache_control"}))
 FUNCTION = Policy(honoured=frozenset({"name", "description", "parameters", "strict"}))
 # Reasoning effort onto the template's thinking switch: off below "low".
 THINKING_OFF_EFFORTS = ("none", "minimal")
@@ -147,7 +147,8 @@ def tool_defs(tools, fields: Fields) -> tuple[list[dict], dict[str, str]]:
             fields.refuse(f"tools[{i}]: a function needs a name", "tools")
             continue
         params = fn.get("parameters") or {"type": "object", "properties": {}}
-        out.append({"name": fn["name"], "description": fn.get("description") or "", "parameters": params})
+        out.append(fields.defer({"name": fn["name"], "description": fn.get("description") or "", "parameters": params},
+                                t, f"tools[{i}]"))
     return out, dropped
 
 

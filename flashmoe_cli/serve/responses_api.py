@@ -24,8 +24,8 @@ TEXT = Policy(honoured=frozenset({"format"}), ignored=frozenset({"verbosity"}))
 REASONING = Policy(honoured=frozenset({"effort", "summary", "generate_summary"}))
 ITEM = Policy(honoured=frozenset({"type", "role", "content", "call_id", "name", "arguments", "output"}),
               ignored=frozenset({"id", "status"}))
-FUNCTION = Policy(honoured=frozenset({"type", "name", "description", "parameters", "strict"}),
-                  ignored=frozenset({"defer_loading", "cache_control"}))
+FUNCTION = Policy(honoured=frozenset({"type", "name", "description", "parameters", "strict", "defer_loading"}),
+                  ignored=frozenset({"cache_control"}))
 SUMMARIES = ("auto", "concise", "detailed", "none")
 # include values about reasoning we do not encrypt, or tools we never run: they change nothing.
 IGNORED_INCLUDES = ("reasoning.encrypted_content", "web_search_call.action.sources", "web_search_call.results",
@@ -95,8 +95,9 @@ def _tools(tools, fields: Fields) -> tuple[list[dict], dict[str, str]]:
         if not isinstance(t.get("name"), str):
             fields.refuse(f"tools[{i}]: a function tool needs a name", "tools")
             continue
-        out.append({"name": t["name"], "description": t.get("description") or "",
-                    "parameters": t.get("parameters") or {"type": "object", "properties": {}}})
+        out.append(fields.defer({"name": t["name"], "description": t.get("description") or "",
+                                 "parameters": t.get("parameters") or {"type": "object", "properties": {}}},
+                                t, f"tools[{i}]"))
     return out, dropped
 
 
