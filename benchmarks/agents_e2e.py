@@ -7,8 +7,10 @@ call that the agent runs and answers, through a logging proxy that sees every re
 @anthropic-ai/claude-code@latest @openai/codex@latest`), so the next release can be checked in
 one command. Each client runs in a fresh temporary workspace (and, for Codex, a fresh CODEX_HOME)
 pointed at the proxy; the server runs the model (default: the demo) with `--force-first-call`,
-because the 135M demo never starts a call by itself: the bar on the demo is that the turn
-completes with a tool call executed, not a good answer. A client passes when its run exits 0,
+because the 135M demo never starts a call by itself, and `--temp 0`, because the agents send no
+temperature and at the APIs' default (1) the demo runs on to the token budget (both agents end
+such a turn in an error): the bar on the demo is that the turn completes with a tool call
+executed, not a good answer. A client passes when its run exits 0,
 every request it sent got a 2xx and streamed to its end, one reply carried a tool call, and a
 later request carried that call's result (the agent ran it); aider edits from the reply's text
 and calls no tools, so for it the first three suffice.
@@ -39,8 +41,9 @@ CLIENTS = ("claude", "codex", "aider", "llm", "opencode", "openai-agents")
 EDITS_IN_TEXT = ("aider",)  # edits files from the reply's text: no tool call to expect
 KEY = "sk-flashmoe-e2e"
 TASK = "List the files in this folder with a tool, then say what you found."
-# Claude Code's reply budget (it asks for 32,000 tokens; the demo would write until then).
-REPLY_TOKENS = 256
+# Claude Code's reply budget: it asks for 32,000 tokens, four times the demo's context; a reply that
+# runs on (a model that loops) ends at 1,024 instead, which Claude Code reports as an error.
+REPLY_TOKENS = 1024
 
 
 def free_port() -> int:
@@ -72,7 +75,12 @@ class Recorder:
             def log_message(self, *args):
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request, client_address):
+                if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that drops a
+                    super().handle_error(request, client_address)       # kept-alive one is no news
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -345,7 +353,7 @@ RUNNERS = {"claude": run_claude, "codex": run_codex, "aider": run_aider, "llm": 
 def start_server(model: str | None, home: str, extra: list[str]) -> tuple[subprocess.Popen, int]:
     port = free_port()
     cmd = [sys.executable, "-m", "flashmoe.cli", "serve", "--port", str(port), "--api-key", KEY,
-           "--force-first-call", *extra] + (["-m", model] if model else [])
+           "--force-first-call", "--temp", "0", *extra] + (["-m", model] if model else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env=dict(os.environ, FLASHMOE_HOME=home))
     for line in proc.stderr:

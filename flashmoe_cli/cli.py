@@ -282,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--force-first-call", action="store_true",
                        help="a conversation's first reply must be a tool call when tools are offered under "
                             "tool_choice auto (for models too small to start one, like the demo)")
+    serve.add_argument("--temp", type=argtypes.temperature, default=1.0, metavar="T",
+                       help="temperature of a request that gives none (default 1, the APIs' own; 0 is greedy: "
+                            "Claude Code and Codex send none, and the demo ends its replies only when greedy)")
     _add_engine_options(serve)
     serve.add_argument("--engine", choices=("real", "fake"), default="real", help=argparse.SUPPRESS)
 

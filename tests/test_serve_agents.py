@@ -67,7 +67,7 @@ def test_the_recordings_are_real_and_cover_the_agents():
 def server(tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "chatml.jinja"
     template.write_text(CHAT_TEMPLATE)
-    s = ServerProcess("--engine", "fake", "--api-key", "sk-test",
+    s = ServerProcess("--engine", "fake", "--api-key", "sk-test", "--temp", "0",
                       env={"FLASHMOE_FAKE_REPLIES": json.dumps([REPLY]), "FLASHMOE_FAKE_TEMPLATE": str(template)})
     yield s
     assert s.stop() == 0

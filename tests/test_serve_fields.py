@@ -223,6 +223,24 @@ def test_thinking_goes_onto_the_templates_switch_or_is_recorded():
     assert ignored(r) == ["reasoning_effort"]
 
 
+def test_a_request_without_a_temperature_gets_the_servers():
+    """Claude Code and Codex send no temperature. At the APIs' default (1) the demo ran on to the
+    token budget in 2 of 3 replies after a tool result, and both agents end such a turn in an
+    error; `flashmoe serve --temp 0` makes their replies greedy. A request's own value wins."""
+    engine = FakeEngine(["ok"], chat_template=CHAT_TEMPLATE)
+    c = TestClient(Server(engine, engine.loaded_info, "demo", temperature=0.0).app())
+    for path, body in (("/v1/messages", {"max_tokens": 5, "messages": HELLO}),
+                       ("/v1/chat/completions", {"messages": HELLO, "temperature": None}),
+                       ("/v1/responses", {"input": "hi"}), ("/v1/completions", {"prompt": "hi"})):
+        assert c.post(path, json=body).status_code == 200, path
+        assert engine.requests[-1].sampling.temperature == 0.0, path
+        c.post(path, json={**body, "temperature": 0.7})
+        assert engine.requests[-1].sampling.temperature == 0.7, path
+    plain = FakeEngine(["ok"], chat_template=CHAT_TEMPLATE)
+    TestClient(Server(plain, plain.loaded_info, "demo").app()).post("/v1/chat/completions", json={"messages": HELLO})
+    assert plain.requests[-1].sampling.temperature == 1.0  # the APIs' default without --temp
+
+
 def test_force_first_call_requires_only_the_conversations_first_reply_to_be_a_call():
     engine = FakeEngine([CALL, "The weather is fine."], chat_template=CHAT_TEMPLATE)
     c = TestClient(Server(engine, engine.loaded_info, "demo", force_first_call=True).app())
