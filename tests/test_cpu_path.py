@@ -3,6 +3,8 @@ rounding of different summation orders, on every tiny architecture and bit width
 expert reads change nothing and keep the budget."""
 from __future__ import annotations
 
+import concurrent.futures
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -82,6 +84,41 @@ def test_prefetch_changes_no_token_and_keeps_the_budget(model_factory, kernels, 
     assert lm.store.peak_used_bytes <= lm.store.capacity_bytes <= budget
     done = list(generate(lm, Session(lm), GenerationRequest(prompt="hello there", max_tokens=16)))[-1]
     assert 0 < done.prefetch_hit_rate <= 1  # reported, and some guesses were right
+
+
+@pytest.mark.parametrize("layout", ["tiles", "mlx"])
+def test_a_read_ahead_in_flight_is_never_computed(model_factory, monkeypatch, layout):
+    """A read-ahead's slot is in the table while its read is in flight; the one-call decode path
+    (route_slots) must not take it for a hit. Each guess's read is held back 50 ms, so guesses
+    are in flight when later tokens route to them: no expert counted as a hit may still be in
+    flight (with tiled experts one was, and was computed from the slot's old bytes), and the
+    tokens are the resident model's."""
+    import threading
+
+    from flashmoe.engine.experts import store as store_mod
+
+    path = model_factory("qwen3_moe", 4, converted=True, expert_layout=layout)
+    ref = load(path, load_tokenizer=False)
+    want = greedy(ref.model, PROMPT, 24)
+    lm = load(path, kernels="cpu", expert_cache=8 * ref.layers[0].expert_bytes, prefetch="slots",
+              load_tokenizer=False)
+    store, real, early = lm.store, store_mod.ExpertStore._read_all, []
+
+    def slow(self, jobs, landing):
+        threading.Event().wait(0.05)
+        return real(self, jobs, landing)
+
+    def note_hits(layer, experts, slots, note=store.note_hits):
+        early.extend((layer, e) for e in experts if not store._inflight.get((layer, e), done).done())
+        return note(layer, experts, slots)
+
+    done = concurrent.futures.Future()
+    done.set_result(None)
+    monkeypatch.setattr(store_mod.ExpertStore, "_read_all", slow)
+    monkeypatch.setattr(store, "note_hits", note_hits)
+    assert greedy(lm.model, PROMPT, 24) == want
+    assert sum(s.prefetched for s in store.stats.values()) > 0
+    assert early == []
 
 
 def test_prefetch_hint_asks_the_kernel_and_takes_no_slot(model_factory, monkeypatch):

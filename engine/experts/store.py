@@ -229,18 +229,20 @@ class SlotPool:
         self.layer_of = np.full(slots, -1, dtype=np.int64)
         self.expert_of = np.zeros(slots, dtype=np.int64)
         self.used_at = np.zeros(slots, dtype=np.float64)
-        # True while a slot holds its expert's bytes as read; a compute path that repacks slots
-        # in place (engine/cpu/tiled_experts.py) clears it, and every put sets it again.
+        # True while a slot is not ready for the CPU kernels as it stands: from every put until
+        # its read has landed (a read-ahead's slot is in the table while its read is in flight:
+        # the one-call decode path must not take it for a hit), and after that while it holds
+        # bytes as read that a compute path repacks in place (engine/cpu/tiled_experts.py).
         self.raw = np.ones(slots, dtype=bool)
         # What a reader thread does to a slot once its expert has landed and been checked
         # (land(slot)): the CPU kernels' repack into tiles, or `untile`; None: used as read.
         self.land = None
         self.layout = "mlx"  # how the experts' bytes are ordered on disk (LayerExperts.layout)
         self._scratch = threading.local()  # untile's copies, per reader thread
-        self.reads_tiles = False  # the bytes as read are the CPU kernels' tiles: no repack (raw False)
+        self.reads_tiles = False  # the bytes as read are the CPU kernels' tiles: ready once landed
 
     def put(self, key: tuple[int, int], slot: int, tick: int) -> None:
-        self.raw[slot] = not self.reads_tiles
+        self.raw[slot] = True
         self.table[key] = slot
         self.layer_of[slot], self.expert_of[slot], self.used_at[slot] = key[0], key[1], tick
 
@@ -572,6 +574,8 @@ class ExpertStore:
             took = perf_counter() - t0
             with self._verify_lock:
                 self.land_s += took
+        if pool.reads_tiles:
+            pool.raw[slot] = False  # landed as the kernels take it: ready now, not before
 
     def _count(self, layer: int, wanted: set[int]) -> None:
         self._tick += 1
