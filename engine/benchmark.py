@@ -154,6 +154,14 @@ class RunResult:
     page_cache_dropped_every_token: bool = False
     verify_prefill_s: float = 0.0  # reader-thread seconds spent on expert checksums during prefill
     verify_decode_s: float = 0.0  # ... and during decode (the first read of each expert is checked)
+    overlap: float = 0.0  # share of decode with a read at the device (ExpertStore.busy)
+
+    def roof_fraction(self, disk_gbps: float) -> float | None:
+        """Of the disk's roof for the bytes this run took from the device per token: decode
+        tok/s x device bytes per token / the disk's GB/s (None where nothing came from it)."""
+        if not self.device_bytes_per_token or not disk_gbps:
+            return None
+        return self.decode_tps * self.device_bytes_per_token / (disk_gbps * 1e9)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -176,11 +184,13 @@ def run_generation(loaded, prompt: str, tokens: int, cold: bool, drop_every_toke
     step_s = dropped_s = drop = 0.0  # drop: the latest page-cache drop, not yet inside a step
     store = loaded.store
     verify0 = verify1 = store.verify_s if store is not None else 0.0
+    busy0 = 0.0
     for ev in generate(loaded, Session(loaded), request):
         if isinstance(ev, TokenGenerated):
             if device0 is None:
                 device0 = disk_read_bytes()  # decode starts after the first token
                 verify1 = store.verify_s if store is not None else 0.0
+                busy0 = store.busy.now() if store is not None else 0.0
             if drop_every_token and files:
                 t = time.perf_counter()
                 evict(files)
@@ -191,6 +201,7 @@ def run_generation(loaded, prompt: str, tokens: int, cold: bool, drop_every_toke
         done = ev
     device1 = disk_read_bytes()
     verify2 = store.verify_s if store is not None else 0.0
+    busy = (store.busy.now() - busy0) if store is not None else 0.0
     decoded = max(0, done.generation_tokens - 1)
     device = (device1 - device0) / decoded if device0 is not None and device1 is not None and decoded else None
     decode_tps, decode_s = done.generation_tps, done.decode_s
@@ -203,4 +214,5 @@ def run_generation(loaded, prompt: str, tokens: int, cold: bool, drop_every_toke
     return RunResult("cold" if cold else "warm", done.prompt_tokens, done.generation_tokens, done.prompt_tps,
                      decode_tps, done.bytes_per_token, theory, done.hit_rate,
                      done.io_wait_s / decode_s if decode_s else 0.0, time.perf_counter() - t0,
-                     done.prefetch_hit_rate, device, drop_every_token, verify1 - verify0, verify2 - verify1)
+                     done.prefetch_hit_rate, device, drop_every_token, verify1 - verify0, verify2 - verify1,
+                     busy / decode_s if decode_s else 0.0)

@@ -83,8 +83,13 @@ def cmd_bench_speed(args) -> int:
                     limit += f" (on the device bytes: {measured:.2f} tok/s, {r.decode_tps / measured:.0%})"
                     r_dict["device_limit_tps"] = measured
             result["runs"].append(r_dict)
+            roof = r.roof_fraction(disk.random_gbps) if disk else None
+            r_dict["roof_fraction"] = roof
             streamed = (f"{human_bytes(r.bytes_per_token)}/token read (theory {human_bytes(r.theory_bytes_per_token)})"
                         f" | hit rate {r.hit_rate:.0%} | io wait {r.io_wait_share:.0%}{limit}"
+                        f" | roof fraction {'-' if roof is None else f'{roof:.0%}'}"
+                        f" (device bytes x tok/s / the disk's random GB/s) | overlap {r.overlap:.0%} "
+                        f"(decode with a read at the device)"
                         if loaded.layers else "no routed experts: nothing streamed")
             print(f"{name:<8}: prefill {r.prompt_tokens} tok {r.prefill_tps:.1f} tok/s | decode {r.generated_tokens} tok "
                   f"{r.decode_tps:.2f} tok/s | {streamed}"

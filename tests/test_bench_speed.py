@@ -26,7 +26,7 @@ def test_prints_the_conditions_of_every_figure(report):
     assert [line.split(":")[0].strip() for line in lines] == ["warm", "cold", "uncached"]
     for line in lines:
         for what in ("prefill 8 tok", "decode 6 tok", "tok/s", "/token read (theory", "hit rate", "io wait",
-                     "from the device"):
+                     "from the device", "roof fraction", "overlap"):
             assert what in line, (what, line)
     assert "disk limit" in lines[1] and "disk limit" in lines[2]
     assert "as for a model larger than RAM" in stdout
@@ -46,6 +46,12 @@ def test_bytes_read_match_the_theory_and_cold_starts_empty(report):
     assert uncached["decode_tps"] > 0
     if cold["device_bytes_per_token"]:  # files on a block device (not tmpfs): every read of "uncached" hits it
         assert uncached["device_bytes_per_token"] >= 0.9 * uncached["bytes_per_token"]
+    for run in (warm, cold, uncached):  # the share of the disk's roof, and of decode with a read in flight
+        assert 0 <= run["overlap"] <= 1
+        if run["device_bytes_per_token"]:
+            assert run["roof_fraction"] == pytest.approx(
+                run["decode_tps"] * run["device_bytes_per_token"] / (result["disk"]["random_gbps"] * 1e9))
+    assert cold["overlap"] > 0  # an expert cache of one token's experts reads every step
     # the disk limit is the measured random-read rate over the bytes read per token
     assert cold["disk_limit_tps"] == pytest.approx(result["disk"]["random_gbps"] * 1e9 / cold["bytes_per_token"])
 
