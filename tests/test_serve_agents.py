@@ -135,7 +135,8 @@ def minimal_args(schema: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["claude", "claude-default", "codex", "llm", "opencode", "openai-agents"])
+@pytest.mark.parametrize("name", ["claude", "claude-default", "claude-2.1.337", "codex", "llm", "opencode",
+                                  "openai-agents"])
 def test_each_agents_tool_request_gets_a_call_to_its_own_tool_back(name):
     exchange = first_with_tools(name)
     tool = tool_names(exchange["body"])[0]

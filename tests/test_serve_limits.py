@@ -149,6 +149,17 @@ def test_a_prompt_that_cannot_run_is_an_http_error_before_the_first_byte(server)
         with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as r:
             assert r.status_code == 400, path
             assert "longer than" in json.loads(r.read())["error"]["message"]
+    # a tool schema the grammar cannot take, on the same real server
+    bad = {"type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}}
+    for path, body in (("/v1/messages", {"max_tokens": 5, "messages": HELLO, "stream": True,
+                                         "tools": [{"name": "t", "input_schema": bad}]}),
+                       ("/v1/chat/completions", {"messages": HELLO, "stream": True, "tools": [
+                           {"type": "function", "function": {"name": "t", "parameters": bad}}]}),
+                       ("/v1/responses", {"input": "hi", "stream": True, "tools": [
+                           {"type": "function", "name": "t", "parameters": bad}]})):
+        with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as r:
+            assert r.status_code == 400 and r.headers["content-type"] == "application/json", path
+            assert "cannot build a grammar" in r.read().decode(), path
 
 
 # -- exact replies, in-process on the scripted engine --------------------------------------------
