@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "accepting and recording them (see docs/serve.md)")
     serve.add_argument("--keepalive", type=float, default=5.0, metavar="S",
                        help="seconds a stream may stay silent (a long prefill, a call being written) before a "
-                            "keepalive is sent (default 5)")
+                            "keepalive is sent (default 5, at most 10)")
     serve.add_argument("--force-first-call", action="store_true",
                        help="a conversation's first reply must be a tool call when tools are offered under "
                             "tool_choice auto (for models too small to start one, like the demo)")

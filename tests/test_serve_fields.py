@@ -262,6 +262,23 @@ def test_force_first_call_requires_only_the_conversations_first_reply_to_be_a_ca
     assert engine.requests[-1].constraint.mode == "tools"
 
 
+def test_keepalives_come_at_least_every_10_seconds(monkeypatch):
+    """Issue 40: a keepalive at most every 10 s (agents' idle timeouts fired on a silent prefill);
+    --keepalive took up to 60."""
+    from flashmoe.cli import startup
+    from flashmoe.cli.cli import build_parser
+    from flashmoe.cli.errors import UsageError
+    from flashmoe.cli.serve.main import cmd_serve
+
+    def no_engine(*a, **k):
+        raise AssertionError("--keepalive 30 was taken: the server went on to load the model")
+
+    monkeypatch.setattr(startup, "make_engine", no_engine)
+    args = build_parser().parse_args(["serve", "--engine", "fake", "--port", "0", "--keepalive", "30"])
+    with pytest.raises(UsageError, match=r"--keepalive 30\.0: give seconds between 0 and 10"):
+        cmd_serve(args)
+
+
 # -- names, routes, errors ----------------------------------------------------------------------
 
 def test_served_model_names_restrict_the_names_and_models_routes_show_no_paths():

@@ -26,8 +26,8 @@ def cmd_serve(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: not a port number (0-65535)")
-    if not 0 < args.keepalive <= 60:
-        raise UsageError(f"--keepalive {args.keepalive}: give seconds between 0 and 60")
+    if not 0 < args.keepalive <= 10:  # agents' idle timeouts: a silent stream looks dead to them
+        raise UsageError(f"--keepalive {args.keepalive}: give seconds between 0 and 10")
     try:
         import uvicorn
 
