@@ -7,10 +7,11 @@ call that the agent runs and answers, through a logging proxy that sees every re
 @anthropic-ai/claude-code@latest @openai/codex@latest`), so the next release can be checked in
 one command. Each client runs in a fresh temporary workspace (and, for Codex, a fresh CODEX_HOME)
 pointed at the proxy; the server runs the model (default: the demo) with `--force-first-call`,
-because the 135M demo never starts a call by itself, and `--temp 0`, because the agents send no
-temperature and at the APIs' default (1) the demo runs on to the token budget (both agents end
-such a turn in an error): the bar on the demo is that the turn completes with a tool call
-executed, not a good answer. A client passes when its run exits 0,
+because the 135M demo never starts a call by itself, and `--temp 0 --repetition-penalty 1.2`,
+because the agents send neither and the demo runs on to the token budget at the APIs' default
+temperature (1) and loops when greedy without a penalty (both agents end such a turn in an
+error): the bar on the demo is that the turn completes with a tool call executed, not a good
+answer. A client passes when its run exits 0,
 every request it sent got a 2xx and streamed to its end, one reply carried a tool call, and a
 later request carried that call's result (the agent ran it); aider edits from the reply's text
 and calls no tools, so for it the first three suffice.
@@ -353,7 +354,8 @@ RUNNERS = {"claude": run_claude, "codex": run_codex, "aider": run_aider, "llm": 
 def start_server(model: str | None, home: str, extra: list[str]) -> tuple[subprocess.Popen, int]:
     port = free_port()
     cmd = [sys.executable, "-m", "flashmoe.cli", "serve", "--port", str(port), "--api-key", KEY,
-           "--force-first-call", "--temp", "0", *extra] + (["-m", model] if model else [])
+           "--force-first-call", "--temp", "0", "--repetition-penalty", "1.2", *extra]
+    cmd += ["-m", model] if model else []
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env=dict(os.environ, FLASHMOE_HOME=home))
     for line in proc.stderr:
@@ -417,6 +419,9 @@ def main() -> int:
             if not ok:
                 err = stderr if isinstance(stderr, str) else stderr.decode("utf-8", "replace")
                 print(f"  stderr: {err.strip()[-1500:]}", flush=True)
+                for i, e in enumerate(recorder.exchanges):  # what each request got, where it went wrong
+                    if e["method"] == "POST" and not (200 <= e["status"] < 300 and ended(e)):
+                        print(f"  request {i} ({e['path']}, HTTP {e['status']}) ended: {e['response'][-600:]!r}")
             rows.append({"client": client, "version": version, "exit": code, "seconds": round(took), **v,
                          "result": "PASS" if ok else "FAIL"})
             if args.record:

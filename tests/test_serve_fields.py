@@ -226,19 +226,26 @@ def test_thinking_goes_onto_the_templates_switch_or_is_recorded():
 def test_a_request_without_a_temperature_gets_the_servers():
     """Claude Code and Codex send no temperature. At the APIs' default (1) the demo ran on to the
     token budget in 2 of 3 replies after a tool result, and both agents end such a turn in an
-    error; `flashmoe serve --temp 0` makes their replies greedy. A request's own value wins."""
+    error; greedy, it looped inside its first call's strings ("test-test-test..."), and a
+    repetition penalty of 1.2 ended that. `flashmoe serve --temp T --repetition-penalty R` set
+    them for requests that give none; a request's own value wins."""
     engine = FakeEngine(["ok"], chat_template=CHAT_TEMPLATE)
-    c = TestClient(Server(engine, engine.loaded_info, "demo", temperature=0.0).app())
+    server = Server(engine, engine.loaded_info, "demo", temperature=0.0, repetition_penalty=1.2)
+    c = TestClient(server.app())
     for path, body in (("/v1/messages", {"max_tokens": 5, "messages": HELLO}),
                        ("/v1/chat/completions", {"messages": HELLO, "temperature": None}),
                        ("/v1/responses", {"input": "hi"}), ("/v1/completions", {"prompt": "hi"})):
         assert c.post(path, json=body).status_code == 200, path
         assert engine.requests[-1].sampling.temperature == 0.0, path
+        assert engine.requests[-1].sampling.repetition_penalty == 1.2, path
         c.post(path, json={**body, "temperature": 0.7})
         assert engine.requests[-1].sampling.temperature == 0.7, path
+    c.post("/v1/chat/completions", json={"messages": HELLO, "repetition_penalty": 1.05})
+    assert engine.requests[-1].sampling.repetition_penalty == 1.05
     plain = FakeEngine(["ok"], chat_template=CHAT_TEMPLATE)
     TestClient(Server(plain, plain.loaded_info, "demo").app()).post("/v1/chat/completions", json={"messages": HELLO})
     assert plain.requests[-1].sampling.temperature == 1.0  # the APIs' default without --temp
+    assert plain.requests[-1].sampling.repetition_penalty == 1.0  # off without --repetition-penalty
 
 
 def test_force_first_call_requires_only_the_conversations_first_reply_to_be_a_call():

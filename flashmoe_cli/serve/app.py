@@ -81,12 +81,13 @@ class Server:
     def __init__(self, engine, info, model_id: str, *, api_key: str | None = None, max_queue: int = 16,
                  default_max_tokens: int = 1024, allow_origins: tuple[str, ...] = (),
                  served_names: tuple[str, ...] = (), strict_fields: bool = False, keepalive_s: float = KEEPALIVE_S,
-                 force_first_call: bool = False, temperature: float = 1.0):
+                 force_first_call: bool = False, temperature: float = 1.0, repetition_penalty: float = 1.0):
         """served_names: the model names clients may ask for (--served-model-name); none: any
         name is this model. strict_fields: refuse what would be ignored or translated.
         force_first_call: a conversation's first reply, with tools offered under tool_choice
         auto, must be a call (--force-first-call: for models too small to start one).
-        temperature: a request's that gives none (--temp; 1, the APIs' own default)."""
+        temperature, repetition_penalty: a request's that gives none (--temp, 1: the APIs' own
+        default; --repetition-penalty, 1: off)."""
         self.engine, self.info = engine, info
         self.names = tuple(served_names) or (model_id,)
         self.model_id = self.names[0]
@@ -98,7 +99,7 @@ class Server:
         self.strict_fields = strict_fields
         self.keepalive_s = keepalive_s
         self.force_first_call = force_first_call
-        self.temperature = temperature
+        self.sampling_defaults = {"temperature": temperature, "repetition_penalty": repetition_penalty}
         self.pending = 0
         self.metrics = Metrics()
 
@@ -142,8 +143,9 @@ class Server:
             fields.check(also=e)
         except (TypeError, AttributeError, KeyError, ValueError) as e:  # a body of the wrong shapes
             fields.check(also=APIError(400, f"malformed request: {type(e).__name__}: {e}"))
-        if body.get("temperature") is None:  # the APIs say 1; the operator may say otherwise (--temp)
-            call.sampling = dataclasses.replace(call.sampling, temperature=self.temperature)
+        unset = {k: v for k, v in self.sampling_defaults.items() if body.get(k) is None}
+        if unset:  # the APIs' defaults, or the operator's (--temp, --repetition-penalty)
+            call.sampling = dataclasses.replace(call.sampling, **unset)
         clean = not fields.problems  # else the engine request is built only for the problems it finds
         forced = self.force_first_call and call.tool_choice == "auto" and loaded_tools(call)
         if clean and forced and _first_reply(call.messages):

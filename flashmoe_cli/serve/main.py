@@ -43,7 +43,7 @@ def cmd_serve(args) -> int:
                         default_max_tokens=args.max_tokens, allow_origins=tuple(args.allow_origin),
                         served_names=tuple(args.served_model_name), strict_fields=args.strict_fields,
                         keepalive_s=args.keepalive, force_first_call=args.force_first_call,
-                        temperature=args.temp)
+                        temperature=args.temp, repetition_penalty=args.repetition_penalty)
         config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
                                 timeout_graceful_shutdown=30, lifespan="off")
 
