@@ -16,6 +16,11 @@ CACHE_POLICIES = ("lfu", "lru")  # which cached expert a miss evicts
 TRUNCATE_MODES = ("off", "left")  # a prompt longer than the context: refuse, or drop its start
 THINKING_CHOICES = ("on", "off")  # the chat template's reasoning switch (unset: its default)
 DTYPES = ("auto", "float32", "keep")  # resident weights: float32 on CPU, as stored, or as told
+# Reader threads for expert reads. 16, not 8: a decoding layer misses 4-5 experts, 11 pieces of
+# 1 MiB, which 16 readers put at the device in one wave; the drive gives no more bandwidth past 8
+# in flight, but each layer waits less (the synthetic MoE at a quarter of its size: 10% faster
+# decode, 68-72% of the disk roof against 56-58%; benchmarks/RESULTS.md, issue 39).
+IO_THREADS = 16
 
 
 def resolve_dtype(choice: str) -> str | None:

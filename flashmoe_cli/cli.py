@@ -10,6 +10,8 @@ import argparse
 import os
 import sys
 
+from flashmoe.engine.options import IO_THREADS
+
 from . import __version__, argtypes
 from .agent_cli import add_tool_options
 from .argtypes import at_least, output_file, parse_size
@@ -47,7 +49,7 @@ def _add_engine_options(p: argparse.ArgumentParser, k_list: bool = False, usage:
                         "wherever it can, else through the page cache)")
     p.add_argument("--buffered-io", dest="direct_io", action="store_const", const=False,
                    help="read experts through the page cache")
-    p.add_argument("--io-threads", type=at_least(1), default=S, metavar="N", help="parallel expert reads (default 8)")
+    p.add_argument("--io-threads", type=at_least(1), default=S, metavar="N", help=f"parallel expert reads (default {IO_THREADS})")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default=S,
                    help="float32 widens 16-bit weights and scales (much faster on MLX's CPU backend); "
                         "auto (default): float32 on CPU, keep elsewhere")

@@ -6,7 +6,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from flashmoe.engine.options import resolve_dtype
+from flashmoe.engine.options import IO_THREADS, resolve_dtype
 
 from .errors import UsageError
 from .models import resolve_model
@@ -19,7 +19,7 @@ class EngineOptions:
     model: str | None = None  # None: the demo
     engine: str = "real"  # "fake": the scripted test double (the hidden --engine flag)
     expert_cache: int | None = None
-    io_threads: int = 8
+    io_threads: int = IO_THREADS
     direct_io: bool | None = None  # None: O_DIRECT where the file system takes it
     dtype: str = "auto"  # options.DTYPES
     kernels: str = "auto"

@@ -26,7 +26,7 @@ import numpy as np
 from zlib_ng.zlib_ng import crc32  # zlib's CRC-32, 6-10x faster (PCLMULQDQ): every first read is checked
 
 from flashmoe.engine.errors import ModelLoadError
-from flashmoe.engine.options import CACHE_POLICIES
+from flashmoe.engine.options import CACHE_POLICIES, IO_THREADS
 from flashmoe.engine.experts.layout import Extent, LayerExperts, Part, from_tiles
 
 PAGE = 4096
@@ -291,7 +291,7 @@ class ExpertStore:
     """Owns the slot pools, the open files and the reader threads."""
 
     def __init__(self, root: Path, layers: list[LayerExperts], top_k: int,
-                 budget_bytes: int, io_threads: int = 8, direct_io: bool | None = None,
+                 budget_bytes: int, io_threads: int = IO_THREADS, direct_io: bool | None = None,
                  upcast: bool = False, cpu_kernels: bool = False, policy: str = "lfu",
                  verify_reads: bool = True, keep_bf16=None):
         """keep_bf16(layer experts) -> whether their pool keeps bfloat16 parts as stored when

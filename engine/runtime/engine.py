@@ -12,6 +12,7 @@ import threading
 import traceback
 from time import perf_counter
 
+from flashmoe.engine.options import IO_THREADS
 from flashmoe.engine.errors import FlashMoEError, ModelLoadError
 from flashmoe.engine.events import EngineFailed, GenerationFinished, ModelLoaded
 from flashmoe.engine.runtime.generate import TRUNCATE_MODES, GenerationRequest, Session, generate, model_bits
@@ -55,7 +56,7 @@ class Handle:
 
 
 class Engine:
-    def __init__(self, model_path, *, expert_cache: int | None = None, io_threads: int = 8,
+    def __init__(self, model_path, *, expert_cache: int | None = None, io_threads: int = IO_THREADS,
                  direct_io: bool | None = None, dtype: str | None = None, kernels: str = "mlx", kv_cache: str = "float32",
                  prefetch: bool | str = False, cache_policy: str = "lfu", verify_reads: bool = True,
                  truncate_prompt: str = "off", allow_resident_experts: bool = False,

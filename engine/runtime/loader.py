@@ -25,7 +25,7 @@ from flashmoe.engine.experts.switch import StreamingSwitchGLU, _CpuExperts
 from flashmoe.engine.runtime.jsonfile import read_json
 from flashmoe.engine.runtime.memory import MemoryPlan, MemoryTooSmall, kv_bytes_per_token, plan, read_limit, \
     working_bytes
-from flashmoe.engine.options import KV_CACHES, PREFETCH_MODES
+from flashmoe.engine.options import IO_THREADS, KV_CACHES, PREFETCH_MODES
 from flashmoe.engine.telemetry import Telemetry
 from flashmoe.engine.formats.safetensors_io import read_header
 
@@ -495,7 +495,7 @@ def resident_bytes(tensors, upcast: bool) -> int:
 
 
 def memory_plan(config: dict, layers: list[LayerExperts], resident: int, *, upcast: bool, kv_cache: str = "float32",
-                io_threads: int = 8, expert_cache: int | None = None, ctx_size: int | None = None,
+                io_threads: int = IO_THREADS, expert_cache: int | None = None, ctx_size: int | None = None,
                 prompt_cache: int = 0, limit=None, keep_bf16=None) -> MemoryPlan:
     """The memory plan (runtime/memory.py) for a model of `config` whose streamed experts are
     `layers` and whose resident weights take `resident` bytes, under `limit` (read now if None).
@@ -517,7 +517,7 @@ def memory_plan(config: dict, layers: list[LayerExperts], resident: int, *, upca
                 expert_cache=expert_cache)
 
 
-def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = 8,
+def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = IO_THREADS,
          direct_io: bool | None = None, load_tokenizer: bool = True, dtype: str | None = None,
          kernels: str = "mlx", prefetch: bool | str = False, cache_policy: str = "lfu",
          verify_reads: bool = True, allow_resident_experts: bool = False,
