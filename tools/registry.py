@@ -10,10 +10,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
-
 from flashmoe.tools.errors import ToolDefinitionError
+from flashmoe.tools.safe_schema import SchemaProblem, check_schema
 
 Risk = Literal["read", "write", "exec"]
 RISKS: tuple[str, ...] = ("read", "write", "exec")
@@ -68,11 +66,10 @@ class Tool:
         if params.get("type", "object") != "object":
             raise ToolDefinitionError(f"tool '{self.name}'{where}: parameters must have \"type\": \"object\"")
         try:
-            Draft202012Validator.check_schema(params)
-        except SchemaError as e:
-            path = "".join(f"[{p!r}]" for p in e.absolute_path)
+            check_schema(params)  # the metaschema, its patterns, its references (safe_schema.py)
+        except SchemaProblem as e:
             raise ToolDefinitionError(
-                f"tool '{self.name}'{where}: invalid parameters schema{(' at ' + path) if path else ''}: "
+                f"tool '{self.name}'{where}: invalid parameters schema{(' at ' + e.path) if e.path else ''}: "
                 f"{e.message}") from None
         props = params.get("properties") or {}
         for arg in (self.primary, *self.path_args):

@@ -179,12 +179,9 @@ def _one_json_call(text: str, tools: Any) -> bool:
     schema = ToolsInfo.of(tools).schemas.get(calls[0].name or "")
     if schema is None:
         return False
-    try:
-        from jsonschema import Draft202012Validator
+    from flashmoe.tools.safe_schema import is_valid
 
-        return Draft202012Validator(schema).is_valid(calls[0].arguments)
-    except Exception:  # a schema the validator cannot take: no intent to be sure of
-        return False
+    return is_valid(schema, calls[0].arguments)  # (False for a schema it cannot take: no intent to be sure of)
 
 
 class TextState:

@@ -10,33 +10,30 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import best_match
-
+from flashmoe.tools import safe_schema
 from flashmoe.tools.calls import MAX_ARGUMENT_CHARS, ToolCall, argument_problem
 from flashmoe.tools.registry import Tool, ToolRegistry
 
 BACKSLASH_QUOTES = ("the arguments use backslashes where JSON needs double quotes "
                     "(a known low-bit quantization failure)")
 
-_validators: weakref.WeakKeyDictionary[Tool, Draft202012Validator] = weakref.WeakKeyDictionary()
+_validators: weakref.WeakKeyDictionary[Tool, Any] = weakref.WeakKeyDictionary()
 
 
-def validator_for(tool: Tool) -> Draft202012Validator:
-    """The tool's Draft 2020-12 validator, built once (the schema was checked at registration)."""
+def validator_for(tool: Tool):
+    """The tool's Draft 2020-12 validator, built once (the schema was checked at registration);
+    its patterns are matched with a time limit (safe_schema.py)."""
     v = _validators.get(tool)
     if v is None:
-        v = Draft202012Validator(tool.parameters, format_checker=Draft202012Validator.FORMAT_CHECKER)
+        v = safe_schema.validator(tool.parameters)
         _validators[tool] = v
     return v
 
 
 def schema_error(tool: Tool, arguments: Any) -> str | None:
-    """`$.path: message` for the most relevant schema violation, or None when the arguments fit."""
-    err = best_match(validator_for(tool).iter_errors(arguments))
-    if err is None:
-        return None
-    return f"{err.json_path}: {err.message}"
+    """`$.path: message` for the most relevant schema violation, or None when the arguments fit
+    (arguments whose checking cannot finish do not fit)."""
+    return safe_schema.first_error(validator_for(tool), arguments)
 
 
 # A key wrapped in one or two backslashes (optionally before a quote) and followed by a colon:

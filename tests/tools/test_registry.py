@@ -25,6 +25,17 @@ def test_definitions_are_openai_style():
     ({"parameters": {"type": "array"}}, "parameters must have \"type\": \"object\""),
     ({"parameters": {"type": "object", "properties": {"x": {"type": "strin"}}}}, "invalid parameters schema"),
     ({"primary": "y"}, "'y' is not one of its parameters"),
+    # issue 41: these were a RecursionError or an OverflowError out of the definition's check, or
+    # validation that recursed until the stack ran out
+    ({"parameters": {"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}}}, "references loop"),
+    ({"parameters": {"type": "object", "$defs": {"a": {"anyOf": [{"$ref": "#"}]}}, "allOf": [{"$ref": "#/$defs/a"}]}},
+     "references loop"),
+    ({"parameters": {"type": "object", "properties": {"x": {"$ref": "https://example.com/s.json"}}}},
+     "only references inside the schema"),
+    ({"parameters": {"type": "object", "properties": {"x": {"type": "string", "pattern": "a{99999999999999999999}"}}}},
+     "is not a 'regex'"),
+    ({"parameters": {"type": "object", "properties": {"x": {"type": "string", "pattern": "(" * 3000 + ")" * 3000}}}},
+     "is not a 'regex'"),
 ])
 def test_bad_tools(kwargs, msg):
     args = {"name": "t", "description": "", "parameters": OBJ, "fn": lambda **a: None, **kwargs}

@@ -170,3 +170,28 @@ def test_repair_loop_zero():
     msg = loop.reject(ToolCall("x", None, "raw"), "bad")
     assert msg == "bad\nThe repair limit (0) is reached for this turn: stop calling tools and answer with what you have."
     assert loop.exhausted
+
+
+@pytest.mark.parametrize("pattern", ["^(a+)+$", "^(a|a)*$", "^(a|aa)+$"])
+def test_a_backtracking_pattern_is_matched_with_a_time_limit(pattern):
+    """Issue 41: Python's re (through jsonschema) took 11 s on 27 characters of 'a' against
+    ^(a+)+$, the GIL held. The regex engine, with a time limit, decides in well under a second;
+    a match out of time fails the value."""
+    import time
+
+    tool = Tool("check", "", {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}},
+                lambda **a: "x")
+    reg = ToolRegistry([tool])
+    t0 = time.monotonic()
+    verdict = check_call(ToolCall("check", {"s": "a" * 60 + "!"}, ""), reg)
+    assert not verdict.ok and "$.s" in verdict.message and time.monotonic() - t0 < 1.5
+    assert check_call(ToolCall("check", {"s": "aaaa"}, ""), reg).ok
+
+
+def test_a_value_under_format_regex_that_re_cannot_compile_fails_its_schema():
+    reg = ToolRegistry([Tool("check", "", {"type": "object", "properties": {"r": {"type": "string", "format": "regex"}}},
+                             lambda **a: "x")])
+    for bad in ("a{99999999999999999999}", "(" * 3000 + ")" * 3000, "[z-a]"):
+        verdict = check_call(ToolCall("check", {"r": bad}, ""), reg)
+        assert not verdict.ok and "'regex'" in verdict.message, bad
+    assert check_call(ToolCall("check", {"r": "^a+$"}, ""), reg).ok

@@ -118,12 +118,9 @@ def _has_call_object(prose: str) -> bool:
 def _fits(call: ToolCall, schema: dict) -> bool:
     if not isinstance(call.arguments, dict):
         return False
-    try:
-        from jsonschema import Draft202012Validator
+    from flashmoe.tools.safe_schema import is_valid
 
-        return Draft202012Validator(schema).is_valid(call.arguments)
-    except Exception:  # noqa: BLE001  (a schema the validator cannot take: no intent to be sure of)
-        return False
+    return is_valid(schema, call.arguments)  # (False for a schema it cannot take: no intent to be sure of)
 
 
 __all__ = ["parse_tool_call", "find_calls_in_text", "strip_fence"]
