@@ -40,8 +40,8 @@ class FakeEngine:
     def wait_loaded(self, timeout: float | None = None) -> ModelLoaded:
         return self.loaded_info
 
-    def submit(self, request, session: str = "default") -> Handle:
-        handle = Handle(request, session)
+    def submit(self, request, session: str = "default", tenant: str = "") -> Handle:
+        handle = Handle(request, session, tenant)
         self.requests.append(request)
         reply = next(self._replies)
         threading.Thread(target=self._play, args=(handle, reply), daemon=True).start()

@@ -30,9 +30,10 @@ def _warn(text: str) -> None:
 class Handle:
     """The events of one submitted request; iterate it, or cancel it."""
 
-    def __init__(self, request: GenerationRequest, session: str):
+    def __init__(self, request: GenerationRequest, session: str, tenant: str = ""):
         self.request = request
         self.session = session
+        self.tenant = tenant  # with no session: whose cached prompts the pool may give it
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self._cancel = threading.Event()
 
@@ -106,10 +107,11 @@ class Engine:
             raise self.load_error
         return self.loaded_info
 
-    def submit(self, request: GenerationRequest, session: str | None = "default") -> Handle:
+    def submit(self, request: GenerationRequest, session: str | None = "default", tenant: str = "") -> Handle:
         """session: the conversation whose cache the request continues; None: the prompt-cache
-        pool picks the cached prompt it shares most with (engine/runtime/prompt_cache.py)."""
-        handle = Handle(request, session)
+        pool picks the cached prompt it shares most with (engine/runtime/prompt_cache.py), among
+        those of the same `tenant` (a server's clients never reuse, or time, each other's)."""
+        handle = Handle(request, session, tenant)
         self._inbox.put(handle)
         return handle
 
@@ -214,7 +216,7 @@ class Engine:
             request = dataclasses.replace(request, truncate_prompt=self.truncate_prompt)
         session = Session(self.loaded)  # replaced by the request's own (its reset is then a no-op)
         try:
-            session = self._session_for(handle.session, request)
+            session = self._session_for(handle, request)
             for ev in generate(self.loaded, session, request, handle._cancel):
                 handle.events.put(ev)
         except ModelLoadError as e:  # a read failed mid-generation: an I/O problem, exit 3
@@ -234,13 +236,14 @@ class Engine:
             elif self.pool.disk is not None:
                 self.pool.save(session)
 
-    def _session_for(self, key: str | None, request: GenerationRequest) -> Session:
+    def _session_for(self, handle: Handle, request: GenerationRequest) -> Session:
         """A conversation's own session (a new one starts from the longest saved prefix on disk,
-        when there are saved caches), or, with no key, the pool's pick."""
+        when there are saved caches), or, with no key, the pool's pick for the handle's tenant."""
         from flashmoe.engine.runtime.generate import render_prompt
 
+        key = handle.session
         if key is None:
-            return self.pool.pick(render_prompt(self.loaded, request))
+            return self.pool.pick(render_prompt(self.loaded, request), tenant=handle.tenant)
         session = self._sessions.get(key)
         if session is None:
             session = self.pool.saved(render_prompt(self.loaded, request)) if self.pool.disk is not None else None

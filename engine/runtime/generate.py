@@ -64,10 +64,11 @@ class GenerationRequest:
 class Session:
     """The cache of one conversation and the token ids it holds."""
 
-    def __init__(self, loaded):
+    def __init__(self, loaded, tenant: str = ""):
         self.loaded = loaded
         self.cache = None
         self.tokens: list[int] = []
+        self.tenant = tenant  # who the cache's prompt came from (a server's prompt-cache pool keeps them apart)
 
     def reset(self) -> None:
         self.cache = None

@@ -4,6 +4,10 @@ An API client resends the whole history every turn. The pool keeps the KV / recu
 of several recent prompts (LRU, under a byte budget) and gives each new request the one that
 shares the longest token prefix with it, so turn N runs only its new tokens.
 
+Caches are kept apart by tenant (a server's API key and --tenant-header): a request is given
+only a cache its own tenant's prompts left, in memory or on disk, so what another client's
+prompt holds never shows in its `cached_tokens` or its prefill time (issue 41).
+
 A cache that is reused is never trimmed in place when it holds more than the new request
 shares: the CPU fast path writes keys and values into the cache's buffers in place, so two
 requests must not share buffers. The shared part is copied instead, and the longer cache stays
@@ -70,31 +74,33 @@ class PromptCachePool:
         self.max_entries = max_entries
         self.entries: list[Session] = []  # least recently used first
 
-    def pick(self, ids: list[int]) -> Session:
-        """The session for a prompt of these ids: a cached one that `ids` continues, a copy of the
-        one that shares most with them, or a new one."""
+    def pick(self, ids: list[int], tenant: str = "") -> Session:
+        """The session for a prompt of these ids: a cached one of the same tenant that `ids`
+        continues, a copy of the one that shares most with them, or a new one."""
         from mlx_lm.models.cache import can_trim_prompt_cache
 
         if self.budget_bytes <= 0:  # no pool: every prompt runs whole
-            return Session(self.loaded)
+            return Session(self.loaded, tenant)
         best, shared = None, 0
         for s in self.entries:
+            if s.tenant != tenant:
+                continue
             n = common_prefix(s.tokens, ids)
             usable = n == len(s.tokens) or (s.cache is not None and can_trim_prompt_cache(s.cache))
             if usable and n > shared:
                 best, shared = s, n
         if self.disk is not None:
-            saved = self.saved(ids, more_than=shared)
+            saved = self.saved(ids, more_than=shared, tenant=tenant)
             if saved is not None:
                 best, shared = saved, common_prefix(saved.tokens, ids)
                 self.entries.append(saved)
         if best is None:
-            session = Session(self.loaded)
+            session = Session(self.loaded, tenant)
         elif shared == len(best.tokens) and shared < len(ids):
             self.entries.remove(best)  # this prompt continues it: it moves on with it
             session = best
         else:
-            session = Session(self.loaded)
+            session = Session(self.loaded, tenant)
             session.cache, session.tokens = _copy_cache(best.cache, keep=shared), list(best.tokens)
             if all(getattr(c, "offset", None) == shared for c in session.cache):
                 session.tokens = session.tokens[:shared]
@@ -102,15 +108,15 @@ class PromptCachePool:
         self._evict(keep=session)
         return session
 
-    def saved(self, ids: list[int], more_than: int = 0) -> Session | None:
-        """The saved session that shares the longest prefix with `ids` (more than `more_than`
-        tokens), loaded, if its cache can be cut back to what it shares; else None."""
+    def saved(self, ids: list[int], more_than: int = 0, tenant: str = "") -> Session | None:
+        """The tenant's saved session that shares the longest prefix with `ids` (more than
+        `more_than` tokens), loaded, if its cache can be cut back to what it shares; else None."""
         from mlx_lm.models.cache import can_trim_prompt_cache
 
-        file, n = self.disk.best(ids)
+        file, n = self.disk.best(ids, tenant)
         if n <= more_than:
             return None
-        session = self.disk.load(file, self.loaded)
+        session = self.disk.load(file, self.loaded, tenant)
         if session is None or not (n == len(session.tokens) or can_trim_prompt_cache(session.cache)):
             return None
         return session
@@ -270,6 +276,7 @@ class DiskPromptCache:
         self.cap_bytes = cap_bytes
         self.refused: list[str] = []  # files not used, and why (for logs and tests)
         self.index: dict = {}  # file -> token ids, this model's only
+        self.owner: dict = {}  # file -> its tenant ("": local conversations, or a server's only one)
         self.folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # (FLASHMOE_HOME, if this makes it)
         self.folder.mkdir(mode=0o700, exist_ok=True)
         _private(self.folder, 0o700)
@@ -282,6 +289,7 @@ class DiskPromptCache:
                 if meta.get("model") != self.model or meta.get("kv_cache", "float32") != self.kv_cache:
                     continue  # another model's (or KV cache's): load() refuses it if asked
                 self.index[f] = _tokens(meta)
+                self.owner[f] = meta.get("tenant", "")
             except Damaged as e:
                 self._discard(f, str(e))
 
@@ -298,23 +306,26 @@ class DiskPromptCache:
         except OSError as e:
             what = f"could not be deleted ({e.strerror or e})"
         self.index.pop(file, None)
+        self.owner.pop(file, None)
         self.refused.append(f"{file.name}: {why}")
         logging.getLogger("flashmoe").warning("flashmoe: warning: prompt cache %s: %s; skipped and %s",
                                               file, why, what)
 
-    def best(self, ids: list[int]) -> tuple[object, int]:
-        """(file, shared tokens) of the saved cache that shares the longest prefix with `ids`
-        (the pool trims what it holds past that); (None, 0) when none shares MIN_TOKENS."""
+    def best(self, ids: list[int], tenant: str = "") -> tuple[object, int]:
+        """(file, shared tokens) of the tenant's saved cache that shares the longest prefix with
+        `ids` (the pool trims what it holds past that); (None, 0) when none shares MIN_TOKENS."""
         best, shared = None, self.MIN_TOKENS - 1
         for f, tokens in self.index.items():
+            if self.owner.get(f, "") != tenant:
+                continue
             n = common_prefix(tokens, ids)
             if n > shared:
                 best, shared = f, n
         return (best, shared) if best is not None else (None, 0)
 
-    def load(self, file, loaded) -> Session | None:
-        """The saved session, or None (said in `refused`) when it is not this model's or is damaged
-        (then deleted)."""
+    def load(self, file, loaded, tenant: str = "") -> Session | None:
+        """The saved session, or None (said in `refused`) when it is not this model's or this
+        tenant's, or is damaged (then deleted)."""
         from mlx_lm.models.cache import load_prompt_cache
 
         try:
@@ -330,6 +341,9 @@ class DiskPromptCache:
         if meta.get("model") != self.model:
             self.refused.append(f"{file.name}: written by another model")
             return None
+        if meta.get("tenant", "") != tenant:
+            self.refused.append(f"{file.name}: another tenant's")
+            return None
         kv, want = meta.get("kv_cache", "float32"), self.kv_cache
         if kv != want:  # (its rows would be read as they are, the other way than this run asks)
             self.refused.append(f"{file.name}: its KV cache is {kv}, this run keeps {want}")
@@ -341,7 +355,7 @@ class DiskPromptCache:
         if [type(c) for c in cache] != [type(c) for c in fresh] or offsets - {len(tokens)}:
             self._discard(file, "its cache does not match its tokens or this model")
             return None
-        session = Session(loaded)
+        session = Session(loaded, tenant)
         session.cache, session.tokens = cache, tokens
         return session
 
@@ -355,7 +369,8 @@ class DiskPromptCache:
         if len(tokens) < self.MIN_TOKENS or session.cache is None:
             return
         kv = "" if self.kv_cache == "float32" else f":{self.kv_cache}"  # (float32: the names files had before)
-        key = hashlib.sha256(f"{self.model}{kv}:{tokens}".encode()).hexdigest()[:32]
+        tenant = getattr(session, "tenant", "")
+        key = hashlib.sha256(f"{self.model}{kv}{':' + tenant if tenant else ''}:{tokens}".encode()).hexdigest()[:32]
         final = self.folder / f"{key}.safetensors"
         # A name no one could have planted a symlink at, created here or not at all (O_EXCL and
         # O_NOFOLLOW), written through this descriptor: never through a link to another file.
@@ -363,18 +378,24 @@ class DiskPromptCache:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             with os.fdopen(fd, "wb") as out:
-                save_prompt_cache(out, session.cache, {"model": self.model, "tokens": ",".join(map(str, tokens)),
-                                                       "format": "flashmoe-kv-1", "kv_cache": self.kv_cache})
+                meta = {"model": self.model, "tokens": ",".join(map(str, tokens)), "format": "flashmoe-kv-1",
+                        "kv_cache": self.kv_cache}
+                if tenant:
+                    meta["tenant"] = tenant
+                save_prompt_cache(out, session.cache, meta)
             os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         # The turns before this one are prefixes of it: this file serves them too.
         for f, old in list(self.index.items()):
-            if f != final and len(old) <= len(tokens) and old == tokens[:len(old)]:
+            if (f != final and self.owner.get(f, "") == tenant and len(old) <= len(tokens)
+                    and old == tokens[:len(old)]):
                 f.unlink(missing_ok=True)
                 del self.index[f]
+                self.owner.pop(f, None)
         self.index[final] = tokens
+        self.owner[final] = tenant
         self._trim()
 
     def _trim(self) -> None:
@@ -392,6 +413,7 @@ class DiskPromptCache:
             total -= size
             f.unlink(missing_ok=True)
             self.index.pop(f, None)
+            self.owner.pop(f, None)
 
 
 def _remove_stale(partial, age_s: float = 3600.0) -> None:

@@ -5,6 +5,7 @@ environment mirrors what transformers sets up so that model-provided templates r
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -20,6 +21,7 @@ import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
 import jinja2.visitor
+import regex
 import tokenizers
 
 from flashmoe.engine.errors import FlashMoEError, ModelLoadError
@@ -29,6 +31,16 @@ log = logging.getLogger("flashmoe")
 # Stands in for control-token text inside messages when finding the template's own markers
 # (a private-use character: no template treats it specially).
 _FILLER = "\ue000"
+# Past this many characters a text is encoded with the GIL released (tokenizers' batch call): a
+# server's other threads (its event loop) keep running while a long prompt is encoded. Below it,
+# the plain call is quicker.
+_LONG_TEXT = 16384
+
+
+def _encode(tok: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > _LONG_TEXT:
+        return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
 # Used when a model ships no template: plain ChatML, which most chat models understand.
 FALLBACK_CHAT_TEMPLATE = (
@@ -489,7 +501,19 @@ class Tokenizer:
         return templates
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode(self._tok, text, add_special_tokens)
+
+    def count(self, text: str) -> int:
+        """How many tokens `text` encodes to, with no list of ids made (turning millions of ids
+        into a Python list holds the GIL for a tenth of a second and more)."""
+        return len(self._tok.encode_batch([text], add_special_tokens=False)[0])
+
+    @functools.cached_property
+    def longest_token_chars(self) -> int:
+        """The most characters one token can stand for (the longest vocabulary entry: a byte-level
+        entry has a character per byte, more than the text it decodes to). A text of more than
+        `n * longest_token_chars` characters is more than n tokens, known without encoding it."""
+        return max((len(k) for k in self._tok.get_vocab(with_added_tokens=True)), default=1) or 1
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -566,13 +590,15 @@ class Tokenizer:
         guarded = self._guarded_tokens()
         if not guarded:
             return self.encode(text)
-        pattern = re.compile("|".join(re.escape(t) for t in guarded))
+        # (regex, not re: matched with the GIL let go, a server's event loop runs on while a long
+        # prompt is scanned; a text of '<' alone costs re a try of every token at each character)
+        pattern = regex.compile("|".join(regex.escape(t) for t in guarded))
         found = False
 
         def scrub(value: Any) -> Any:
             nonlocal found
             if isinstance(value, str):
-                out = pattern.sub(lambda m: _FILLER * len(m.group(0)), value)
+                out = pattern.sub(lambda m: _FILLER * len(m.group(0)), value, concurrent=True)
                 found = found or out != value
                 return out
             if isinstance(value, dict):
@@ -586,7 +612,7 @@ class Tokenizer:
             return self.encode(text)
         clean = self.apply_chat_template(clean_messages, tools=clean_tools,
                                          add_generation_prompt=add_generation_prompt, **template_kwargs)
-        markers = [m.span() for m in pattern.finditer(clean)]
+        markers = [m.span() for m in pattern.finditer(clean, concurrent=True)]
         if len(clean) != len(text) or any(text[a:b] != clean[a:b] for a, b in markers):
             # The template did something length-changing with content; no way to line the two up.
             log.warning("flashmoe: warning: the prompt holds control-token text inside a message and the chat "
@@ -597,11 +623,11 @@ class Tokenizer:
         pos = 0
         for a, b in markers:
             if a > pos:
-                ids += as_text.encode(text[pos:a], add_special_tokens=False).ids
+                ids += _encode(as_text, text[pos:a], False)
             ids += self._tok.encode(text[a:b], add_special_tokens=False).ids
             pos = b
         if pos < len(text):
-            ids += as_text.encode(text[pos:], add_special_tokens=False).ids
+            ids += _encode(as_text, text[pos:], False)
         return ids
 
     def detokenizer(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
