@@ -257,15 +257,31 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one)")
-    serve.add_argument("--api-key", metavar="KEY", default=None,
-                       help="require this key on every request (Authorization: Bearer KEY, or x-api-key)")
+    serve.add_argument("--api-key", metavar="KEY", action="append", default=[],
+                       help="require this key on every request (Authorization: Bearer KEY, or x-api-key); "
+                            "repeatable, each key its own tenant of the prompt caches. Other local users see it "
+                            "in /proc/PID/cmdline and ps: prefer FLASHMOE_API_KEY or --api-key-file")
+    serve.add_argument("--api-key-file", metavar="FILE", action="append", default=[],
+                       help="take the keys in FILE, one a line (# starts a comment; repeatable)")
+    serve.add_argument("--tenant-header", metavar="NAME", default=None,
+                       help="keep the prompt caches of requests apart by this header's value as well as by key "
+                            "(set it in a proxy that authenticates users: a client can send any value)")
+    serve.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                       help="also answer requests whose Host header is NAME (default: only the --host address; "
+                            "bound to 0.0.0.0, any IP address; '*': any name). Guards against DNS rebinding")
+    serve.add_argument("--max-body", type=parse_size, default=4 << 20, metavar="SIZE",
+                       help="largest request body (default 4MB; a larger one is refused with 413)")
+    serve.add_argument("--read-timeout", type=float, default=30.0, metavar="S",
+                       help="seconds a client has to send a request's headers, and again its body, before "
+                            "the connection is closed (default 30)")
     serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                        help="answer browser requests (CORS) from this origin, e.g. http://localhost:3000 "
                             "(repeatable; default: none)")
     serve.add_argument("--max-queue", type=at_least(1), default=16, metavar="N",
                        help="requests in flight or waiting before new ones are refused with 429 (default 16)")
     serve.add_argument("--max-tokens", type=at_least(1), default=1024, metavar="N",
-                       help="reply length when a chat request does not say (default 1024)")
+                       help="reply length when a chat request does not say, and the most one may ask for "
+                            "(more is cut to N and said in x-flashmoe-translated) (default 1024)")
     serve.add_argument("--truncate-prompt", choices=TRUNCATE_CHOICES, default=S,
                        help="a prompt longer than the context: off (default) refuses it (HTTP 400), left drops "
                             "its oldest tokens")

@@ -58,7 +58,9 @@ DISK_CACHE_BY_DEFAULT = ("chat", "serve")
 
 def disk_cache(args) -> dict:
     """Where prompt caches are saved (FLASHMOE_HOME/kv) and how much room they get: --disk-cache,
-    else on for chat, serve and tools turns, off for a plain `run`."""
+    else on for chat, serve and tools turns, off for a plain `run`. A server's go in kv/serve/:
+    its network clients are never given a cache a local conversation (run, chat, agent) left,
+    nor the other way round (issue 41)."""
     from flashmoe.engine.formats.demo import flashmoe_home
 
     size = getattr(args, "disk_cache", None)
@@ -66,7 +68,8 @@ def disk_cache(args) -> dict:
         command = getattr(args, "command", None)
         tools = command == "agent" or (command == "run" and bool(getattr(args, "tools", None)))
         size = DISK_CACHE_BYTES if command in DISK_CACHE_BY_DEFAULT or tools else 0
-    return {"prompt_cache_disk_bytes": size, "prompt_cache_dir": str(flashmoe_home() / "kv") if size else None}
+    folder = flashmoe_home() / "kv" / ("serve" if getattr(args, "command", None) == "serve" else "")
+    return {"prompt_cache_disk_bytes": size, "prompt_cache_dir": str(folder) if size else None}
 
 
 def make_engine(opts: EngineOptions):

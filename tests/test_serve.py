@@ -322,7 +322,7 @@ def test_after_a_restart_the_prompt_cache_comes_from_disk(tiny, tmp_path):
         assert cold.usage.prompt_tokens_details.cached_tokens == 0
     finally:
         assert first.stop() == 0
-    saved = list((tmp_path / "home" / "kv").glob("*.safetensors"))
+    saved = list((tmp_path / "home" / "kv" / "serve").glob("*.safetensors"))  # (apart from local conversations')
     assert len(saved) == 1 and ".partial" not in saved[0].name
     again = ServerProcess("-m", str(tiny), env=env)
     try:
@@ -424,5 +424,6 @@ def test_a_body_of_the_wrong_shapes_is_a_400_not_a_crash(server):
         r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["message"]
-    r = httpx.post(f"{server.url}/v1/messages", content=b"{not json", headers=headers, timeout=30)
+    r = httpx.post(f"{server.url}/v1/messages", content=b"{not json", timeout=30,
+                   headers={**headers, "Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["type"] == "error"

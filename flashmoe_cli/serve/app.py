@@ -6,6 +6,9 @@ for OpenAI routes, 529 overloaded for Anthropic's), so a client never waits with
 A client that goes away cancels its generation (the engine checks between tokens). A request is
 read, checked and, when streamed, its prompt counted before anything is sent (`_prepare`, off
 the event loop): one that cannot run is an HTTP error, never a 200 that ends in an error event.
+What a request may cost (its body, its schemas, its prompt) is bounded in limits.py; its Host is
+checked against the bound address (hosts.py); its key says its tenant, whose prompt caches are
+the only ones it reuses (keys.py).
 A stream that has nothing to say for `keepalive_s` (a long prefill, a call being written) sends
 a keepalive: Anthropic's `ping` event, an SSE comment for OpenAI's routes. Every error, from a
 route or from Starlette (404, 405, ...), is JSON in the calling API's shape.
@@ -14,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import secrets
 import time
@@ -30,6 +32,9 @@ from starlette.routing import Route
 from . import anthropic_api, openai_api, responses_api
 from .errors import APIError
 from .fields import Fields
+from .hosts import HostCheck
+from .keys import matching_key, tenant as tenant_of
+from .limits import Limits, check_prompt_chars, check_prompt_tokens, check_schemas, read_json
 from .generation import Generation, loaded_tools
 
 KEEPALIVE_S = 5.0
@@ -78,8 +83,10 @@ def _first_reply(messages: list[dict]) -> bool:
 
 
 class Server:
-    def __init__(self, engine, info, model_id: str, *, api_key: str | None = None, max_queue: int = 16,
+    def __init__(self, engine, info, model_id: str, *, api_keys: tuple[str, ...] = (), max_queue: int = 16,
                  default_max_tokens: int = 1024, allow_origins: tuple[str, ...] = (),
+                 tenant_header: str | None = None, limits: Limits | None = None, host: str | None = None,
+                 allow_hosts: tuple[str, ...] = (),
                  served_names: tuple[str, ...] = (), strict_fields: bool = False, keepalive_s: float = KEEPALIVE_S,
                  force_first_call: bool = False, temperature: float = 1.0, repetition_penalty: float = 1.0):
         """served_names: the model names clients may ask for (--served-model-name); none: any
@@ -92,7 +99,13 @@ class Server:
         self.names = tuple(served_names) or (model_id,)
         self.model_id = self.names[0]
         self.restrict_names = bool(served_names)
-        self.api_key = api_key
+        self.api_keys = tuple(api_keys)  # none: anyone who reaches the server (keys.py)
+        self.tenant_header = tenant_header  # (--tenant-header) splits a key's requests into tenants
+        self.limits = limits or Limits()
+        # the Host names it answers to (the address it is bound to, --allow-host); None: any
+        self.hosts = HostCheck(host, tuple(allow_hosts)) if host is not None else None
+        tok = getattr(getattr(engine, "loaded", None), "tokenizer", None)
+        self.token_chars = tok.longest_token_chars if tok is not None else None  # (limits.check_prompt_chars)
         self.max_queue = max_queue
         self.default_max_tokens = default_max_tokens
         self.allow_origins = tuple(allow_origins)  # CORS: none unless asked
@@ -104,21 +117,27 @@ class Server:
         self.metrics = Metrics()
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _check_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("x-api-key") or ""
-        auth = request.headers.get("authorization") or ""
-        if auth.lower().startswith("bearer "):
-            given = given or auth[7:].strip()
-        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-            raise APIError(401, "invalid API key (give it as 'Authorization: Bearer KEY' or 'x-api-key: KEY')")
+    def _check_key(self, request: Request, generating: bool = False) -> str:
+        """The request's tenant (keys.tenant); a 401 without a key the server takes. A request
+        that may reuse prompt caches (`generating`) must carry the --tenant-header."""
+        key = None
+        if self.api_keys:
+            given = request.headers.get("x-api-key") or ""
+            auth = request.headers.get("authorization") or ""
+            if auth.lower().startswith("bearer "):
+                given = given or auth[7:].strip()
+            key = matching_key(self.api_keys, given)
+            if key is None:
+                raise APIError(401, "invalid API key (give it as 'Authorization: Bearer KEY' or 'x-api-key: KEY')")
+        header = None
+        if self.tenant_header is not None:
+            header = request.headers.get(self.tenant_header)
+            if header is None and generating:
+                raise APIError(400, f"this server needs the {self.tenant_header} header (--tenant-header)")
+        return tenant_of(key, header)
 
     async def _body(self, request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the request body is not JSON: {e}") from None
+        body = await read_json(request, self.limits)  # (limits.py: type, size, time, depth, text)
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object")
         model = body.get("model")
@@ -151,8 +170,17 @@ class Server:
         if clean and forced and _first_reply(call.messages):
             call.tool_choice, call.parallel_tool_calls = "required", False
             fields.record("tool_choice: required (--force-first-call)")
+        try:  # before anything is built from them: the schemas, the reply's length, the prompt's
+            check_schemas(call, self.limits)
+            self._cap_max_tokens(call, fields)
+            truncate = getattr(self.engine, "truncate_prompt", "off")
+            check_prompt_chars(call, self.info.context, self.token_chars, truncate)
+        except APIError as e:
+            fields.check(also=e)
         try:
             gen = Generation(self.engine, call, self.info.chat_template, fields)
+            if clean:
+                check_prompt_tokens(gen, truncate)
             if stream and clean:
                 gen.count_prompt()
         except APIError as e:  # named with the problems the reading found
@@ -161,6 +189,14 @@ class Server:
             fields.check(also=APIError(400, f"malformed request: {type(e).__name__}: {e}"))
         fields.check()
         return gen, fields
+
+    def _cap_max_tokens(self, call, fields: Fields) -> None:
+        """No reply is longer than --max-tokens (a client's 10**9 held the engine until the context
+        ran out): more is cut to it and recorded, or refused under --strict-fields."""
+        cap = self.default_max_tokens
+        if call.max_tokens > cap and fields.translate("max_tokens", f"more than --max-tokens {cap}"):
+            fields.record(f"max_tokens: {call.max_tokens} -> {cap} (--max-tokens)")
+            call.max_tokens = cap
 
     def _admit(self, anthropic: bool, hold: bool = True) -> None:
         """Refuse past the queue's bound; `hold`: count the request as pending from now (a stream
@@ -183,10 +219,11 @@ class Server:
 
         async def handler(request: Request) -> Response:
             try:
-                self._check_key(request)
+                tenant = self._check_key(request, generating=True)
                 body = await self._body(request)
                 streamed = bool(body.get("stream"))
                 gen, fields = await asyncio.to_thread(self._prepare, parse, body, streamed)
+                gen.tenant = tenant
                 self._admit(anthropic, hold=not streamed)
             except APIError as e:
                 return self._error(e, anthropic)
@@ -263,7 +300,9 @@ class Server:
             self._done(gen)
 
     def _error(self, e: APIError, anthropic: bool) -> JSONResponse:
-        return JSONResponse(e.anthropic() if anthropic else e.openai(), status_code=e.status)
+        # A body that was cut off or refused unread leaves the connection in no state to reuse
+        headers = {"Connection": "close"} if e.status in (408, 413) else None
+        return JSONResponse(e.anthropic() if anthropic else e.openai(), status_code=e.status, headers=headers)
 
     async def http_error(self, request: Request, exc: HTTPException) -> Response:
         """Starlette's own errors (no such route, a method the route does not take, ...) in the
@@ -364,12 +403,32 @@ class Server:
                                                 anthropic_api.message_events, anthropic=True), methods=["POST"]),
             Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
         ]
-        middleware = []
+        from starlette.middleware import Middleware
+
+        middleware = [Middleware(_HostGuard, check=self.hosts)] if self.hosts else []  # before CORS answers
         if self.allow_origins:
-            from starlette.middleware import Middleware
             from starlette.middleware.cors import CORSMiddleware
 
             middleware.append(Middleware(CORSMiddleware, allow_origins=list(self.allow_origins),
                                          allow_methods=["GET", "POST"], allow_headers=["*"]))
         return Starlette(routes=routes, middleware=middleware,
                          exception_handlers={HTTPException: self.http_error, Exception: self.server_error})
+
+
+class _HostGuard:
+    """Refuse a request whose Host is not the server's (hosts.py), before any route or CORS sees it."""
+
+    def __init__(self, app, check: HostCheck):
+        self.app, self.check = app, check
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
+            problem = self.check.problem(host)
+            if problem is not None:
+                request = Request(scope)
+                e = APIError(421, problem)
+                await JSONResponse(e.anthropic() if _is_anthropic(request) else e.openai(), status_code=421)(
+                    scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -4,10 +4,12 @@ from __future__ import annotations
 import re
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                   405: "invalid_request_error", 413: "request_too_large", 422: "invalid_request_error",
+                   405: "invalid_request_error", 408: "invalid_request_error", 413: "request_too_large",
+                   415: "invalid_request_error", 421: "permission_error", 422: "invalid_request_error",
                    429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
 OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_api_key", 404: "not_found_error",
-                405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+                415: "invalid_request_error", 421: "invalid_request_error", 422: "invalid_request_error",
                 429: "rate_limit_exceeded"}
 
 # An absolute path in a message (a model folder, a home directory): never sent to a client.
@@ -21,7 +23,8 @@ def scrub_paths(message: str) -> str:
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, kind: str | None = None):
-        message = scrub_paths(message)
+        # (a client's text quoted in it may hold a lone surrogate, which no JSON response can carry)
+        message = scrub_paths(message).encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.kind = kind or OPENAI_TYPES.get(status, "server_error")

@@ -299,7 +299,10 @@ class Generation:
         self.request, self.prompter, self.tools = build_request(call, template, fields=fields)
         self.registry = _registry(self.tools) if self.tools else None
         self.engine = engine
+        self.tenant = ""  # whose prompt caches it may reuse (keys.tenant)
         self.handle = None
+        self._state: TextState | None = None
+        self._fed = False  # a token was read (a reasoning block the prompt opened is known by then)
         self.reply: Reply | None = None
         self.prompt_tokens: int | None = None  # count_prompt()'s answer
         self._blocks: list[_Block] = []
@@ -340,23 +343,38 @@ class Generation:
             self.handle.cancel()
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        self.handle = self.engine.submit(self.request, session=None)
+        """The reply as it streams. Reading the text, parsing calls and checking them against
+        their schemas is CPU work on the model's output (a schema's pattern, a long call): it
+        runs on a worker thread, never on the event loop every client shares (issue 41)."""
+        self.handle = self.engine.submit(self.request, session=None, tenant=self.tenant)
         parser = self.prompter.parser if self.tools else None
-        state = TextState(parser, tools=self.tools or None)
-        fed = False
+        self._state = TextState(parser, tools=self.tools or None)
         try:
-            while True:
-                for ev in await asyncio.to_thread(self._next_events):
-                    for d in self._take(ev, state):
-                        yield d
-                    if self.reply is not None:
-                        return
-                    if isinstance(ev, PrefillProgress) and not fed and ev.reasoning:
-                        state = TextState(parser, tools=self.tools or None, in_reasoning=ev.reasoning)
-                    fed = fed or isinstance(ev, TokenGenerated)
+            while self.reply is None:
+                out, error = await asyncio.to_thread(self._next_deltas)
+                for d in out:
+                    yield d
+                if error is not None:
+                    raise error
         finally:
             if self.reply is None:
                 self.cancel()
+
+    def _next_deltas(self) -> tuple[list[Delta], APIError | None]:
+        """The deltas of the events queued now (and the error that ended the reply, after the
+        deltas before it). Runs on a worker thread."""
+        out: list[Delta] = []
+        try:
+            for ev in self._next_events():
+                out.extend(self._take(ev, self._state))
+                if self.reply is not None:
+                    break
+                if isinstance(ev, PrefillProgress) and not self._fed and ev.reasoning:
+                    self._state = TextState(self._state.parser, tools=self.tools or None, in_reasoning=ev.reasoning)
+                self._fed = self._fed or isinstance(ev, TokenGenerated)
+        except APIError as e:
+            return out, e
+        return out, None
 
     def _next_events(self) -> list:
         """The events queued now, waiting at most POLL_S for the first: one thread hop for
