@@ -226,9 +226,9 @@ def test_thinking_goes_onto_the_templates_switch_or_is_recorded():
 def test_a_request_without_a_temperature_gets_the_servers():
     """Claude Code and Codex send no temperature. At the APIs' default (1) the demo ran on to the
     token budget in 2 of 3 replies after a tool result, and both agents end such a turn in an
-    error; greedy, it looped inside its first call's strings ("test-test-test..."), and a
-    repetition penalty of 1.2 ended that. `flashmoe serve --temp T --repetition-penalty R` set
-    them for requests that give none; a request's own value wins."""
+    error; greedy, it looped inside its first call's strings ("test-test-test..."), which a
+    repetition penalty ended. `flashmoe serve --temp T --repetition-penalty R` set them for
+    requests that give none; a request's own value wins."""
     engine = FakeEngine(["ok"], chat_template=CHAT_TEMPLATE)
     server = Server(engine, engine.loaded_info, "demo", temperature=0.0, repetition_penalty=1.2)
     c = TestClient(server.app())
