@@ -23,7 +23,7 @@ from typing import Any
 
 import regex
 from jsonschema import Draft202012Validator, FormatChecker, ValidationError, validators
-from jsonschema.exceptions import SchemaError, best_match
+from jsonschema.exceptions import best_match
 
 SEARCH_S = 0.1  # one pattern on one value
 BUDGET_S = 1.0  # every pattern of one validation together
@@ -323,5 +323,5 @@ def _refuse_loops(edges: dict[str, list[str]]) -> None:
                 stack.pop()
 
 
-__all__ = ["SchemaProblem", "PatternError", "SlowPattern", "SchemaError", "budget", "check_schema",
+__all__ = ["SchemaProblem", "PatternError", "SlowPattern", "budget", "check_schema",
            "compile_pattern", "first_error", "is_valid", "search", "validator"]
