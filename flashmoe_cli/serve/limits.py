@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 
 from .errors import APIError
@@ -124,20 +125,46 @@ def parse_json(raw: bytes, max_depth: int):
         raise APIError(400, "the request body is not JSON this server reads: it nests too deeply") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not JSON: {e}") from None
-    stack = [(value, 1, "")]
+    # The path of a value is built only for a message: a 200,000-value list walked with a path
+    # string for each took the GIL for long enough to hold /health up (hundreds of ms on a busy
+    # machine). `_yield` lets the event loop in between.
+    stack = [(value, 1, None, "")]
+    n = 0
     while stack:
-        item, depth, where = stack.pop()
+        item, depth, parent, key = stack.pop()
+        n += 1
+        if not n % YIELD_EVERY:
+            _yield()
         if depth > max_depth:
-            raise APIError(400, f"the request body nests more than {max_depth} deep (at {where[:200] or 'the top'})")
+            raise APIError(400, f"the request body nests more than {max_depth} deep "
+                                f"(at {_path(parent, key)[:200] or 'the top'})")
         if isinstance(item, dict):
-            for key, sub in item.items():
-                _text(key, f"{where}.{key[:40]}" if isinstance(key, str) else where)
-                stack.append((sub, depth + 1, f"{where}.{key}" if where else key))
+            for k, sub in item.items():
+                if isinstance(k, str) and not k.isascii():
+                    _text(k, _path(parent, key) + "." + k[:40])
+                stack.append((sub, depth + 1, (parent, key), k))
         elif isinstance(item, list):
-            stack.extend((sub, depth + 1, f"{where}[{i}]") for i, sub in enumerate(item))
-        elif isinstance(item, str):
-            _text(item, where)
+            here = (parent, key)
+            stack.extend((sub, depth + 1, here, i) for i, sub in enumerate(item))
+        elif isinstance(item, str) and not item.isascii():
+            _text(item, _path(parent, key))
     return value
+
+
+YIELD_EVERY = 1024  # values walked between two GIL releases (about a millisecond of work)
+
+
+def _yield() -> None:
+    time.sleep(0)  # lets go of the GIL: the event loop's thread answers in between
+
+
+def _path(parent, key) -> str:
+    """`a.b[3].c` from the (parent, key) chain parse_json keeps (the top: parent None)."""
+    parts = []
+    while parent is not None:
+        parts.append(f"[{key}]" if isinstance(key, int) else f".{key}")
+        parent, key = parent
+    return "".join(reversed(parts)).lstrip(".")
 
 
 def _text(s: str, where: str) -> None:
@@ -186,6 +213,8 @@ def _size(value) -> tuple[int, int]:
     while stack:
         item, depth = stack.pop()
         nodes += 1
+        if not nodes % YIELD_EVERY:
+            _yield()
         deepest = max(deepest, depth)
         if isinstance(item, dict):
             stack.extend((v, depth + 1) for v in item.values())
