@@ -7,7 +7,7 @@ call that the agent runs and answers, through a logging proxy that sees every re
 @anthropic-ai/claude-code@latest @openai/codex@latest`), so the next release can be checked in
 one command. Each client runs in a fresh temporary workspace (and, for Codex, a fresh CODEX_HOME)
 pointed at the proxy; the server runs the model (default: the demo) with `--force-first-call`,
-because the 135M demo never starts a call by itself, and `--temp 0 --repetition-penalty 1.1`,
+because the 135M demo never starts a call by itself, and `--temp 0 --repetition-penalty 1.2`,
 because the agents send neither and the demo runs on to the token budget at the APIs' default
 temperature (1) and loops when greedy without a penalty (both agents end such a turn in an
 error): the bar on the demo is that the turn completes with a tool call executed, not a good
@@ -354,7 +354,7 @@ RUNNERS = {"claude": run_claude, "codex": run_codex, "aider": run_aider, "llm": 
 def start_server(model: str | None, home: str, extra: list[str]) -> tuple[subprocess.Popen, int]:
     port = free_port()
     cmd = [sys.executable, "-m", "flashmoe.cli", "serve", "--port", str(port), "--api-key", KEY,
-           "--force-first-call", "--temp", "0", "--repetition-penalty", "1.1", *extra]
+           "--force-first-call", "--temp", "0", "--repetition-penalty", "1.2", *extra]
     cmd += ["-m", model] if model else []
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env=dict(os.environ, FLASHMOE_HOME=home))

@@ -305,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "Claude Code and Codex send none, and the demo ends its replies only when greedy)")
     serve.add_argument("--repetition-penalty", type=argtypes.repetition_penalty, default=1.0, metavar="R",
                        help="repetition penalty of a request that gives none (default 1.0, off; the demo, "
-                            "greedy, loops without one: 1.1)")
+                            "greedy, loops without one: 1.2)")
     _add_engine_options(serve)
     serve.add_argument("--engine", choices=("real", "fake"), default="real", help=argparse.SUPPRESS)
 
