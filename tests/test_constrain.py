@@ -18,7 +18,7 @@ from flashmoe.tools.grammar import tool_call_constraint
 from flashmoe.engine.runtime.tokenizer import Tokenizer
 from tests.tiny_tokenizer import write_tiny_tokenizer
 
-QWEN3 = Path(__file__).resolve().parents[2] / "shared/reference/tokenizers/qwen3"
+QWEN3 = Path(__file__).resolve().parent / "fixtures/reference/tokenizers/qwen3"
 
 # Nested objects, enums, required keys, strings (which can need escapes), numbers, integers,
 # booleans and arrays. Strings and arrays are bounded so that a model with no idea of JSON

@@ -12,7 +12,7 @@ from flashmoe.engine.runtime.reasoning import open_reasoning, prompt_reasoning, 
 from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
-TEMPLATES = ROOT / ".." / "shared" / "reference" / "chat_templates"
+TEMPLATES = ROOT / "tests" / "fixtures" / "reference" / "chat_templates"
 
 
 def qwen35_template() -> str:

@@ -2,7 +2,7 @@
 conversations the agent loop builds (system prompt, tools, an assistant tool call with its
 arguments in the form the template expects, the tool's result, a follow-up).
 
-Templates available offline: ../shared/reference/chat_templates (Qwen3, the Qwen3.5 family's XML
+Templates available offline: tests/fixtures/reference/chat_templates (Qwen3, the Qwen3.5 family's XML
 calls, DeepSeek-V3, SmolLM2), and GLM-4.6, Kimi-K2-Thinking and DeepSeek-V3.1 as published in
 llama.cpp's models/templates (tests/fixtures/templates, sources in SOURCES.md there). No Mistral
 template could be had offline (none ships in an installed package), so Mistral is not compared.
@@ -21,7 +21,7 @@ from flashmoe.cli.agent import AgentLoop
 from flashmoe.tools.calls import ToolCall
 from flashmoe.tools.parsers import parser_for_template
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared/reference"
+REFERENCE = Path(__file__).resolve().parent / "fixtures/reference"
 TEMPLATES = REFERENCE / "chat_templates"
 TOKENIZERS = REFERENCE / "tokenizers"
 FIXTURES = Path(__file__).resolve().parent / "fixtures/templates"

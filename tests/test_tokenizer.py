@@ -11,7 +11,7 @@ from flashmoe.engine.errors import FlashMoEError, ModelLoadError
 from flashmoe.engine.runtime.tokenizer import ChatTemplateError, Tokenizer
 from tests.tiny_tokenizer import TRAINING_TEXT, write_tiny_tokenizer
 
-QWEN3_DIR = Path(__file__).resolve().parents[2] / "shared/reference/tokenizers/qwen3"
+QWEN3_DIR = Path(__file__).resolve().parent / "fixtures/reference/tokenizers/qwen3"
 
 WEATHER_TOOL = {
     "type": "function",

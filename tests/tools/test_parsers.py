@@ -19,7 +19,7 @@ from flashmoe.tools.parsers import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-TEMPLATES = REPO / ".." / "shared" / "reference" / "chat_templates"
+TEMPLATES = REPO / "tests" / "fixtures" / "reference" / "chat_templates"
 FIXTURES = REPO / "tests" / "fixtures" / "templates"
 
 TOOLS = [
