@@ -8,7 +8,7 @@ from __future__ import annotations
 class FlashMoEError(Exception):
     """Base class: a problem with input the user gave us."""
 
-    exit_code = 1  # what a front end exits with (README: exit codes)
+    exit_code = 1  # what a front end exits with (docs/usage.md: exit codes)
 
 
 class ModelLoadError(FlashMoEError):

@@ -19,7 +19,7 @@ DTYPES = ("auto", "float32", "keep")  # resident weights: float32 on CPU, as sto
 # Reader threads for expert reads. 16, not 8: a decoding layer misses 4-5 experts, 11 pieces of
 # 1 MiB, which 16 readers put at the device in one wave; the drive gives no more bandwidth past 8
 # in flight, but each layer waits less (the synthetic MoE at a quarter of its size: 10% faster
-# decode, 68-72% of the disk roof against 56-58%; benchmarks/RESULTS.md, issue 39).
+# decode, 68-72% of the disk roof against 56-58%; commit 899e624's message, issue 39).
 IO_THREADS = 16
 
 

@@ -62,7 +62,7 @@ def _add_engine_options(p: argparse.ArgumentParser, k_list: bool = False, usage:
     p.add_argument("--prefetch", choices=PREFETCH_CHOICES, default=S,
                    help="while a layer computes, guess the next layer's experts from its router: slots "
                         "reads them into the expert cache, hint asks the kernel to bring them into the page "
-                        "cache, off (default: both measured slower, benchmarks/RESULTS.md)")
+                        "cache, off (default: both measured slower, docs/speed.md)")
     p.add_argument("--no-verify-reads", dest="verify_reads", action="store_const", const="off", default=S,
                    help="do not check each expert against the manifest's CRC-32 the first time it is read "
                         "(setting verify_reads = on|off; default on; cost: `flashmoe bench speed`)")
@@ -521,8 +521,8 @@ def cmd_chat(args) -> int:
         return run_repl(args)
     # Textual composes the screen up to 60 times a second; while a reply streams that took most
     # of a core from the engine's kernels (2 cores: the demo decoded at 26-30 tok/s in the TUI,
-    # 66 headless). 20 frames a second gave 35-44 (RESULTS.md). Read when textual is imported;
-    # a TEXTUAL_FPS the user set wins.
+    # 66 headless). 20 frames a second gave 35-44 (benchmarks/log/2026-12-04-chat-app-frames.md).
+    # Read when textual is imported; a TEXTUAL_FPS the user set wins.
     os.environ.setdefault("TEXTUAL_FPS", str(TUI_FPS))
     from .tui.app import run_tui
 

@@ -1,4 +1,4 @@
-"""Exit codes, documented in the README and `flashmoe --help`, and the one rule that turns how a
+"""Exit codes, documented in docs/usage.md and `flashmoe --help`, and the one rule that turns how a
 turn ended into one of them (headless `run`, `run --tools`, `flashmoe agent`)."""
 from enum import IntEnum
 

@@ -8,7 +8,7 @@ from .progress import Progress
 
 DEMO_NOTE = ("This is the demo model: SmolLM2-135M, a 135M-parameter toy carved into a 16-expert MoE (8 routed "
              "per token) to show expert streaming. Its answers are often wrong and its tool use is unreliable: do not trust "
-             "either. For real work give a real model with -m (README: Models).")
+             "either. For real work give a real model with -m (docs/models.md).")
 
 
 def is_demo(model: str | None) -> bool:

@@ -52,7 +52,8 @@ class EngineOptions:
 DISK_CACHE_BYTES = 8 << 30
 # Conversations that come back; and tools turns (`agent`, `run --tools`), whose ~1,000 tokens of
 # tool instructions are the same every time: a second tools turn on the demo waits 0.4-0.5 s for
-# its first token instead of 3.3-4 s (benchmarks/RESULTS.md). A plain `run`: --disk-cache.
+# its first token instead of 3.3-4 s (benchmarks/log/2026-12-04-saved-prefix-by-default.md).
+# A plain `run`: --disk-cache.
 DISK_CACHE_BY_DEFAULT = ("chat", "serve")
 
 

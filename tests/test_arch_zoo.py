@@ -8,8 +8,8 @@ The streamed model must give the resident model's logits (max |diff| <= 1e-5) an
 tokens, with every expert block streamed (as many streamed layers as the model has blocks).
 
 With --kernels cpu, the numba kernels compute the blocks they can (SwiGLU, affine quantized, no
-biases) and MLX the rest; both must give the same greedy tokens as mlx-lm. README's coverage
-table is rendered from these cases (tests/arch_zoo.py::coverage_table) and checked here.
+biases) and MLX the rest; both must give the same greedy tokens as mlx-lm. The coverage table of
+docs/models.md is rendered from these cases (tests/arch_zoo.py::coverage_table) and checked here.
 """
 from __future__ import annotations
 
@@ -151,7 +151,7 @@ def test_cpu_kernels_where_they_apply(zoo, model_type, bits):
 
 
 def test_readme_coverage_table_is_the_tested_one():
-    """The README's table is rendered from CASES (regenerate: python -m tests.arch_zoo --readme)."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    """docs/models.md's table (README's once) is rendered from CASES (regenerate: python -m tests.arch_zoo --readme)."""
+    doc = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
     table = coverage_table(CASES)
-    assert table in readme, "README's architecture table is stale: run python -m tests.arch_zoo --readme"
+    assert table in doc, "docs/models.md's architecture table is stale: run python -m tests.arch_zoo --readme"

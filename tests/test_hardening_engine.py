@@ -1,6 +1,6 @@
 """Hostile inputs to the engine: absurd configs, FIFOs, deep JSON, full disks, corrupted experts.
 
-Every one must end as one line on stderr with its documented exit code (README), never a
+Every one must end as one line on stderr with its documented exit code (docs/usage.md), never a
 traceback or a hang.
 """
 from __future__ import annotations

@@ -33,12 +33,13 @@ PAGE = 4096
 # Misses are read in pieces of at most this many bytes, each its own request, so that a layer's
 # two or three misses keep more reads in flight at the device. With every read from the device,
 # decode ran 11% faster with 1 MiB pieces than with one read per expert, 5% with the page cache
-# dropped only at the start (512 KiB: no better; benchmarks/RESULTS.md).
+# dropped only at the start (512 KiB: no better;
+# benchmarks/log/2026-11-30-kernel-latency-cold-reads.md).
 READ_PIECE = 1 << 20
 # Which cached expert a miss evicts. "lfu": the least often asked for (counts halve every
 # LFU_HALF_LIFE tokens); "lru": the least recently used, which a cache smaller than one pass
 # over the layers turns into no hits at all (each layer's experts are evicted just before the
-# next token asks for them again). Measured in benchmarks/RESULTS.md.
+# next token asks for them again). Measured in benchmarks/log/2026-11-30-lfu-cache-policy.md.
 LFU_HALF_LIFE = 128
 _HALF = ("BF16", "F16")
 

@@ -6,7 +6,8 @@ Qwen3.6-35B-A3B), and a user's workload changes slowly, so the experts that earl
 for most are the best guess for the next run's. As colibri (`.coli_usage`) and rabbit do, each
 run adds its counts to a usage file; the next run starts reading the hottest experts into free
 slots (ExpertStore.preload) while it loads the prompt, and seeds LFU with the counts so that they
-are not the first evicted. Decisions and figures: benchmarks/RESULTS.md.
+are not the first evicted. Decisions and figures:
+benchmarks/log/2026-12-04-preload-and-prefetch.md.
 
 The file is `expert-usage.json` beside the model (in its folder); where that folder cannot be
 written, FLASHMOE_HOME/usage/<name>-<hash of the folder's path>.json. It holds counts per

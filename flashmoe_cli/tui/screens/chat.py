@@ -62,7 +62,7 @@ from ..widgets.transcript import ReasoningBlock
 from .approve import ApproveScreen
 
 REDRAW_S = 0.25  # the layer panel and the live figures are redrawn at most this often (at 0.1 s,
-# drawing the panel's rows took CPU from the engine on 2 cores: RESULTS.md)
+# drawing the panel's rows took CPU from the engine on 2 cores: benchmarks/log/2026-12-04-chat-app-frames.md)
 RSS_EVERY = 10  # redraw ticks between memory readings
 PANEL_MIN_COLUMNS = 100  # narrower, the layer panel (48 columns) is hidden until F2 shows it
 UNMOUNT_WAIT_S = 5.0  # quitting mid-reply waits this long for the turn to save what it got
