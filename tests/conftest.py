@@ -11,6 +11,21 @@ import pytest
 from tests.tiny_models import save_folder
 
 ROOT = Path(__file__).resolve().parents[1]
+# The workspace's research notes beside the repository: a public clone has no such folder, so
+# the suite must never read it (everything a test needs is in tests/fixtures/, SOURCES.md says
+# from where). Every open of a path inside it fails the test that tried, in this process.
+OUTSIDE = ROOT.parent / "shared"
+
+
+def _refuse_outside(event: str, args) -> None:
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.fsdecode(args[0])
+        if (os.path.abspath(path) + os.sep).startswith(str(OUTSIDE) + os.sep):
+            raise PermissionError(f"tests must not read {OUTSIDE} (copy what a test needs into "
+                                  f"tests/fixtures/ with its source): {path}")
+
+
+sys.addaudithook(_refuse_outside)
 
 
 def _user_home() -> Path:

@@ -1,4 +1,4 @@
-"""Real tool-call outputs from peers' test suites (tests/tools/corpus/*.json, each case with its
+"""Real tool-call outputs from peers' test suites (tests/fixtures/parser_corpus/*.json, each case with its
 source), run through the agent's own path: TextState over the streamed text, parse_reply over
 the call blocks, check_call against a registry of the case's tools.
 
@@ -28,7 +28,7 @@ from flashmoe.tools.registry import Tool, ToolRegistry
 from flashmoe.tools.textstate import TextState
 from flashmoe.tools.validate import check_call
 
-CORPUS = sorted((Path(__file__).parent / "corpus").glob("*.json"))
+CORPUS = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "parser_corpus").glob("*.json"))
 CASES: list[dict[str, Any]] = [c for p in CORPUS for c in json.loads(p.read_text(encoding="utf-8"))]
 MIN_RATE = 0.95
 

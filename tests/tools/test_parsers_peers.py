@@ -1,6 +1,6 @@
 """Peers' tool-call cases, as the peers expect them: llama.cpp, vLLM, SGLang and mlx-lm test
 suites transcribed as data (tests/fixtures/parser_cases/*.json, each case with its source repo,
-path and commit), run through the agent's own path like the older corpus (tests/tools/corpus/,
+path and commit), run through the agent's own path like the older corpus (tests/fixtures/parser_corpus/,
 test_corpus.py: TextState over the streamed text, parse_reply, check_call).
 
 In these fixtures "expected" is always the peer's expectation. Where flashmoe deliberately does
@@ -57,7 +57,7 @@ def test_rate_of_peer_cases_parsed_as_the_peers_expect():
     both = new + old
     print(f"peer cases new in issue 40: {sum(new)}/{len(new)} = {sum(new) / len(new):.1%} "
           f"({', '.join(f'{k} {sum(v)}/{len(v)}' for k, v in sorted(by_source.items()))}); "
-          f"all peer cases, tests/tools/corpus included: {sum(both)}/{len(both)} = {sum(both) / len(both):.1%}")
+          f"all peer cases, tests/fixtures/parser_corpus included: {sum(both)}/{len(both)} = {sum(both) / len(both):.1%}")
     for c in NEW_CASES:
         if "deviation" in c:
             print(f"deviation {c['id']}: {c['deviation']}")
