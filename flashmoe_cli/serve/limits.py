@@ -7,8 +7,11 @@ work to a thread is not enough. Each step a client's bytes reach is bounded inst
 - the body: a JSON content type (a web page's `text/plain` or form POST is refused before it is
   read), at most `max_body` bytes, counted as it streams (a Content-Length or chunked), and
   all of it within `read_timeout` seconds (a client that trickles it is cut off);
-- the JSON: decoded off the event loop, nested at most `max_depth` deep, its text real text
-  (a lone surrogate such as `\\ud800` is refused; it broke every later step);
+- the JSON: at most `max_values` values, nested at most `max_depth` deep, its text real text (a
+  lone surrogate such as `\\ud800` is refused; it broke every later step). Decoding holds the GIL
+  in one C call (a 200,000-value list: 40 ms alone, hundreds on a busy machine), so a body that
+  may hold more than `max_values` values (its commas and brackets say) is decoded first in a
+  process of its own (`_checker`); only a body within the limit is decoded here, off the loop;
 - the schemas (tools' parameters, a reply's JSON schema): at most `schema_nodes` values in all and
   `schema_depth` deep, each one passing safe_schema.check_schema (the metaschema, patterns that
   compile, local references that do not loop);
@@ -21,7 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 
 from .errors import APIError
@@ -37,6 +44,7 @@ class Limits:
     max_body: int = MAX_BODY
     read_timeout: float = READ_TIMEOUT_S
     max_depth: int = 64  # the agents' recorded bodies nest at most 16 deep (tests/fixtures/agents)
+    max_values: int = 50_000  # decoded in about 10 ms; Claude Code's 17 tools are 665 values
     schema_nodes: int = 10_000  # Claude Code's 17 tools: 665 values in all
     schema_depth: int = 32  # Codex's deepest: 10
 
@@ -59,7 +67,47 @@ async def read_json(request, limits: Limits):
         raise APIError(415, f"the request body must be JSON sent as Content-Type: application/json"
                             f"{f', not {given[:80]!r}' if given else ' (none was given)'}")
     raw = await read_body(request, limits)
-    return await asyncio.to_thread(parse_json, raw, limits.max_depth)
+    if most_values(raw) > limits.max_values:
+        await asyncio.to_thread(_check_elsewhere, raw, limits)
+    return await asyncio.to_thread(parse_json, raw, limits.max_depth, limits.max_values)
+
+
+def most_values(raw: bytes) -> int:
+    """An upper bound of the JSON values in `raw`, in a few C passes: each value but a
+    container's first follows a comma (commas inside strings only raise the bound)."""
+    return raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+
+
+_pool_lock = threading.Lock()
+_pool = None  # the checking process: one, started on the first body that needs it
+
+
+def _check_elsewhere(raw: bytes, limits: Limits) -> None:
+    """parse_json run in the checking process (a thread waits for it here); its APIError
+    raised here. A body it passes holds at most `max_values` values."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:  # spawn: a fork of a process holding the engine's threads is unsafe
+            _pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        pool = _pool
+    try:
+        refused = pool.submit(_checker, raw, limits.max_depth, limits.max_values).result()
+    except BrokenProcessPool:
+        with _pool_lock:
+            if _pool is pool:
+                _pool = None
+        raise APIError(500, "the request body could not be checked (the checking process ended)") from None
+    if refused is not None:
+        raise APIError(*refused)
+
+
+def _checker(raw: bytes, max_depth: int, max_values: int):
+    """(status, message) when parse_json refuses `raw`, else None. Runs in the checking process."""
+    try:
+        parse_json(raw, max_depth, max_values)
+    except APIError as e:
+        return e.status, e.message
+    return None
 
 
 async def read_body(request, limits: Limits) -> bytes:
@@ -116,7 +164,7 @@ async def _drain(request, limits: Limits) -> None:
         pass
 
 
-def parse_json(raw: bytes, max_depth: int):
+def parse_json(raw: bytes, max_depth: int, max_values: int = Limits.max_values):
     """The body decoded and walked once (no recursion: the nesting is the client's). CPU work:
     call it off the event loop."""
     try:
@@ -135,6 +183,9 @@ def parse_json(raw: bytes, max_depth: int):
         n += 1
         if not n % YIELD_EVERY:
             _yield()
+        if n > max_values:
+            raise APIError(400, f"the request body holds more than {max_values:,} JSON values; "
+                                "send fewer or smaller tools and messages")
         if depth > max_depth:
             raise APIError(400, f"the request body nests more than {max_depth} deep "
                                 f"(at {_path(parent, key)[:200] or 'the top'})")
