@@ -150,9 +150,11 @@ def model_factory(tmp_path_factory):
     return make
 
 
-def run_cli(*args, input: str | None = None, timeout: float = 120, env: dict | None = None):
-    """Run `python -m flashmoe.cli ARGS` the way a user's shell would."""
-    e = dict(os.environ, **(env or {}))
-    e.pop("FORCE_COLOR", None)
-    return subprocess.run([sys.executable, "-m", "flashmoe.cli", *map(str, args)], input=input,
-                          capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
+def pytest_collection_modifyitems(config, items):
+    """The slow tier: tests/helpers/tiers.py decides which tests are in it."""
+    from tests.helpers.tiers import is_slow, slow_ids
+
+    listed = slow_ids()
+    for item in items:
+        if is_slow(item.nodeid, listed):
+            item.add_marker(pytest.mark.slow)

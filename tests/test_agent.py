@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 CALL = '<tool_call>\n{"name": "read_file", "arguments": {"path": "notes.txt"}}\n</tool_call>'
 SHELL = '<tool_call>\n{"name": "run_shell", "arguments": {"command": "rm -rf /"}}\n</tool_call>'

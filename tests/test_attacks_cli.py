@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 from tests.tools.test_runner import marker, survivors
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from flashmoe.engine import EngineFailed
 from flashmoe.engine.runtime.generate import GenerationRequest
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 
 @pytest.fixture

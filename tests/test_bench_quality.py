@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 
 def test_bench_quality_table(model_factory, tmp_path):

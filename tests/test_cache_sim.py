@@ -125,7 +125,7 @@ def test_recorded_tokens_see_the_ones_before_them(model_factory):
 
 
 def test_bench_cache_cli(model_factory, tmp_path):
-    from tests.conftest import run_cli
+    from tests.helpers.cli import run_cli
 
     packed = model_factory("qwen3_moe", 4, converted=True)
     text = tmp_path / "text.txt"

@@ -341,7 +341,7 @@ def test_compute_paths_name_what_load_chose(model_factory):
 def test_info_load_prints_the_compute_paths(model_factory):
     import json
 
-    from tests.conftest import run_cli
+    from tests.helpers.cli import run_cli
 
     folder = model_factory("qwen3_moe", 4, converted=True)
     r = run_cli("info", folder, "--load", "--json")

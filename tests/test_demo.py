@@ -143,9 +143,10 @@ def test_held_out_perplexity_within_the_bound_and_the_router_matters(folders):
 
 
 def test_run_without_model_uses_the_demo(home):
-    from tests.conftest import run_cli
+    from tests.helpers.cli import run_cli
 
-    r = run_cli("run", "--max-tokens", "12", "What is the capital of France?", env={"FLASHMOE_HOME": home})
+    r = run_cli("run", "--max-tokens", "12", "What is the capital of France?", env={"FLASHMOE_HOME": home},
+                process=True)  # the README's first command, as a user runs it
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "K=8 |" in r.stderr and "qwen2_moe (packed, cpu kernels)" in r.stderr

@@ -12,7 +12,7 @@ from flashmoe.engine.experts import usage
 from flashmoe.engine.runtime.engine import Engine
 from flashmoe.engine.runtime.generate import GenerationRequest
 from flashmoe.engine.runtime.loader import load
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 CHAT = [{"role": "user", "content": "Tell me about café culture in Paris."}]
 

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from flashmoe.engine.runtime.loader import load
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 from tests.test_streaming_exact import PROMPT, greedy
 
 

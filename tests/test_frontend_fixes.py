@@ -12,7 +12,7 @@ import pytest
 
 from flashmoe.cli import cli
 from flashmoe.cli.store import Store
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 FAKE = ("--engine", "fake")
 

@@ -1370,7 +1370,7 @@ def test_flashmoe_convert_gguf_end_to_end(tmp_path, bits):
     from mlx_lm.utils import load_model, quantize_model
 
     from flashmoe.engine.runtime.loader import load
-    from tests.conftest import run_cli
+    from tests.helpers.cli import run_cli
 
     _, config, params = make_moe_model("qwen3_moe")
     src = write_moe_gguf(tmp_path / "tiny.gguf", config, to_gguf_tensors(params, config), {})
@@ -1391,7 +1391,7 @@ def test_flashmoe_convert_gguf_end_to_end(tmp_path, bits):
 
 @pytest.mark.parametrize("what", ["gating", "architecture"])
 def test_unsupported_gguf_is_one_line_error(tmp_path, what):
-    from tests.conftest import run_cli
+    from tests.helpers.cli import run_cli
 
     if what == "gating":
         src = _moe_source(tmp_path, meta=lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID))

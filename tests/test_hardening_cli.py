@@ -19,7 +19,8 @@ import pytest
 
 from flashmoe.cli.store import Store
 from flashmoe.cli.term_safe import safe
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT
+from tests.helpers.cli import run_cli
 
 # What a hostile model writes: a clipboard write (OSC 52), a title change (OSC 0), a screen clear,
 # 8-bit CSI and OSC, a right-to-left override, a bell, a carriage return that hides the line.

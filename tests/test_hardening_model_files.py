@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 # ---- GGUF: a tiny well-formed file, then every way of breaking it ----------------------------------
 

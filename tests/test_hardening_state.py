@@ -19,7 +19,8 @@ import pytest
 from flashmoe.engine.events import EngineFailed, GenerationFinished
 from flashmoe.engine.runtime.generate import GenerationRequest
 from flashmoe.engine.runtime.sampling import SamplingParams
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT
+from tests.helpers.cli import run_cli
 
 GREEDY = SamplingParams(temperature=0.0)
 SYSTEM = {"role": "system", "content": "You answer in one short sentence. " * 8}

@@ -8,7 +8,7 @@ import pytest
 from flashmoe.engine.cpu import int8
 from flashmoe.engine.cpu.tiled import Tiled
 from flashmoe.engine.runtime.loader import load
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 # two int8 terms (VNNI's default) and one int16 (elsewhere) at every size; one int8 term, llama.cpp's
 # way, at group 64 (compiling each costs seconds)

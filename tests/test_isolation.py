@@ -5,7 +5,9 @@ import os
 import sqlite3
 from pathlib import Path
 
-from tests.conftest import USER_HOME, run_cli
+from tests.conftest import USER_HOME
+
+from tests.helpers.cli import run_cli
 
 
 def conversations(home: Path) -> int:

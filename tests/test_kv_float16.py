@@ -111,7 +111,7 @@ def test_the_option_is_refused_where_it_would_not_hold(model_factory):
 
 
 def test_run_says_the_cache_it_keeps_and_refuses_it_on_mlx(model_factory, tmp_path):
-    from tests.conftest import run_cli
+    from tests.helpers.cli import run_cli
 
     packed = model_factory("qwen3_moe", 4, converted=True)
     out = run_cli("run", "-m", packed, "--kernels", "cpu", "--kv-cache", "float16", "--max-tokens", "3", "-n", "hi")

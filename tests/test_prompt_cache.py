@@ -171,7 +171,7 @@ def test_a_second_tools_run_starts_from_the_first_ones_saved_prefix():
     what follows the shared system prompt and tool instructions."""
     import json
 
-    from tests.conftest import run_cli
+    from tests.helpers.cli import run_cli
 
     def done(question):
         r = run_cli("run", "--tools", "builtin", "--max-tokens", "2", "--json", question, timeout=300)

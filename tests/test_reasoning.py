@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from flashmoe.engine.runtime.reasoning import open_reasoning, prompt_reasoning, thinking_kwargs, thinking_switch
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TEMPLATES = ROOT / "tests" / "fixtures" / "reference" / "chat_templates"

@@ -18,7 +18,7 @@ from flashmoe.engine.formats.convert import convert
 from flashmoe.engine.errors import ConvertError, ModelLoadError
 from flashmoe.engine.experts.blocks import resident_expert_modules
 from flashmoe.engine.runtime.loader import load
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 from tests.tiny_tokenizer import write_tiny_tokenizer
 
 VOCAB = 320

@@ -16,7 +16,9 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT
+
+from tests.helpers.cli import run_cli
 
 KEY = "sk-test-serve"
 WEATHER = {"type": "function", "function": {

@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import run_cli
+from tests.helpers.cli import run_cli
 from tests.test_serve import ServerProcess
 from tests.tiny_tokenizer import CHAT_TEMPLATE
 
