@@ -30,7 +30,6 @@ import json
 import mmap
 import os
 import random
-import statistics
 import subprocess
 import sys
 import threading
@@ -247,7 +246,7 @@ def child_llama(spec: dict) -> dict:
     times, marks = [], []
     t = time.perf_counter()
     io0 = read_bytes()
-    for tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+    for _tok in llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
         times.append(time.perf_counter())
         marks.append({"io": read_bytes(), "majflt": major_faults()})
         if len(times) >= spec["gen"]:

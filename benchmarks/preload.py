@@ -40,7 +40,7 @@ ASK = "Tell me about the history of Paris in a few sentences."
 def child(model: str, cache: int | None, usage_file: str | None, prompt: str, tokens: int) -> dict:
     """One fresh process's numbers (this runs in the child)."""
     from flashmoe.engine import GenerationFinished, TokenGenerated
-    from flashmoe.engine.benchmark import disk_read_bytes, evict, expert_files
+    from flashmoe.engine.benchmark import disk_read_bytes, expert_files
     from flashmoe.engine.runtime.engine import Engine
     from flashmoe.engine.runtime.generate import GenerationRequest
 
@@ -89,7 +89,6 @@ def main() -> int:
         print(json.dumps(child(*json.loads(a.child))))
         return 0
     from flashmoe.engine.benchmark import evict
-    from flashmoe.engine.experts.usage import read_usage
     from flashmoe.engine.formats.demo import ensure_demo
 
     model = a.model or str(ensure_demo(lambda *_: None))

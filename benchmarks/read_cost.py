@@ -112,7 +112,7 @@ def main() -> int:
           f"(read as {block / 1e6:.2f} MB blocks)")
     print(f"machine : {os.cpu_count()}x {cpu_model()}; flashmoe {source_revision()}")
     print(f"random reads, cold, {args.reads} x {block / 1e6:.2f} MB, {args.threads} in flight:")
-    for r in range(args.rounds):
+    for _r in range(args.rounds):
         for direct in (False, True):
             gbps, cpu = random_reads(files, block, args.reads, args.threads, direct)
             print(f"  {'O_DIRECT' if direct else 'buffered'}: {gbps:.2f} GB/s, {cpu:.3f} CPU s per GB")

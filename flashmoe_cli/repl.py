@@ -42,6 +42,9 @@ from .line_view import LineView
 from .term_safe import safe
 from .utf8 import decode_text, scrub
 
+# what asking a stream for its tty settings raises where it is no terminal
+_NOT_A_TTY = (AttributeError, ValueError, OSError) + ((termios.error,) if termios else ())
+
 KEYS = """Keys:
   Enter              send                    Alt+Enter (Esc Enter)  new line
   Up / Down          previous / next line    Ctrl-R                 search the history
@@ -103,7 +106,7 @@ def no_echo(stream):
     try:
         fd = stream.fileno()
         old = termios.tcgetattr(fd) if termios is not None and os.isatty(fd) else None
-    except (AttributeError, ValueError, OSError) + ((termios.error,) if termios else ()):  # a pipe, a StringIO, a closed stream
+    except _NOT_A_TTY:  # a pipe, a StringIO, a closed stream
         old = None
     if old is None:
         yield

@@ -66,7 +66,9 @@ def test_stdin_then_argument():
 def test_same_greedy_answer_with_and_without_raw_argument_order(model):
     a = run_cli("run", "-m", model, "--max-tokens", "6", "--json", input="notes\n", env={}).stdout
     b = run_cli("run", "-m", model, "--max-tokens", "6", "--json", "notes").stdout
-    ids = lambda out: [json.loads(l)["id"] for l in out.splitlines() if '"token"' in l]
+    def ids(out):
+        return [json.loads(l)["id"] for l in out.splitlines() if '"token"' in l]
+
     assert ids(a) == ids(b)
 
 

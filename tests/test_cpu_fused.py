@@ -405,7 +405,7 @@ def test_whole_decode_step_is_refused_where_the_probe_disagrees(model_factory, m
     from flashmoe.engine.cpu import decode_step
 
     original = decode_step._embedding
-    monkeypatch.setattr(decode_step, "_embedding", lambda e: (lambda ids, f=original(e): f(ids) * 2))
+    monkeypatch.setattr(decode_step, "_embedding", lambda e: (lambda ids, f=original(e): f(ids) * 2))  # noqa: B008 (made once, at patch time)
     lm = load(model_factory("qwen3_moe", 4, converted=True), kernels="cpu", load_tokenizer=False)
     assert lm.fused["model_step"] == 0 and not isinstance(lm.model.model, decode_step.CpuModelStep)
     assert lm.fused["layer"] == lm.num_layers

@@ -217,7 +217,7 @@ def test_an_expert_is_ready_once_all_its_pieces_landed(model_factory, monkeypatc
         with open(ext.path, "rb") as f:
             f.seek(ext.offset)
             data, pos, arrays = f.read(ext.nbytes), 0, {}
-        for part, held in zip(pool.parts, pool.held):
+        for part, _held in zip(pool.parts, pool.held):
             arrays[part.name] = np.frombuffer(data, np.uint8, part.nbytes, pos).copy()
             pos += part.nbytes
         one = {n: tuple(arrays[f"{n}.{a}"].view(m.dtype).reshape(1, *m.shape[1:])

@@ -82,7 +82,7 @@ def test_cache_never_exceeds_budget_over_a_long_generation(model_factory, policy
     req = GenerationRequest(messages=CHAT, max_tokens=200, sampling=__import__("engine").SamplingParams(
         temperature=1.0, seed=1))
     used = []
-    for ev in generate(lm, session, req):
+    for ev in generate(lm, session, req):  # noqa: B007 (the last event is read below)
         used.append(lm.store.used_bytes)
         assert lm.store.used_bytes <= budget
     assert lm.store.peak_used_bytes <= budget and lm.store.capacity_bytes <= budget

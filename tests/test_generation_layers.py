@@ -39,7 +39,7 @@ def test_token_loop_yields_the_reference_ids_and_runs_only_the_passes_asked_for(
     assert progress == list(range(3, len(ids), 3)) + [len(ids)] and session.tokens == ids
     session = Session(lm)
     session.prepare(ids)
-    for _, logits in prefill(lm.model, session, ids, 256, threading.Event()):
+    for _, logits in prefill(lm.model, session, ids, 256, threading.Event()):  # noqa: B007 (the last logits are used below)
         pass
     loop = decode(lm.model, session, logits, Sampler(SamplingParams()), [])
     got = [next(loop) for _ in range(6)]
@@ -57,7 +57,7 @@ def test_event_layer_gives_the_token_loops_ids(model_factory):
     ids = render_prompt(lm, request)
     session = Session(lm)
     session.prepare(ids)
-    for _, logits in prefill(lm.model, session, ids, request.prefill_step, threading.Event()):
+    for _, logits in prefill(lm.model, session, ids, request.prefill_step, threading.Event()):  # noqa: B007 (the last logits are used below)
         pass
     loop = decode(lm.model, session, logits, Sampler(request.sampling), processors_for(request.sampling))
     assert events == [next(loop) for _ in range(len(events))]

@@ -11,7 +11,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import termios
 import time
 import tty
 

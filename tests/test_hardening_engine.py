@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from flashmoe.engine import EngineFailed, GenerationFinished
-from flashmoe.engine.errors import ConvertError, ModelLoadError
+from flashmoe.engine.errors import ConvertError
 from flashmoe.engine.runtime.generate import GenerationRequest
 from tests.conftest import ROOT
 from tests.helpers.cli import run_cli

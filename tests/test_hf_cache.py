@@ -21,7 +21,6 @@ from huggingface_hub.file_download import repo_folder_name
 
 from flashmoe.engine.formats import hf_cache
 from flashmoe.engine.formats.hf_cache import ModelNotFoundError, hub_cache_dir, resolve, snapshot_path, split_spec
-from tests.conftest import ROOT
 from tests.helpers.cli import run_cli
 
 REPO = "tiny-org/tiny-moe"

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 
@@ -174,5 +175,5 @@ def test_invalid_params_rejected(kwargs, message):
 
 
 def test_params_are_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         SamplingParams().temperature = 1.0  # type: ignore[misc]

@@ -50,7 +50,7 @@ def run(loaded, session, ids) -> list[int]:
     session.prepare(ids)
     todo = ids[len(session.tokens):]
     logits = None
-    for _, logits in prefill(loaded.model, session, todo, 512, threading.Event()):
+    for _, logits in prefill(loaded.model, session, todo, 512, threading.Event()):  # noqa: B007 (the last logits are used below)
         pass
     return logits
 

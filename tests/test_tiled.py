@@ -70,7 +70,7 @@ def test_stack_gives_each_part_and_views_that_stand_alone():
     assert starts == [0, 32, 48] and whole.n == 64
     x = RNG.standard_normal((2, 128)).astype(np.float32)
     out = whole.matmul(x)
-    for (wq, s, b, dq), view, start, tile in zip(parts, views, starts, tiles):
+    for (wq, _s, _b, _dq), view, start, tile in zip(parts, views, starts, tiles):
         n = wq.shape[0]
         assert np.array_equal(out[:, start:start + n], tile.matmul(x))
         assert np.array_equal(view.matmul(x), tile.matmul(x))

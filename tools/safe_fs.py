@@ -78,7 +78,7 @@ def links_inside(roots: list[Path], st: os.stat_result, limit: int = 200_000) ->
     found = 0
     seen = 0
     for root in roots:
-        for dirpath, dirnames, filenames in os.walk(root):
+        for dirpath, _dirnames, filenames in os.walk(root):
             for name in filenames:
                 seen += 1
                 if seen > limit:

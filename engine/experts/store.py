@@ -366,7 +366,7 @@ class ExpertStore:
             groups.setdefault(l.signature, []).append(l)
         total = sum(l.expert_bytes * l.num_experts for l in layers)
         granted = 0
-        for sig, ls in groups.items():
+        for _sig, ls in groups.items():
             group_total = sum(l.expert_bytes * l.num_experts for l in ls)
             share = budget_bytes * group_total // total if total else 0
             keep = self.keep_bf16(ls[0])

@@ -236,7 +236,7 @@ def generate(loaded, session: Session, request: GenerationRequest,
     t0 = perf_counter()
     logits = None
     yield PrefillProgress(0, len(todo), reused, opened)
-    for done, logits in prefill(model, session, todo, request.prefill_step, cancel):
+    for done, logits in prefill(model, session, todo, request.prefill_step, cancel):  # noqa: B007 (the last logits go on)
         yield PrefillProgress(done, len(todo), reused, opened, perf_counter() - t0)
     prefill_s = perf_counter() - t0
     if store is not None:

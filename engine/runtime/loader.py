@@ -627,7 +627,7 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     # what this process may use (the cgroup's limit, MemAvailable, rlimits), or it says so now.
     tensors = resident.values() if packed else [t for k, t in headers.items() if not expert_tensor_of(k, blocks)]
     # the CPU kernels tile bfloat16 scales as they are: their slots keep them so (switch._CpuExperts)
-    keep_bf16 = (lambda l: _CpuExperts.keeps_bf16(blocks[l.module], l)) if kernels == "cpu" else None
+    keep_bf16 = (lambda l, blocks=blocks: _CpuExperts.keeps_bf16(blocks[l.module], l)) if kernels == "cpu" else None
     try:
         memory = memory_plan(config, layers, resident_bytes(tensors, dtype == "float32"), upcast=dtype == "float32",
                              kv_cache=kv_cache, io_threads=io_threads, expert_cache=expert_cache, ctx_size=ctx_size,

@@ -64,7 +64,7 @@ def system_prompt(system, fields: Fields) -> str:
     """The system prompt, without Claude Code's billing block (recorded as ignored)."""
     if isinstance(system, list):
         kept = []
-        for i, b in enumerate(system):
+        for _i, b in enumerate(system):
             if isinstance(b, dict) and b.get("type") == "text" and BILLING_BLOCK.match(b.get("text") or ""):
                 fields.ignore("system.x-anthropic-billing-header", "a billing hash that changes every prompt")
                 continue

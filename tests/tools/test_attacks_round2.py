@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
 import time
 
 import pytest
@@ -18,7 +17,7 @@ from flashmoe.tools.calls import ToolCall
 from flashmoe.tools.errors import ToolFileError
 from flashmoe.tools.executor import ToolExecutor
 from flashmoe.tools.policy import Policy, ScriptedApprover
-from flashmoe.tools.registry import Tool, ToolRegistry
+from flashmoe.tools.registry import ToolRegistry
 from flashmoe.tools.runner import CommandRunner
 from flashmoe.tools.user_tools import load_tool_file
 from tests.tools.test_runner import marker, survivors

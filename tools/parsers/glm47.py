@@ -18,7 +18,7 @@ import shlex
 from typing import Any
 
 from flashmoe.tools.calls import ToolCall, ToolsInfo
-from flashmoe.tools.parsers._common import blocks, call_from_object, coerce, guess
+from flashmoe.tools.parsers._common import blocks, call_from_object, coerce
 
 name = "glm47"
 tool_call_start = "<tool_call>"
