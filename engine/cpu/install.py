@@ -152,6 +152,10 @@ def install(model: nn.Module) -> int:
     took the cores from numba's kernel threads (the demo decoded 10-20% slower)."""
     from threadpoolctl import threadpool_limits
 
+    try:  # numba's np.dot calls scipy's own OpenBLAS, loaded only when a kernel using it loads:
+        import scipy.linalg.cython_blas  # noqa: F401  load it now, so the limit reaches it too
+    except ImportError:
+        pass
     threadpool_limits(1, user_api="blas")
     count = 0
     replacements = []
