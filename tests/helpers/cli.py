@@ -7,7 +7,9 @@ with file descriptors 0, 1 and 2 pointed at files (so C code's writes are captur
 subprocess's would be), the environment, working folder and signal handlers it changes put
 back afterwards, and an uncaught exception turned into exit code 1 with its traceback on stderr.
 pytest's log capture is set aside during the call, so a warning logged with no handler of its own
-reaches stderr through logging's last resort, as it does in a process of its own.
+reaches stderr through logging's last resort, as it does in a process of its own; the log
+databases the call opened are closed after it, as a process's exit closes them (one left open
+held the session's logs.db for a later call: "database is locked").
 """
 from __future__ import annotations
 
@@ -38,6 +40,13 @@ def run_cli(*args, input: str | None = None, timeout: float = 120, env: dict | N
 
 def _in_process(argv: list[str], input: str, env: dict) -> subprocess.CompletedProcess:
     from flashmoe.cli import cli, signals
+    from flashmoe.cli.store import Store
+
+    opened, store_init = [], Store.__init__
+
+    def recording_init(self, *args, **kwargs):
+        store_init(self, *args, **kwargs)
+        opened.append(self)
 
     saved_env, saved_cwd = dict(os.environ), os.getcwd()
     saved_streams = sys.stdin, sys.stdout, sys.stderr
@@ -56,6 +65,7 @@ def _in_process(argv: list[str], input: str, env: dict) -> subprocess.CompletedP
         os.environ.pop("FORCE_COLOR", None)
         os.chdir(ROOT)
         root.handlers.clear()
+        Store.__init__ = recording_init
         for fd, f in enumerate(files):
             os.dup2(f.fileno(), fd)
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
@@ -85,6 +95,9 @@ def _in_process(argv: list[str], input: str, env: dict) -> subprocess.CompletedP
             signal.signal(s, h)
         signals.received = None
         root.handlers[:] = saved_log
+        Store.__init__ = store_init
+        for store in opened:
+            store.close()
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
