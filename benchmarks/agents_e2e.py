@@ -21,6 +21,7 @@ are on PATH (or, for the Python ones, in --venv); --record DIR writes each clien
 and replies as a fixture (tests/fixtures/agents/), with the client's version, and the workspace,
 home folder, ids and keys replaced.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,7 @@ def free_port() -> int:
 
 # -- the logging proxy -------------------------------------------------------------------------
 
+
 class Recorder:
     """A proxy in front of the server that passes every request and reply through as it comes
     (SSE chunk by chunk) and keeps a copy of each exchange."""
@@ -79,7 +81,7 @@ class Recorder:
         class Server(http.server.ThreadingHTTPServer):
             def handle_error(self, request, client_address):
                 if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that drops a
-                    super().handle_error(request, client_address)       # kept-alive one is no news
+                    super().handle_error(request, client_address)  # kept-alive one is no news
 
         self.httpd = Server(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
@@ -115,15 +117,24 @@ class Recorder:
         except ValueError:
             parsed = body.decode("utf-8", "replace")
         with self.lock:
-            self.exchanges.append({"method": h.command, "path": h.path, "headers": dict(h.headers.items()),
-                                   "body": parsed, "status": r.status, "response_headers": dict(r.getheaders()),
-                                   "response": data.decode("utf-8", "replace")})
+            self.exchanges.append(
+                {
+                    "method": h.command,
+                    "path": h.path,
+                    "headers": dict(h.headers.items()),
+                    "body": parsed,
+                    "status": r.status,
+                    "response_headers": dict(r.getheaders()),
+                    "response": data.decode("utf-8", "replace"),
+                }
+            )
 
     def close(self) -> None:
         self.httpd.shutdown()
 
 
 # -- what a run shows --------------------------------------------------------------------------
+
 
 def sse_events(text: str) -> list[tuple[str, dict | str]]:
     """(event name, data) of an SSE body ("message" when unnamed); comments dropped."""
@@ -150,20 +161,32 @@ def ended(exchange: dict) -> bool:
     if "text/event-stream" not in exchange["response_headers"].get("content-type", ""):
         return True
     events = sse_events(text)
-    if any(name == "error" or (isinstance(d, dict) and d.get("type") in ("error", "response.failed"))
-           or (isinstance(d, dict) and "error" in d and "choices" not in d) for name, d in events):
+    if any(
+        name == "error"
+        or (isinstance(d, dict) and d.get("type") in ("error", "response.failed"))
+        or (isinstance(d, dict) and "error" in d and "choices" not in d)
+        for name, d in events
+    ):
         return False
     last = events[-1] if events else ("", "")
-    return (last[0] == "message_stop" or last[1] == "[DONE]"
-            or (isinstance(last[1], dict) and last[1].get("type") in ("response.completed", "response.incomplete")))
+    return (
+        last[0] == "message_stop"
+        or last[1] == "[DONE]"
+        or (isinstance(last[1], dict) and last[1].get("type") in ("response.completed", "response.incomplete"))
+    )
 
 
 def calls_made(exchange: dict) -> list[str]:
     """The ids of the tool calls a reply carried (any of the three APIs, streamed or not)."""
     ids: list[str] = []
     text = exchange["response"]
-    payloads = [d for _, d in sse_events(text)] if "event-stream" in exchange["response_headers"].get(
-        "content-type", "") else [json.loads(text)] if text.startswith("{") else []
+    payloads = (
+        [d for _, d in sse_events(text)]
+        if "event-stream" in exchange["response_headers"].get("content-type", "")
+        else [json.loads(text)]
+        if text.startswith("{")
+        else []
+    )
     for d in payloads:
         if not isinstance(d, dict):
             continue
@@ -206,10 +229,14 @@ def verdict(exchanges: list[dict]) -> dict:
     generating = [e for e in exchanges if e["method"] == "POST"]
     made = [i for e in generating for i in calls_made(e)]
     answered = set().union(*(results_sent(e) for e in generating)) if generating else set()
-    return {"requests": len(generating), "all_2xx": all(200 <= e["status"] < 300 for e in generating),
-            "streamed_to_end": all(ended(e) for e in generating if 200 <= e["status"] < 300),
-            "calls": len(made), "calls_answered": len(set(made) & answered),
-            "first_status": generating[0]["status"] if generating else None}
+    return {
+        "requests": len(generating),
+        "all_2xx": all(200 <= e["status"] < 300 for e in generating),
+        "streamed_to_end": all(ended(e) for e in generating if 200 <= e["status"] < 300),
+        "calls": len(made),
+        "calls_answered": len(set(made) & answered),
+        "first_status": generating[0]["status"] if generating else None,
+    }
 
 
 # -- fixtures ----------------------------------------------------------------------------------
@@ -242,13 +269,30 @@ def fixture(client: str, version: str, command: list[str], exchanges: list[dict]
     kept = []
     for e in exchanges:
         headers = {k: v for k, v in e["headers"].items() if k.lower() not in _DROP_HEADERS}
-        kept.append({"method": e["method"], "path": e["path"], "headers": headers, "body": e["body"],
-                     "status": e["status"], "response": e["response"][:4000]})
-    return scrub({"client": client, "version": version, "recorded": time.strftime("%Y-%m-%d"),
-                  "command": " ".join([Path(command[0]).name, *command[1:]]), "exchanges": kept}, replace)
+        kept.append(
+            {
+                "method": e["method"],
+                "path": e["path"],
+                "headers": headers,
+                "body": e["body"],
+                "status": e["status"],
+                "response": e["response"][:4000],
+            }
+        )
+    return scrub(
+        {
+            "client": client,
+            "version": version,
+            "recorded": time.strftime("%Y-%m-%d"),
+            "command": " ".join([Path(command[0]).name, *command[1:]]),
+            "exchanges": kept,
+        },
+        replace,
+    )
 
 
 # -- the clients -------------------------------------------------------------------------------
+
 
 def version_of(cmd: list[str]) -> str:
     try:
@@ -262,13 +306,29 @@ def version_of(cmd: list[str]) -> str:
 def run_claude(base: str, work: Path, home: Path, timeout: float) -> tuple[list[str], dict, str]:
     """`claude -p` with a short system prompt and the Read tool only, so that the prompt fits
     the demo's 8,192-token context (its default tools alone are ~18,000 tokens)."""
-    cmd = ["claude", "-p", "--tools", "Read,Glob", "--allowedTools", "Read,Glob",
-           "--system-prompt", "You are a coding agent. Use the tools to look at files.", TASK]
-    env = {"ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": KEY, "ANTHROPIC_MODEL": "demo",
-           "ANTHROPIC_SMALL_FAST_MODEL": "demo", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(REPLY_TOKENS),
-           "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
-           "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-           "DISABLE_AUTOUPDATER": "1", "HOME": str(home)}
+    cmd = [
+        "claude",
+        "-p",
+        "--tools",
+        "Read,Glob",
+        "--allowedTools",
+        "Read,Glob",
+        "--system-prompt",
+        "You are a coding agent. Use the tools to look at files.",
+        TASK,
+    ]
+    env = {
+        "ANTHROPIC_BASE_URL": base,
+        "ANTHROPIC_API_KEY": KEY,
+        "ANTHROPIC_MODEL": "demo",
+        "ANTHROPIC_SMALL_FAST_MODEL": "demo",
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(REPLY_TOKENS),
+        "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
+        "DISABLE_TELEMETRY": "1",
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        "HOME": str(home),
+    }
     return cmd, env, version_of(["claude", "--version"])
 
 
@@ -278,7 +338,8 @@ def run_codex(base: str, work: Path, home: Path, timeout: float) -> tuple[list[s
     (codex_home / "config.toml").write_text(
         'model = "demo"\nmodel_provider = "flashmoe"\nmodel_max_output_tokens = 256\n\n'
         '[model_providers.flashmoe]\nname = "flashmoe"\n'
-        f'base_url = "{base}/v1"\nwire_api = "responses"\nenv_key = "FLASHMOE_API_KEY"\n')
+        f'base_url = "{base}/v1"\nwire_api = "responses"\nenv_key = "FLASHMOE_API_KEY"\n'
+    )
     cmd = ["codex", "exec", "--skip-git-repo-check", "-s", "read-only", "--ephemeral", TASK]
     env = {"CODEX_HOME": str(codex_home), "FLASHMOE_API_KEY": KEY, "HOME": str(home)}
     return cmd, env, version_of(["codex", "--version"])
@@ -287,8 +348,17 @@ def run_codex(base: str, work: Path, home: Path, timeout: float) -> tuple[list[s
 def run_aider(base: str, work: Path, home: Path, timeout: float, venv: Path | None = None):
     exe = str(venv / "bin" / "aider") if venv else "aider"
     (work / "notes.txt").write_text("hello\n")
-    cmd = [exe, "--model", "openai/demo", "--no-git", "--yes-always", "--no-show-model-warnings",
-           "--message", "Add a line to notes.txt", "notes.txt"]
+    cmd = [
+        exe,
+        "--model",
+        "openai/demo",
+        "--no-git",
+        "--yes-always",
+        "--no-show-model-warnings",
+        "--message",
+        "Add a line to notes.txt",
+        "notes.txt",
+    ]
     env = {"OPENAI_API_BASE": f"{base}/v1", "OPENAI_API_KEY": KEY, "HOME": str(home)}
     return cmd, env, version_of([exe, "--version"])
 
@@ -299,7 +369,8 @@ def run_llm(base: str, work: Path, home: Path, timeout: float, venv: Path | None
     cfg.mkdir(parents=True, exist_ok=True)
     (cfg / "extra-openai-models.yaml").write_text(
         f'- model_id: demo\n  model_name: demo\n  api_base: "{base}/v1"\n  api_key_name: flashmoe\n'
-        '  supports_tools: true\n')
+        "  supports_tools: true\n"
+    )
     env = {"LLM_USER_PATH": str(cfg), "HOME": str(home)}
     subprocess.run([exe, "keys", "set", "flashmoe", "--value", KEY], env=dict(os.environ, **env), check=True)
     cmd = [exe, "-m", "demo", "-T", "llm_version", "What version of llm is this? Use the tool."]
@@ -307,10 +378,18 @@ def run_llm(base: str, work: Path, home: Path, timeout: float, venv: Path | None
 
 
 def run_opencode(base: str, work: Path, home: Path, timeout: float):
-    cfg = {"$schema": "https://opencode.ai/config.json", "model": "flashmoe/demo",
-           "provider": {"flashmoe": {"npm": "@ai-sdk/openai-compatible", "name": "flashmoe",
-                                     "options": {"baseURL": f"{base}/v1", "apiKey": KEY},
-                                     "models": {"demo": {"name": "demo"}}}}}
+    cfg = {
+        "$schema": "https://opencode.ai/config.json",
+        "model": "flashmoe/demo",
+        "provider": {
+            "flashmoe": {
+                "npm": "@ai-sdk/openai-compatible",
+                "name": "flashmoe",
+                "options": {"baseURL": f"{base}/v1", "apiKey": KEY},
+                "models": {"demo": {"name": "demo"}},
+            }
+        },
+    }
     folder = home / ".config" / "opencode"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "opencode.json").write_text(json.dumps(cfg))
@@ -340,24 +419,52 @@ def run_openai_agents(base: str, work: Path, home: Path, timeout: float, venv: P
     script.write_text(AGENTS_SCRIPT)
     py = str(venv / "bin" / "python") if venv else sys.executable
     cmd = [py, str(script), base, KEY, TASK]
-    version = subprocess.run([py, "-c", "import importlib.metadata as m; print(m.version('openai-agents'))"],
-                             capture_output=True, text=True).stdout.strip() or "?"
+    version = (
+        subprocess.run(
+            [py, "-c", "import importlib.metadata as m; print(m.version('openai-agents'))"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        or "?"
+    )
     return cmd, {"HOME": str(home)}, version
 
 
-RUNNERS = {"claude": run_claude, "codex": run_codex, "aider": run_aider, "llm": run_llm, "opencode": run_opencode,
-           "openai-agents": run_openai_agents}
+RUNNERS = {
+    "claude": run_claude,
+    "codex": run_codex,
+    "aider": run_aider,
+    "llm": run_llm,
+    "opencode": run_opencode,
+    "openai-agents": run_openai_agents,
+}
 
 
 # -- main --------------------------------------------------------------------------------------
 
+
 def start_server(model: str | None, home: str, extra: list[str]) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    cmd = [sys.executable, "-m", "flashmoe.cli", "serve", "--port", str(port), "--api-key", KEY,
-           "--force-first-call", "--temp", "0", "--repetition-penalty", "1.2", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flashmoe.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--api-key",
+        KEY,
+        "--force-first-call",
+        "--temp",
+        "0",
+        "--repetition-penalty",
+        "1.2",
+        *extra,
+    ]
     cmd += ["-m", model] if model else []
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env=dict(os.environ, FLASHMOE_HOME=home))
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=dict(os.environ, FLASHMOE_HOME=home)
+    )
     for line in proc.stderr:
         print(f"  server: {line.rstrip()}", file=sys.stderr)
         if "serving" in line:
@@ -403,16 +510,28 @@ def main() -> int:
             print(f"\n$ {' '.join(cmd)}   ({client} {version}, in {work})", flush=True)
             t0 = time.monotonic()
             try:
-                out = subprocess.run(cmd, cwd=work, env=dict(os.environ, **env), capture_output=True, text=True,
-                                     timeout=args.timeout, stdin=subprocess.DEVNULL)
+                out = subprocess.run(
+                    cmd,
+                    cwd=work,
+                    env=dict(os.environ, **env),
+                    capture_output=True,
+                    text=True,
+                    timeout=args.timeout,
+                    stdin=subprocess.DEVNULL,
+                )
                 code, stdout, stderr = out.returncode, out.stdout, out.stderr
             except subprocess.TimeoutExpired as e:
                 code, stdout, stderr = "timeout", e.stdout or "", e.stderr or ""
             took = time.monotonic() - t0
             recorder.close()
             v = verdict(recorder.exchanges)
-            ok = (code == 0 and v["requests"] > 0 and v["all_2xx"] and v["streamed_to_end"]
-                  and (v["calls_answered"] > 0 or client in EDITS_IN_TEXT))
+            ok = (
+                code == 0
+                and v["requests"] > 0
+                and v["all_2xx"]
+                and v["streamed_to_end"]
+                and (v["calls_answered"] > 0 or client in EDITS_IN_TEXT)
+            )
             failed += not ok and client in ("claude", "codex")
             tail = (stdout if isinstance(stdout, str) else stdout.decode("utf-8", "replace")).strip()[-300:]
             print(f"  exit {code} in {took:.0f} s; {json.dumps(v)}\n  stdout: {tail!r}", flush=True)
@@ -422,12 +541,25 @@ def main() -> int:
                 for i, e in enumerate(recorder.exchanges):  # what each request got, where it went wrong
                     if e["method"] == "POST" and not (200 <= e["status"] < 300 and ended(e)):
                         print(f"  request {i} ({e['path']}, HTTP {e['status']}) ended: {e['response'][-600:]!r}")
-            rows.append({"client": client, "version": version, "exit": code, "seconds": round(took), **v,
-                         "result": "PASS" if ok else "FAIL"})
+            rows.append(
+                {
+                    "client": client,
+                    "version": version,
+                    "exit": code,
+                    "seconds": round(took),
+                    **v,
+                    "result": "PASS" if ok else "FAIL",
+                }
+            )
             if args.record:
                 args.record.mkdir(parents=True, exist_ok=True)
-                replace = {str(work): "/workspace", str(user_home): "/home/user", KEY: "sk-test",
-                           f"127.0.0.1:{recorder.port}": "127.0.0.1:8080", f"127.0.0.1:{port}": "127.0.0.1:8080"}
+                replace = {
+                    str(work): "/workspace",
+                    str(user_home): "/home/user",
+                    KEY: "sk-test",
+                    f"127.0.0.1:{recorder.port}": "127.0.0.1:8080",
+                    f"127.0.0.1:{port}": "127.0.0.1:8080",
+                }
                 data = fixture(client, version, cmd, recorder.exchanges, replace)
                 target = args.record / f"{client}.json"
                 target.with_suffix(".partial").write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n")
@@ -439,8 +571,10 @@ def main() -> int:
         proc.wait(timeout=60)
     print(f"\n{'client':15}{'version':12}{'requests':>9}{'calls':>7}{'answered':>10}  result")
     for r in rows:
-        print(f"{r['client']:15}{r['version']:12}{r.get('requests', 0):9}{r.get('calls', 0):7}"
-              f"{r.get('calls_answered', 0):10}  {r['result']}")
+        print(
+            f"{r['client']:15}{r['version']:12}{r.get('requests', 0):9}{r.get('calls', 0):7}"
+            f"{r.get('calls_answered', 0):10}  {r['result']}"
+        )
     return 1 if failed else 0
 
 

@@ -1,5 +1,6 @@
 """Helpers the benchmark scripts share: the machine and checkout they ran on, page-cache control
 and the process's disk counter (the engine's cpu_model and evict are reused, not rewritten)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -23,10 +24,15 @@ def mem_total_gib() -> float:
 def source_revision() -> str:
     """The checkout's commit, and whether engine/ differs from it (the engine is what we time)."""
     try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "engine"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "engine"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head or "unknown") + (" (engine/ has uncommitted changes)" if dirty else " (engine/ clean)")
@@ -38,4 +44,3 @@ def read_into_page_cache(files) -> None:
         with open(f, "rb", buffering=0) as fh:
             while fh.readinto(buf):
                 pass
-

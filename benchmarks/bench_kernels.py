@@ -27,6 +27,7 @@ The weights here (at most 8 MB packed) stay in the 32 MiB L3 cache: these are ca
 figures, like the MLX ones in /work/shared/reference/machine-limits.md section 3.
 This is a benchmark, not a test: it asserts only that the results agree.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,6 +70,7 @@ def forced(fn, parallel: bool):
             return fn()
         finally:
             K.SERIAL_BELOW, K.SERIAL_BELOW_WITHOUT_TBB = saved
+
     return run
 
 
@@ -81,12 +83,16 @@ def bench_qmm(shapes, bits_list, ms, group_size, calls):
 
     from flashmoe.engine.cpu import qmm as K
 
-    print(f"\nqmm: x [M, in] @ dequantize(W [out, in]).T, group size {group_size}, float32 x/scales/biases; "
-          "times in us (median, min)")
-    print(f"{'out x in':>11} {'bits':>4} {'M':>3} | {'mlx':>8} {'GB/s':>5} | {'ours':>8} {'min':>8} {'GB/s':>5} | "
-          f"{'all thr':>8} {'GB/s':>5} | {'1 thr':>8} {'GB/s':>5} | {'kernel':>8} | {'x':>5} | max|diff|/max|ref|")
+    print(
+        f"\nqmm: x [M, in] @ dequantize(W [out, in]).T, group size {group_size}, float32 x/scales/biases; "
+        "times in us (median, min)"
+    )
+    print(
+        f"{'out x in':>11} {'bits':>4} {'M':>3} | {'mlx':>8} {'GB/s':>5} | {'ours':>8} {'min':>8} {'GB/s':>5} | "
+        f"{'all thr':>8} {'GB/s':>5} | {'1 thr':>8} {'GB/s':>5} | {'kernel':>8} | {'x':>5} | max|diff|/max|ref|"
+    )
     rng = np.random.default_rng(0)
-    for (n, k) in shapes:
+    for n, k in shapes:
         w = mx.array(rng.standard_normal((n, k)).astype(np.float32) * 0.05)
         for bits in bits_list:
             wq, s, b = mx.quantize(w, group_size=group_size, bits=bits)
@@ -108,18 +114,28 @@ def bench_qmm(shapes, bits_list, ms, group_size, calls):
                 def run_kernel(xn=xn, wn=wn, sn=sn, bn=bn, bits=bits):
                     return K.qmm(xn, wn, sn, bn, bits, group_size)
 
-                r = interleaved({"mlx": run_mlx, "ours": run_ours, "all": forced(run_ours, True),
-                                 "one": forced(run_ours, False), "kernel": run_kernel},
-                                calls if m == 1 else max(3, calls // 4), min_s=0.3)
+                r = interleaved(
+                    {
+                        "mlx": run_mlx,
+                        "ours": run_ours,
+                        "all": forced(run_ours, True),
+                        "one": forced(run_ours, False),
+                        "kernel": run_kernel,
+                    },
+                    calls if m == 1 else max(3, calls // 4),
+                    min_s=0.3,
+                )
                 ref = np.array(mx.quantized_matmul(x, wq, s, b, transpose=True, **args))
                 got = np.array(run_ours())
                 rel = float(np.abs(got - ref).max() / np.abs(ref).max())
                 (t_mlx, _), (t_ours, t_min), (t_k, _) = r["mlx"], r["ours"], r["kernel"]
                 t_all, t_one = r["all"][0], r["one"][0]
-                print(f"{n:>5}x{k:<5} {bits:>4} {m:>3} | {us(t_mlx)} {packed / t_mlx / 1e9:5.2f} | {us(t_ours)} "
-                      f"{us(t_min)} {packed / t_ours / 1e9:5.2f} | {us(t_all)} {packed / t_all / 1e9:5.2f} | "
-                      f"{us(t_one)} {packed / t_one / 1e9:5.2f} | {us(t_k)} | {t_mlx / t_ours:5.1f} | {rel:.1e}",
-                      flush=True)
+                print(
+                    f"{n:>5}x{k:<5} {bits:>4} {m:>3} | {us(t_mlx)} {packed / t_mlx / 1e9:5.2f} | {us(t_ours)} "
+                    f"{us(t_min)} {packed / t_ours / 1e9:5.2f} | {us(t_all)} {packed / t_all / 1e9:5.2f} | "
+                    f"{us(t_one)} {packed / t_one / 1e9:5.2f} | {us(t_k)} | {t_mlx / t_ours:5.1f} | {rel:.1e}",
+                    flush=True,
+                )
 
 
 def bench_gather(group_size, calls, bits=4, n=768, k=2048, experts=16, top=8):
@@ -127,10 +143,14 @@ def bench_gather(group_size, calls, bits=4, n=768, k=2048, experts=16, top=8):
 
     from flashmoe.engine.cpu import qmm as K
 
-    print(f"\ngather_qmm: {experts} stacked experts of {n}x{k} (out x in), {bits}-bit, group size {group_size}, "
-          f"top-{top}; times in us (median, min); GB/s: packed bytes of the distinct experts used")
-    print(f"{'tokens':>6} | {'mlx':>8} | {'ours':>8} {'min':>8} {'GB/s':>5} | {'all thr':>8} | {'1 thr':>8} | "
-          f"{'x':>5} | max|diff|/max|ref|")
+    print(
+        f"\ngather_qmm: {experts} stacked experts of {n}x{k} (out x in), {bits}-bit, group size {group_size}, "
+        f"top-{top}; times in us (median, min); GB/s: packed bytes of the distinct experts used"
+    )
+    print(
+        f"{'tokens':>6} | {'mlx':>8} | {'ours':>8} {'min':>8} {'GB/s':>5} | {'all thr':>8} | {'1 thr':>8} | "
+        f"{'x':>5} | max|diff|/max|ref|"
+    )
     rng = np.random.default_rng(1)
     w = mx.array(rng.standard_normal((experts, n, k)).astype(np.float32) * 0.05)
     wq, s, b = mx.quantize(w, group_size=group_size, bits=bits)
@@ -149,14 +169,20 @@ def bench_gather(group_size, calls, bits=4, n=768, k=2048, experts=16, top=8):
         def run_ours(x=x, idx=idx, t=t):
             return K.gather_qmm_mx(x.reshape(t, k), wq, s, b, idx, bits, group_size)
 
-        r = interleaved({"mlx": run_mlx, "ours": run_ours, "all": forced(run_ours, True),
-                         "one": forced(run_ours, False)}, calls if t == 1 else max(3, calls // 4), min_s=0.3)
+        r = interleaved(
+            {"mlx": run_mlx, "ours": run_ours, "all": forced(run_ours, True), "one": forced(run_ours, False)},
+            calls if t == 1 else max(3, calls // 4),
+            min_s=0.3,
+        )
         ref = np.array(mx.gather_qmm(x, wq, s, b, rhs_indices=idx, **args)).reshape(t, top, n)
         got = np.array(run_ours())
         rel = float(np.abs(got - ref).max() / np.abs(ref).max())
         (t_mlx, _), (t_ours, t_min), (t_all, _), (t_one, _) = r["mlx"], r["ours"], r["all"], r["one"]
-        print(f"{t:>6} | {us(t_mlx)} | {us(t_ours)} {us(t_min)} {used / t_ours / 1e9:5.2f} | {us(t_all)} | "
-              f"{us(t_one)} | {t_mlx / t_ours:5.1f} | {rel:.1e}", flush=True)
+        print(
+            f"{t:>6} | {us(t_mlx)} | {us(t_ours)} {us(t_min)} {used / t_ours / 1e9:5.2f} | {us(t_all)} | "
+            f"{us(t_one)} | {t_mlx / t_ours:5.1f} | {rel:.1e}",
+            flush=True,
+        )
 
 
 def bench_overhead(calls):
@@ -174,8 +200,9 @@ def bench_overhead(calls):
     x2, idx = xn.reshape(1, 64), np.zeros(1, np.int64)
     w3, s3, b3 = wn[None], sn[None], bn[None]
     cases = {
-        "mlx: quantized_matmul + mx.eval": lambda: mx.eval(mx.quantized_matmul(x, wq, s, b, transpose=True,
-                                                                              group_size=64, bits=4)),
+        "mlx: quantized_matmul + mx.eval": lambda: mx.eval(
+            mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=4)
+        ),
         "mlx: mx.eval of a lazy x + 0 (the sync alone)": lambda: mx.eval(x + 0),
         "ours: qmm_mx (views + qmm + mx.array(out))": lambda: K.qmm_mx(x, wq, s, b, 4, 64),
         "ours: qmm on numpy arrays": lambda: K.qmm(xn, wn, sn, bn, 4, 64),
@@ -208,18 +235,23 @@ print(f"{t1 - t0:.3f} {t2 - t1:.3f} {t3 - t2:.3f}")
 
 def bench_startup():
     print("\nstart-up in fresh processes sharing one new numba cache directory (NUMBA_CACHE_DIR):")
-    print("  import = import of flashmoe.engine.cpu.qmm (numpy + numba); first call = first 4-bit qmm "
-          "(compiles, or loads from the cache); other bits = warmup((2, 3, 8))")
+    print(
+        "  import = import of flashmoe.engine.cpu.qmm (numpy + numba); first call = first 4-bit qmm "
+        "(compiles, or loads from the cache); other bits = warmup((2, 3, 8))"
+    )
     with tempfile.TemporaryDirectory() as d:
         env = dict(os.environ, NUMBA_CACHE_DIR=d)
         for label in ("empty cache (compiles)", "cached", "cached again"):
             t = time.perf_counter()
-            r = subprocess.run([sys.executable, "-c", STARTUP_SNIPPET], cwd=ROOT, env=env,
-                               capture_output=True, text=True, check=True)
+            r = subprocess.run(
+                [sys.executable, "-c", STARTUP_SNIPPET], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+            )
             wall = time.perf_counter() - t
             imp, first, others = (float(v) for v in r.stdout.split())
-            print(f"  {label:<24} import {imp:5.2f} s | first call {first:6.2f} s | other bits {others:6.2f} s | "
-                  f"process wall {wall:6.2f} s")
+            print(
+                f"  {label:<24} import {imp:5.2f} s | first call {first:6.2f} s | other bits {others:6.2f} s | "
+                f"process wall {wall:6.2f} s"
+            )
 
 
 def main():
@@ -237,9 +269,11 @@ def main():
 
     mx.set_default_device(mx.cpu)
     K.warmup(4 if args.quick else (4, 8))
-    print(f"mlx {mx.__version__}, numba {numba.__version__}, numpy {np.__version__}, {os.cpu_count()} CPUs, "
-          f"numba threads {numba.get_num_threads()}, threading layer {numba.threading_layer()}, "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"mlx {mx.__version__}, numba {numba.__version__}, numpy {np.__version__}, {os.cpu_count()} CPUs, "
+        f"numba threads {numba.get_num_threads()}, threading layer {numba.threading_layer()}, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     shapes = [(1024, 4096)] if args.quick else [(1024, 4096), (4096, 1024), (576, 1536)]
     bits_list = [4] if args.quick else [4, 8]
     t0 = time.perf_counter()

@@ -24,6 +24,7 @@ also shown for reference.
 
 This is a benchmark, not a test: it asserts nothing except that the runs completed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,17 +49,26 @@ if str(ROOT) not in sys.path:
 
 import mlx.core as mx  # noqa: E402
 
-from bench_common import (cpu_model, disk_read_bytes, evict, mem_total_gib,  # noqa: E402
-                          read_into_page_cache, source_revision)
+from bench_common import (  # noqa: E402
+    cpu_model,
+    disk_read_bytes,
+    evict,
+    mem_total_gib,
+    read_into_page_cache,
+    source_revision,
+)
 
 MARKER = "bench_model.json"
-FILLER = ("The quick brown fox jumps over the lazy dog. Mixture-of-experts models route each "
-          "token to a few experts, and the experts that are not needed stay on the disk until "
-          "a token asks for them. We met at a cafe and talked about the weather in Paris, the "
-          "time of day, and what to eat for dinner. Numbers like 12, 345 and 6789 appear too. ")
+FILLER = (
+    "The quick brown fox jumps over the lazy dog. Mixture-of-experts models route each "
+    "token to a few experts, and the experts that are not needed stay on the disk until "
+    "a token asks for them. We met at a cafe and talked about the weather in Paris, the "
+    "time of day, and what to eat for dinner. Numbers like 12, 345 and 6789 appear too. "
+)
 
 
 # -- machine and conditions ------------------------------------------------------------------
+
 
 def filesystem_of(path: Path) -> str:
     """'<fstype> on <device>' of the mount that holds path (longest mount-point prefix)."""
@@ -106,8 +116,7 @@ def _load_libc():
     if _libc is None:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
         _libc = libc
@@ -150,24 +159,52 @@ drop_from_page_cache = evict  # the engine's own: posix_fadvise DONTNEED on each
 
 # -- the synthetic model ---------------------------------------------------------------------
 
+
 def model_config(a) -> dict:
-    common = dict(vocab_size=a.vocab, hidden_size=a.hidden, num_hidden_layers=a.layers,
-                  num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, rms_norm_eps=1e-6,
-                  rope_theta=1_000_000.0, max_position_embeddings=4096, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     if a.arch == "qwen3_moe":
-        return dict(common, model_type="qwen3_moe", head_dim=a.head_dim, num_experts=a.experts,
-                    num_experts_per_tok=a.top_k, moe_intermediate_size=a.moe_intermediate,
-                    intermediate_size=2 * a.moe_intermediate, decoder_sparse_step=1,
-                    mlp_only_layers=[], norm_topk_prob=True)
+        return dict(
+            common,
+            model_type="qwen3_moe",
+            head_dim=a.head_dim,
+            num_experts=a.experts,
+            num_experts_per_tok=a.top_k,
+            moe_intermediate_size=a.moe_intermediate,
+            intermediate_size=2 * a.moe_intermediate,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
     if a.arch == "mixtral":
-        return dict(common, model_type="mixtral", num_local_experts=a.experts,
-                    num_experts_per_tok=a.top_k, intermediate_size=a.moe_intermediate)
+        return dict(
+            common,
+            model_type="mixtral",
+            num_local_experts=a.experts,
+            num_experts_per_tok=a.top_k,
+            intermediate_size=a.moe_intermediate,
+        )
     raise ValueError(a.arch)
 
 
 def build_options(a) -> dict:
-    return {"config": model_config(a), "bits": a.bits, "group_size": a.group_size,
-            "float_dtype": a.float_dtype, "router_scale": a.router_scale, "seed": a.seed}
+    return {
+        "config": model_config(a),
+        "bits": a.bits,
+        "group_size": a.group_size,
+        "float_dtype": a.float_dtype,
+        "router_scale": a.router_scale,
+        "seed": a.seed,
+    }
 
 
 def build_source(folder: Path, a) -> None:
@@ -249,6 +286,7 @@ def prepare_model(workdir: Path, a, log) -> tuple[Path, Path, float]:
 
 # -- prompt ----------------------------------------------------------------------------------
 
+
 def make_prompt(tokenizer, n: int) -> str:
     """Text that the model's tokenizer encodes to exactly n tokens (or the nearest it can)."""
     words = (FILLER * (1 + 2 * n // max(1, len(FILLER.split())))).split(" ")
@@ -271,6 +309,7 @@ def make_prompt(tokenizer, n: int) -> str:
 # the first run prefills the whole prompt; later runs trim the cache back to prompt[:-1] and
 # feed only the last prompt token. Decode then starts from the same state on both sides, and a
 # measured run costs its decode plus one token, not a whole (for cache=0, slow) prefill.
+
 
 def summarize_steps(steps: list[float], tokens: list[int], prefill_s: float, prefilled: int) -> dict:
     total = sum(steps)
@@ -355,24 +394,31 @@ class EngineSide:
                 done = ev
         disk1 = disk_read_bytes()
         if done is None or done.generation_tokens != n:
-            raise RuntimeError(f"the engine generated {done and done.generation_tokens} tokens, wanted {n} "
-                               f"(reason {done and done.reason})")
+            raise RuntimeError(
+                f"the engine generated {done and done.generation_tokens} tokens, wanted {n} "
+                f"(reason {done and done.reason})"
+            )
         out = summarize_steps(steps, tokens, done.prefill_s, done.prompt_tokens - done.reused_prompt_tokens)
         # The store's io wait and router sync reach callers only through the per-layer rows
         # (sent in step mode too). Prefill is not in them: the engine resets the store's
         # counters after prefill. /proc/self/io is per run, so its disk bytes include prefill's.
         io_s = sum(r.expert_io_ms for rows in layer_rows for r in rows) / 1e3
         route_s = sum(r.route_ms for rows in layer_rows for r in rows) / 1e3
-        out.update({
-            "engine_generation_tps": done.generation_tps,
-            "engine_bytes_per_token": done.bytes_per_token,
-            "engine_hit_rate": done.hit_rate,
-            "engine_cache_state": done.cache_state,
-            "bytes_read": nbytes, "hits": hits, "misses": misses,
-            "io_wait_s": io_s, "route_s": route_s,
-            "disk_bytes_run": (disk1 - disk0) if disk0 is not None and disk1 is not None else None,
-            "drop_s": sum(drops.values()),
-        })
+        out.update(
+            {
+                "engine_generation_tps": done.generation_tps,
+                "engine_bytes_per_token": done.bytes_per_token,
+                "engine_hit_rate": done.hit_rate,
+                "engine_cache_state": done.cache_state,
+                "bytes_read": nbytes,
+                "hits": hits,
+                "misses": misses,
+                "io_wait_s": io_s,
+                "route_s": route_s,
+                "disk_bytes_run": (disk1 - disk0) if disk0 is not None and disk1 is not None else None,
+                "drop_s": sum(drops.values()),
+            }
+        )
         if timing == "layer":
             # Engines whose layer clock is not reset after prefill (no LayerClock.reset) put the
             # prefill's attention and layer totals into step 0's rows, where "other" absorbs
@@ -448,26 +494,30 @@ def aggregate(runs: list[dict], ref_runs: list[dict] | None, theory_all_miss: fl
         decode_s = sum(r["decode_s"] for r in runs)
         disk = [r["disk_bytes_run"] for r in runs]
         miss_rate = misses / (hits + misses) if hits + misses else 0.0
-        out.update({
-            "hits": hits, "misses": misses,
-            "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-            "miss_rate": miss_rate,
-            "bytes_per_token": nbytes / fwd,
-            "bytes_per_token_theory": theory_all_miss * miss_rate,
-            "engine_bytes_per_token": [r["engine_bytes_per_token"] for r in runs],
-            "io_wait_s": io_s,
-            "io_gbps": nbytes / io_s / 1e9 if io_s > 0 else None,
-            "io_wait_share": io_s / decode_s if decode_s > 0 else 0.0,
-            "route_ms_per_token": 1e3 * sum(r["route_s"] for r in runs) / fwd,
-            "disk_bytes_per_token": (sum(disk) / fwd) if None not in disk else None,
-            "engine_generation_tps": [r["engine_generation_tps"] for r in runs],
-            "engine_cache_state": sorted({r["engine_cache_state"] for r in runs}),
-            "page_cache_resident_before": [r.get("page_cache_resident_before") for r in runs],
-        })
+        out.update(
+            {
+                "hits": hits,
+                "misses": misses,
+                "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+                "miss_rate": miss_rate,
+                "bytes_per_token": nbytes / fwd,
+                "bytes_per_token_theory": theory_all_miss * miss_rate,
+                "engine_bytes_per_token": [r["engine_bytes_per_token"] for r in runs],
+                "io_wait_s": io_s,
+                "io_gbps": nbytes / io_s / 1e9 if io_s > 0 else None,
+                "io_wait_share": io_s / decode_s if decode_s > 0 else 0.0,
+                "route_ms_per_token": 1e3 * sum(r["route_s"] for r in runs) / fwd,
+                "disk_bytes_per_token": (sum(disk) / fwd) if None not in disk else None,
+                "engine_generation_tps": [r["engine_generation_tps"] for r in runs],
+                "engine_cache_state": sorted({r["engine_cache_state"] for r in runs}),
+                "page_cache_resident_before": [r.get("page_cache_resident_before") for r in runs],
+            }
+        )
     return out
 
 
 # -- reporting -------------------------------------------------------------------------------
+
 
 def fmt_bytes(n: float | None) -> str:
     if n is None:
@@ -481,8 +531,9 @@ def fmt_bytes(n: float | None) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         description="Benchmark the streamed flashmoe engine against resident mlx-lm on the same "
-                    "synthetic MoE weights, in one run. Prints every figure with its conditions.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "synthetic MoE weights, in one run. Prints every figure with its conditions.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     g = p.add_argument_group("synthetic model")
     g.add_argument("--arch", choices=("qwen3_moe", "mixtral"), default="qwen3_moe")
     g.add_argument("--hidden", type=int, default=1024, help="hidden size")
@@ -494,29 +545,54 @@ def main(argv=None) -> int:
     g.add_argument("--kv-heads", type=int, default=4, help="key/value heads")
     g.add_argument("--head-dim", type=int, default=64, help="head dim (qwen3_moe)")
     g.add_argument("--vocab", type=int, default=2048, help="vocabulary of the model")
-    g.add_argument("--bits", type=int, default=4, choices=(0, 2, 3, 4, 5, 6, 8),
-                   help="quantization bits (0: keep float weights)")
+    g.add_argument(
+        "--bits", type=int, default=4, choices=(0, 2, 3, 4, 5, 6, 8), help="quantization bits (0: keep float weights)"
+    )
     g.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
-    g.add_argument("--float-dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="dtype of the float weights, hence of the quantization scales and biases")
-    g.add_argument("--router-scale", type=float, default=4.0,
-                   help="router weights x this, so that routing varies from token to token")
+    g.add_argument(
+        "--float-dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="dtype of the float weights, hence of the quantization scales and biases",
+    )
+    g.add_argument(
+        "--router-scale",
+        type=float,
+        default=4.0,
+        help="router weights x this, so that routing varies from token to token",
+    )
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("run")
     g.add_argument("--prompt-tokens", type=int, default=32)
-    g.add_argument("--gen-tokens", type=int, default=32,
-                   help="tokens generated per measured run (gen-tokens - 1 timed forward passes)")
-    g.add_argument("--rounds", type=int, default=3,
-                   help="measured runs per configuration, interleaved round-robin so that "
-                        "changes in machine load hit every configuration alike")
+    g.add_argument(
+        "--gen-tokens",
+        type=int,
+        default=32,
+        help="tokens generated per measured run (gen-tokens - 1 timed forward passes)",
+    )
+    g.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="measured runs per configuration, interleaved round-robin so that "
+        "changes in machine load hit every configuration alike",
+    )
     g.add_argument("--layer-tokens", type=int, default=10, help="tokens per timing='layer' run")
     g.add_argument("--io-threads", type=int, default=8)
     g.add_argument("--direct-io", action="store_true", help="load the streamed models with O_DIRECT")
-    g.add_argument("--kernels", default="mlx", choices=("mlx", "cpu", "auto"),
-                   help="quantized matmul kernels of the streamed engine (default mlx)")
-    g.add_argument("--keep", type=Path, metavar="DIR",
-                   help="build the model in DIR and keep it; a later run with the same model "
-                        "options reuses it (default: a temporary folder, removed at the end)")
+    g.add_argument(
+        "--kernels",
+        default="mlx",
+        choices=("mlx", "cpu", "auto"),
+        help="quantized matmul kernels of the streamed engine (default mlx)",
+    )
+    g.add_argument(
+        "--keep",
+        type=Path,
+        metavar="DIR",
+        help="build the model in DIR and keep it; a later run with the same model "
+        "options reuses it (default: a temporary folder, removed at the end)",
+    )
     g.add_argument("--out", type=Path, metavar="FILE", help="also write every figure as JSON")
     a = p.parse_args(argv)
     if a.gen_tokens < 2 or a.layer_tokens < 3:
@@ -575,8 +651,7 @@ def bench(a, workdir: Path, log, t_start: float) -> int:
     resident_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
     def open_streamed(cache):
-        loaded = load(packed, expert_cache=cache, io_threads=a.io_threads, direct_io=a.direct_io,
-                      kernels=a.kernels)
+        loaded = load(packed, expert_cache=cache, io_threads=a.io_threads, direct_io=a.direct_io, kernels=a.kernels)
         loaded.tokenizer.eos_token_ids = frozenset()  # random weights: never stop early
         return loaded
 
@@ -595,8 +670,11 @@ def bench(a, workdir: Path, log, t_start: float) -> int:
     all_expert_bytes = sum(l.expert_bytes * l.num_experts for l in layers)
     caps = {"full": full.store.capacity_bytes, "zero": zero.store.capacity_bytes}
 
-    sides = {"resident": ResidentSide(model, ids), "full": EngineSide(full, prompt, expert_files),
-             "zero": EngineSide(zero, prompt, expert_files)}
+    sides = {
+        "resident": ResidentSide(model, ids),
+        "full": EngineSide(full, prompt, expert_files),
+        "zero": EngineSide(zero, prompt, expert_files),
+    }
 
     # -- warm-up: the full prefill of each side (reported), MLX and allocator warm-up ---------
     log(f"warm-up runs (full {len(ids)}-token prefill on each side) ...")
@@ -623,84 +701,116 @@ def bench(a, workdir: Path, log, t_start: float) -> int:
     keys = [k for k, _, _ in CONFIGS]
     runs: dict[str, list[dict]] = {k: [] for k in keys}
     for rnd in range(a.rounds):
-        order = keys[rnd % len(keys):] + keys[:rnd % len(keys)]
+        order = keys[rnd % len(keys) :] + keys[: rnd % len(keys)]
         for key in order:
             runs[key].append(run_config(key, a.gen_tokens))
-        log(f"round {rnd + 1}/{a.rounds}: " + ", ".join(
-            f"{k} {runs[k][-1]['decode_tps']:.2f}" for k in keys) + " tok/s")
+        log(
+            f"round {rnd + 1}/{a.rounds}: " + ", ".join(f"{k} {runs[k][-1]['decode_tps']:.2f}" for k in keys) + " tok/s"
+        )
     read_into_page_cache(expert_files)
 
     # -- where the time goes: one timing="layer" run per streamed state ----------------------
     log("timing='layer' runs ...")
-    layer_runs = {"full": run_config("full", a.layer_tokens, "layer"),
-                  "zero_warm": run_config("zero_warm", a.layer_tokens, "layer"),
-                  "zero_cold": run_config("zero_cold", a.layer_tokens, "layer")}
+    layer_runs = {
+        "full": run_config("full", a.layer_tokens, "layer"),
+        "zero_warm": run_config("zero_warm", a.layer_tokens, "layer"),
+        "zero_cold": run_config("zero_cold", a.layer_tokens, "layer"),
+    }
     read_into_page_cache(expert_files)  # leave the files as we found them (warm)
     full.close()
     zero.close()
 
     # -- report -------------------------------------------------------------------------------
-    agg = {k: aggregate(runs[k], None if k == "resident" else runs["resident"], theory_all_miss)
-           for k in keys}
+    agg = {k: aggregate(runs[k], None if k == "resident" else runs["resident"], theory_all_miss) for k in keys}
     cfg = model_config(a)
-    shape = (f"{a.arch} hidden {a.hidden}, {a.layers} layers ({moe_layers} MoE), {a.experts} experts, "
-             f"top-{K}, expert intermediate {a.moe_intermediate}, heads {a.heads}/{a.kv_heads}, "
-             f"vocab {a.vocab}")
-    quant = (f"{a.bits}-bit group {a.group_size}, {a.float_dtype} scales" if a.bits
-             else f"{a.float_dtype}, unquantized")
+    shape = (
+        f"{a.arch} hidden {a.hidden}, {a.layers} layers ({moe_layers} MoE), {a.experts} experts, "
+        f"top-{K}, expert intermediate {a.moe_intermediate}, heads {a.heads}/{a.kv_heads}, "
+        f"vocab {a.vocab}"
+    )
+    quant = f"{a.bits}-bit group {a.group_size}, {a.float_dtype} scales" if a.bits else f"{a.float_dtype}, unquantized"
     load_end = [round(x, 2) for x in os.getloadavg()]
     lines = []
     w = lines.append
     w("=" * 110)
     w("flashmoe streamed engine vs resident mlx-lm: same weights, same prompt, greedy, one process")
-    w(f"machine : {machine['nproc']} CPUs ({machine['cpu_model']}), {machine['mem_total_gib']} GiB RAM, "
-      f"model on {machine['model_fs']}, mlx {machine['mlx']} [{machine['mlx_device']}], "
-      f"mlx-lm {machine['mlx_lm']}, Linux {machine['kernel']}")
-    w(f"          load average (1 min) {load_start[0]:.2f} at start, {load_end[0]:.2f} at end "
-      f"(anything above ~0 means other processes shared the {machine['nproc']} CPUs)")
+    w(
+        f"machine : {machine['nproc']} CPUs ({machine['cpu_model']}), {machine['mem_total_gib']} GiB RAM, "
+        f"model on {machine['model_fs']}, mlx {machine['mlx']} [{machine['mlx_device']}], "
+        f"mlx-lm {machine['mlx_lm']}, Linux {machine['kernel']}"
+    )
+    w(
+        f"          load average (1 min) {load_start[0]:.2f} at start, {load_end[0]:.2f} at end "
+        f"(anything above ~0 means other processes shared the {machine['nproc']} CPUs)"
+    )
     w(f"source  : flashmoe {machine['revision']}")
     w(f"model   : {shape}")
-    w(f"weights : {quant}; streamed engine on {a.kernels} kernels; expert {fmt_bytes(expert_bytes)}, all experts {fmt_bytes(all_expert_bytes)}, "
-      f"resident mlx-lm model {fmt_bytes(resident_bytes)}")
-    w(f"run     : prompt {len(ids)} tokens; {a.gen_tokens} generated per run = {a.gen_tokens - 1} timed "
-      f"forward passes; {a.rounds} rounds round-robin; io_threads {a.io_threads}, direct_io {a.direct_io}")
-    w("          measured runs reuse the prompt's KV cache (prompt[:-1]) and feed its last token, "
-      "as the engine's Session does")
-    w(f"theory  : bytes/token = K x expert_bytes x moe_layers x miss rate = {K} x {fmt_bytes(expert_bytes)} "
-      f"x {moe_layers} x miss = {fmt_bytes(theory_all_miss)} x miss")
+    w(
+        f"weights : {quant}; streamed engine on {a.kernels} kernels; expert {fmt_bytes(expert_bytes)}, all experts {fmt_bytes(all_expert_bytes)}, "
+        f"resident mlx-lm model {fmt_bytes(resident_bytes)}"
+    )
+    w(
+        f"run     : prompt {len(ids)} tokens; {a.gen_tokens} generated per run = {a.gen_tokens - 1} timed "
+        f"forward passes; {a.rounds} rounds round-robin; io_threads {a.io_threads}, direct_io {a.direct_io}"
+    )
+    w(
+        "          measured runs reuse the prompt's KV cache (prompt[:-1]) and feed its last token, "
+        "as the engine's Session does"
+    )
+    w(
+        f"theory  : bytes/token = K x expert_bytes x moe_layers x miss rate = {K} x {fmt_bytes(expert_bytes)} "
+        f"x {moe_layers} x miss = {fmt_bytes(theory_all_miss)} x miss"
+    )
     w("-" * 110)
-    w(f"{'configuration':<36}{'tok/s':>7}{'ratio':>7}{'ms/tok p50':>11}{'min':>7}{'max':>7}"
-      f"   per round tok/s (ratio)")
+    w(f"{'configuration':<36}{'tok/s':>7}{'ratio':>7}{'ms/tok p50':>11}{'min':>7}{'max':>7}   per round tok/s (ratio)")
     for key, label, _ in CONFIGS:
         g = agg[key]
         ratio = g.get("ratio_median", 1.0)
-        per = ", ".join(f"{t:.2f}" + (f" ({q:.2f})" if "ratio_rounds" in g else "")
-                        for t, q in zip(g["decode_tps_rounds"], g.get("ratio_rounds", g["decode_tps_rounds"])))
-        w(f"{label:<36}{g['decode_tps_median']:>7.2f}{ratio:>7.2f}{g['step_ms_median']:>11.1f}"
-          f"{g['step_ms_min']:>7.0f}{g['step_ms_max']:>7.0f}   {per}")
-    w("  tok/s: median over rounds of (forward passes / their wall time); ratio: median over rounds of "
-      "(tok/s / resident tok/s of the same round)")
+        per = ", ".join(
+            f"{t:.2f}" + (f" ({q:.2f})" if "ratio_rounds" in g else "")
+            for t, q in zip(g["decode_tps_rounds"], g.get("ratio_rounds", g["decode_tps_rounds"]))
+        )
+        w(
+            f"{label:<36}{g['decode_tps_median']:>7.2f}{ratio:>7.2f}{g['step_ms_median']:>11.1f}"
+            f"{g['step_ms_min']:>7.0f}{g['step_ms_max']:>7.0f}   {per}"
+        )
+    w(
+        "  tok/s: median over rounds of (forward passes / their wall time); ratio: median over rounds of "
+        "(tok/s / resident tok/s of the same round)"
+    )
     w("-" * 110)
-    w(f"{'configuration':<36}{'hit rate':>9}{'B/tok meas':>12}{'B/tok theory':>13}{'disk B/tok':>12}"
-      f"{'io GB/s':>9}{'io share':>9}{'pages cached':>14}")
+    w(
+        f"{'configuration':<36}{'hit rate':>9}{'B/tok meas':>12}{'B/tok theory':>13}{'disk B/tok':>12}"
+        f"{'io GB/s':>9}{'io share':>9}{'pages cached':>14}"
+    )
     for key, label, _ in CONFIGS[1:]:
         g = agg[key]
         pc = [x for x in g["page_cache_resident_before"] if x is not None]
         pcs = f"{100 * statistics.mean(pc):.0f}%" if pc else "-"
         gb = f"{g['io_gbps']:.2f}" if g["io_gbps"] else "-"
-        w(f"{label:<36}{g['hit_rate']:>9.3f}{fmt_bytes(g['bytes_per_token']):>12}"
-          f"{fmt_bytes(g['bytes_per_token_theory']):>13}{fmt_bytes(g['disk_bytes_per_token']):>12}"
-          f"{gb:>9}{100 * g['io_wait_share']:>8.0f}%{pcs:>14}")
-    w("  B/tok meas: expert bytes the store read per forward pass (StepFinished.expert_bytes_read); theory uses "
-      "the measured miss rate")
-    w("  disk B/tok: /proc/self/io read_bytes over the run (incl. its 1-token prefill) / forward passes: what "
-      "actually came from the device")
-    w("  io GB/s: store bytes / store io wait; io share: io wait / decode time; pages cached: expert-file pages "
-      "in the page cache just before each run (mincore)")
-    w("  step-mode 'route' (the store's router sync, LayerRow.route_ms) per token: " + ", ".join(
-        f"{k} {agg[k]['route_ms_per_token']:.1f} ms" for k, _, _ in CONFIGS[1:]) +
-      " -- in step mode this sync waits for all lazy work queued before the router (attention, the previous "
-      "layer's experts), so it is not routing time; see the layer-timing section for the split")
+        w(
+            f"{label:<36}{g['hit_rate']:>9.3f}{fmt_bytes(g['bytes_per_token']):>12}"
+            f"{fmt_bytes(g['bytes_per_token_theory']):>13}{fmt_bytes(g['disk_bytes_per_token']):>12}"
+            f"{gb:>9}{100 * g['io_wait_share']:>8.0f}%{pcs:>14}"
+        )
+    w(
+        "  B/tok meas: expert bytes the store read per forward pass (StepFinished.expert_bytes_read); theory uses "
+        "the measured miss rate"
+    )
+    w(
+        "  disk B/tok: /proc/self/io read_bytes over the run (incl. its 1-token prefill) / forward passes: what "
+        "actually came from the device"
+    )
+    w(
+        "  io GB/s: store bytes / store io wait; io share: io wait / decode time; pages cached: expert-file pages "
+        "in the page cache just before each run (mincore)"
+    )
+    w(
+        "  step-mode 'route' (the store's router sync, LayerRow.route_ms) per token: "
+        + ", ".join(f"{k} {agg[k]['route_ms_per_token']:.1f} ms" for k, _, _ in CONFIGS[1:])
+        + " -- in step mode this sync waits for all lazy work queued before the router (attention, the previous "
+        "layer's experts), so it is not routing time; see the layer-timing section for the split"
+    )
     w("-" * 110)
     w("conditions, one line per figure:")
     for key, label, state in CONFIGS:
@@ -708,42 +818,66 @@ def bench(a, workdir: Path, log, t_start: float) -> int:
         tail = ""
         if key != "resident":
             cap = caps["full" if key == "full" else "zero"]
-            tail = (f"; expert cache {fmt_bytes(cap)}; {fmt_bytes(g['bytes_per_token'])} read/token, hit rate "
-                    f"{g['hit_rate']:.3f}; engine generation_tps "
-                    f"{statistics.median(g['engine_generation_tps']):.2f} (cache_state={','.join(g['engine_cache_state'])})")
-        w(f"  {label}: {g['decode_tps_median']:.2f} tok/s | {shape}; {quant}; K={K}; expert files {state}; "
-          f"prompt {len(ids)} tok (1 fed per run); {g['generated_tokens']} generated{tail}; "
-          f"{machine['nproc']}x {machine['cpu_model']}")
+            tail = (
+                f"; expert cache {fmt_bytes(cap)}; {fmt_bytes(g['bytes_per_token'])} read/token, hit rate "
+                f"{g['hit_rate']:.3f}; engine generation_tps "
+                f"{statistics.median(g['engine_generation_tps']):.2f} (cache_state={','.join(g['engine_cache_state'])})"
+            )
+        w(
+            f"  {label}: {g['decode_tps_median']:.2f} tok/s | {shape}; {quant}; K={K}; expert files {state}; "
+            f"prompt {len(ids)} tok (1 fed per run); {g['generated_tokens']} generated{tail}; "
+            f"{machine['nproc']}x {machine['cpu_model']}"
+        )
     w("-" * 110)
-    w(f"first run, full prefill of {len(ids)} tokens (one sample each, while warming up): " + ", ".join(
-        f"{k} {warm[k]['prefill_tps']:.1f} tok/s" for k in ("resident", "full", "zero")))
+    w(
+        f"first run, full prefill of {len(ids)} tokens (one sample each, while warming up): "
+        + ", ".join(f"{k} {warm[k]['prefill_tps']:.1f} tok/s" for k in ("resident", "full", "zero"))
+    )
     w("-" * 110)
     if clock_resets_after_prefill():
-        w(f"where the time goes: timing='layer', {a.layer_tokens} tokens, mean ms per token per layer over "
-          f"decode steps 0..{a.layer_tokens - 2}; layer timing adds a sync per phase")
+        w(
+            f"where the time goes: timing='layer', {a.layer_tokens} tokens, mean ms per token per layer over "
+            f"decode steps 0..{a.layer_tokens - 2}; layer timing adds a sync per phase"
+        )
     else:
-        w(f"where the time goes: timing='layer', {a.layer_tokens} tokens, mean ms per token per layer over "
-          f"decode steps 1..{a.layer_tokens - 2} (step 0 left out:")
+        w(
+            f"where the time goes: timing='layer', {a.layer_tokens} tokens, mean ms per token per layer over "
+            f"decode steps 1..{a.layer_tokens - 2} (step 0 left out:"
+        )
         w("  this engine's layer clock still holds the prefill there); layer timing adds a sync per phase")
-    names = {"attn_ms": "attention", "route_ms": "routing", "expert_io_ms": "expert I/O",
-             "expert_compute_ms": "expert compute", "other_ms": "other"}
-    for key, label in (("full", "cache=all, prewarmed"), ("zero_warm", "cache=0, page cache warm"),
-                       ("zero_cold", "cache=0, COLD at start")):
+    names = {
+        "attn_ms": "attention",
+        "route_ms": "routing",
+        "expert_io_ms": "expert I/O",
+        "expert_compute_ms": "expert compute",
+        "other_ms": "other",
+    }
+    for key, label in (
+        ("full", "cache=all, prewarmed"),
+        ("zero_warm", "cache=0, page cache warm"),
+        ("zero_cold", "cache=0, COLD at start"),
+    ):
         r = layer_runs[key]
         lm = r["layer_ms"]
         mean = {f: sum(row[f] for row in lm) / len(lm) for f in LAYER_FIELDS}
         per_layer = sum(mean.values())
         top = max(LAYER_FIELDS, key=lambda f: mean[f])
         r["layer_mean_ms"], r["dominant"] = mean, top
-        w(f"  {label}: {r['decode_tps']:.2f} tok/s in this mode; {fmt_bytes(r['bytes_read'] / r['forward_passes'])}"
-          f"/token; sum over layers {per_layer * len(lm):.1f} ms/token")
+        w(
+            f"  {label}: {r['decode_tps']:.2f} tok/s in this mode; {fmt_bytes(r['bytes_read'] / r['forward_passes'])}"
+            f"/token; sum over layers {per_layer * len(lm):.1f} ms/token"
+        )
         w(f"    {'layer':>5}{'attn':>8}{'route':>8}{'io':>8}{'compute':>9}{'other':>8}{'total':>8}")
         for row in lm:
-            w(f"    {row['layer']:>5}{row['attn_ms']:>8.2f}{row['route_ms']:>8.2f}{row['expert_io_ms']:>8.2f}"
-              f"{row['expert_compute_ms']:>9.2f}{row['other_ms']:>8.2f}{sum(row[f] for f in LAYER_FIELDS):>8.2f}")
-        w(f"    {'mean':>5}{mean['attn_ms']:>8.2f}{mean['route_ms']:>8.2f}{mean['expert_io_ms']:>8.2f}"
-          f"{mean['expert_compute_ms']:>9.2f}{mean['other_ms']:>8.2f}{per_layer:>8.2f}"
-          f"   -> {names[top]} dominates ({100 * mean[top] / per_layer:.0f}% of a layer)")
+            w(
+                f"    {row['layer']:>5}{row['attn_ms']:>8.2f}{row['route_ms']:>8.2f}{row['expert_io_ms']:>8.2f}"
+                f"{row['expert_compute_ms']:>9.2f}{row['other_ms']:>8.2f}{sum(row[f] for f in LAYER_FIELDS):>8.2f}"
+            )
+        w(
+            f"    {'mean':>5}{mean['attn_ms']:>8.2f}{mean['route_ms']:>8.2f}{mean['expert_io_ms']:>8.2f}"
+            f"{mean['expert_compute_ms']:>9.2f}{mean['other_ms']:>8.2f}{per_layer:>8.2f}"
+            f"   -> {names[top]} dominates ({100 * mean[top] / per_layer:.0f}% of a layer)"
+        )
     w("-" * 110)
     n_cmp = min(16, a.gen_tokens)
     ref_tokens = runs["resident"][0]["tokens"][:n_cmp]
@@ -758,8 +892,10 @@ def bench(a, workdir: Path, log, t_start: float) -> int:
         if not agree[name]:
             bad.append(f"  {name} DIFFERS: {t[:m]}")
     lines.extend(bad)
-    w(f"  streamed and resident agree: {'yes' if all(agree.values()) else 'NO'} in {sum(agree.values())}/"
-      f"{len(agree)} runs (warm-up runs compare 4 tokens, layer-timing runs {min(n_cmp, a.layer_tokens)})")
+    w(
+        f"  streamed and resident agree: {'yes' if all(agree.values()) else 'NO'} in {sum(agree.values())}/"
+        f"{len(agree)} runs (warm-up runs compare 4 tokens, layer-timing runs {min(n_cmp, a.layer_tokens)})"
+    )
     total = time.perf_counter() - t_start
     w(f"total wall time {total:.0f} s (model build {build_s:.0f} s)")
     w("=" * 110)
@@ -770,16 +906,33 @@ def bench(a, workdir: Path, log, t_start: float) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "argv": sys.argv[1:],
             "machine": dict(machine, loadavg_at_end=load_end),
-            "model": {"config": cfg, "bits": a.bits, "group_size": a.group_size,
-                      "float_dtype": a.float_dtype, "top_k": K, "moe_layers": moe_layers,
-                      "expert_bytes": expert_bytes, "all_expert_bytes": all_expert_bytes,
-                      "resident_mlx_lm_bytes": resident_bytes, "bytes_per_token_all_miss": theory_all_miss,
-                      "router_scale": a.router_scale, "seed": a.seed, "build_s": build_s},
+            "model": {
+                "config": cfg,
+                "bits": a.bits,
+                "group_size": a.group_size,
+                "float_dtype": a.float_dtype,
+                "top_k": K,
+                "moe_layers": moe_layers,
+                "expert_bytes": expert_bytes,
+                "all_expert_bytes": all_expert_bytes,
+                "resident_mlx_lm_bytes": resident_bytes,
+                "bytes_per_token_all_miss": theory_all_miss,
+                "router_scale": a.router_scale,
+                "seed": a.seed,
+                "build_s": build_s,
+            },
             "expert_cache_bytes": caps,
-            "prompt_tokens": len(ids), "gen_tokens": a.gen_tokens, "rounds": a.rounds,
-            "io_threads": a.io_threads, "direct_io": a.direct_io,
-            "summary": agg, "runs": runs, "warmup": warm, "layer_timing": layer_runs,
-            "greedy_agree": agree, "total_s": total,
+            "prompt_tokens": len(ids),
+            "gen_tokens": a.gen_tokens,
+            "rounds": a.rounds,
+            "io_threads": a.io_threads,
+            "direct_io": a.direct_io,
+            "summary": agg,
+            "runs": runs,
+            "warmup": warm,
+            "layer_timing": layer_runs,
+            "greedy_agree": agree,
+            "total_s": total,
         }
         a.out.write_text(json.dumps(summary, indent=1) + "\n")
         log(f"wrote {a.out}")

@@ -10,6 +10,7 @@ agree (max |diff| relative to max |ref|). A benchmark, not a test.
 
     python benchmarks/bench_tiled.py [--calls 200] [--bits 4,8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,13 @@ def main(argv=None) -> int:
     from flashmoe.engine.cpu.tiled import Tiled
 
     gs = a.group_size
-    print(f"machine: {cpu_model()}; numba threads {qmm.numba.get_num_threads()}, layer {qmm.threading_layer()}; "
-          f"group size {gs}; medians of {a.calls} interleaved calls")
-    print(f"{'out x in':>12} {'bits':>4} {'M':>2} | {'MLX layout us':>13} {'Gval/s':>6} | {'tiled us':>9} {'Gval/s':>6} | {'x':>5} | max|diff|/max|ref|")
+    print(
+        f"machine: {cpu_model()}; numba threads {qmm.numba.get_num_threads()}, layer {qmm.threading_layer()}; "
+        f"group size {gs}; medians of {a.calls} interleaved calls"
+    )
+    print(
+        f"{'out x in':>12} {'bits':>4} {'M':>2} | {'MLX layout us':>13} {'Gval/s':>6} | {'tiled us':>9} {'Gval/s':>6} | {'x':>5} | max|diff|/max|ref|"
+    )
     rng = np.random.default_rng(0)
     for bits in (int(b) for b in a.bits.split(",")):
         for out, inn in SHAPES:
@@ -59,8 +64,10 @@ def main(argv=None) -> int:
                         times[name].append(time.perf_counter() - t0)
                 ms, ts = statistics.median(times["mlx"]), statistics.median(times["tiled"])
                 n = out * inn * m
-                print(f"{out:>5} x {inn:<5} {bits:>4} {m:>2} | {ms * 1e6:>13.1f} {n / ms / 1e9:>6.1f} | "
-                      f"{ts * 1e6:>9.1f} {n / ts / 1e9:>6.1f} | {ms / ts:>5.2f} | {err:.1e}")
+                print(
+                    f"{out:>5} x {inn:<5} {bits:>4} {m:>2} | {ms * 1e6:>13.1f} {n / ms / 1e9:>6.1f} | "
+                    f"{ts * 1e6:>9.1f} {n / ts / 1e9:>6.1f} | {ms / ts:>5.2f} | {err:.1e}"
+                )
     return 0
 
 

@@ -23,6 +23,7 @@ exits 0. The synthetic model is built on first use (~9 minutes, ~17 GB) or reuse
 --synthetic-dir. llama-cpp-python is optional (`pip install llama-cpp-python==0.3.36`); without
 it the llama.cpp rows are skipped. A benchmark, not a test: it asserts nothing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,6 +51,7 @@ WARMUP = 96  # tokens that read nearly every expert once (random routing, 8 of 1
 
 
 # -- cgroups ----------------------------------------------------------------------------------
+
 
 class Cgroup:
     """A memory cgroup under this process's own (v1 or v2), with a limit, for one child."""
@@ -126,6 +128,7 @@ def can_run() -> str | None:
 
 # -- the drive --------------------------------------------------------------------------------
 
+
 def disk_roof(files: list[Path], block: int, depth: int, seconds: float = 4.0) -> float:
     """Cold O_DIRECT random reads of `block` bytes, `depth` in flight, over `files`: GB/s. Offsets
     are drawn afresh (a virtual disk's host may cache what the last measurement read)."""
@@ -186,6 +189,7 @@ def token_figures(times: list[float], marks: list[dict]) -> dict:
 
 # -- children: one engine, one run, in its own cgroup -----------------------------------------
 
+
 def child_flashmoe(spec: dict) -> dict:
     from flashmoe.engine.events import GenerationFinished, TokenGenerated
     from flashmoe.engine.runtime.generate import GenerationRequest, Session, generate
@@ -202,8 +206,9 @@ def child_flashmoe(spec: dict) -> dict:
     lm.tokenizer.eos_token_ids = frozenset()  # exactly `gen` tokens
     store = lm.store
     if spec.get("warmup"):  # the compute roof's run: first read (nearly) every expert into the cache
-        for _ in generate(lm, Session(lm), GenerationRequest(prompt=spec["prompt"], max_tokens=spec["warmup"],
-                                                             timing="off")):
+        for _ in generate(
+            lm, Session(lm), GenerationRequest(prompt=spec["prompt"], max_tokens=spec["warmup"], timing="off")
+        ):
             pass
     req = GenerationRequest(prompt=spec["prompt"], max_tokens=spec["gen"], timing="off")
     times, marks, done = [], [], None
@@ -216,11 +221,22 @@ def child_flashmoe(spec: dict) -> dict:
             done = ev
     out = token_figures(times, marks)
     p = lm.memory
-    out.update(load_s=load_s, prompt_tokens=done.prompt_tokens, prefill_tps=done.prompt_tps, prefill_s=done.prefill_s,
-               prefill_device_bytes=marks[0]["io"] - io0 if marks else None, hit_rate=done.hit_rate,
-               bytes_per_token=done.bytes_per_token, expert_cache_bytes=store.capacity_bytes,
-               all_expert_bytes=p.all_experts, context=p.context, plan=[list(r) for r in p.lines()],
-               text=done.text[:200], direct_io=store.direct_io, verify_s=store.verify_s)
+    out.update(
+        load_s=load_s,
+        prompt_tokens=done.prompt_tokens,
+        prefill_tps=done.prompt_tps,
+        prefill_s=done.prefill_s,
+        prefill_device_bytes=marks[0]["io"] - io0 if marks else None,
+        hit_rate=done.hit_rate,
+        bytes_per_token=done.bytes_per_token,
+        expert_cache_bytes=store.capacity_bytes,
+        all_expert_bytes=p.all_experts,
+        context=p.context,
+        plan=[list(r) for r in p.lines()],
+        text=done.text[:200],
+        direct_io=store.direct_io,
+        verify_s=store.verify_s,
+    )
     lm.close()
     return out
 
@@ -236,12 +252,20 @@ def child_llama(spec: dict) -> dict:
             p = default()
             p.use_extra_bufts = False
             return p
+
         lc.llama_model_default_params = no_extra_bufts
     ids = spec["ids"]
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=spec["path"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
-                          n_ctx=max(512, len(ids) + spec["gen"] + 16), n_batch=512, seed=0, verbose=False,
-                          use_mmap=True)
+    llm = llama_cpp.Llama(
+        model_path=spec["path"],
+        n_threads=spec["threads"],
+        n_threads_batch=spec["threads"],
+        n_ctx=max(512, len(ids) + spec["gen"] + 16),
+        n_batch=512,
+        seed=0,
+        verbose=False,
+        use_mmap=True,
+    )
     load_s = time.perf_counter() - t0
     times, marks = [], []
     t = time.perf_counter()
@@ -252,8 +276,13 @@ def child_llama(spec: dict) -> dict:
         if len(times) >= spec["gen"]:
             break
     out = token_figures(times, marks)
-    out.update(load_s=load_s, prompt_tokens=len(ids), prefill_s=times[0] - t, prefill_tps=len(ids) / (times[0] - t),
-               prefill_device_bytes=marks[0]["io"] - io0)
+    out.update(
+        load_s=load_s,
+        prompt_tokens=len(ids),
+        prefill_s=times[0] - t,
+        prefill_tps=len(ids) / (times[0] - t),
+        prefill_device_bytes=marks[0]["io"] - io0,
+    )
     return out
 
 
@@ -266,15 +295,26 @@ def run_child(spec: dict, limit: int, timeout: float, name: str) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT),
-                              preexec_fn=group.enter)
-        out = next((json.loads(line[len(RESULT_TAG):]) for line in reversed(proc.stdout.splitlines())
-                    if line.startswith(RESULT_TAG)), None)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT), preexec_fn=group.enter
+        )
+        out = next(
+            (
+                json.loads(line[len(RESULT_TAG) :])
+                for line in reversed(proc.stdout.splitlines())
+                if line.startswith(RESULT_TAG)
+            ),
+            None,
+        )
         if out is None:
             kills = group.oom_kills()
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-            out = {"failed": ("killed by the kernel's OOM killer" if kills or proc.returncode == -9 else
-                              f"exit {proc.returncode}") + (": " + " | ".join(tail) if tail else "")}
+            out = {
+                "failed": (
+                    "killed by the kernel's OOM killer" if kills or proc.returncode == -9 else f"exit {proc.returncode}"
+                )
+                + (": " + " | ".join(tail) if tail else "")
+            }
     except subprocess.TimeoutExpired:
         out = {"failed": f"timed out after {timeout:.0f} s"}
     out.update(peak_bytes=group.peak(), oom_kills=group.oom_kills(), child_wall_s=time.perf_counter() - t0)
@@ -292,9 +332,14 @@ def serve_stream(fm: Path, limit: int, prompts: list[str], timeout: float, name:
     drop_page_cache()
     group = Cgroup(limit, name)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "flashmoe.cli", "serve", "-m", str(fm), "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
-                            preexec_fn=group.enter)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flashmoe.cli", "serve", "-m", str(fm), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=str(ROOT),
+        preexec_fn=group.enter,
+    )
     base = f"http://127.0.0.1:{port}"
     up = time.perf_counter() + timeout
     while time.perf_counter() < up and proc.poll() is None:
@@ -327,9 +372,17 @@ def serve_stream(fm: Path, limit: int, prompts: list[str], timeout: float, name:
     except subprocess.TimeoutExpired:
         proc.kill()
         _, err = proc.communicate()
-    out = {"requests": len(prompts), "statuses": [r[0] for r in replies], "seconds": [round(r[1], 1) for r in replies],
-           "alive_at_end": alive, "exit": proc.returncode, "peak_bytes": group.peak(), "oom_kills": group.oom_kills(),
-           "wall_s": time.perf_counter() - t0, "stderr_tail": (err or "").strip().splitlines()[-3:]}
+    out = {
+        "requests": len(prompts),
+        "statuses": [r[0] for r in replies],
+        "seconds": [round(r[1], 1) for r in replies],
+        "alive_at_end": alive,
+        "exit": proc.returncode,
+        "peak_bytes": group.peak(),
+        "oom_kills": group.oom_kills(),
+        "wall_s": time.perf_counter() - t0,
+        "stderr_tail": (err or "").strip().splitlines()[-3:],
+    }
     group.remove()
     return out
 
@@ -344,6 +397,7 @@ def free_port() -> int:
 
 # -- the sitting --------------------------------------------------------------------------------
 
+
 def model_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
@@ -353,18 +407,29 @@ def main(argv=None) -> int:
     p.add_argument("--synthetic-dir", type=Path, default=Path("/tmp/fm-side-by-side-synthetic"))
     p.add_argument("--limits", default="0.25,0.5,1,1.5", help="memory limits as shares of the model's size")
     p.add_argument("--gen-tokens", type=int, default=48)
-    p.add_argument("--llama-gen-tokens", type=int, default=24,
-                   help="tokens for llama.cpp below 1x (it runs at a fraction of a token a second there)")
+    p.add_argument(
+        "--llama-gen-tokens",
+        type=int,
+        default=24,
+        help="tokens for llama.cpp below 1x (it runs at a fraction of a token a second there)",
+    )
     p.add_argument("--prefill-tokens", type=int, default=1024, help="the cold prefill run's prompt (0: none)")
     p.add_argument("--engines", default="flashmoe,llama.cpp,llama.cpp-repack")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--flashmoe-load", default="{}", help="JSON of extra load() arguments (e.g. for an A/B)")
-    p.add_argument("--flashmoe-store", default="{}",
-                   help='JSON of the expert store\'s constants to set (an A/B, e.g. {"READ_PIECE": 2097152})')
+    p.add_argument(
+        "--flashmoe-store",
+        default="{}",
+        help='JSON of the expert store\'s constants to set (an A/B, e.g. {"READ_PIECE": 2097152})',
+    )
     p.add_argument("--flashmoe-path", type=Path, help="flashmoe's folder, instead of the synthetic one built here")
-    p.add_argument("--serve-limit", type=float, default=0.5,
-                   help="run `flashmoe serve` under this share of the model's size with a stream of requests (0: no)")
+    p.add_argument(
+        "--serve-limit",
+        type=float,
+        default=0.5,
+        help="run `flashmoe serve` under this share of the model's size with a stream of requests (0: no)",
+    )
     p.add_argument("--serve-requests", type=int, default=16)
     p.add_argument("--no-compute-roof", action="store_true", help="skip the all-cached run (an A/B)")
     p.add_argument("--out", type=Path)
@@ -404,52 +469,102 @@ def main(argv=None) -> int:
     llama = None
     try:
         from importlib.metadata import version
+
         llama = version("llama-cpp-python")
     except Exception:  # noqa: BLE001
         engines = [e for e in engines if not e.startswith("llama")]
     files = sorted((fm / "experts").glob("layer_*.bin"))
-    result = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{os.cpu_count()}x {cpu_model()}",
-              "revision": source_revision(), "model": sbs.SYN, "model_bytes": size, "llama_cpp": llama,
-              "threads": a.threads, "gen_tokens": a.gen_tokens, "prompt_tokens": {k: len(v) for k, v in ids.items()},
-              "read_piece": READ_PIECE, "rows": []}
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{os.cpu_count()}x {cpu_model()}",
+        "revision": source_revision(),
+        "model": sbs.SYN,
+        "model_bytes": size,
+        "llama_cpp": llama,
+        "threads": a.threads,
+        "gen_tokens": a.gen_tokens,
+        "prompt_tokens": {k: len(v) for k, v in ids.items()},
+        "read_piece": READ_PIECE,
+        "rows": [],
+    }
     print(f"# bigger than memory: {result['date']}, {result['machine']}, {result['revision']}", flush=True)
-    print(f"# model: synthetic qwen3_moe, {size / 1e9:.2f} GB on disk; prompts {result['prompt_tokens']} tokens; "
-          f"{a.gen_tokens} tokens decoded; {a.threads} threads; llama-cpp-python {llama}", flush=True)
+    print(
+        f"# model: synthetic qwen3_moe, {size / 1e9:.2f} GB on disk; prompts {result['prompt_tokens']} tokens; "
+        f"{a.gen_tokens} tokens decoded; {a.threads} threads; llama-cpp-python {llama}",
+        flush=True,
+    )
     n = 0
-    if "flashmoe" in engines and not a.no_compute_roof:  # the compute roof: decode with every expert cached, no limit, no reads
+    if (
+        "flashmoe" in engines and not a.no_compute_roof
+    ):  # the compute roof: decode with every expert cached, no limit, no reads
         n += 1
-        out = run_child({"engine": "flashmoe", "path": str(fm), "prompt": short, "gen": a.gen_tokens,
-                         "warmup": WARMUP, "load": json.loads(a.flashmoe_load),
-                         "store": json.loads(a.flashmoe_store)}, 1 << 50, a.timeout,
-                        f"flashmoe-btr-{os.getpid()}-{n}")
+        out = run_child(
+            {
+                "engine": "flashmoe",
+                "path": str(fm),
+                "prompt": short,
+                "gen": a.gen_tokens,
+                "warmup": WARMUP,
+                "load": json.loads(a.flashmoe_load),
+                "store": json.loads(a.flashmoe_store),
+            },
+            1 << 50,
+            a.timeout,
+            f"flashmoe-btr-{os.getpid()}-{n}",
+        )
         result["compute_roof"] = out
-        print(f"# compute roof: flashmoe decode {out.get('steady_tps', 0):.2f} tok/s with its cache warmed by "
-              f"{WARMUP} tokens (hit {out.get('hit_rate', 0):.1%}, no memory limit): no limit's decode can pass it",
-              flush=True)
+        print(
+            f"# compute roof: flashmoe decode {out.get('steady_tps', 0):.2f} tok/s with its cache warmed by "
+            f"{WARMUP} tokens (hit {out.get('hit_rate', 0):.1%}, no memory limit): no limit's decode can pass it",
+            flush=True,
+        )
     for share in [float(x) for x in a.limits.split(",")]:
         limit = int(size * share)
         drop_page_cache()
         roof = disk_roof(files, READ_PIECE, IO_THREADS)
-        print(f"\n## limit {share:g}x = {limit / 1e9:.2f} GB; disk roof {roof:.2f} GB/s "
-              f"(O_DIRECT random {READ_PIECE >> 20} MiB reads, {IO_THREADS} in flight, cold; measured again after the "
-              f"limit's runs)", flush=True)
+        print(
+            f"\n## limit {share:g}x = {limit / 1e9:.2f} GB; disk roof {roof:.2f} GB/s "
+            f"(O_DIRECT random {READ_PIECE >> 20} MiB reads, {IO_THREADS} in flight, cold; measured again after the "
+            f"limit's runs)",
+            flush=True,
+        )
         first_row = len(result["rows"])
         for engine in engines:
-            for kind in (["short"] + (["long"] if long else [])):
+            for kind in ["short"] + (["long"] if long else []):
                 if kind == "long" and "failed" in result["rows"][-1]:  # what killed the short run kills this
-                    result["rows"].append({"share": share, "limit": limit, "roof_gbps": roof, "engine": engine,
-                                           "run": kind, "failed": "not run: the short run failed"})
+                    result["rows"].append(
+                        {
+                            "share": share,
+                            "limit": limit,
+                            "roof_gbps": roof,
+                            "engine": engine,
+                            "run": kind,
+                            "failed": "not run: the short run failed",
+                        }
+                    )
                     print(describe(result["rows"][-1]), flush=True)
                     continue
                 gen = a.gen_tokens if kind == "short" else 2
                 if engine.startswith("llama") and share < 1 and kind == "short":
                     gen = min(gen, a.llama_gen_tokens)
                 if engine == "flashmoe":
-                    spec = {"engine": "flashmoe", "path": str(fm), "prompt": short if kind == "short" else long,
-                            "gen": gen, "load": json.loads(a.flashmoe_load), "store": json.loads(a.flashmoe_store)}
+                    spec = {
+                        "engine": "flashmoe",
+                        "path": str(fm),
+                        "prompt": short if kind == "short" else long,
+                        "gen": gen,
+                        "load": json.loads(a.flashmoe_load),
+                        "store": json.loads(a.flashmoe_store),
+                    }
                 else:
-                    spec = {"engine": "llama.cpp", "path": str(gguf), "ids": ids[kind], "gen": gen,
-                            "threads": a.threads, "repack": engine.endswith("repack")}
+                    spec = {
+                        "engine": "llama.cpp",
+                        "path": str(gguf),
+                        "ids": ids[kind],
+                        "gen": gen,
+                        "threads": a.threads,
+                        "repack": engine.endswith("repack"),
+                    }
                 n += 1
                 out = run_child(spec, limit, a.timeout, f"flashmoe-btr-{os.getpid()}-{n}")
                 row = {"share": share, "limit": limit, "roof_gbps": roof, "engine": engine, "run": kind, **out}
@@ -479,9 +594,12 @@ def main(argv=None) -> int:
         out.update(share=a.serve_limit, limit=limit)
         result["serve"] = out
         ok = sum(1 for x in out["statuses"] if x == 200)
-        print(f"\n## serve at {a.serve_limit:g}x = {limit / 1e9:.2f} GB: {ok}/{out['requests']} replies 200, "
-              f"{'alive' if out['alive_at_end'] else 'DEAD (exit ' + str(out['exit']) + ')'} at the end, "
-              f"OOM kills {out['oom_kills']}, peak {fmt(out['peak_bytes'])}, {out['wall_s']:.0f} s", flush=True)
+        print(
+            f"\n## serve at {a.serve_limit:g}x = {limit / 1e9:.2f} GB: {ok}/{out['requests']} replies 200, "
+            f"{'alive' if out['alive_at_end'] else 'DEAD (exit ' + str(out['exit']) + ')'} at the end, "
+            f"OOM kills {out['oom_kills']}, peak {fmt(out['peak_bytes'])}, {out['wall_s']:.0f} s",
+            flush=True,
+        )
     if a.out:
         tmp = a.out.with_name(a.out.name + ".partial")
         tmp.write_text(json.dumps(result, indent=1))
@@ -496,8 +614,10 @@ def describe(r: dict) -> str:
         return f"{head} FAILED: {r['failed']} (peak {fmt(r.get('peak_bytes'))})"
     bits = [f"prefill {r['prompt_tokens']} tok {r['prefill_tps']:.2f} tok/s"]
     if r["run"] == "short":
-        bits.append(f"decode {r.get('decode_tps', 0):.2f} tok/s (first {FIRST}: {r.get('first16_tps', 0):.2f}, "
-                    f"then {r.get('steady_tps', 0):.2f})")
+        bits.append(
+            f"decode {r.get('decode_tps', 0):.2f} tok/s (first {FIRST}: {r.get('first16_tps', 0):.2f}, "
+            f"then {r.get('steady_tps', 0):.2f})"
+        )
         bits.append(f"device {fmt(r.get('steady_device_bytes_per_token', r.get('device_bytes_per_token')))}/token")
         if r.get("roof_fraction") is not None:
             bits.append(f"roof {r['roof_tps']:.2f} tok/s, {r['roof_fraction']:.0%} of it")
@@ -521,17 +641,30 @@ def fmt(n) -> str:
 def why_not(run: dict) -> str:
     """A table cell for a run with no figures."""
     failed = run.get("failed", "")
-    return ("-" if not run else "killed (OOM)" if "OOM" in failed else "timed out" if "timed out" in failed
-            else "not run" if "not run" in failed else "failed")
+    return (
+        "-"
+        if not run
+        else "killed (OOM)"
+        if "OOM" in failed
+        else "timed out"
+        if "timed out" in failed
+        else "not run"
+        if "not run" in failed
+        else "failed"
+    )
 
 
 def table(result: dict) -> str:
     """The sitting as one markdown table: a row per limit and engine."""
+
     def pct(x):
         return "-" if x is None else f"{x:.0%}"
 
-    out = ["| limit | engine | decode tok/s | first 16 / steady | device MB/token | roof fraction | overlap | hit "
-           "| prefill 34 tok/s | prefill 1k tok/s | peak |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| limit | engine | decode tok/s | first 16 / steady | device MB/token | roof fraction | overlap | hit "
+        "| prefill 34 tok/s | prefill 1k tok/s | peak |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     rows = result["rows"]
     for share in dict.fromkeys(r["share"] for r in rows):
         for engine in dict.fromkeys(r["engine"] for r in rows):
@@ -540,22 +673,28 @@ def table(result: dict) -> str:
             limit = fmt((s or lo).get("limit"))
             if "failed" in s or not s:
                 long_tps = f"{lo['prefill_tps']:.2f}" if "prefill_tps" in lo else why_not(lo)
-                out.append(f"| {share:g}x ({limit}) | {engine} | {why_not(s)} | | | | | | | "
-                           f"{long_tps} | {fmt(lo.get('peak_bytes'))} |")
+                out.append(
+                    f"| {share:g}x ({limit}) | {engine} | {why_not(s)} | | | | | | | "
+                    f"{long_tps} | {fmt(lo.get('peak_bytes'))} |"
+                )
                 continue
             dev = s.get("steady_device_bytes_per_token", s.get("device_bytes_per_token")) or 0
-            out.append(f"| {share:g}x ({limit}) | {engine} | {s.get('decode_tps', 0):.2f} | "
-                       f"{s.get('first16_tps', 0):.2f} / {s.get('steady_tps', 0):.2f} | {dev / 1e6:.0f} | "
-                       f"{pct(s.get('roof_fraction'))} | {pct(s.get('steady_overlap'))} | {pct(s.get('hit_rate'))} | "
-                       f"{s.get('prefill_tps', 0):.2f} | "
-                       + (f"{lo['prefill_tps']:.2f}" if "prefill_tps" in lo else why_not(lo))
-                       + f" | {fmt(max(x for x in (s.get('peak_bytes'), lo.get('peak_bytes'), 0) if x is not None))} |")
+            out.append(
+                f"| {share:g}x ({limit}) | {engine} | {s.get('decode_tps', 0):.2f} | "
+                f"{s.get('first16_tps', 0):.2f} / {s.get('steady_tps', 0):.2f} | {dev / 1e6:.0f} | "
+                f"{pct(s.get('roof_fraction'))} | {pct(s.get('steady_overlap'))} | {pct(s.get('hit_rate'))} | "
+                f"{s.get('prefill_tps', 0):.2f} | "
+                + (f"{lo['prefill_tps']:.2f}" if "prefill_tps" in lo else why_not(lo))
+                + f" | {fmt(max(x for x in (s.get('peak_bytes'), lo.get('peak_bytes'), 0) if x is not None))} |"
+            )
     roof = result.get("compute_roof", {})
     if "steady_tps" in roof:
-        out.append(f"\nCompute roof (flashmoe, every expert cached after {WARMUP} tokens, hit "
-                   f"{roof.get('hit_rate', 0):.1%}, no limit): {roof['steady_tps']:.2f} tok/s. Roof fraction: "
-                   "steady tok/s x device bytes per token / the disk's GB/s (the mean of a measurement before "
-                   "and after the limit's runs).")
+        out.append(
+            f"\nCompute roof (flashmoe, every expert cached after {WARMUP} tokens, hit "
+            f"{roof.get('hit_rate', 0):.1%}, no limit): {roof['steady_tps']:.2f} tok/s. Roof fraction: "
+            "steady tok/s x device bytes per token / the disk's GB/s (the mean of a measurement before "
+            "and after the limit's runs)."
+        )
     return "\n".join(out)
 
 

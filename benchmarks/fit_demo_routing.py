@@ -20,6 +20,7 @@ before it produce. The combine rule is qwen2_moe's, exactly: routed expert outpu
 the softmax of the router over all experts (kept near-uniform by a small router scale, and
 folded into the fit), the shared slice behind a sigmoid gate of zero weight (0.5).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,7 +67,7 @@ def mlp_inputs(model, ids: torch.Tensor, chunk: int, only: int) -> torch.Tensor:
         with torch.no_grad():
             for s in range(0, ids.numel(), chunk):
                 try:
-                    model(ids[None, s:s + chunk])
+                    model(ids[None, s : s + chunk])
                 except _Stop:
                     pass
     finally:
@@ -81,13 +82,20 @@ def generated_chat(model, tok, samples: int, new_tokens: int) -> list[int]:
     capital of France is indeed France"); the model's own chat covers what it is used for."""
     mark = "\x00"
     prefix = tok.apply_chat_template([{"role": "user", "content": mark}], tokenize=False)
-    prefix = prefix[:prefix.index(mark)]
+    prefix = prefix[: prefix.index(mark)]
     ids = torch.tensor([tok(prefix)["input_ids"]] * samples)
     torch.manual_seed(0)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                             temperature=0.8, top_p=0.95, max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, pad_token_id=tok.eos_token_id)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            temperature=0.8,
+            top_p=0.95,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=tok.eos_token_id,
+        )
     return out.reshape(-1).tolist()
 
 
@@ -125,14 +133,13 @@ class Carve:
 
     def __init__(self, expert_of, gate, u=None, v=None):
         self.expert_of = expert_of  # [N] expert id, -1 for the shared slice
-        self.gate = gate            # [E, D] the router as qwen2_moe's mlp.gate holds it
-        self.u, self.v = u, v       # down_proj.T += u @ v  ([N, r] @ [r, D]), or None
+        self.gate = gate  # [E, D] the router as qwen2_moe's mlp.gate holds it
+        self.u, self.v = u, v  # down_proj.T += u @ v  ([N, r] @ [r, D]), or None
 
 
 def expert_outputs_norm(a, wd, expert_of, experts):
     """||output of expert e|| per token: [T, E]."""
-    return torch.stack([(a[:, expert_of == e] @ wd[:, expert_of == e].T).norm(dim=-1)
-                        for e in range(experts)], 1)
+    return torch.stack([(a[:, expert_of == e] @ wd[:, expert_of == e].T).norm(dim=-1) for e in range(experts)], 1)
 
 
 def balanced_log_norms(norms, balance: float):
@@ -175,7 +182,7 @@ def fit_correction(a, weights, wd, rank, ridge=1e-3):
     g += ridge * g.diagonal().mean() * torch.eye(g.shape[0], dtype=g.dtype)
     rhs = (aw.T @ (a @ wd.T - aw @ wd.T)).double()
     delta = torch.linalg.solve(g, rhs)  # [N, D], full rank
-    lc = torch.linalg.cholesky(g)       # g = L L^T, so |A d|^2 = |L^T d|^2
+    lc = torch.linalg.cholesky(g)  # g = L L^T, so |A d|^2 = |L^T d|^2
     u, sv, vh = torch.linalg.svd(lc.T @ delta, full_matrices=False)
     left = torch.linalg.solve_triangular(lc.T, u[:, :rank] * sv[:rank], upper=True)
     return left.float(), vh[:rank].float()
@@ -228,7 +235,7 @@ def perplexity(model, ids: torch.Tensor, chunk: int) -> float:
     nll, count = 0.0, 0
     with torch.no_grad():
         for s in range(0, ids.numel() - 1, chunk):
-            piece = ids[s:s + chunk + 1]
+            piece = ids[s : s + chunk + 1]
             if piece.numel() < 2:
                 break
             logits = model(piece[None, :-1]).logits[0]
@@ -254,11 +261,15 @@ def save(carves: list[Carve], meta: dict, path: Path) -> None:
 def load(path: Path) -> tuple[list[Carve], dict]:
     z = np.load(path)
     meta = {k[5:]: z[k].item() for k in z.files if k.startswith("meta_")}
-    carves = [Carve(torch.from_numpy(z["expert_of"][i].astype(np.int64)),
-                    torch.from_numpy(z["gate"][i].astype(np.float32)),
-                    torch.from_numpy(z["u"][i].astype(np.float32)),
-                    torch.from_numpy(z["v"][i].astype(np.float32)))
-              for i in range(z["gate"].shape[0])]
+    carves = [
+        Carve(
+            torch.from_numpy(z["expert_of"][i].astype(np.int64)),
+            torch.from_numpy(z["gate"][i].astype(np.float32)),
+            torch.from_numpy(z["u"][i].astype(np.float32)),
+            torch.from_numpy(z["v"][i].astype(np.float32)),
+        )
+        for i in range(z["gate"].shape[0])
+    ]
     return carves, meta
 
 
@@ -268,14 +279,27 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--shared", type=int, default=512, help="neurons in the always-on slice")
     p.add_argument("--top-k", type=int, default=8, help="experts per token the fit is for")
-    p.add_argument("--rank", type=int, default=8, help="rank of the down_proj correction (8 shipped: 16 and 24 fit the calibration text better and held-out text worse)")
+    p.add_argument(
+        "--rank",
+        type=int,
+        default=8,
+        help="rank of the down_proj correction (8 shipped: 16 and 24 fit the calibration text better and held-out text worse)",
+    )
     p.add_argument("--spread", type=float, default=0.1, help="std of the router logits")
-    p.add_argument("--balance", type=float, default=0.0,
-                   help="0 (shipped): rank experts by output size; up to 1: by size against each expert's usual "
-                        "size, which spreads the load as trained MoEs' balance losses do")
+    p.add_argument(
+        "--balance",
+        type=float,
+        default=0.0,
+        help="0 (shipped): rank experts by output size; up to 1: by size against each expert's usual "
+        "size, which spreads the load as trained MoEs' balance losses do",
+    )
     p.add_argument("--calib-tokens", type=int, default=4096, help="pydoc calibration tokens")
-    p.add_argument("--chat-samples", type=int, default=16,
-                   help="chats the dense model writes itself, added to the calibration text")
+    p.add_argument(
+        "--chat-samples",
+        type=int,
+        default=16,
+        help="chats the dense model writes itself, added to the calibration text",
+    )
     p.add_argument("--chat-tokens", type=int, default=256, help="tokens per generated chat")
     p.add_argument("--eval-tokens", type=int, default=2048)
     p.add_argument("--ks", default="4,6,8,12,16", help="experts per token to measure")
@@ -288,14 +312,13 @@ def main() -> int:
     from flashmoe.engine.formats import demo_text
 
     tok = AutoTokenizer.from_pretrained(args.dense)
-    calib = tok(demo_text.calibration_text())["input_ids"][:args.calib_tokens]
-    held = torch.tensor(tok(demo_text.held_out_text())["input_ids"][:args.eval_tokens])
+    calib = tok(demo_text.calibration_text())["input_ids"][: args.calib_tokens]
+    held = torch.tensor(tok(demo_text.held_out_text())["input_ids"][: args.eval_tokens])
     model = load_dense(args.dense)
     if args.chat_samples and not args.eval:
         t0 = time.time()
         chat = generated_chat(model, tok, args.chat_samples, args.chat_tokens)
-        log(f"generated {len(chat)} tokens of chat ({time.time() - t0:.0f}s); the first: "
-            f"{tok.decode(chat[:120])!r}")
+        log(f"generated {len(chat)} tokens of chat ({time.time() - t0:.0f}s); the first: {tok.decode(chat[:120])!r}")
         calib = calib + chat
     calib = torch.tensor(calib)
     log(f"calibration {calib.numel()} tokens, held-out {held.numel()} tokens (512-token windows)")
@@ -312,8 +335,11 @@ def main() -> int:
         carves = []
         for i, layer in enumerate(layers):  # in order: each layer sees what the carved ones give
             x = mlp_inputs(model, calib, 512, only=i)
-            carves.append(fit_layer(dense_mlps[i], x, args.experts, args.shared, args.top_k,
-                                    args.rank, args.spread, rng, args.balance))
+            carves.append(
+                fit_layer(
+                    dense_mlps[i], x, args.experts, args.shared, args.top_k, args.rank, args.spread, rng, args.balance
+                )
+            )
             layer.mlp = MoEMLP(dense_mlps[i], carves[-1], args.top_k)
             log(f"layer {i} fitted ({time.time() - t0:.0f}s)")
         top_k = args.top_k
@@ -322,20 +348,35 @@ def main() -> int:
         for layer, mlp, c in zip(layers, dense_mlps, carves):
             layer.mlp = MoEMLP(mlp, c, k)
         results[k] = perplexity(model, held, 512)
-        log(f"K={k} of {args.experts}: perplexity {results[k]:.2f} "
-            f"({results[k] / dense_ppl:.2f}x dense)")
+        log(f"K={k} of {args.experts}: perplexity {results[k]:.2f} ({results[k] / dense_ppl:.2f}x dense)")
     for layer, mlp, c in zip(layers, dense_mlps, carves):
         layer.mlp = MoEMLP(mlp, c, top_k)
-    question = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                       add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    question = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     with torch.no_grad():
         answer = model.generate(**question, do_sample=False, max_new_tokens=16)
-    log(f"K={top_k}: {tok.decode(answer[0, question['input_ids'].shape[1]:])!r}")
+    log(f"K={top_k}: {tok.decode(answer[0, question['input_ids'].shape[1] :])!r}")
     if not args.eval:
-        save(carves, dict(experts=args.experts, shared=args.shared, top_k=top_k, rank=args.rank,
-                          spread=args.spread, balance=args.balance, calib_tokens=calib.numel(),
-                          chat_tokens=args.chat_samples * args.chat_tokens, dense_ppl=dense_ppl,
-                          ppl_at_top_k=results.get(top_k, float("nan"))), args.out)
+        save(
+            carves,
+            dict(
+                experts=args.experts,
+                shared=args.shared,
+                top_k=top_k,
+                rank=args.rank,
+                spread=args.spread,
+                balance=args.balance,
+                calib_tokens=calib.numel(),
+                chat_tokens=args.chat_samples * args.chat_tokens,
+                dense_ppl=dense_ppl,
+                ppl_at_top_k=results.get(top_k, float("nan")),
+            ),
+            args.out,
+        )
         log(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.2f} MB)")
     return 0
 

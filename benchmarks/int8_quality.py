@@ -11,6 +11,7 @@ greedy tokens of a chat reply are the same before the first difference, and deco
 
 A benchmark, not a test: it asserts nothing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,26 +70,36 @@ def main() -> int:
     for path in a.model:
         lms = {k: load(path, kernels=k) for k in ("cpu", "cpu-int8")}
         tok = lms["cpu"].tokenizer
-        ids = tok.encode(demo_text.held_out_text(), add_special_tokens=False)[:a.tokens + 1]
-        chat = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
-                          add_special_tokens=False)
+        ids = tok.encode(demo_text.held_out_text(), add_special_tokens=False)[: a.tokens + 1]
+        chat = tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]),
+            add_special_tokens=False,
+        )
         res = {}
         for k, lm in lms.items():
             logits, ms = step_logits(lm, ids[:-1])
             lp = logits - logits.max(-1, keepdims=True)
             lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
-            res[k] = dict(lp=lp, ms=ms * 1e3, ppl=float(np.exp(-lp[np.arange(len(ids) - 1), ids[1:]].mean())),
-                          greedy=greedy(lm, chat, 64))
+            res[k] = dict(
+                lp=lp,
+                ms=ms * 1e3,
+                ppl=float(np.exp(-lp[np.arange(len(ids) - 1), ids[1:]].mean())),
+                greedy=greedy(lm, chat, 64),
+            )
         f, q = res["cpu"], res["cpu-int8"]
         kl = float((np.exp(f["lp"]) * (f["lp"] - q["lp"])).sum(-1).mean())
         agree = float((f["lp"].argmax(-1) == q["lp"].argmax(-1)).mean())
         same = next((i for i, (x, y) in enumerate(zip(f["greedy"], q["greedy"])) if x != y), 64)
         print(f"{path}: int8 matrices {lms['cpu-int8'].int8_matrices}")
-        print(f"  perplexity cpu {f['ppl']:.3f}, cpu-int8 {q['ppl']:.3f} ({q['ppl'] / f['ppl']:.4f}x); "
-              f"KL(cpu || cpu-int8) {kl:.5f} nats/token; top token agrees {agree:.1%}; "
-              f"greedy chat reply: first {same} of 64 tokens the same")
-        print(f"  decode step (median, one token at a time) cpu {f['ms']:.2f} ms, cpu-int8 {q['ms']:.2f} ms "
-              f"({f['ms'] / q['ms']:.2f}x)")
+        print(
+            f"  perplexity cpu {f['ppl']:.3f}, cpu-int8 {q['ppl']:.3f} ({q['ppl'] / f['ppl']:.4f}x); "
+            f"KL(cpu || cpu-int8) {kl:.5f} nats/token; top token agrees {agree:.1%}; "
+            f"greedy chat reply: first {same} of 64 tokens the same"
+        )
+        print(
+            f"  decode step (median, one token at a time) cpu {f['ms']:.2f} ms, cpu-int8 {q['ms']:.2f} ms "
+            f"({f['ms'] / q['ms']:.2f}x)"
+        )
         print(f"  cpu     : {tok.decode(f['greedy'][:24])!r}")
         print(f"  cpu-int8: {tok.decode(q['greedy'][:24])!r}")
     return 0

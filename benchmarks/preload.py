@@ -14,6 +14,7 @@ on demand, and bytes the process read from the disk (/proc/self/io).
 
 A benchmark, not a test: it asserts nothing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,9 +32,14 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.bench_common import cpu_model, source_revision  # noqa: E402
 
-LEARN = ["Explain how a hash table works.", "Write a short poem about the sea.",
-         "What are the planets of the solar system?", "How do I read a file line by line in Python?",
-         "Give me three tips for a job interview.", "Why is the sky blue?"]
+LEARN = [
+    "Explain how a hash table works.",
+    "Write a short poem about the sea.",
+    "What are the planets of the solar system?",
+    "How do I read a file line by line in Python?",
+    "Give me three tips for a job interview.",
+    "Why is the sky blue?",
+]
 ASK = "Tell me about the history of Paris in a few sentences."
 
 
@@ -57,10 +63,19 @@ def child(model: str, cache: int | None, usage_file: str | None, prompt: str, to
         if isinstance(ev, GenerationFinished):
             done = ev
     store = eng.loaded.store
-    out = dict(load_s=load_s, ttft_s=first, decode_tps=done.generation_tps, prompt_tokens=done.prompt_tokens,
-               misses=store.misses_total, preloaded=info.preloading, preloaded_bytes=info.preloading_bytes,
-               disk_bytes=(disk_read_bytes() - read0) if read0 is not None else None,
-               cache_bytes=info.cache_bytes, cache_state=done.cache_state, hit_rate=done.hit_rate)
+    out = dict(
+        load_s=load_s,
+        ttft_s=first,
+        decode_tps=done.generation_tps,
+        prompt_tokens=done.prompt_tokens,
+        misses=store.misses_total,
+        preloaded=info.preloading,
+        preloaded_bytes=info.preloading_bytes,
+        disk_bytes=(disk_read_bytes() - read0) if read0 is not None else None,
+        cache_bytes=info.cache_bytes,
+        cache_state=done.cache_state,
+        hit_rate=done.hit_rate,
+    )
     files = expert_files(eng.loaded)
     eng.close()
     out["files"] = [str(f) for f in files]
@@ -68,8 +83,9 @@ def child(model: str, cache: int | None, usage_file: str | None, prompt: str, to
 
 
 def run_child(*args) -> dict:
-    r = subprocess.run([sys.executable, __file__, "--child", json.dumps(args)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=1800)
+    r = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(args)], capture_output=True, text=True, cwd=ROOT, timeout=1800
+    )
     if r.returncode != 0:
         raise SystemExit(f"child failed: {r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -98,36 +114,51 @@ def main() -> int:
         files = [Path(f) for f in learned[0]["files"]]
         total = learned[0]["cache_bytes"]
         data = json.loads(Path(usage_file).read_text())
-        print(f"model {model}; usage learned from {a.learn} prompts x {a.tokens} tokens ({data['tokens']} tokens "
-              f"of fetches); measured on a different prompt; {cpu_model()}; {source_revision()}")
+        print(
+            f"model {model}; usage learned from {a.learn} prompts x {a.tokens} tokens ({data['tokens']} tokens "
+            f"of fetches); measured on a different prompt; {cpu_model()}; {source_revision()}"
+        )
         rows = []
         for frac in [float(x) for x in a.cache.split(",")]:
             cache = None if frac >= 1 else int(total * frac)
             runs: dict[str, list] = {"off": [], "on": []}
             for r in range(a.rounds):
-                for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
                     evict(files)
                     runs[mode].append(run_child(model, cache, usage_file if mode == "on" else None, ASK, a.tokens))
                     if mode == "on":  # measuring must not teach the file the measured prompt
                         Path(usage_file).write_text(json.dumps(data))
-            med = {m: {k: statistics.median(x[k] for x in v) for k in ("load_s", "ttft_s", "decode_tps", "misses",
-                                                                       "disk_bytes", "preloaded")}
-                   for m, v in runs.items()}
-            rows.append({"cache_fraction": frac, "cache_bytes": runs["on"][0]["cache_bytes"], "median": med,
-                         "runs": runs})
+            med = {
+                m: {
+                    k: statistics.median(x[k] for x in v)
+                    for k in ("load_s", "ttft_s", "decode_tps", "misses", "disk_bytes", "preloaded")
+                }
+                for m, v in runs.items()
+            }
+            rows.append(
+                {"cache_fraction": frac, "cache_bytes": runs["on"][0]["cache_bytes"], "median": med, "runs": runs}
+            )
             off, on = med["off"], med["on"]
-            print(f"cache {frac:.0%} of experts ({runs['on'][0]['cache_bytes'] / 2**20:.1f} MiB), page cache dropped "
-                  f"before each process, {a.rounds} rounds, medians:")
+            print(
+                f"cache {frac:.0%} of experts ({runs['on'][0]['cache_bytes'] / 2**20:.1f} MiB), page cache dropped "
+                f"before each process, {a.rounds} rounds, medians:"
+            )
             for m in ("off", "on"):
                 x = med[m]
-                print(f"  usage {m:>3}: load {x['load_s']:.2f} s, first token {x['ttft_s']:.3f} s "
-                      f"({runs[m][0]['prompt_tokens']} prompt tok), decode {x['decode_tps']:.1f} tok/s, "
-                      f"{x['misses']:.0f} experts read on demand, {x['preloaded']:.0f} preloaded, "
-                      f"disk {x['disk_bytes'] / 2**20:.1f} MiB")
-            print(f"  ratio on/off: first token {on['ttft_s'] / off['ttft_s']:.2f}x, decode "
-                  f"{on['decode_tps'] / off['decode_tps']:.2f}x, on-demand reads {on['misses'] / max(off['misses'], 1):.2f}x")
+                print(
+                    f"  usage {m:>3}: load {x['load_s']:.2f} s, first token {x['ttft_s']:.3f} s "
+                    f"({runs[m][0]['prompt_tokens']} prompt tok), decode {x['decode_tps']:.1f} tok/s, "
+                    f"{x['misses']:.0f} experts read on demand, {x['preloaded']:.0f} preloaded, "
+                    f"disk {x['disk_bytes'] / 2**20:.1f} MiB"
+                )
+            print(
+                f"  ratio on/off: first token {on['ttft_s'] / off['ttft_s']:.2f}x, decode "
+                f"{on['decode_tps'] / off['decode_tps']:.2f}x, on-demand reads {on['misses'] / max(off['misses'], 1):.2f}x"
+            )
         if a.out:
-            Path(a.out).write_text(json.dumps({"model": model, "learned_tokens": data["tokens"], "rows": rows}, indent=1))
+            Path(a.out).write_text(
+                json.dumps({"model": model, "learned_tokens": data["tokens"], "rows": rows}, indent=1)
+            )
     return 0
 
 

@@ -10,6 +10,7 @@ lower its latency?).
 
     python benchmarks/read_cost.py -m MODEL [--reads 200] [--rounds 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,7 +81,7 @@ def split_latency(files, block: int, pieces: int, samples: int) -> float:
         for _ in range(samples):
             fd, off = rng.choice(fds), rng.randrange(0, size // block) * block
             t = time.perf_counter()
-            for f in [pool.submit(os.preadv, fd, [buf[i:i + step]], off + i) for i in range(0, block, step)]:
+            for f in [pool.submit(os.preadv, fd, [buf[i : i + step]], off + i) for i in range(0, block, step)]:
                 f.result()
             times.append(time.perf_counter() - t)
     for fd in fds:
@@ -108,8 +109,10 @@ def main() -> int:
         return 2
     files = sorted({Path(ext.path) for l in layers for ext in l.extents(model / EXPERTS_DIR, 0)})
     block = -(-layers[0].expert_bytes // PAGE) * PAGE
-    print(f"model   : {model}: {len(files)} expert files, expert {layers[0].expert_bytes / 1e6:.2f} MB "
-          f"(read as {block / 1e6:.2f} MB blocks)")
+    print(
+        f"model   : {model}: {len(files)} expert files, expert {layers[0].expert_bytes / 1e6:.2f} MB "
+        f"(read as {block / 1e6:.2f} MB blocks)"
+    )
     print(f"machine : {os.cpu_count()}x {cpu_model()}; flashmoe {source_revision()}")
     print(f"random reads, cold, {args.reads} x {block / 1e6:.2f} MB, {args.threads} in flight:")
     for _r in range(args.rounds):

@@ -16,6 +16,7 @@ time to first token, streamed as a client sees it, against the prefill of its ne
 (the engine's prefill_s) and against a short prompt of as many new tokens: the difference is what
 the hit itself costs (finding and copying the cached prefix, rendering the longer prompt).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,12 @@ def free_port() -> int:
 
 def start(model: str | None, *extra: str, home: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "flashmoe.cli", "serve", "--port", str(port), *extra] + (["-m", model] if model else [])
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env=dict(os.environ, FLASHMOE_HOME=home))
+    cmd = [sys.executable, "-m", "flashmoe.cli", "serve", "--port", str(port), *extra] + (
+        ["-m", model] if model else []
+    )
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=dict(os.environ, FLASHMOE_HOME=home)
+    )
     for line in proc.stderr:
         if "serving" in line:
             return proc, f"http://127.0.0.1:{port}/v1"
@@ -52,8 +56,9 @@ def stream_once(client, model: str, messages, tokens: int) -> dict:
     first = last = None
     n = 0
     usage = None
-    for c in client.chat.completions.create(model=model, messages=messages, max_tokens=tokens, temperature=0,
-                                            stream=True):
+    for c in client.chat.completions.create(
+        model=model, messages=messages, max_tokens=tokens, temperature=0, stream=True
+    ):
         if c.choices and c.choices[0].delta.content:
             last = time.perf_counter()
             first = first or last
@@ -61,14 +66,34 @@ def stream_once(client, model: str, messages, tokens: int) -> dict:
         if not c.choices:
             usage = c
     d = usage.model_extra["flashmoe"]
-    return {"ttft_s": (first or time.perf_counter()) - t0, "decode_tps": (n - 1) / (last - first) if n > 1 else 0.0,
-            "prompt_tokens": usage.usage.prompt_tokens, "cached": usage.usage.prompt_tokens_details.cached_tokens,
-            "prefill_s": d["prefill_s"], "conditions": d, "engine_tps": d["decode_tok_per_s"], "text": "", "tokens": usage.usage.completion_tokens}
+    return {
+        "ttft_s": (first or time.perf_counter()) - t0,
+        "decode_tps": (n - 1) / (last - first) if n > 1 else 0.0,
+        "prompt_tokens": usage.usage.prompt_tokens,
+        "cached": usage.usage.prompt_tokens_details.cached_tokens,
+        "prefill_s": d["prefill_s"],
+        "conditions": d,
+        "engine_tps": d["decode_tok_per_s"],
+        "text": "",
+        "tokens": usage.usage.completion_tokens,
+    }
 
 
 def run_cli(model: str | None, tokens: int, home: str) -> dict:
-    cmd = [sys.executable, "-m", "flashmoe.cli", "run", "--json", "--temp", "0", "--max-tokens", str(tokens), "-n",
-           *(["-m", model] if model else []), PROMPT]
+    cmd = [
+        sys.executable,
+        "-m",
+        "flashmoe.cli",
+        "run",
+        "--json",
+        "--temp",
+        "0",
+        "--max-tokens",
+        str(tokens),
+        "-n",
+        *(["-m", model] if model else []),
+        PROMPT,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, FLASHMOE_HOME=home))
     t_loaded = first = None
     done = None
@@ -100,20 +125,29 @@ def agent_sessions(model: str | None, home: str, sessions: int = 4) -> None:
             body = json.loads(json.dumps(first))
             body.update(max_tokens=1, stream=True, temperature=0, model="demo")
             body.pop("thinking", None)
-            body["system"][0]["text"] = f"x-anthropic-billing-header: cc_version=2.1.197.{i:03x}; cc_entrypoint=sdk-cli;"
-            task = (f"Session {i}: list the files and say which of them is the largest." if i < sessions
-                    else "Say hello.")
+            body["system"][0]["text"] = (
+                f"x-anthropic-billing-header: cc_version=2.1.197.{i:03x}; cc_entrypoint=sdk-cli;"
+            )
+            task = (
+                f"Session {i}: list the files and say which of them is the largest." if i < sessions else "Say hello."
+            )
             if i == sessions:  # the short prompt: about as many new tokens, nothing cached to share
-                body = {"model": "demo", "max_tokens": 1, "stream": True, "temperature": 0,
-                        "messages": [{"role": "user", "content": f"A prompt of its own {i}: " + task * 2}]}
+                body = {
+                    "model": "demo",
+                    "max_tokens": 1,
+                    "stream": True,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": f"A prompt of its own {i}: " + task * 2}],
+                }
             else:
                 body["messages"] = [{"role": "user", "content": task}]
             time.sleep(2.0)  # as an agent runs its tools between requests: the last reply's cache is saved by now
             t0 = time.perf_counter()
             first_byte = first_text = None
             done = None
-            with httpx.stream("POST", f"{base}/v1/messages", json=body, timeout=600,
-                              headers={"anthropic-version": "2023-06-01"}) as r:
+            with httpx.stream(
+                "POST", f"{base}/v1/messages", json=body, timeout=600, headers={"anthropic-version": "2023-06-01"}
+            ) as r:
                 for line in r.iter_lines():
                     now = time.perf_counter()
                     first_byte = first_byte or now
@@ -122,22 +156,32 @@ def agent_sessions(model: str | None, home: str, sessions: int = 4) -> None:
                     if line.startswith("data: ") and '"message_delta"' in line:
                         done = json.loads(line[6:])
             use = done["usage"]
-            rows.append({"session": i, "ttft_s": (first_text or time.perf_counter()) - t0,
-                         "prefill_s": done["flashmoe"]["prefill_s"], "new": use["input_tokens"],
-                         "cached": use["cache_read_input_tokens"]})
+            rows.append(
+                {
+                    "session": i,
+                    "ttft_s": (first_text or time.perf_counter()) - t0,
+                    "prefill_s": done["flashmoe"]["prefill_s"],
+                    "new": use["input_tokens"],
+                    "cached": use["cache_read_input_tokens"],
+                }
+            )
     finally:
         proc.terminate()
         proc.wait()
     print(f"{'session':>8}{'cached':>8}{'new tok':>9}{'ttft s':>9}{'prefill s':>11}{'ttft - prefill':>16}")
     for r in rows:
         label = "short" if r["session"] == sessions else str(r["session"])
-        print(f"{label:>8}{r['cached']:8d}{r['new']:9d}{r['ttft_s']:9.3f}{r['prefill_s']:11.3f}"
-              f"{r['ttft_s'] - r['prefill_s']:16.3f}")
+        print(
+            f"{label:>8}{r['cached']:8d}{r['new']:9d}{r['ttft_s']:9.3f}{r['prefill_s']:11.3f}"
+            f"{r['ttft_s'] - r['prefill_s']:16.3f}"
+        )
     short = rows[-1]["ttft_s"] - rows[-1]["prefill_s"]
     hits = [r["ttft_s"] - r["prefill_s"] for r in rows[1:-1]]
-    print(f"a hit's cost beyond its new tokens' prefill: {min(hits) * 1e3:.0f}-{max(hits) * 1e3:.0f} ms "
-          f"(a short uncached prompt's: {short * 1e3:.0f} ms); the hit itself: "
-          f"{(sum(hits) / len(hits) - short) * 1e3:.0f} ms")
+    print(
+        f"a hit's cost beyond its new tokens' prefill: {min(hits) * 1e3:.0f}-{max(hits) * 1e3:.0f} ms "
+        f"(a short uncached prompt's: {short * 1e3:.0f} ms); the hit itself: "
+        f"{(sum(hits) / len(hits) - short) * 1e3:.0f} ms"
+    )
 
 
 def main() -> None:
@@ -166,18 +210,28 @@ def main() -> None:
         first = stream_once(c, name, [{"role": "user", "content": PROMPT}], args.tokens)
         served = stream_once(c, name, [{"role": "user", "content": PROMPT}], args.tokens)
         cond = served["conditions"]
-        print(f"model {name}, {cond['bits']}-bit, K={cond['experts_per_token']} of {cond['experts']}, "
-              f"{cond['cache_state']} expert cache, hit rate {cond['hit_rate']:.2f}, "
-              f"{cond['bytes_read_per_token']} B read per token, greedy, {args.tokens} tokens")
+        print(
+            f"model {name}, {cond['bits']}-bit, K={cond['experts_per_token']} of {cond['experts']}, "
+            f"{cond['cache_state']} expert cache, hit rate {cond['hit_rate']:.2f}, "
+            f"{cond['bytes_read_per_token']} B read per token, greedy, {args.tokens} tokens"
+        )
         print(f"{'':28}{'ttft s':>9}{'decode tok/s':>14}{'prompt tok':>12}")
-        print(f"{'flashmoe run --json (fresh)':28}{ref['ttft_s']:9.3f}{ref['decode_tps']:14.2f}{ref['prompt_tokens']:12d}")
-        print(f"{'serve, first request':28}{first['ttft_s']:9.3f}{first['decode_tps']:14.2f}{first['prompt_tokens']:12d}"
-              f"   (engine: {first['engine_tps']:.2f} tok/s)")
-        print(f"{'serve, same prompt again':28}{served['ttft_s']:9.3f}{served['decode_tps']:14.2f}"
-              f"{served['prompt_tokens']:12d}")
+        print(
+            f"{'flashmoe run --json (fresh)':28}{ref['ttft_s']:9.3f}{ref['decode_tps']:14.2f}{ref['prompt_tokens']:12d}"
+        )
+        print(
+            f"{'serve, first request':28}{first['ttft_s']:9.3f}{first['decode_tps']:14.2f}{first['prompt_tokens']:12d}"
+            f"   (engine: {first['engine_tps']:.2f} tok/s)"
+        )
+        print(
+            f"{'serve, same prompt again':28}{served['ttft_s']:9.3f}{served['decode_tps']:14.2f}"
+            f"{served['prompt_tokens']:12d}"
+        )
         print(f"{'':28}(engine: {served['engine_tps']:.2f} tok/s, as the server's usage reports it)")
-        print(f"ratio serve (first request) / run: ttft {first['ttft_s'] / ref['ttft_s']:.2f}x, "
-              f"decode {first['decode_tps'] / ref['decode_tps']:.2f}x (both a fresh process's first request)")
+        print(
+            f"ratio serve (first request) / run: ttft {first['ttft_s'] / ref['ttft_s']:.2f}x, "
+            f"decode {first['decode_tps'] / ref['decode_tps']:.2f}x (both a fresh process's first request)"
+        )
         rows = conversation(c, name, args.turns, args.tokens)
     finally:
         proc.terminate()
@@ -191,8 +245,10 @@ def main() -> None:
     print(f"\n{args.turns}-turn conversation, resent whole each turn ({args.tokens} tokens a reply):")
     print(f"{'turn':>4}{'prompt tok':>12}{'cached':>8}{'prefill s':>11}{'no cache: prefill s':>21}{'ratio':>8}")
     for i, (a, b) in enumerate(zip(rows, bare), 1):
-        print(f"{i:4d}{a['prompt_tokens']:12d}{a['cached']:8d}{a['prefill_s']:11.3f}{b['prefill_s']:21.3f}"
-              f"{b['prefill_s'] / a['prefill_s'] if a['prefill_s'] else 0:8.1f}x")
+        print(
+            f"{i:4d}{a['prompt_tokens']:12d}{a['cached']:8d}{a['prefill_s']:11.3f}{b['prefill_s']:21.3f}"
+            f"{b['prefill_s'] / a['prefill_s'] if a['prefill_s'] else 0:8.1f}x"
+        )
 
 
 def conversation(client, name: str, turns: int, tokens: int) -> list[dict]:
@@ -201,8 +257,13 @@ def conversation(client, name: str, turns: int, tokens: int) -> list[dict]:
     for i in range(turns):
         history.append({"role": "user", "content": f"Question {i + 1}: name a colour and a fruit, please."})
         r = client.chat.completions.create(model=name, messages=history, max_tokens=tokens, temperature=0)
-        rows.append({"prompt_tokens": r.usage.prompt_tokens, "cached": r.usage.prompt_tokens_details.cached_tokens,
-                     "prefill_s": r.model_extra["flashmoe"]["prefill_s"]})
+        rows.append(
+            {
+                "prompt_tokens": r.usage.prompt_tokens,
+                "cached": r.usage.prompt_tokens_details.cached_tokens,
+                "prefill_s": r.model_extra["flashmoe"]["prefill_s"],
+            }
+        )
         history.append({"role": "assistant", "content": r.choices[0].message.content})
     return rows
 

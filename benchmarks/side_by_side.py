@@ -57,6 +57,7 @@ llama-cpp-python is not a dependency of the project: install it yourself
 (`pip install llama-cpp-python==0.3.36`, a ~7 minute source build on a 2-core machine); without
 it the llama.cpp rows are skipped. This is a benchmark, not a test: it asserts nothing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,17 +81,26 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 DENSE_MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-RAW_PROMPT = ("The history of the city of Paris begins with a small settlement on an island in the "
-              "river Seine. Over the centuries it grew into the capital of France, and today")
+RAW_PROMPT = (
+    "The history of the city of Paris begins with a small settlement on an island in the "
+    "river Seine. Over the centuries it grew into the capital of France, and today"
+)
 RESULT_TAG = "SIDE_BY_SIDE_RESULT "
 
-from bench_common import (cpu_model, disk_read_bytes, evict, mem_total_gib,  # noqa: E402
-                          read_into_page_cache, source_revision)
+from bench_common import (  # noqa: E402
+    cpu_model,
+    disk_read_bytes,
+    evict,
+    mem_total_gib,
+    read_into_page_cache,
+    source_revision,
+)
 
 drop_from_page_cache = evict
 
 
 # -- machine -------------------------------------------------------------------------------------
+
 
 def versions() -> dict:
     out = {"python": platform.python_version(), "kernel": platform.release()}
@@ -98,9 +108,11 @@ def versions() -> dict:
         try:
             if mod == "mlx":
                 import mlx.core as mx
+
                 out[mod] = mx.__version__
             else:
                 from importlib.metadata import version
+
                 out[mod] = version({"mlx_lm": "mlx-lm", "llama_cpp": "llama-cpp-python"}.get(mod, mod))
         except Exception:  # noqa: BLE001 - absent is a fact to report, not an error
             out[mod] = None
@@ -108,6 +120,7 @@ def versions() -> dict:
 
 
 # -- page cache and disk counters ----------------------------------------------------------------
+
 
 def fmt_bytes(n) -> str:
     if n is None:
@@ -123,6 +136,7 @@ def fmt_bytes(n) -> str:
 # =================================================================================================
 # children: one engine, one configuration, warm-up + measured runs; prints one JSON line
 # =================================================================================================
+
 
 def _decode_figures(tokens_t: list[float]) -> tuple[float, float]:
     """(decode seconds, tok/s) from the times each token became known: forward passes after the
@@ -145,16 +159,21 @@ def open_flashmoe(path: str, kernels: str, expert_cache, kv_cache: str = "float3
         kw["kv_cache"] = kv_cache
     if "kernels" in inspect.signature(load).parameters:
         loaded = load(path, kernels=kernels, **kw)
-        note = f"load(kernels={kernels!r}, dtype='float32'" + (f", kv_cache={kv_cache!r})" if kv_cache != "float32" else ")")
+        note = f"load(kernels={kernels!r}, dtype='float32'" + (
+            f", kv_cache={kv_cache!r})" if kv_cache != "float32" else ")"
+        )
     else:
         loaded = load(path, **kw)
         note = "load() has no kernels argument in this checkout: MLX kernels"
         if kernels == "cpu":
             try:
                 from flashmoe.engine.cpu import install as cpu_path
+
                 n = cpu_path.install(loaded.model)
-                note = (f"FALLBACK: load() has no kernels argument in this checkout; engine.cpu_path.install() "
-                        f"replaced {n} quantized modules after load (streamed experts still on MLX kernels)")
+                note = (
+                    f"FALLBACK: load() has no kernels argument in this checkout; engine.cpu_path.install() "
+                    f"replaced {n} quantized modules after load (streamed experts still on MLX kernels)"
+                )
             except ImportError:
                 note = "FALLBACK: no CPU kernel path in this checkout: MLX kernels"
     counts: dict[str, int] = {}
@@ -170,8 +189,9 @@ def child_flashmoe(spec: dict) -> dict:
     from flashmoe.engine.runtime.generate import GenerationRequest, Session, generate, render_prompt
 
     t0 = time.perf_counter()
-    loaded, note, modules = open_flashmoe(spec["path"], spec["kernels"], spec.get("expert_cache"),
-                                          spec.get("kv_cache", "float32"))
+    loaded, note, modules = open_flashmoe(
+        spec["path"], spec["kernels"], spec.get("expert_cache"), spec.get("kv_cache", "float32")
+    )
     load_s = time.perf_counter() - t0
     loaded.tokenizer.eos_token_ids = frozenset()  # never stop early: exactly gen tokens
     if spec.get("messages"):
@@ -181,11 +201,17 @@ def child_flashmoe(spec: dict) -> dict:
     ids = render_prompt(loaded, req)
     store = loaded.store
     files = [str(Path(spec["path"]) / "experts" / l.file) for l in (loaded.layers or [])]
-    info = {"kernels_note": note, "modules": modules, "load_s": load_s, "prompt_ids": ids,
-            "expert_cache_bytes": store.capacity_bytes if store is not None else 0,
-            "all_expert_bytes": sum(l.expert_bytes * l.num_experts for l in loaded.layers or []),
-            "expert_bytes": loaded.layers[0].expert_bytes if loaded.layers else 0,
-            "moe_layers": len(loaded.layers or []), "top_k": loaded.top_k}
+    info = {
+        "kernels_note": note,
+        "modules": modules,
+        "load_s": load_s,
+        "prompt_ids": ids,
+        "expert_cache_bytes": store.capacity_bytes if store is not None else 0,
+        "all_expert_bytes": sum(l.expert_bytes * l.num_experts for l in loaded.layers or []),
+        "expert_bytes": loaded.layers[0].expert_bytes if loaded.layers else 0,
+        "moe_layers": len(loaded.layers or []),
+        "top_k": loaded.top_k,
+    }
     if spec.get("prewarm_all") and store is not None:
         for l in loaded.layers:
             store.fetch(l.layer, list(range(l.num_experts)))
@@ -207,8 +233,9 @@ def child_flashmoe(spec: dict) -> dict:
                 toks.append(ev.id)
                 if len(toks) == 1:
                     disk_dec0 = disk_read_bytes()
-                drop = (spec.get("drop") == "each" and len(toks) < spec["gen"]) or \
-                       (spec.get("drop") == "decode" and len(toks) == 1)
+                drop = (spec.get("drop") == "each" and len(toks) < spec["gen"]) or (
+                    spec.get("drop") == "decode" and len(toks) == 1
+                )
                 if drop and store is not None:
                     # the forward pass that follows finds the expert files cold; the time spent
                     # here lands in the engine's decode time and is taken out below
@@ -223,17 +250,34 @@ def child_flashmoe(spec: dict) -> dict:
         wall_s, wall_tps = _decode_figures(times)
         fed = max(1, len(toks) - 1)
         dec_s = done.decode_s - drop_s
-        runs.append({
-            "warmup": i < spec["warmup"], "tokens": toks, "generated": len(toks),
-            "decode_tps": fed / dec_s if dec_s > 0 else 0.0, "engine_generation_tps": done.generation_tps,
-            "decode_s": dec_s, "drop_s": drop_s, "wall_decode_tps": fed / (wall_s - drop_s) if wall_s > drop_s else 0.0,
-            "prefill_tps": done.prompt_tps, "prefill_s": done.prefill_s, "prompt_tokens": done.prompt_tokens,
-            "bytes_per_token": done.bytes_per_token, "hit_rate": done.hit_rate, "io_wait_s": done.io_wait_s,
-            "io_share": done.io_wait_s / dec_s if dec_s > 0 else None,
-            "cache_state": done.cache_state, "reason": done.reason, "text": done.text,
-            "disk_bytes_per_token": ((disk1 - disk_dec0) / fed) if disk_dec0 is not None and disk1 is not None else None,
-            "disk_bytes_prefill": (disk_dec0 - disk_run0) if disk_dec0 is not None and disk_run0 is not None else None,
-        })
+        runs.append(
+            {
+                "warmup": i < spec["warmup"],
+                "tokens": toks,
+                "generated": len(toks),
+                "decode_tps": fed / dec_s if dec_s > 0 else 0.0,
+                "engine_generation_tps": done.generation_tps,
+                "decode_s": dec_s,
+                "drop_s": drop_s,
+                "wall_decode_tps": fed / (wall_s - drop_s) if wall_s > drop_s else 0.0,
+                "prefill_tps": done.prompt_tps,
+                "prefill_s": done.prefill_s,
+                "prompt_tokens": done.prompt_tokens,
+                "bytes_per_token": done.bytes_per_token,
+                "hit_rate": done.hit_rate,
+                "io_wait_s": done.io_wait_s,
+                "io_share": done.io_wait_s / dec_s if dec_s > 0 else None,
+                "cache_state": done.cache_state,
+                "reason": done.reason,
+                "text": done.text,
+                "disk_bytes_per_token": ((disk1 - disk_dec0) / fed)
+                if disk_dec0 is not None and disk1 is not None
+                else None,
+                "disk_bytes_prefill": (disk_dec0 - disk_run0)
+                if disk_dec0 is not None and disk_run0 is not None
+                else None,
+            }
+        )
     if hasattr(loaded, "close"):
         loaded.close()
     elif store is not None:
@@ -250,9 +294,12 @@ def child_mlx_lm(spec: dict) -> dict:
     t0 = time.perf_counter()
     model, config = load_model(Path(spec["path"]))
     # float32 like flashmoe's dtype="float32" (the GGUF-derived folders are float32 already)
-    model.update(tree_map(lambda p: p.astype(mx.float32)
-                          if isinstance(p, mx.array) and mx.issubdtype(p.dtype, mx.floating) else p,
-                          model.parameters()))
+    model.update(
+        tree_map(
+            lambda p: p.astype(mx.float32) if isinstance(p, mx.array) and mx.issubdtype(p.dtype, mx.floating) else p,
+            model.parameters(),
+        )
+    )
     if spec.get("bits"):
         with contextlib.redirect_stdout(io.StringIO()):
             model, config = quantize_model(model, config, 64, spec["bits"])
@@ -278,11 +325,25 @@ def child_mlx_lm(spec: dict) -> dict:
             logits = model(mx.array([[tok]]), cache=cache)[0, -1]
             mx.eval(logits)
         dec_s, tps = _decode_figures(times)
-        runs.append({"warmup": i < spec["warmup"], "tokens": toks, "generated": len(toks),
-                     "decode_tps": tps, "decode_s": dec_s, "prefill_s": prefill_s,
-                     "prefill_tps": len(ids) / prefill_s, "prompt_tokens": len(ids)})
-    return {"load_s": load_s, "resident_bytes": resident, "prompt_ids": ids,
-            "quantization": config.get("quantization"), "runs": runs}
+        runs.append(
+            {
+                "warmup": i < spec["warmup"],
+                "tokens": toks,
+                "generated": len(toks),
+                "decode_tps": tps,
+                "decode_s": dec_s,
+                "prefill_s": prefill_s,
+                "prefill_tps": len(ids) / prefill_s,
+                "prompt_tokens": len(ids),
+            }
+        )
+    return {
+        "load_s": load_s,
+        "resident_bytes": resident,
+        "prompt_ids": ids,
+        "quantization": config.get("quantization"),
+        "runs": runs,
+    }
 
 
 def child_llama(spec: dict) -> dict:
@@ -292,8 +353,15 @@ def child_llama(spec: dict) -> dict:
     ids = spec["ids"]
     t0 = time.perf_counter()
     with contextlib.redirect_stderr(io.StringIO()):
-        llm = Llama(model_path=spec["path"], n_threads=spec["threads"], n_threads_batch=spec["threads"],
-                    n_ctx=max(512, len(ids) + spec["gen"] + 16), n_batch=512, seed=0, verbose=False)
+        llm = Llama(
+            model_path=spec["path"],
+            n_threads=spec["threads"],
+            n_threads_batch=spec["threads"],
+            n_ctx=max(512, len(ids) + spec["gen"] + 16),
+            n_batch=512,
+            seed=0,
+            verbose=False,
+        )
     load_s = time.perf_counter() - t0
     ctx = llm._ctx.ctx
     runs = []
@@ -310,14 +378,28 @@ def child_llama(spec: dict) -> dict:
         perf = llama_cpp.llama_perf_context(ctx)
         dec_s, tps = _decode_figures(times)
         prefill_s = times[0] - t
-        runs.append({"warmup": i < spec["warmup"], "tokens": toks, "generated": len(toks),
-                     "decode_tps": tps, "decode_s": dec_s, "prefill_s": prefill_s,
-                     "prefill_tps": len(ids) / prefill_s, "prompt_tokens": len(ids),
-                     "perf_eval_tps": perf.n_eval / (perf.t_eval_ms / 1e3) if perf.t_eval_ms > 0 else None,
-                     "perf_n_eval": perf.n_eval, "perf_prompt_tps":
-                         perf.n_p_eval / (perf.t_p_eval_ms / 1e3) if perf.t_p_eval_ms > 0 else None})
-    return {"load_s": load_s, "prompt_ids": ids, "gguf_bytes": os.path.getsize(spec["path"]),
-            "n_threads": spec["threads"], "runs": runs}
+        runs.append(
+            {
+                "warmup": i < spec["warmup"],
+                "tokens": toks,
+                "generated": len(toks),
+                "decode_tps": tps,
+                "decode_s": dec_s,
+                "prefill_s": prefill_s,
+                "prefill_tps": len(ids) / prefill_s,
+                "prompt_tokens": len(ids),
+                "perf_eval_tps": perf.n_eval / (perf.t_eval_ms / 1e3) if perf.t_eval_ms > 0 else None,
+                "perf_n_eval": perf.n_eval,
+                "perf_prompt_tps": perf.n_p_eval / (perf.t_p_eval_ms / 1e3) if perf.t_p_eval_ms > 0 else None,
+            }
+        )
+    return {
+        "load_s": load_s,
+        "prompt_ids": ids,
+        "gguf_bytes": os.path.getsize(spec["path"]),
+        "n_threads": spec["threads"],
+        "runs": runs,
+    }
 
 
 def child_main(spec: dict) -> int:
@@ -331,6 +413,7 @@ def child_main(spec: dict) -> int:
 # =================================================================================================
 # model preparation
 # =================================================================================================
+
 
 def gguf_copy_fields(reader, writer, skip=()) -> None:
     from gguf import GGUFValueType
@@ -362,12 +445,19 @@ def prepare_dense(work: Path, home: Path, log) -> dict:
     log(f"dense: convert(bits=4) -> {fm}")
     with contextlib.redirect_stdout(io.StringIO()):
         convert(f32, fm, bits=4, group_size=64)
-    return {"key": "dense", "title": "SmolLM2-135M-Instruct dense (llama, 30 layers, hidden 576)",
-            "flashmoe": str(fm), "mlx_float": str(f32), "mlx_bits": 4, "gguf": str(gguf_path),
-            "bits_flashmoe": "4-bit g64 (MLX affine, float32 scales), converted from the float32 dequantized GGUF",
-            "bits_mlx": "4-bit g64 (mlx_lm quantize_model on the same float32 folder)",
-            "bits_llama": "original GGUF: Q4_1 (token_embd Q8_0)",
-            "K": "dense (no experts)", "messages": DENSE_MESSAGES}
+    return {
+        "key": "dense",
+        "title": "SmolLM2-135M-Instruct dense (llama, 30 layers, hidden 576)",
+        "flashmoe": str(fm),
+        "mlx_float": str(f32),
+        "mlx_bits": 4,
+        "gguf": str(gguf_path),
+        "bits_flashmoe": "4-bit g64 (MLX affine, float32 scales), converted from the float32 dequantized GGUF",
+        "bits_mlx": "4-bit g64 (mlx_lm quantize_model on the same float32 folder)",
+        "bits_llama": "original GGUF: Q4_1 (token_embd Q8_0)",
+        "K": "dense (no experts)",
+        "messages": DENSE_MESSAGES,
+    }
 
 
 def write_demo_gguf(src_gguf: Path, upcycled: Path, out: Path, experts: int, top_k: int) -> Path:
@@ -391,8 +481,12 @@ def write_demo_gguf(src_gguf: Path, upcycled: Path, out: Path, experts: int, top
     for t in reader.tensors:
         name = t.name
         if t.tensor_type in (Q.F32, Q.F16) or len(t.shape) == 1:
-            w.add_tensor(name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
-                [int(d) for d in reversed(t.shape)]))
+            w.add_tensor(
+                name,
+                gguf.quants.dequantize(t.data, t.tensor_type)
+                .astype(np.float32)
+                .reshape([int(d) for d in reversed(t.shape)]),
+            )
             continue
         shape = [int(d) for d in reversed(t.shape)]  # numpy order
         if t.tensor_type == Q.Q8_0:
@@ -402,8 +496,11 @@ def write_demo_gguf(src_gguf: Path, upcycled: Path, out: Path, experts: int, top
         ffn = next((p for p in ("ffn_gate", "ffn_up", "ffn_down") if name.endswith(f".{p}.weight")), None)
         if ffn:
             blk = name.split(".")[1]
-            w.add_tensor(name.replace(f".{ffn}.", f".{ffn}_exps."), np.ascontiguousarray(
-                np.broadcast_to(q8, (experts, *q8.shape))), raw_dtype=Q.Q8_0)
+            w.add_tensor(
+                name.replace(f".{ffn}.", f".{ffn}_exps."),
+                np.ascontiguousarray(np.broadcast_to(q8, (experts, *q8.shape))),
+                raw_dtype=Q.Q8_0,
+            )
             if ffn == "ffn_gate":
                 r = np.array(routers[f"model.layers.{blk}.block_sparse_moe.gate.weight"].astype(mx.float32))
                 w.add_tensor(f"blk.{blk}.ffn_gate_inp.weight", r)
@@ -437,30 +534,64 @@ def prepare_demo(work: Path, home: Path, log) -> dict:
     if not out.exists():
         log(f"demo: writing the Q8_0 MoE GGUF for llama.cpp -> {out}")
     write_demo_gguf(gguf_path, f32, out, DEMO_EXPERTS, DEMO_TOP_K)
-    return {"key": "demo", "title": f"flashmoe demo: SmolLM2-135M upcycled to {DEMO_EXPERTS} experts, top-{DEMO_TOP_K} "
-                                    "(Mixtral layout, 30 layers)",
-            "flashmoe": str(fm), "mlx_float": str(f32), "mlx_bits": DEMO_BITS, "gguf": str(out),
-            "bits_flashmoe": f"{DEMO_BITS}-bit g64 (the upcycled float32 folder, converted)",
-            "bits_mlx": f"{DEMO_BITS}-bit g64 (mlx_lm quantize_model on the same upcycled float32 folder)",
-            "bits_llama": "Q8_0 (same upcycled model, written from the original GGUF)",
-            "K": f"top-{DEMO_TOP_K} of {DEMO_EXPERTS}", "messages": DENSE_MESSAGES}
+    return {
+        "key": "demo",
+        "title": f"flashmoe demo: SmolLM2-135M upcycled to {DEMO_EXPERTS} experts, top-{DEMO_TOP_K} "
+        "(Mixtral layout, 30 layers)",
+        "flashmoe": str(fm),
+        "mlx_float": str(f32),
+        "mlx_bits": DEMO_BITS,
+        "gguf": str(out),
+        "bits_flashmoe": f"{DEMO_BITS}-bit g64 (the upcycled float32 folder, converted)",
+        "bits_mlx": f"{DEMO_BITS}-bit g64 (mlx_lm quantize_model on the same upcycled float32 folder)",
+        "bits_llama": "Q8_0 (same upcycled model, written from the original GGUF)",
+        "K": f"top-{DEMO_TOP_K} of {DEMO_EXPERTS}",
+        "messages": DENSE_MESSAGES,
+    }
 
 
 # -- the synthetic streaming model ----------------------------------------------------------------
 
-SYN = dict(hidden=2048, layers=24, experts=128, top_k=8, moe_inter=768, heads=32, kv_heads=4, head_dim=128,
-           router_scale=4.0, seed=0)
+SYN = dict(
+    hidden=2048,
+    layers=24,
+    experts=128,
+    top_k=8,
+    moe_inter=768,
+    heads=32,
+    kv_heads=4,
+    head_dim=128,
+    router_scale=4.0,
+    seed=0,
+)
 
 
 def syn_config(vocab: int, bos: int | None, eos) -> dict:
     s = SYN
-    cfg = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=vocab,
-               hidden_size=s["hidden"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-               num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], rms_norm_eps=1e-6,
-               rope_theta=1_000_000.0, max_position_embeddings=4096, tie_word_embeddings=False,
-               num_experts=s["experts"], num_experts_per_tok=s["top_k"], moe_intermediate_size=s["moe_inter"],
-               intermediate_size=3 * s["moe_inter"], decoder_sparse_step=1, mlp_only_layers=[],
-               norm_topk_prob=True, attention_bias=False, hidden_act="silu", torch_dtype="float32")
+    cfg = dict(
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=vocab,
+        hidden_size=s["hidden"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        num_experts=s["experts"],
+        num_experts_per_tok=s["top_k"],
+        moe_intermediate_size=s["moe_inter"],
+        intermediate_size=3 * s["moe_inter"],
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        attention_bias=False,
+        hidden_act="silu",
+        torch_dtype="float32",
+    )
     if bos is not None:
         cfg["bos_token_id"] = bos
     if eos is not None:
@@ -472,23 +603,27 @@ def syn_tensors(cfg: dict) -> list[tuple[str, str, tuple[int, ...]]]:
     """(HF name, GGUF name, numpy shape) of every tensor, in file order."""
     H, V, E, I = cfg["hidden_size"], cfg["vocab_size"], cfg["num_experts"], cfg["moe_intermediate_size"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    out = [("model.embed_tokens.weight", "token_embd.weight", (V, H)),
-           ("model.norm.weight", "output_norm.weight", (H,)),
-           ("lm_head.weight", "output.weight", (V, H))]
+    out = [
+        ("model.embed_tokens.weight", "token_embd.weight", (V, H)),
+        ("model.norm.weight", "output_norm.weight", (H,)),
+        ("lm_head.weight", "output.weight", (V, H)),
+    ]
     for i in range(cfg["num_hidden_layers"]):
         p, b = f"model.layers.{i}.", f"blk.{i}."
-        out += [(p + "input_layernorm.weight", b + "attn_norm.weight", (H,)),
-                (p + "self_attn.q_proj.weight", b + "attn_q.weight", (nh * hd, H)),
-                (p + "self_attn.k_proj.weight", b + "attn_k.weight", (nkv * hd, H)),
-                (p + "self_attn.v_proj.weight", b + "attn_v.weight", (nkv * hd, H)),
-                (p + "self_attn.o_proj.weight", b + "attn_output.weight", (H, nh * hd)),
-                (p + "self_attn.q_norm.weight", b + "attn_q_norm.weight", (hd,)),
-                (p + "self_attn.k_norm.weight", b + "attn_k_norm.weight", (hd,)),
-                (p + "post_attention_layernorm.weight", b + "ffn_norm.weight", (H,)),
-                (p + "mlp.gate.weight", b + "ffn_gate_inp.weight", (E, H)),
-                (p + "mlp.switch_mlp.gate_proj.weight", b + "ffn_gate_exps.weight", (E, I, H)),
-                (p + "mlp.switch_mlp.up_proj.weight", b + "ffn_up_exps.weight", (E, I, H)),
-                (p + "mlp.switch_mlp.down_proj.weight", b + "ffn_down_exps.weight", (E, H, I))]
+        out += [
+            (p + "input_layernorm.weight", b + "attn_norm.weight", (H,)),
+            (p + "self_attn.q_proj.weight", b + "attn_q.weight", (nh * hd, H)),
+            (p + "self_attn.k_proj.weight", b + "attn_k.weight", (nkv * hd, H)),
+            (p + "self_attn.v_proj.weight", b + "attn_v.weight", (nkv * hd, H)),
+            (p + "self_attn.o_proj.weight", b + "attn_output.weight", (H, nh * hd)),
+            (p + "self_attn.q_norm.weight", b + "attn_q_norm.weight", (hd,)),
+            (p + "self_attn.k_norm.weight", b + "attn_k_norm.weight", (hd,)),
+            (p + "post_attention_layernorm.weight", b + "ffn_norm.weight", (H,)),
+            (p + "mlp.gate.weight", b + "ffn_gate_inp.weight", (E, H)),
+            (p + "mlp.switch_mlp.gate_proj.weight", b + "ffn_gate_exps.weight", (E, I, H)),
+            (p + "mlp.switch_mlp.up_proj.weight", b + "ffn_up_exps.weight", (E, I, H)),
+            (p + "mlp.switch_mlp.down_proj.weight", b + "ffn_down_exps.weight", (E, H, I)),
+        ]
     return out
 
 
@@ -505,12 +640,14 @@ def syn_values(name: str, shape: tuple[int, ...], lo: int = 0, hi: int | None = 
     if len(shape) == 3:
         hi = shape[0] if hi is None else hi
         assert lo % EXPERT_CHUNK == 0
-        parts = [_uniform(f"{name}#{e0}", (min(EXPERT_CHUNK, hi - e0), *shape[1:]), (3.0 / shape[-1]) ** 0.5)
-                 for e0 in range(lo, hi, EXPERT_CHUNK)]
+        parts = [
+            _uniform(f"{name}#{e0}", (min(EXPERT_CHUNK, hi - e0), *shape[1:]), (3.0 / shape[-1]) ** 0.5)
+            for e0 in range(lo, hi, EXPERT_CHUNK)
+        ]
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
     scale = (3.0 / shape[-1]) ** 0.5 * (SYN["router_scale"] if name.endswith("mlp.gate.weight") else 1.0)
     if "embed_tokens" in name:
-        scale = 3.0 ** 0.5  # rms 1 hidden states
+        scale = 3.0**0.5  # rms 1 hidden states
     return _uniform(name, shape, scale)
 
 
@@ -554,7 +691,7 @@ def build_synthetic_mlx(src: Path, cfg: dict, tokenizer_from: Path, log, scales:
             if layer != "top":
                 log(f"  synthetic mlx: layer {layer}")
         quantize = len(shape) >= 2 and not hf.endswith("mlp.gate.weight")
-        base = hf[:-len(".weight")]
+        base = hf[: -len(".weight")]
         if len(shape) == 3:
             ws, ss, bs = [], [], []
             for e0 in range(0, shape[0], EXPERT_CHUNK):
@@ -572,8 +709,9 @@ def build_synthetic_mlx(src: Path, cfg: dict, tokenizer_from: Path, log, scales:
             shard[base + suffix] = arr
             weight_map[base + suffix] = shard_name
     flush()
-    (src / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (src / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (tokenizer_from / f).exists():
             shutil.copy(tokenizer_from / f, src / f)
@@ -632,8 +770,14 @@ def build_synthetic_gguf(out: Path, cfg: dict, tok_gguf: Path, log) -> None:
         if qt == Q.F32:
             w.write_tensor_data(syn_values(hf, shape))
         elif len(shape) == 3:
-            w.write_tensor_data(np.concatenate([gguf.quants.quantize(syn_values(hf, shape, e0, e0 + EXPERT_CHUNK), qt)
-                                                for e0 in range(0, shape[0], EXPERT_CHUNK)]))
+            w.write_tensor_data(
+                np.concatenate(
+                    [
+                        gguf.quants.quantize(syn_values(hf, shape, e0, e0 + EXPERT_CHUNK), qt)
+                        for e0 in range(0, shape[0], EXPERT_CHUNK)
+                    ]
+                )
+            )
         else:
             w.write_tensor_data(gguf.quants.quantize(syn_values(hf, shape), qt))
     w.close()
@@ -657,7 +801,8 @@ def prepare_synthetic(work: Path, dense: dict, home: Path, log, scales: str = "b
         log(f"synthetic: reusing {work}")
     else:
         keep_gguf = gg.exists() and {k: v for k, v in had.items() if k != "scales"} == {
-            k: v for k, v in want.items() if k != "scales"}
+            k: v for k, v in want.items() if k != "scales"
+        }
         for p in (fm, src, work / "flashmoe-4bit.partial"):
             shutil.rmtree(p, ignore_errors=True)
         if not keep_gguf:
@@ -676,19 +821,29 @@ def prepare_synthetic(work: Path, dense: dict, home: Path, log, scales: str = "b
         marker.write_text(json.dumps(want, indent=1))
         log(f"synthetic: built in {time.perf_counter() - t0:.0f} s")
     s = SYN
-    return {"key": "synthetic",
-            "title": (f"synthetic qwen3_moe (random weights): hidden {s['hidden']}, {s['layers']} layers, "
-                      f"{s['experts']} experts top-{s['top_k']}, expert intermediate {s['moe_inter']}, "
-                      f"heads {s['heads']}/{s['kv_heads']} x {s['head_dim']}, vocab {cfg['vocab_size']}"),
-            "flashmoe": str(fm), "mlx_float": None, "mlx_bits": None, "gguf": str(gg),
-            "bits_flashmoe": f"4-bit g64 (MLX affine, {scales} scales; router float32)",
-            "bits_mlx": None, "bits_llama": "Q4_0 of the same float weights (router and norms F32)",
-            "K": f"top-{s['top_k']} of {s['experts']}", "prompt": RAW_PROMPT}
+    return {
+        "key": "synthetic",
+        "title": (
+            f"synthetic qwen3_moe (random weights): hidden {s['hidden']}, {s['layers']} layers, "
+            f"{s['experts']} experts top-{s['top_k']}, expert intermediate {s['moe_inter']}, "
+            f"heads {s['heads']}/{s['kv_heads']} x {s['head_dim']}, vocab {cfg['vocab_size']}"
+        ),
+        "flashmoe": str(fm),
+        "mlx_float": None,
+        "mlx_bits": None,
+        "gguf": str(gg),
+        "bits_flashmoe": f"4-bit g64 (MLX affine, {scales} scales; router float32)",
+        "bits_mlx": None,
+        "bits_llama": "Q4_0 of the same float weights (router and norms F32)",
+        "K": f"top-{s['top_k']} of {s['experts']}",
+        "prompt": RAW_PROMPT,
+    }
 
 
 # =================================================================================================
 # parent
 # =================================================================================================
+
 
 def run_child(spec: dict, log, timeout: float) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
@@ -696,7 +851,7 @@ def run_child(spec: dict, log, timeout: float) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT))
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_TAG):
-            out = json.loads(line[len(RESULT_TAG):])
+            out = json.loads(line[len(RESULT_TAG) :])
             out["child_wall_s"] = time.perf_counter() - t0
             return out
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
@@ -706,6 +861,7 @@ def run_child(spec: dict, log, timeout: float) -> dict:
 def llama_available() -> str | None:
     try:
         from importlib.metadata import version
+
         return version("llama-cpp-python")
     except Exception:  # noqa: BLE001
         return None
@@ -717,40 +873,115 @@ def configs_for(model: dict, a) -> list[dict]:
     out = []
     if model["key"] == "synthetic":
         cache_small = int(a.synthetic_cache_gb * 1e9)
-        out.append(dict(base, engine="flashmoe", label="flashmoe kernels=cpu, cache=all, prewarmed",
-                        kernels="cpu", path=model["flashmoe"], expert_cache=10**12, prewarm_all=True,
-                        state="expert cache holds every expert (prewarmed); page cache dropped"))
+        out.append(
+            dict(
+                base,
+                engine="flashmoe",
+                label="flashmoe kernels=cpu, cache=all, prewarmed",
+                kernels="cpu",
+                path=model["flashmoe"],
+                expert_cache=10**12,
+                prewarm_all=True,
+                state="expert cache holds every expert (prewarmed); page cache dropped",
+            )
+        )
         if a.int8:
-            out.append(dict(base, engine="flashmoe", label="flashmoe kernels=cpu-int8, cache=all, prewarmed",
-                            kernels="cpu-int8", path=model["flashmoe"], expert_cache=10**12, prewarm_all=True,
-                            state="expert cache holds every expert (prewarmed); page cache dropped"))
+            out.append(
+                dict(
+                    base,
+                    engine="flashmoe",
+                    label="flashmoe kernels=cpu-int8, cache=all, prewarmed",
+                    kernels="cpu-int8",
+                    path=model["flashmoe"],
+                    expert_cache=10**12,
+                    prewarm_all=True,
+                    state="expert cache holds every expert (prewarmed); page cache dropped",
+                )
+            )
         gb = f"{a.synthetic_cache_gb:g} GB"
-        out.append(dict(base, engine="flashmoe", label=f"flashmoe kernels=cpu, cache={gb}, cold",
-                        kernels="cpu", path=model["flashmoe"], expert_cache=cache_small, cold=True, drop="decode",
-                        state=f"expert cache {gb}; before each run the cache is emptied and the expert files "
-                              f"dropped from the page cache (DONTNEED), and dropped again after prefill: decode "
-                              f"starts page-cache cold, the expert cache holding what prefill left"))
-        out.append(dict(base, engine="flashmoe", label=f"flashmoe kernels=cpu, cache={gb}, cold each tok",
-                        kernels="cpu", path=model["flashmoe"], expert_cache=cache_small, cold=True, drop="each",
-                        state=f"expert cache {gb}; as 'cold', and the expert files dropped from the page cache "
-                              f"before every forward pass (drop time taken out): every miss reads the device"))
+        out.append(
+            dict(
+                base,
+                engine="flashmoe",
+                label=f"flashmoe kernels=cpu, cache={gb}, cold",
+                kernels="cpu",
+                path=model["flashmoe"],
+                expert_cache=cache_small,
+                cold=True,
+                drop="decode",
+                state=f"expert cache {gb}; before each run the cache is emptied and the expert files "
+                f"dropped from the page cache (DONTNEED), and dropped again after prefill: decode "
+                f"starts page-cache cold, the expert cache holding what prefill left",
+            )
+        )
+        out.append(
+            dict(
+                base,
+                engine="flashmoe",
+                label=f"flashmoe kernels=cpu, cache={gb}, cold each tok",
+                kernels="cpu",
+                path=model["flashmoe"],
+                expert_cache=cache_small,
+                cold=True,
+                drop="each",
+                state=f"expert cache {gb}; as 'cold', and the expert files dropped from the page cache "
+                f"before every forward pass (drop time taken out): every miss reads the device",
+            )
+        )
         if a.synthetic_mlx:
-            out.append(dict(base, engine="flashmoe", label="flashmoe kernels=mlx, cache=all, prewarmed",
-                            kernels="mlx", path=model["flashmoe"], expert_cache=10**12, prewarm_all=True,
-                            warmup=0, runs=1, state="expert cache holds every expert (prewarmed)"))
+            out.append(
+                dict(
+                    base,
+                    engine="flashmoe",
+                    label="flashmoe kernels=mlx, cache=all, prewarmed",
+                    kernels="mlx",
+                    path=model["flashmoe"],
+                    expert_cache=10**12,
+                    prewarm_all=True,
+                    warmup=0,
+                    runs=1,
+                    state="expert cache holds every expert (prewarmed)",
+                )
+            )
     else:
         for k in ("cpu",) + (("cpu-int8",) if a.int8 else ()) + (() if a.no_mlx_kernels else ("mlx",)):
-            out.append(dict(base, engine="flashmoe", label=f"flashmoe kernels={k}", kernels=k,
-                            path=model["flashmoe"], state="default expert cache (engine default budget), warm"))
+            out.append(
+                dict(
+                    base,
+                    engine="flashmoe",
+                    label=f"flashmoe kernels={k}",
+                    kernels=k,
+                    path=model["flashmoe"],
+                    state="default expert cache (engine default budget), warm",
+                )
+            )
         if model.get("mlx_float") and not a.no_mlx_lm:
-            out.append(dict(base, engine="mlx-lm", label=f"mlx-lm resident, {model['mlx_bits']}-bit",
-                            path=model["mlx_float"], bits=model["mlx_bits"], state="all weights in RAM"))
+            out.append(
+                dict(
+                    base,
+                    engine="mlx-lm",
+                    label=f"mlx-lm resident, {model['mlx_bits']}-bit",
+                    path=model["mlx_float"],
+                    bits=model["mlx_bits"],
+                    state="all weights in RAM",
+                )
+            )
     if a.kv16:  # the CPU rows with every expert at hand again, their KV cache in float16 as llama.cpp's
-        out += [dict(c, label=c["label"] + ", kv=float16", kv_cache="float16") for c in list(out)
-                if c["engine"] == "flashmoe" and c["kernels"] in ("cpu", "cpu-int8") and not c.get("cold")]
+        out += [
+            dict(c, label=c["label"] + ", kv=float16", kv_cache="float16")
+            for c in list(out)
+            if c["engine"] == "flashmoe" and c["kernels"] in ("cpu", "cpu-int8") and not c.get("cold")
+        ]
     if model.get("gguf") and a.llama:
-        out.append(dict(base, engine="llama.cpp", label=f"llama.cpp ({a.threads} threads)", path=model["gguf"],
-                        state="GGUF mmapped, page cache warm (read before the run)"))
+        out.append(
+            dict(
+                base,
+                engine="llama.cpp",
+                label=f"llama.cpp ({a.threads} threads)",
+                path=model["gguf"],
+                state="GGUF mmapped, page cache warm (read before the run)",
+            )
+        )
     for c in out:
         for key in ("messages", "prompt"):
             if model.get(key):
@@ -784,8 +1015,11 @@ def prompt_ids_for(model: dict) -> list[int]:
     from flashmoe.engine.runtime.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(Path(model["flashmoe"]))
-    req = (GenerationRequest(messages=model["messages"]) if model.get("messages")
-           else GenerationRequest(prompt=model["prompt"]))
+    req = (
+        GenerationRequest(messages=model["messages"])
+        if model.get("messages")
+        else GenerationRequest(prompt=model["prompt"])
+    )
     return render_prompt(SimpleNamespace(tokenizer=tok), req)
 
 
@@ -799,22 +1033,39 @@ def summarize(cfg: dict, results: list[dict]) -> dict:
     if not results[0].get("moe_layers"):  # no streamed experts (dense model, mlx-lm, llama.cpp)
         for r in runs:
             r["bytes_per_token"] = r["hit_rate"] = r["disk_bytes_per_token"] = r["disk_bytes_prefill"] = None
-    return {"label": cfg["label"], "engine": cfg["engine"], "measured_runs": len(runs),
-            "decode_tps": med("decode_tps"), "decode_tps_runs": [r["decode_tps"] for r in runs],
-            "wall_decode_tps": med("wall_decode_tps"), "perf_eval_tps": med("perf_eval_tps"),
-            "prefill_tps": med("prefill_tps"), "prompt_tokens": runs[0]["prompt_tokens"] if runs else None,
-            "generated": runs[0]["generated"] if runs else None,
-            "bytes_per_token": med("bytes_per_token"), "hit_rate": med("hit_rate"),
-            "disk_bytes_per_token": med("disk_bytes_per_token"), "io_wait_s": med("io_wait_s"),
-            "disk_bytes_prefill": med("disk_bytes_prefill"), "io_share": med("io_share"), "drop_s": med("drop_s"),
-            "tokens": runs[0]["tokens"] if runs else [], "text": runs[0].get("text") if runs else None,
-            "kernels_note": results[0].get("kernels_note"), "modules": results[0].get("modules"),
-            "expert_cache_bytes": results[0].get("expert_cache_bytes"),
-            "all_expert_bytes": results[0].get("all_expert_bytes"), "expert_bytes": results[0].get("expert_bytes"),
-            "moe_layers": results[0].get("moe_layers"), "top_k": results[0].get("top_k"),
-            "resident_bytes": results[0].get("resident_bytes"), "gguf_bytes": results[0].get("gguf_bytes"),
-            "load_s": statistics.median(r["load_s"] for r in results),
-            "state": cfg.get("state"), "cache_state": runs[0].get("cache_state") if runs else None}
+    return {
+        "label": cfg["label"],
+        "engine": cfg["engine"],
+        "measured_runs": len(runs),
+        "decode_tps": med("decode_tps"),
+        "decode_tps_runs": [r["decode_tps"] for r in runs],
+        "wall_decode_tps": med("wall_decode_tps"),
+        "perf_eval_tps": med("perf_eval_tps"),
+        "prefill_tps": med("prefill_tps"),
+        "prompt_tokens": runs[0]["prompt_tokens"] if runs else None,
+        "generated": runs[0]["generated"] if runs else None,
+        "bytes_per_token": med("bytes_per_token"),
+        "hit_rate": med("hit_rate"),
+        "disk_bytes_per_token": med("disk_bytes_per_token"),
+        "io_wait_s": med("io_wait_s"),
+        "disk_bytes_prefill": med("disk_bytes_prefill"),
+        "io_share": med("io_share"),
+        "drop_s": med("drop_s"),
+        "tokens": runs[0]["tokens"] if runs else [],
+        "text": runs[0].get("text") if runs else None,
+        "kernels_note": results[0].get("kernels_note"),
+        "modules": results[0].get("modules"),
+        "expert_cache_bytes": results[0].get("expert_cache_bytes"),
+        "all_expert_bytes": results[0].get("all_expert_bytes"),
+        "expert_bytes": results[0].get("expert_bytes"),
+        "moe_layers": results[0].get("moe_layers"),
+        "top_k": results[0].get("top_k"),
+        "resident_bytes": results[0].get("resident_bytes"),
+        "gguf_bytes": results[0].get("gguf_bytes"),
+        "load_s": statistics.median(r["load_s"] for r in results),
+        "state": cfg.get("state"),
+        "cache_state": runs[0].get("cache_state") if runs else None,
+    }
 
 
 def bench_model(model: dict, a, log, machine: str) -> tuple[dict, list[str]]:
@@ -826,7 +1077,7 @@ def bench_model(model: dict, a, log, machine: str) -> tuple[dict, list[str]]:
     errors: dict[str, str] = {}
     load0 = os.getloadavg()[0]
     for rnd in range(a.rounds):
-        order = cfgs[rnd % len(cfgs):] + cfgs[:rnd % len(cfgs)]
+        order = cfgs[rnd % len(cfgs) :] + cfgs[: rnd % len(cfgs)]
         for c in order:
             if c["label"] in errors:
                 continue
@@ -874,16 +1125,25 @@ def bench_model(model: dict, a, log, machine: str) -> tuple[dict, list[str]]:
     if model.get("bits_llama"):
         w(f"          llama.cpp {model['bits_llama']} ({Path(model['gguf']).name})")
     w(f"experts : {model['K']}")
-    what = "chat-templated " + repr(model["messages"][0]["content"][-60:]) if model.get("messages") else \
-        f"raw text ({model['prompt'][-40:]!r}, end)"
-    w(f"prompt  : {what} = {len(ids)} tokens, the same ids for every engine; {a.gen_tokens} generated tokens "
-      f"(EOS ignored), greedy")
-    w(f"runs    : {a.rounds} round(s) x ({a.warmup} warm-up + {a.runs} measured) per engine, each round a fresh "
-      f"child process per engine, order rotated per round")
+    what = (
+        "chat-templated " + repr(model["messages"][0]["content"][-60:])
+        if model.get("messages")
+        else f"raw text ({model['prompt'][-40:]!r}, end)"
+    )
+    w(
+        f"prompt  : {what} = {len(ids)} tokens, the same ids for every engine; {a.gen_tokens} generated tokens "
+        f"(EOS ignored), greedy"
+    )
+    w(
+        f"runs    : {a.rounds} round(s) x ({a.warmup} warm-up + {a.runs} measured) per engine, each round a fresh "
+        f"child process per engine, order rotated per round"
+    )
     w(f"machine : {machine}; load average {load0:.2f} before, {load1:.2f} after")
     w("-" * 122)
-    w(f"{'engine / configuration':<48}{'decode':>8}{'vs':>7}{'vs':>7}{'prefill':>9}{'B/tok':>11}{'hit':>7}"
-      f"{'disk':>11}  same tokens")
+    w(
+        f"{'engine / configuration':<48}{'decode':>8}{'vs':>7}{'vs':>7}{'prefill':>9}{'B/tok':>11}{'hit':>7}"
+        f"{'disk':>11}  same tokens"
+    )
     w(f"{'':<48}{'tok/s':>8}{'mlx-lm':>7}{'llama':>7}{'tok/s':>9}{'':>11}{'rate':>7}{'B/tok':>11}  as ref (16)")
     for s in summ.values():
         vs_m = f"{s['decode_tps'] / ref_mlx['decode_tps']:.2f}x" if ref_mlx and s["decode_tps"] else "-"
@@ -892,9 +1152,11 @@ def bench_model(model: dict, a, log, machine: str) -> tuple[dict, list[str]]:
         first_diff = next((i for i, (x, y) in enumerate(zip(s["tokens"][:n_cmp], ref_tokens)) if x != y), None)
         agree = f"{n_cmp}/{n_cmp}" if first_diff is None else f"differs from #{first_diff}"
         hit = f"{s['hit_rate']:.3f}" if s["hit_rate"] is not None else "-"
-        w(f"{s['label']:<48}{s['decode_tps']:>8.2f}{vs_m:>7}{vs_l:>7}{s['prefill_tps']:>9.1f}"
-          f"{fmt_bytes(s['bytes_per_token']) if s['bytes_per_token'] is not None else '-':>11}{hit:>7}"
-          f"{fmt_bytes(s['disk_bytes_per_token']) if s['disk_bytes_per_token'] is not None else '-':>11}  {agree}")
+        w(
+            f"{s['label']:<48}{s['decode_tps']:>8.2f}{vs_m:>7}{vs_l:>7}{s['prefill_tps']:>9.1f}"
+            f"{fmt_bytes(s['bytes_per_token']) if s['bytes_per_token'] is not None else '-':>11}{hit:>7}"
+            f"{fmt_bytes(s['disk_bytes_per_token']) if s['disk_bytes_per_token'] is not None else '-':>11}  {agree}"
+        )
     w("  decode tok/s: median over measured runs of (forward passes after the first token / their wall time);")
     w("  flashmoe's is GenerationFinished.generation_tps (with 'cold each tok' the page-cache drop time taken out);")
     w("  llama.cpp's is the wall time between its yielded tokens. B/tok: expert bytes the store read per decoded")
@@ -908,22 +1170,27 @@ def bench_model(model: dict, a, log, machine: str) -> tuple[dict, list[str]]:
             extra.append(s["kernels_note"])
             if s["moe_layers"]:
                 theory = s["top_k"] * s["expert_bytes"] * s["moe_layers"]
-                extra.append(f"expert cache {fmt_bytes(s['expert_cache_bytes'])} of {fmt_bytes(s['all_expert_bytes'])}, "
-                             f"K={s['top_k']}, expert {fmt_bytes(s['expert_bytes'])}, {s['moe_layers']} MoE layers; "
-                             f"B/tok {fmt_bytes(s['bytes_per_token'])} vs theory K x expert x layers x miss rate = "
-                             f"{fmt_bytes(theory)} x {1 - (s['hit_rate'] or 0):.3f} = "
-                             f"{fmt_bytes(theory * (1 - (s['hit_rate'] or 0)))}; hit rate {s['hit_rate']:.3f}; "
-                             f"engine cache_state={s['cache_state']}")
+                extra.append(
+                    f"expert cache {fmt_bytes(s['expert_cache_bytes'])} of {fmt_bytes(s['all_expert_bytes'])}, "
+                    f"K={s['top_k']}, expert {fmt_bytes(s['expert_bytes'])}, {s['moe_layers']} MoE layers; "
+                    f"B/tok {fmt_bytes(s['bytes_per_token'])} vs theory K x expert x layers x miss rate = "
+                    f"{fmt_bytes(theory)} x {1 - (s['hit_rate'] or 0):.3f} = "
+                    f"{fmt_bytes(theory * (1 - (s['hit_rate'] or 0)))}; hit rate {s['hit_rate']:.3f}; "
+                    f"engine cache_state={s['cache_state']}"
+                )
             extra.append(f"own wall-clock decode {s['wall_decode_tps']:.2f} tok/s")
             if s.get("drop_s"):
                 extra.append(f"page-cache drops took {s['drop_s']:.2f} s per run (excluded)")
             if s.get("disk_bytes_per_token") is not None:
-                extra.append(f"device reads during decode {fmt_bytes(s['disk_bytes_per_token'])}/token "
-                             f"(/proc/self/io), during prefill {fmt_bytes(s['disk_bytes_prefill'])}; "
-                             f"io wait {100 * (s['io_share'] or 0):.0f}% of decode")
+                extra.append(
+                    f"device reads during decode {fmt_bytes(s['disk_bytes_per_token'])}/token "
+                    f"(/proc/self/io), during prefill {fmt_bytes(s['disk_bytes_prefill'])}; "
+                    f"io wait {100 * (s['io_share'] or 0):.0f}% of decode"
+                )
         if s["engine"] == "mlx-lm":
-            extra.append(f"resident weights {fmt_bytes(s['resident_bytes'])}, float params cast to float32 before "
-                         f"quantize_model")
+            extra.append(
+                f"resident weights {fmt_bytes(s['resident_bytes'])}, float params cast to float32 before quantize_model"
+            )
         if s["engine"] == "llama.cpp":
             pe = f"{s['perf_eval_tps']:.2f}" if s["perf_eval_tps"] else "-"
             extra.append(f"{a.threads} threads; llama_perf_context eval {pe} tok/s; GGUF {fmt_bytes(s['gguf_bytes'])}")
@@ -931,57 +1198,106 @@ def bench_model(model: dict, a, log, machine: str) -> tuple[dict, list[str]]:
             rr = s.get(f"ratio_rounds_vs_{ref_engine}")
             if rr and s["engine"] != ref_engine:
                 extra.append(f"per-round ratio vs {ref_engine}: " + ", ".join(f"{x:.2f}x" for x in rr))
-        w(f"  {s['label']}: {s['decode_tps']:.2f} tok/s decode, {s['prefill_tps']:.1f} tok/s prefill "
-          f"| {s['state']} | prompt {s['prompt_tokens']} tok, {s['generated']} generated, {s['measured_runs']} "
-          f"measured runs {['%.2f' % x for x in s['decode_tps_runs']]} | " + "; ".join(extra))
+        w(
+            f"  {s['label']}: {s['decode_tps']:.2f} tok/s decode, {s['prefill_tps']:.1f} tok/s prefill "
+            f"| {s['state']} | prompt {s['prompt_tokens']} tok, {s['generated']} generated, {s['measured_runs']} "
+            f"measured runs {['%.2f' % x for x in s['decode_tps_runs']]} | " + "; ".join(extra)
+        )
     for label, err in errors.items():
-        w(f"  {label}: NOT MEASURED: {err.splitlines()[0]}" + (f" ... {err.splitlines()[-1]}"
-                                                                if len(err.splitlines()) > 1 else ""))
+        w(
+            f"  {label}: NOT MEASURED: {err.splitlines()[0]}"
+            + (f" ... {err.splitlines()[-1]}" if len(err.splitlines()) > 1 else "")
+        )
     if summ:
         first = next(iter(summ.values()))
         if first.get("text"):
             w(f"  flashmoe text: {first['text'][:100]!r}")
     w("=" * 122)
-    return {"model": {k: v for k, v in model.items()}, "prompt_ids": ids, "configs": cfgs, "summary": summ,
-            "results": results, "errors": errors, "loadavg": [load0, load1]}, lines
+    return {
+        "model": {k: v for k, v in model.items()},
+        "prompt_ids": ids,
+        "configs": cfgs,
+        "summary": summ,
+        "results": results,
+        "errors": errors,
+        "loadavg": [load0, load1],
+    }, lines
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--models", default="dense,demo", help="comma-separated: dense, demo (default both)")
-    p.add_argument("--synthetic", action="store_true", help="also build and run the big synthetic streaming "
-                   "model (~5 min to build here, ~17.5 GB in --synthetic-dir, reused)")
+    p.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="also build and run the big synthetic streaming "
+        "model (~5 min to build here, ~17.5 GB in --synthetic-dir, reused)",
+    )
     p.add_argument("--synthetic-dir", type=Path, default=Path("/tmp/fm-side-by-side-synthetic"))
-    p.add_argument("--synthetic-scales", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="the synthetic model's MLX scales and biases: bfloat16 as MLX checkpoints have them "
-                   "(default), or float32 (the MLX side is built again when this changes)")
-    p.add_argument("--synthetic-cache-gb", type=float, default=2.0,
-                   help="the smaller expert cache for the cold synthetic run (default 2 GB)")
-    p.add_argument("--synthetic-mlx", action="store_true", help="also time flashmoe kernels=mlx on the synthetic "
-                   "model (one run, slow)")
-    p.add_argument("--workdir", type=Path, default=Path("/tmp/fm-side-by-side"),
-                   help="converted models are kept here and reused (default %(default)s)")
-    p.add_argument("--home", type=Path, default=Path(os.environ.get("FLASHMOE_HOME", "/tmp/fmhome")),
-                   help="FLASHMOE_HOME: the demo model and the downloaded GGUF (default $FLASHMOE_HOME or /tmp/fmhome)")
+    p.add_argument(
+        "--synthetic-scales",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the synthetic model's MLX scales and biases: bfloat16 as MLX checkpoints have them "
+        "(default), or float32 (the MLX side is built again when this changes)",
+    )
+    p.add_argument(
+        "--synthetic-cache-gb",
+        type=float,
+        default=2.0,
+        help="the smaller expert cache for the cold synthetic run (default 2 GB)",
+    )
+    p.add_argument(
+        "--synthetic-mlx",
+        action="store_true",
+        help="also time flashmoe kernels=mlx on the synthetic model (one run, slow)",
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("/tmp/fm-side-by-side"),
+        help="converted models are kept here and reused (default %(default)s)",
+    )
+    p.add_argument(
+        "--home",
+        type=Path,
+        default=Path(os.environ.get("FLASHMOE_HOME", "/tmp/fmhome")),
+        help="FLASHMOE_HOME: the demo model and the downloaded GGUF (default $FLASHMOE_HOME or /tmp/fmhome)",
+    )
     p.add_argument("--gen-tokens", type=int, default=64)
-    p.add_argument("--prompt-tokens", type=int, default=None, metavar="N",
-                   help="lengthen each model's prompt with filler text to about N tokens (the same ids for "
-                        "every engine), so that prefill is compared at the lengths agents send")
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="lengthen each model's prompt with filler text to about N tokens (the same ids for "
+        "every engine), so that prefill is compared at the lengths agents send",
+    )
     p.add_argument("--warmup", type=int, default=1, help="warm-up runs per child (default 1)")
     p.add_argument("--runs", type=int, default=2, help="measured runs per child (default 2)")
     p.add_argument("--rounds", type=int, default=2, help="rounds over all engines (default 2)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama.cpp threads")
     p.add_argument("--no-llama", dest="llama", action="store_false", help="skip llama.cpp")
     p.add_argument("--no-mlx-lm", action="store_true", help="skip resident mlx-lm")
-    p.add_argument("--no-mlx-kernels", action="store_true",
-                   help="skip flashmoe kernels=mlx (MLX's CPU kernels: minutes per long prompt)")
-    p.add_argument("--int8", action="store_true",
-                   help="also time flashmoe kernels=cpu-int8 (matmuls on int8 activations, engine/cpu/int8.py; on the synthetic model with every expert cached)")
-    p.add_argument("--kv16", action="store_true",
-                   help="also time the flashmoe CPU rows with --kv-cache float16 (the KV cache as llama.cpp "
-                        "keeps it: half the bytes a decode step reads from it after a long prompt; not exact)")
+    p.add_argument(
+        "--no-mlx-kernels",
+        action="store_true",
+        help="skip flashmoe kernels=mlx (MLX's CPU kernels: minutes per long prompt)",
+    )
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="also time flashmoe kernels=cpu-int8 (matmuls on int8 activations, engine/cpu/int8.py; on the synthetic model with every expert cached)",
+    )
+    p.add_argument(
+        "--kv16",
+        action="store_true",
+        help="also time the flashmoe CPU rows with --kv-cache float16 (the KV cache as llama.cpp "
+        "keeps it: half the bytes a decode step reads from it after a long prompt; not exact)",
+    )
     p.add_argument("--child-timeout", type=float, default=3600)
     p.add_argument("--out", type=Path, help="write every figure as JSON")
     a = p.parse_args(argv)
@@ -1001,9 +1317,11 @@ def main(argv=None) -> int:
     if a.llama and not llama_available():
         log("llama-cpp-python is not installed: llama.cpp rows skipped (pip install llama-cpp-python==0.3.36)")
         a.llama = False
-    machine = (f"{len(os.sched_getaffinity(0))} CPUs ({cpu_model()}), {mem_total_gib()} GiB RAM, Linux "
-               f"{ver['kernel']}, Python {ver['python']}, mlx {ver['mlx']} (CPU), mlx-lm {ver['mlx_lm']}, "
-               f"numba {ver['numba']}, llama-cpp-python {ver['llama_cpp']}, flashmoe {source_revision()}")
+    machine = (
+        f"{len(os.sched_getaffinity(0))} CPUs ({cpu_model()}), {mem_total_gib()} GiB RAM, Linux "
+        f"{ver['kernel']}, Python {ver['python']}, mlx {ver['mlx']} (CPU), mlx-lm {ver['mlx_lm']}, "
+        f"numba {ver['numba']}, llama-cpp-python {ver['llama_cpp']}, flashmoe {source_revision()}"
+    )
     wanted = [m.strip() for m in a.models.split(",") if m.strip()]
     models = []
     dense = prepare_dense(a.workdir, a.home, log)
@@ -1024,11 +1342,27 @@ def main(argv=None) -> int:
     total = time.perf_counter() - t_start
     print(f"total wall time {total:.0f} s", flush=True)
     if a.out:
-        a.out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:],
-                                     "machine": machine, "versions": ver, "gen_tokens": a.gen_tokens,
-                                     "rounds": a.rounds, "warmup": a.warmup, "runs": a.runs,
-                                     "threads": a.threads, "models": out, "printed": all_lines,
-                                     "total_s": total}, indent=1, default=str) + "\n")
+        a.out.write_text(
+            json.dumps(
+                {
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "argv": sys.argv[1:],
+                    "machine": machine,
+                    "versions": ver,
+                    "gen_tokens": a.gen_tokens,
+                    "rounds": a.rounds,
+                    "warmup": a.warmup,
+                    "runs": a.runs,
+                    "threads": a.threads,
+                    "models": out,
+                    "printed": all_lines,
+                    "total_s": total,
+                },
+                indent=1,
+                default=str,
+            )
+            + "\n"
+        )
         log(f"wrote {a.out}")
     return 0
 

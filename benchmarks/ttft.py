@@ -10,6 +10,7 @@ each prefills the whole prompt (a conversation's next turn would reuse its prefi
     python benchmarks/ttft.py -m MODEL --requests 5 --kernels mlx
     python benchmarks/ttft.py --tools         # a tools turn: the agent's system prompt and built-in tools
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,13 @@ def tools_turn(eng, prompt: str, i: int) -> tuple[float, int]:
         if isinstance(ev, GenerationFinished):
             seen.setdefault("prompt_tokens", ev.prompt_tokens)
 
-    loop = make_loop(ToolOptions.from_args(args), ChatSession(eng, cid=f"ttft-tools-{i}"), eng.loaded_info.chat_template,
-                     NonInteractiveApprover(), on_event)
+    loop = make_loop(
+        ToolOptions.from_args(args),
+        ChatSession(eng, cid=f"ttft-tools-{i}"),
+        eng.loaded_info.chat_template,
+        NonInteractiveApprover(),
+        on_event,
+    )
     loop.run_turn(prompt)
     return seen["first"], seen.get("prompt_tokens")
 
@@ -70,12 +76,18 @@ def main() -> int:
     p.add_argument("--prompt", default="What is the capital of France?")
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--kernels", default="auto", choices=("auto", "mlx", "cpu", "cpu-int8"))
-    p.add_argument("--tools", action="store_true",
-                   help="send each prompt as `flashmoe run --tools builtin` does: through the AgentLoop, with "
-                        "the built-in tools' instructions in the prompt")
-    p.add_argument("--saved-prefixes", action="store_true",
-                   help="with prompt caches saved to a fresh folder (as chat and serve keep them in "
-                        "FLASHMOE_HOME/kv): each new conversation starts from the prefix the last one saved")
+    p.add_argument(
+        "--tools",
+        action="store_true",
+        help="send each prompt as `flashmoe run --tools builtin` does: through the AgentLoop, with "
+        "the built-in tools' instructions in the prompt",
+    )
+    p.add_argument(
+        "--saved-prefixes",
+        action="store_true",
+        help="with prompt caches saved to a fresh folder (as chat and serve keep them in "
+        "FLASHMOE_HOME/kv): each new conversation starts from the prefix the last one saved",
+    )
     args = p.parse_args()
 
     from flashmoe.engine import ModelLoaded
@@ -97,9 +109,11 @@ def main() -> int:
     for i in range(args.requests):
         prompt = args.prompt if i == 0 else f"{args.prompt} (question {i + 1})"  # a new question each time
         first, prompt_tokens = (tools_turn if args.tools else plain_turn)(eng, prompt, i)
-        print(f"request {i + 1}: first token after {first:.3f} s ({prompt_tokens} prompt tokens"
-              f"{', built-in tools' if args.tools else ''}, "
-              f"{'first request after load' if i == 0 else 'prefix from the saved cache' if kv else 'full prefill again'})")
+        print(
+            f"request {i + 1}: first token after {first:.3f} s ({prompt_tokens} prompt tokens"
+            f"{', built-in tools' if args.tools else ''}, "
+            f"{'first request after load' if i == 0 else 'prefix from the saved cache' if kv else 'full prefill again'})"
+        )
     eng.close()
     return 0
 

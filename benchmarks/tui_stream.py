@@ -17,6 +17,7 @@ process's CPU time (what the UI takes from the engine's threads in the real app)
 
 A benchmark, not a test: it asserts only that both showed the whole text.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,9 +34,11 @@ from benchmarks.bench_common import cpu_model, source_revision  # noqa: E402
 
 
 def reply_text(items: int) -> str:
-    return ("Here are the colours:\n\n"
-            + "".join(f"{i}. Colour number {i} is a **shade** of blue-green.\n" for i in range(1, items + 1))
-            + "\nThat is all.\n")
+    return (
+        "Here are the colours:\n\n"
+        + "".join(f"{i}. Colour number {i} is a **shade** of blue-green.\n" for i in range(1, items + 1))
+        + "\nThat is all.\n"
+    )
 
 
 async def stream_once(mode: str, text: str, gap_s: float) -> dict:
@@ -48,7 +51,7 @@ async def stream_once(mode: str, text: str, gap_s: float) -> dict:
         def compose(self):
             yield Transcript()
 
-    frags = [text[i:i + 4] for i in range(0, len(text), 4)]
+    frags = [text[i : i + 4] for i in range(0, len(text), 4)]
     app = Bench()
     async with app.run_test(size=(120, 40)) as pilot:
         box = AssistantMessage()
@@ -74,17 +77,23 @@ def main() -> None:
     ap.add_argument("--gap-ms", type=float, default=4.0, help="time between fragments (default 4 ms)")
     args = ap.parse_args()
     text = reply_text(args.items)
-    print(f"{cpu_model()}; {source_revision()}; a {args.items}-item list, {len(text)} characters in 4-character "
-          f"fragments {args.gap_ms:g} ms apart (the arrival alone: "
-          f"{len(text) / 4 * args.gap_ms / 1000:.1f} s)")
+    print(
+        f"{cpu_model()}; {source_revision()}; a {args.items}-item list, {len(text)} characters in 4-character "
+        f"fragments {args.gap_ms:g} ms apart (the arrival alone: "
+        f"{len(text) / 4 * args.gap_ms / 1000:.1f} s)"
+    )
     got = {}
     for mode in ("reference", "flashmoe"):
         r = got[mode] = asyncio.run(stream_once(mode, text, args.gap_ms / 1000))
         fifths = ", ".join(f"{t:.1f}" for t in r["fifths"])
-        print(f"  {mode:9}: shown in {r['wall']:.2f} s (at each fifth: {fifths} s), UI CPU {r['cpu']:.2f} s, "
-              f"{r['widgets']} Markdown widget(s)")
+        print(
+            f"  {mode:9}: shown in {r['wall']:.2f} s (at each fifth: {fifths} s), UI CPU {r['cpu']:.2f} s, "
+            f"{r['widgets']} Markdown widget(s)"
+        )
     ref, new = got["reference"], got["flashmoe"]
-    print(f"  flashmoe vs reference: wall {ref['wall'] / new['wall']:.2f}x faster, CPU {ref['cpu'] / new['cpu']:.2f}x less")
+    print(
+        f"  flashmoe vs reference: wall {ref['wall'] / new['wall']:.2f}x faster, CPU {ref['cpu'] / new['cpu']:.2f}x less"
+    )
 
 
 if __name__ == "__main__":

@@ -13,17 +13,41 @@
 Never imports a UI package (textual, prompt_toolkit, rich) or flashmoe.tools: front ends sit
 on top of this (docs/architecture.md).
 """
+
 from __future__ import annotations
 
 from flashmoe.engine.errors import ConvertError, FlashMoEError, ModelLoadError
-from flashmoe.engine.events import (EngineFailed, GenerationFinished, LayerRow, LayerTimings, ModelLoaded,
-                     PrefillProgress, StepFinished, TokenGenerated)
+from flashmoe.engine.events import (
+    EngineFailed,
+    GenerationFinished,
+    LayerRow,
+    LayerTimings,
+    ModelLoaded,
+    PrefillProgress,
+    StepFinished,
+    TokenGenerated,
+)
 from flashmoe.engine.options import SamplingParams
 
 __all__ = [
-    "load", "convert", "Engine", "GenerationRequest", "Session", "generate", "SamplingParams",
-    "FlashMoEError", "ModelLoadError", "ConvertError", "EngineFailed", "GenerationFinished",
-    "LayerRow", "LayerTimings", "ModelLoaded", "PrefillProgress", "StepFinished", "TokenGenerated",
+    "load",
+    "convert",
+    "Engine",
+    "GenerationRequest",
+    "Session",
+    "generate",
+    "SamplingParams",
+    "FlashMoEError",
+    "ModelLoadError",
+    "ConvertError",
+    "EngineFailed",
+    "GenerationFinished",
+    "LayerRow",
+    "LayerTimings",
+    "ModelLoaded",
+    "PrefillProgress",
+    "StepFinished",
+    "TokenGenerated",
 ]
 
 
@@ -31,14 +55,18 @@ def __getattr__(name):
     # Heavy modules load on first use, so `import engine` stays cheap.
     if name == "load":
         from flashmoe.engine.runtime.loader import load
+
         return load
     if name == "convert":
         from flashmoe.engine.formats.convert import convert
+
         return convert
     if name == "Engine":
         from flashmoe.engine.runtime.engine import Engine
+
         return Engine
     if name in ("GenerationRequest", "Session", "generate"):
         from flashmoe.engine.runtime import generate as g
+
         return getattr(g, name)
     raise AttributeError(name)

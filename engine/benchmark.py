@@ -5,6 +5,7 @@ Cold means: the expert slots are emptied and the expert files are dropped from t
 device. A later read of an expert the slots have evicted in between may find it in the page cache
 again: how much came from the device is measured (/proc/self/io), not assumed.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -18,9 +19,11 @@ from pathlib import Path
 from flashmoe.engine.events import StepFinished, TokenGenerated
 from flashmoe.engine.runtime.generate import GenerationRequest, Session, generate
 
-FILLER = ("Mixture-of-experts models route each token to a few experts; the rest stay on the disk "
-          "until a token asks for them. We talked about the weather in Paris, the time of day, and "
-          "what to eat for dinner. Numbers like 12, 345 and 6789 appear too. ")
+FILLER = (
+    "Mixture-of-experts models route each token to a few experts; the rest stay on the disk "
+    "until a token asks for them. We talked about the weather in Paris, the time of day, and "
+    "what to eat for dinner. Numbers like 12, 345 and 6789 appear too. "
+)
 
 
 def cpu_model() -> str:
@@ -32,8 +35,11 @@ def cpu_model() -> str:
 
     name = platform.processor() or platform.machine()
     try:
-        name = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
+        name = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         pass
     return f"{name}, {dot_name()}"
@@ -211,8 +217,21 @@ def run_generation(loaded, prompt: str, tokens: int, cold: bool, drop_every_toke
     miss = 1.0 - done.hit_rate
     per_expert = (sum(l.expert_bytes for l in loaded.layers) / len(loaded.layers)) if loaded.layers else 0
     theory = loaded.top_k * per_expert * len(loaded.layers) * miss
-    return RunResult("cold" if cold else "warm", done.prompt_tokens, done.generation_tokens, done.prompt_tps,
-                     decode_tps, done.bytes_per_token, theory, done.hit_rate,
-                     done.io_wait_s / decode_s if decode_s else 0.0, time.perf_counter() - t0,
-                     done.prefetch_hit_rate, device, drop_every_token, verify1 - verify0, verify2 - verify1,
-                     busy / decode_s if decode_s else 0.0)
+    return RunResult(
+        "cold" if cold else "warm",
+        done.prompt_tokens,
+        done.generation_tokens,
+        done.prompt_tps,
+        decode_tps,
+        done.bytes_per_token,
+        theory,
+        done.hit_rate,
+        done.io_wait_s / decode_s if decode_s else 0.0,
+        time.perf_counter() - t0,
+        done.prefetch_hit_rate,
+        device,
+        drop_every_token,
+        verify1 - verify0,
+        verify2 - verify1,
+        busy / decode_s if decode_s else 0.0,
+    )

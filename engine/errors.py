@@ -2,6 +2,7 @@
 
 Front ends turn these into one line on stderr and an exit code; anything else is a bug.
 """
+
 from __future__ import annotations
 
 

@@ -3,6 +3,7 @@
 No MLX arrays, nothing mutable: an event can be queued across threads and written as one JSON
 line as it is (`to_dict`).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -101,7 +102,9 @@ class GenerationFinished(Event):
     hit_rate: float  # expert cache hits / lookups during decode
     top_k: int
     bits: int | None
-    cache_state: str  # "cold": the expert slots were empty when it started; "preloaded": seeded from the usage file; else "warm"
+    cache_state: (
+        str  # "cold": the expert slots were empty when it started; "preloaded": seeded from the usage file; else "warm"
+    )
     prefetch_hit_rate: float = 0.0  # --prefetch: read-ahead experts that were then used
     text: str = ""  # the whole reply
     tail: str = ""  # reply text not yet sent in TokenGenerated events (held back, then released)

@@ -4,6 +4,7 @@ A slot bank, an original block kept for its fallback, a kernel's source arrays: 
 of the module that keeps it, so mlx's tree walks (parameters(), update(), load_weights) must not
 see them.
 """
+
 from __future__ import annotations
 
 

@@ -3,6 +3,7 @@
 Imports nothing heavy (no MLX), so `flashmoe --help`, usage errors and the config file are
 checked against the engine's own lists without loading it.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,13 +36,13 @@ def resolve_dtype(choice: str) -> str | None:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0         # <= 0 means greedy
-    top_p: float = 1.0               # 1 disables
-    top_k: int = 0                   # 0 disables
-    min_p: float = 0.0               # 0 disables
+    temperature: float = 0.0  # <= 0 means greedy
+    top_p: float = 1.0  # 1 disables
+    top_k: int = 0  # 0 disables
+    min_p: float = 0.0  # 0 disables
     repetition_penalty: float = 1.0  # 1 disables
-    repetition_context: int = 64     # how many recent ids the penalty looks at
-    seed: int | None = None          # None: a fresh random seed per Sampler
+    repetition_context: int = 64  # how many recent ids the penalty looks at
+    seed: int | None = None  # None: a fresh random seed per Sampler
 
     def __post_init__(self):
         def is_int(v):

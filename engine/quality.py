@@ -1,5 +1,6 @@
 """Perplexity, KL from a reference and the decode cost of a loaded model on a text, for
 `flashmoe bench quality`."""
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,11 @@ def decode_cost(loaded, ids: list[int]) -> dict:
         if loaded.store is not None:
             for s in loaded.store.step_done().values():
                 read, hits, lookups = read + s.bytes_read, hits + s.hits, lookups + s.hits + s.misses
-    return {"decode_tps": len(ids) / (time.perf_counter() - t0), "bytes_per_token": read / len(ids),
-            "hit_rate": hits / lookups if lookups else 1.0}
+    return {
+        "decode_tps": len(ids) / (time.perf_counter() - t0),
+        "bytes_per_token": read / len(ids),
+        "hit_rate": hits / lookups if lookups else 1.0,
+    }
 
 
 def score(loaded, ids: list[int], reference: list | None) -> dict:
@@ -41,7 +45,7 @@ def score(loaded, ids: list[int], reference: list | None) -> dict:
     count = 0
     windows, seconds = [], 0.0
     for w, start in enumerate(range(0, len(ids) - 1, WINDOW)):
-        piece = ids[start:start + WINDOW + 1]
+        piece = ids[start : start + WINDOW + 1]
         t0 = time.perf_counter()
         logits = loaded.model(mx.array([piece[:-1]]))[0].astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -55,6 +59,11 @@ def score(loaded, ids: list[int], reference: list | None) -> dict:
             kl += (mx.exp(ref) * (ref - logprobs)).sum().item()
         if reference is None:  # only the reference's are needed later (for KL): ~200 MB per 1k tokens
             windows.append(logprobs)
-    return {"tokens": count, "perplexity": math.exp(nll / count), "mean_logprob": -nll / count,
-            "kl": kl / count if reference is not None else None, "prefill_tps": count / seconds,
-            "logprobs": windows}
+    return {
+        "tokens": count,
+        "perplexity": math.exp(nll / count),
+        "mean_logprob": -nll / count,
+        "kl": kl / count if reference is not None else None,
+        "prefill_tps": count / seconds,
+        "logprobs": windows,
+    }

@@ -3,6 +3,7 @@
 Same interface as Engine (wait_loaded, submit -> Handle, reset_session, close) and the same
 events, with deterministic per-layer timings, so a UI can be built and tested without a model.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -11,14 +12,30 @@ import threading
 import time
 
 from flashmoe.engine.runtime.engine import Handle
-from flashmoe.engine.events import (EngineFailed, GenerationFinished, LayerRow, LayerTimings, ModelLoaded, PrefillProgress,
-                     StepFinished, TokenGenerated)
+from flashmoe.engine.events import (
+    EngineFailed,
+    GenerationFinished,
+    LayerRow,
+    LayerTimings,
+    ModelLoaded,
+    PrefillProgress,
+    StepFinished,
+    TokenGenerated,
+)
 
 
 class FakeEngine:
-    def __init__(self, replies: list[str] | None = None, *, layers: int = 8, token_delay: float = 0.0,
-                 prompt_tokens: int = 12, fail: str | None = None, chat_template: str = "",
-                 context: int | None = 32768):
+    def __init__(
+        self,
+        replies: list[str] | None = None,
+        *,
+        layers: int = 8,
+        token_delay: float = 0.0,
+        prompt_tokens: int = 12,
+        fail: str | None = None,
+        chat_template: str = "",
+        context: int | None = 32768,
+    ):
         """chat_template: a Jinja chat template that requests are rendered with (as the real engine
         does), so that PrefillProgress says when the prompt ends inside reasoning."""
         self._replies = itertools.cycle(replies or ["Hello! I am a **fake** engine.\n\n- one\n- two"])
@@ -27,10 +44,21 @@ class FakeEngine:
         self.prompt_tokens = prompt_tokens
         self.fail = fail
         self.requests: list = []  # what was submitted, for tests
-        self.loaded_info = ModelLoaded(model="fake", model_type="fake_moe", mode="packed", layers=layers,
-                                       moe_layers=layers, experts=64, top_k=4, bits=4,
-                                       cache_bytes=64 << 20, load_s=0.0, cache_policy="lfu",
-                                       chat_template=chat_template, context=context)
+        self.loaded_info = ModelLoaded(
+            model="fake",
+            model_type="fake_moe",
+            mode="packed",
+            layers=layers,
+            moe_layers=layers,
+            experts=64,
+            top_k=4,
+            bits=4,
+            cache_bytes=64 << 20,
+            load_s=0.0,
+            cache_policy="lfu",
+            chat_template=chat_template,
+            context=context,
+        )
         self._template = None
         if chat_template:
             from flashmoe.engine.runtime.tokenizer import _make_environment
@@ -57,8 +85,15 @@ class FakeEngine:
             return ""
 
         def render(gen: bool) -> str:
-            return self._template.render(messages=request.messages, tools=request.tools, add_generation_prompt=gen,
-                                         bos_token="", eos_token="", **request.template_kwargs)
+            return self._template.render(
+                messages=request.messages,
+                tools=request.tools,
+                add_generation_prompt=gen,
+                bos_token="",
+                eos_token="",
+                **request.template_kwargs,
+            )
+
         return prompt_reasoning(render(True), render(False))
 
     def reset_session(self, session: str = "default") -> None:
@@ -92,12 +127,34 @@ class FakeEngine:
             text.append(piece)
             put(TokenGenerated(1000 + step, piece, step))
             put(StepFinished(step, 50.0, 20.0, 4 << 20, 24, 8))
-            put(LayerTimings(step, "layer", tuple(
-                LayerRow(i, 1.0 + (i % 3) * 0.5, 0.3, 2.0 + (i * 7 % 5), 3.0, 0.4, 3, 1, 524288)
-                for i in range(self.layers))))
+            put(
+                LayerTimings(
+                    step,
+                    "layer",
+                    tuple(
+                        LayerRow(i, 1.0 + (i % 3) * 0.5, 0.3, 2.0 + (i * 7 % 5), 3.0, 0.4, 3, 1, 524288)
+                        for i in range(self.layers)
+                    ),
+                )
+            )
         wall = max(time.perf_counter() - start, 1e-6)
-        put(GenerationFinished(
-            reason=reason, prompt_tokens=self.prompt_tokens, reused_prompt_tokens=0,
-            generation_tokens=len(text), prompt_tps=240.0, generation_tps=len(text) / wall,
-            prefill_s=0.05, decode_s=wall, io_wait_s=wall * 0.3, bytes_per_token=4 << 20, hit_rate=0.75, top_k=4, bits=4,
-            cache_state="warm", text="".join(text), tail=""))
+        put(
+            GenerationFinished(
+                reason=reason,
+                prompt_tokens=self.prompt_tokens,
+                reused_prompt_tokens=0,
+                generation_tokens=len(text),
+                prompt_tps=240.0,
+                generation_tps=len(text) / wall,
+                prefill_s=0.05,
+                decode_s=wall,
+                io_wait_s=wall * 0.3,
+                bytes_per_token=4 << 20,
+                hit_rate=0.75,
+                top_k=4,
+                bits=4,
+                cache_state="warm",
+                text="".join(text),
+                tail="",
+            )
+        )

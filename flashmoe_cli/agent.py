@@ -8,6 +8,7 @@ UI-agnostic: every face (headless, line REPL, TUI, scripted sessions) drives an 
 renders the events it emits (on the driving thread; a Textual worker posts them on); approvals
 come from the face's Approver (approvers.py); cancel() works from any thread.
 """
+
 from __future__ import annotations
 
 import json
@@ -84,24 +85,33 @@ class TurnFinished:
 # How a call is written, in the format of the parser that will read it (templates without native
 # tools get these instructions in the system prompt, so what they say must be what is parsed).
 CALL_FORMATS = {
-    "deepseek_v3": ("For each function call, write its name and its arguments as a JSON object between DeepSeek's "
-                    "tool-call markers:\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
-                    "<function-name>\n```json\n<args-json-object>\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+    "deepseek_v3": (
+        "For each function call, write its name and its arguments as a JSON object between DeepSeek's "
+        "tool-call markers:\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+        "<function-name>\n```json\n<args-json-object>\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    ),
 }
-JSON_CALL_FORMAT = ("For each function call, return a json object with function name and arguments within "
-                    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-                    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+JSON_CALL_FORMAT = (
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
 
 
 def tool_instructions(tools: list[dict], parser=None, *, native_results: bool = False) -> str:
     """For chat templates that render no tools: how to call them, in the parser's own format
     (Qwen / Hermes JSON unless the parser has one of its own)."""
     text = resources.files("flashmoe.prompts").joinpath("tool_instructions.md").read_text()
-    results = ("Tool results come back to you in the next turn." if native_results else
-               "Tool results come back to you inside <tool_response></tool_response> tags.")
-    return (text.replace("{call_format}", CALL_FORMATS.get(getattr(parser, "name", ""), JSON_CALL_FORMAT))
-                .replace("{results}", results)
-                .replace("{tools}", "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)))
+    results = (
+        "Tool results come back to you in the next turn."
+        if native_results
+        else "Tool results come back to you inside <tool_response></tool_response> tags."
+    )
+    return (
+        text.replace("{call_format}", CALL_FORMATS.get(getattr(parser, "name", ""), JSON_CALL_FORMAT))
+        .replace("{results}", results)
+        .replace("{tools}", "\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    )
 
 
 @dataclass
@@ -159,8 +169,12 @@ class AgentLoop:
 
             fmt = "xml" if getattr(self.parser, "name", "") == "qwen3_coder" else "json"
             self._factories[mode] = tool_call_constraint(
-                self.tools, mode, fmt, getattr(self.parser, "tool_call_start", "<tool_call>") or "<tool_call>",
-                getattr(self.parser, "tool_call_end", "</tool_call>") or "</tool_call>")
+                self.tools,
+                mode,
+                fmt,
+                getattr(self.parser, "tool_call_start", "<tool_call>") or "<tool_call>",
+                getattr(self.parser, "tool_call_end", "</tool_call>") or "</tool_call>",
+            )
         return self._factories[mode]
 
     def run_turn(self, text: str, deadline: float | None = None) -> TurnFinished:
@@ -195,10 +209,21 @@ class AgentLoop:
             for call, res in zip(calls, results):
                 verdict = check_call(call, self.executor.registry)  # to name the failure, repaired ones too
                 kind = None if verdict.ok else verdict.kind
-                self.on_event(ToolCallEvent(call.name, call.arguments, call.raw, res.status != "invalid",
-                                            None if res.ok else res.error, kind))
-                self.on_event(ToolResultEvent(res.name, res.ok, res.status, res.content, res.duration_s,
-                                              res.exit_code, res.truncated))
+                self.on_event(
+                    ToolCallEvent(
+                        call.name,
+                        call.arguments,
+                        call.raw,
+                        res.status != "invalid",
+                        None if res.ok else res.error,
+                        kind,
+                    )
+                )
+                self.on_event(
+                    ToolResultEvent(
+                        res.name, res.ok, res.status, res.content, res.duration_s, res.exit_code, res.truncated
+                    )
+                )
                 self._record_result(call, res.content)
             if self._cancel.is_set() or self._expired():
                 return self._finish(self._stopped(), rounds)
@@ -231,8 +256,11 @@ class AgentLoop:
     def _submit(self, text: str | None):
         """The reply's request: the user's message first (`text`), then after tool results."""
         tools = self.tools if self.native else None
-        extra = tool_instructions(self.tools, self.parser, native_results=self.native_calls) \
-            if self.tools and not self.native else None
+        extra = (
+            tool_instructions(self.tools, self.parser, native_results=self.native_calls)
+            if self.tools and not self.native
+            else None
+        )
         first = text is not None
         if first and self.raw:
             handle = self.session.send_raw(text)
@@ -285,8 +313,9 @@ class AgentLoop:
                     else:
                         if isinstance(ev, PrefillProgress) and not fed and ev.reasoning:
                             # the template opened a reasoning block: the reply starts inside it
-                            state = self._state = TextState(self.parser, tools=self.tools or None,
-                                                            in_reasoning=ev.reasoning)
+                            state = self._state = TextState(
+                                self.parser, tools=self.tools or None, in_reasoning=ev.reasoning
+                            )
                         self.on_event(ev)
                         failed = ev if isinstance(ev, EngineFailed) else None
                 self._expired()
@@ -321,9 +350,13 @@ class AgentLoop:
         if self.native_calls:
             # The visible text, without the call blocks TextState took out (whatever opened them:
             # a marker, a bare <function=, or a near-miss JSON reply) and without reasoning.
-            msg = {"role": "assistant", "content": state.text.strip(),
-                   "tool_calls": [c.to_openai(f"call_{i}", json_arguments=self.json_arguments)
-                                  for i, c in enumerate(calls)]}
+            msg = {
+                "role": "assistant",
+                "content": state.text.strip(),
+                "tool_calls": [
+                    c.to_openai(f"call_{i}", json_arguments=self.json_arguments) for i, c in enumerate(calls)
+                ],
+            }
             if state.reasoning:  # not cut at a call marker that was only in the reasoning
                 msg["reasoning_content"] = state.reasoning.strip()
         else:
@@ -360,6 +393,8 @@ def load_tools(specs: list[str], policy, runner):
                 for t in load_tool_file(Path(part), runner):
                     registry.add(t)
             else:
-                raise ValueError(f"--tools {part!r}: not a built-in tool ({', '.join(builtins)}, builtin) "
-                                 "nor a .py, .json or .yaml file")
+                raise ValueError(
+                    f"--tools {part!r}: not a built-in tool ({', '.join(builtins)}, builtin) "
+                    "nor a .py, .json or .yaml file"
+                )
     return registry

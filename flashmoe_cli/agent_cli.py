@@ -1,5 +1,6 @@
 """Tool use from the command line: the shared --tools options, `run --tools` (headless, fails
 closed) and `flashmoe agent` (scripted sessions with a JSON-lines transcript)."""
+
 from __future__ import annotations
 
 import argparse
@@ -14,30 +15,58 @@ from .argtypes import at_least
 
 
 def add_tool_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tools", action="append", default=[], metavar="SPEC",
-                   help="tools the model may call: 'builtin' (read_file, list_dir, search_files, write_file, "
-                        "edit_file, run_shell), one of those names, or a .py / .json / .yaml tools file "
-                        "(repeatable, comma-separated)")
+    p.add_argument(
+        "--tools",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="tools the model may call: 'builtin' (read_file, list_dir, search_files, write_file, "
+        "edit_file, run_shell), one of those names, or a .py / .json / .yaml tools file "
+        "(repeatable, comma-separated)",
+    )
     p.add_argument("--workspace", metavar="DIR", default=".", help="the folder tools may touch (default: .)")
-    p.add_argument("--allow-home-workspace", action="store_true",
-                   help="let the workspace be your home folder or a folder above it (refused otherwise: tools "
-                        "would reach every project and file there)")
-    p.add_argument("--mode", choices=("read-only", "ask", "workspace-write", "yolo"), default="ask",
-                   help="permission mode (default ask); yolo needs --dangerously-skip-approvals")
+    p.add_argument(
+        "--allow-home-workspace",
+        action="store_true",
+        help="let the workspace be your home folder or a folder above it (refused otherwise: tools "
+        "would reach every project and file there)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=("read-only", "ask", "workspace-write", "yolo"),
+        default="ask",
+        help="permission mode (default ask); yolo needs --dangerously-skip-approvals",
+    )
     p.add_argument("--allow", action="append", default=[], metavar="RULE", help="e.g. 'run_shell(git status*)'")
     p.add_argument("--ask", action="append", default=[], metavar="RULE")
     p.add_argument("--deny", action="append", default=[], metavar="RULE", help="deny beats ask beats allow")
     p.add_argument("--dangerously-skip-approvals", action="store_true", help="allow --mode yolo")
-    p.add_argument("--pass-env", action="append", default=[], metavar="NAME",
-                   help="let commands see this environment variable although its name looks like a secret "
-                        "(repeatable; secrets are scrubbed from every command's environment otherwise)")
-    p.add_argument("--constrain", choices=("off", "tools", "required"), default="tools",
-                   help="constrained decoding of tool calls: from the call marker on (tools, the default: free "
-                        "text costs nothing, a call once started is always valid), the whole first reply of each "
-                        "turn must be a call (required), or off")
-    p.add_argument("--max-repairs", type=at_least(0), default=2, metavar="N", help="repair rounds for bad calls (default 2)")
-    p.add_argument("--chain-limit", type=at_least(1), default=5, metavar="N",
-                   help="rounds of tool calls per user message (default 5)")
+    p.add_argument(
+        "--pass-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="let commands see this environment variable although its name looks like a secret "
+        "(repeatable; secrets are scrubbed from every command's environment otherwise)",
+    )
+    p.add_argument(
+        "--constrain",
+        choices=("off", "tools", "required"),
+        default="tools",
+        help="constrained decoding of tool calls: from the call marker on (tools, the default: free "
+        "text costs nothing, a call once started is always valid), the whole first reply of each "
+        "turn must be a call (required), or off",
+    )
+    p.add_argument(
+        "--max-repairs", type=at_least(0), default=2, metavar="N", help="repair rounds for bad calls (default 2)"
+    )
+    p.add_argument(
+        "--chain-limit",
+        type=at_least(1),
+        default=5,
+        metavar="N",
+        help="rounds of tool calls per user message (default 5)",
+    )
 
 
 @dataclass
@@ -64,12 +93,21 @@ class ToolOptions:
         if args is None:
             return cls()
         get = lambda name, default: getattr(args, name, default)  # noqa: E731
-        return cls(tools=tuple(get("tools", None) or ()), workspace=get("workspace", "."),
-                   allow_home_workspace=get("allow_home_workspace", False), mode=get("mode", "ask"),
-                   allow=tuple(get("allow", ())), ask=tuple(get("ask", ())), deny=tuple(get("deny", ())),
-                   dangerously_skip_approvals=get("dangerously_skip_approvals", False),
-                   pass_env=tuple(get("pass_env", ())), constrain=get("constrain", "tools"),
-                   max_repairs=get("max_repairs", 2), chain_limit=get("chain_limit", 5), raw=get("raw", False))
+        return cls(
+            tools=tuple(get("tools", None) or ()),
+            workspace=get("workspace", "."),
+            allow_home_workspace=get("allow_home_workspace", False),
+            mode=get("mode", "ask"),
+            allow=tuple(get("allow", ())),
+            ask=tuple(get("ask", ())),
+            deny=tuple(get("deny", ())),
+            dangerously_skip_approvals=get("dangerously_skip_approvals", False),
+            pass_env=tuple(get("pass_env", ())),
+            constrain=get("constrain", "tools"),
+            max_repairs=get("max_repairs", 2),
+            chain_limit=get("chain_limit", 5),
+            raw=get("raw", False),
+        )
 
 
 def make_policy(opts: ToolOptions):
@@ -91,15 +129,23 @@ def make_policy(opts: ToolOptions):
     if (ws == user_home or user_home.is_relative_to(ws)) and not opts.allow_home_workspace:
         where = "your home folder" if ws == user_home else f"above your home folder {user_home}"
         default = " (the default workspace is the current folder)" if opts.workspace == "." else ""
-        raise UsageError(f"--workspace {opts.workspace}{default}: {ws} is {where}; tools would reach every project, "
-                         "start-up file and credential in it. Run from a project folder or give --workspace DIR "
-                         "(--allow-home-workspace to use it anyway)")
+        raise UsageError(
+            f"--workspace {opts.workspace}{default}: {ws} is {where}; tools would reach every project, "
+            "start-up file and credential in it. Run from a project folder or give --workspace DIR "
+            "(--allow-home-workspace to use it anyway)"
+        )
     state = state_home()
     own = {literal_glob(str(p)) + "/**" for p in (state.absolute(), state.resolve())}
     try:
-        return Policy(workspace, opts.mode, allow=list(opts.allow), ask=list(opts.ask), deny=list(opts.deny),
-                      dangerously_skip_approvals=opts.dangerously_skip_approvals,
-                      deny_paths=(*DEFAULT_DENY_PATHS, *sorted(own)))
+        return Policy(
+            workspace,
+            opts.mode,
+            allow=list(opts.allow),
+            ask=list(opts.ask),
+            deny=list(opts.deny),
+            dangerously_skip_approvals=opts.dangerously_skip_approvals,
+            deny_paths=(*DEFAULT_DENY_PATHS, *sorted(own)),
+        )
     except (ToolError, ValueError) as e:
         raise UsageError(str(e)) from None
 
@@ -166,7 +212,9 @@ def read_script(path: str) -> list[dict]:
         except json.JSONDecodeError as e:
             raise UsageError(f"--script {path} line {n}: not JSON ({e.msg})") from None
         except (RecursionError, ValueError) as e:  # nesting past the recursion limit, 5,000-digit numbers
-            raise UsageError(f"--script {path} line {n}: cannot be read ({'nested too deeply' if isinstance(e, RecursionError) else e})") from None
+            raise UsageError(
+                f"--script {path} line {n}: cannot be read ({'nested too deeply' if isinstance(e, RecursionError) else e})"
+            ) from None
         if not isinstance(d, dict) or d.get("role") not in ("user", "system") or not isinstance(d.get("content"), str):
             raise UsageError(f'--script {path} line {n}: expected {{"role": "user" or "system", "content": "..."}}')
         if d["role"] == "system" and turns:
@@ -225,7 +273,9 @@ def cmd_agent(args) -> int:
             report(ev)
             out(ev)
 
-        loop = make_agent(ToolOptions.from_args(args), session, loaded.chat_template, NonInteractiveApprover(), on_event)
+        loop = make_agent(
+            ToolOptions.from_args(args), session, loaded.chat_template, NonInteractiveApprover(), on_event
+        )
         loop.executor.approver = approver_for(args.approve, loop.executor.registry)
         out.stats = loop.stats
         for n, turn in enumerate(turns):

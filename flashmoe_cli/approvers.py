@@ -7,6 +7,7 @@ a front end. NonInteractiveApprover (headless runs: nobody can answer, so fail c
 too. The TUI asks in a modal screen, through ModalApprover: its answer goes through `parse_answer`
 as well.
 """
+
 from __future__ import annotations
 
 import json
@@ -74,8 +75,11 @@ class TerminalApprover(LineApprover):
             reader = open(path, encoding="utf-8", errors="replace")
             writer = open(path, "w", encoding="utf-8", errors="replace")
         except OSError as e:
-            print(f"flashmoe: warning: --approve ask: no terminal to ask on ({path}: {e.strerror or e}); "
-                  "tool calls that need approval are refused", file=sys.stderr)
+            print(
+                f"flashmoe: warning: --approve ask: no terminal to ask on ({path}: {e.strerror or e}); "
+                "tool calls that need approval are refused",
+                file=sys.stderr,
+            )
             return None
         return cls(reader, writer)
 

@@ -1,5 +1,6 @@
 """argparse types for the command line: each rejects a bad value with a one-line reason (exit 2)
 before any work starts."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,6 +20,7 @@ def parse_size(text: str) -> int:
 
 def at_least(low: int):
     """An argparse type: an integer no smaller than `low`."""
+
     def parse(text: str) -> int:
         try:
             n = int(text)
@@ -27,6 +29,7 @@ def at_least(low: int):
         if n < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {n}")
         return n
+
     return parse
 
 
@@ -43,10 +46,16 @@ def number_in(low: float, high: float | None = None, *, low_open: bool = False, 
             v = float(text)
         except (TypeError, ValueError):
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if isinstance(text, bool) or not math.isfinite(v) or v < low or (low_open and v == low) or (
-                high is not None and (v > high or (high_open and v == high))):
+        if (
+            isinstance(text, bool)
+            or not math.isfinite(v)
+            or v < low
+            or (low_open and v == low)
+            or (high is not None and (v > high or (high_open and v == high)))
+        ):
             raise argparse.ArgumentTypeError(f"must be {span}, got {text}")
         return v
+
     parse.__name__ = "number"  # argparse's "invalid number value" when the type raises ValueError
     return parse
 

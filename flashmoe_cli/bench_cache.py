@@ -1,6 +1,7 @@
 """`flashmoe bench cache`: record which experts a model routes to on real text, then replay the
 expert cache's policies (LRU, LFU) over that trace at a range of sizes beside Belady's optimum,
 with the routing statistics peers publish (reuse, load skew, read-ahead accuracy)."""
+
 from __future__ import annotations
 
 import json
@@ -61,14 +62,24 @@ def cmd_bench_cache(args) -> int:
     model = resolve_model(args.model)
     # read-ahead must run for its guesses to be recorded: "hint" (page cache only) unless asked for slots
     prefetch = "slots" if args.prefetch == "slots" else "hint"
-    loaded = load(model, expert_cache=args.expert_cache, ctx_size=getattr(args, "ctx_size", None), io_threads=args.io_threads,
-                  direct_io=args.direct_io, dtype=resolve_dtype(args.dtype), kernels=args.kernels, kv_cache=args.kv_cache,
-                  prefetch=prefetch, cache_policy=args.cache_policy,
-                  verify_reads=args.verify_reads != "off", experts_per_token=args.experts_per_token,
-                  allow_resident_experts=args.allow_resident_experts)
+    loaded = load(
+        model,
+        expert_cache=args.expert_cache,
+        ctx_size=getattr(args, "ctx_size", None),
+        io_threads=args.io_threads,
+        direct_io=args.direct_io,
+        dtype=resolve_dtype(args.dtype),
+        kernels=args.kernels,
+        kv_cache=args.kv_cache,
+        prefetch=prefetch,
+        cache_policy=args.cache_policy,
+        verify_reads=args.verify_reads != "off",
+        experts_per_token=args.experts_per_token,
+        allow_resident_experts=args.allow_resident_experts,
+    )
     if loaded.store is None:
         raise UsageError(f"-m {model}: its experts are not streamed, so it has no expert cache to study")
-    ids = loaded.tokenizer.encode(text, add_special_tokens=False)[:args.tokens + 1]
+    ids = loaded.tokenizer.encode(text, add_special_tokens=False)[: args.tokens + 1]
     if len(ids) < 3:
         raise UsageError(f"--text {source}: {len(ids)} tokens; at least 3 are needed")
     layers = len(loaded.layers)
@@ -78,10 +89,12 @@ def cmd_bench_cache(args) -> int:
     bits = model_bits(loaded.config)
     slots_engine = sum(p.slots for p in loaded.store.pools)
     trace, guesses, logprobs, hits = record(loaded, ids)
-    conditions = (f"{model}: {loaded.config['model_type']}, {bits or 'float'}{'-bit' if bits else ''}, "
-                  f"K={k}{f' of {loaded.trained_top_k}' if loaded.trained_top_k else ''}, {experts} experts "
-                  f"x {layers} MoE layers, expert {human_bytes(expert)}; {len(logprobs)} tokens of {source}, "
-                  f"fed one at a time as in decoding")
+    conditions = (
+        f"{model}: {loaded.config['model_type']}, {bits or 'float'}{'-bit' if bits else ''}, "
+        f"K={k}{f' of {loaded.trained_top_k}' if loaded.trained_top_k else ''}, {experts} experts "
+        f"x {layers} MoE layers, expert {human_bytes(expert)}; {len(logprobs)} tokens of {source}, "
+        f"fed one at a time as in decoding"
+    )
     loaded.close()
 
     stats = routing_stats(trace, experts, align_guesses(trace, guesses))
@@ -90,8 +103,7 @@ def cmd_bench_cache(args) -> int:
         raise UsageError(f"--slots {sizes[0]}: a token needs K={k} slots per layer")
     rows = []
     for per_layer in sizes:
-        row = {"slots_per_layer": per_layer, "slots": per_layer * layers,
-               "bytes": per_layer * layers * expert}
+        row = {"slots_per_layer": per_layer, "slots": per_layer * layers, "bytes": per_layer * layers * expert}
         for policy in ("lru", "lfu", "belady"):
             h, n = replay(trace, per_layer * layers, policy, layers)
             row[policy] = h / n
@@ -100,24 +112,37 @@ def cmd_bench_cache(args) -> int:
     for key in ("reuse", "hot_share", "max_over_mean", "lookahead"):  # the first layer has no guess
         values = [s[key] for s in stats.values() if not math.isnan(s.get(key, math.nan))]
         mean[key] = sum(values) / len(values) if values else math.nan
-    result = {"conditions": conditions, "perplexity": math.exp(-sum(logprobs) / len(logprobs)),
-              "routing": {"mean": mean, "per_layer": stats}, "cache": rows,
-              "engine": {"policy": args.cache_policy, "slots": slots_engine,
-                         "hit_rate": hits / (len(trace) * k) if trace else 0.0}}
+    result = {
+        "conditions": conditions,
+        "perplexity": math.exp(-sum(logprobs) / len(logprobs)),
+        "routing": {"mean": mean, "per_layer": stats},
+        "cache": rows,
+        "engine": {
+            "policy": args.cache_policy,
+            "slots": slots_engine,
+            "hit_rate": hits / (len(trace) * k) if trace else 0.0,
+        },
+    }
     print(conditions)
     hot = next(iter(stats.values()))["hot_experts"]
-    print(f"\nrouting, mean over layers (per layer: --json): reuse of the previous token's experts "
-          f"{mean['reuse']:.0%} (random: {k / experts:.0%}); hottest {hot} of {experts} experts serve "
-          f"{mean['hot_share']:.0%} of lookups (even: {hot / experts:.0%}); busiest expert {mean['max_over_mean']:.2f}x "
-          f"the mean load; read-ahead (next layer's router on this layer's input) guesses "
-          f"{mean['lookahead']:.0%} of the next layer's experts (random: {k / experts:.0%})")
+    print(
+        f"\nrouting, mean over layers (per layer: --json): reuse of the previous token's experts "
+        f"{mean['reuse']:.0%} (random: {k / experts:.0%}); hottest {hot} of {experts} experts serve "
+        f"{mean['hot_share']:.0%} of lookups (even: {hot / experts:.0%}); busiest expert {mean['max_over_mean']:.2f}x "
+        f"the mean load; read-ahead (next layer's router on this layer's input) guesses "
+        f"{mean['lookahead']:.0%} of the next layer's experts (random: {k / experts:.0%})"
+    )
     print("\nhit rate over the trace, from an empty cache, one pool shared by all layers (as the engine's):")
     print(f"{'slots/layer':>11} {'slots':>6} {'memory':>9} {'LRU':>6} {'LFU':>6} {'Belady':>7}  LFU/Belady")
     for r in rows:
-        print(f"{r['slots_per_layer']:>11} {r['slots']:>6} {human_bytes(r['bytes']):>9} {r['lru']:>6.1%} "
-              f"{r['lfu']:>6.1%} {r['belady']:>7.1%}  {r['lfu'] / r['belady'] if r['belady'] else 1:.2f}")
-    print(f"the engine's own run ({args.cache_policy}, {slots_engine} slots, --prefetch {prefetch}): "
-          f"{result['engine']['hit_rate']:.1%}")
+        print(
+            f"{r['slots_per_layer']:>11} {r['slots']:>6} {human_bytes(r['bytes']):>9} {r['lru']:>6.1%} "
+            f"{r['lfu']:>6.1%} {r['belady']:>7.1%}  {r['lfu'] / r['belady'] if r['belady'] else 1:.2f}"
+        )
+    print(
+        f"the engine's own run ({args.cache_policy}, {slots_engine} slots, --prefetch {prefetch}): "
+        f"{result['engine']['hit_rate']:.1%}"
+    )
     print()
     print("\n".join(curve(rows)))
     print("        B Belady (the best possible), f LFU, r LRU, * where marks meet")

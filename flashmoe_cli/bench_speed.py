@@ -1,5 +1,6 @@
 """`flashmoe bench speed`: decode and prefill speed, warm and cold, with every condition printed,
 and the disk measured in the same run so cold figures read as a fraction of its limit."""
+
 from __future__ import annotations
 
 import json
@@ -27,40 +28,64 @@ def cmd_bench_speed(args) -> int:
     if args.disk_cache:  # every run here must prefill its whole prompt
         raise UsageError("--disk-cache: bench speed measures prefill, so it keeps no saved prompt caches")
     model = resolve_model(args.model)
-    loaded = load(model, expert_cache=args.expert_cache, ctx_size=getattr(args, "ctx_size", None), io_threads=args.io_threads, direct_io=args.direct_io,
-                  dtype=resolve_dtype(args.dtype), kernels=args.kernels, kv_cache=args.kv_cache, prefetch=args.prefetch,
-                  cache_policy=args.cache_policy, verify_reads=args.verify_reads != "off",
-                  allow_resident_experts=args.allow_resident_experts, experts_per_token=args.experts_per_token)
+    loaded = load(
+        model,
+        expert_cache=args.expert_cache,
+        ctx_size=getattr(args, "ctx_size", None),
+        io_threads=args.io_threads,
+        direct_io=args.direct_io,
+        dtype=resolve_dtype(args.dtype),
+        kernels=args.kernels,
+        kv_cache=args.kv_cache,
+        prefetch=args.prefetch,
+        cache_policy=args.cache_policy,
+        verify_reads=args.verify_reads != "off",
+        allow_resident_experts=args.allow_resident_experts,
+        experts_per_token=args.experts_per_token,
+    )
     bits = model_bits(loaded.config)
     expert = (sum(l.expert_bytes for l in loaded.layers) / len(loaded.layers)) if loaded.layers else 0
     machine = f"{os.cpu_count()}x {cpu_model()}, {platform.system()} {platform.release()}"
-    model_line = (f"{loaded.config['model_type']} ({loaded.mode}, "
-                  f"{'cpu-int8' if loaded.int8_matrices else loaded.kernels} kernels{kv_label(loaded)}"
-                  f", prefetch {args.prefetch}), "
-                  f"{bits or 'float'}{'-bit' if bits else ''}, "
-                  f"K={loaded.top_k}{f' of {loaded.trained_top_k}' if loaded.trained_top_k else ''}, "
-                  f"{len(loaded.layers)} MoE layers of {loaded.num_layers}, "
-                  f"expert {human_bytes(expert)}, expert cache {human_bytes(loaded.store.capacity_bytes if loaded.store else 0)}"
-                  + (f" ({loaded.store.policy})" if loaded.store else "")
-                  + (f", EXPERTS RESIDENT, NOT STREAMED ({loaded.resident_experts})" if loaded.resident_experts else ""))
+    model_line = (
+        f"{loaded.config['model_type']} ({loaded.mode}, "
+        f"{'cpu-int8' if loaded.int8_matrices else loaded.kernels} kernels{kv_label(loaded)}"
+        f", prefetch {args.prefetch}), "
+        f"{bits or 'float'}{'-bit' if bits else ''}, "
+        f"K={loaded.top_k}{f' of {loaded.trained_top_k}' if loaded.trained_top_k else ''}, "
+        f"{len(loaded.layers)} MoE layers of {loaded.num_layers}, "
+        f"expert {human_bytes(expert)}, expert cache {human_bytes(loaded.store.capacity_bytes if loaded.store else 0)}"
+        + (f" ({loaded.store.policy})" if loaded.store else "")
+        + (f", EXPERTS RESIDENT, NOT STREAMED ({loaded.resident_experts})" if loaded.resident_experts else "")
+    )
     print(f"model   : {model}\n          {model_line}\nmachine : {machine}", flush=True)
-    result = {"model": str(model), "model_line": model_line, "machine": machine,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": []}
+    result = {
+        "model": str(model),
+        "model_line": model_line,
+        "machine": machine,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "runs": [],
+    }
 
     disk = None
     if loaded.layers and not args.skip_disk:
         disk = measure_disk(expert_files(loaded), int(expert), threads=args.io_threads)
         result["disk"] = disk.__dict__
-        print(f"disk    : expert files, cold: sequential {disk.sequential_gbps:.2f} GB/s; random "
-              f"{human_bytes(disk.block_bytes)} reads x{disk.threads} threads {disk.random_gbps:.2f} GB/s", flush=True)
+        print(
+            f"disk    : expert files, cold: sequential {disk.sequential_gbps:.2f} GB/s; random "
+            f"{human_bytes(disk.block_bytes)} reads x{disk.threads} threads {disk.random_gbps:.2f} GB/s",
+            flush=True,
+        )
 
     prompt = prompt_of(loaded.tokenizer, args.prompt_tokens)
     run_generation(loaded, prompt, 2, cold=False)  # compile and touch everything once
     order = ([] if args.cold_only else [("warm", False, False)]) + [("cold", True, False)]
     if args.no_page_cache:
         order.append(("uncached", True, True))
-        print("uncached: cold, and the expert files dropped from the page cache before every token too: every "
-              "expert read comes from the device, as for a model larger than RAM (drop time left out)", flush=True)
+        print(
+            "uncached: cold, and the expert files dropped from the page cache before every token too: every "
+            "expert read comes from the device, as for a model larger than RAM (drop time left out)",
+            flush=True,
+        )
     cold_runs = []
     for _ in range(args.rounds):
         for name, cold, drop in order:
@@ -85,15 +110,21 @@ def cmd_bench_speed(args) -> int:
             result["runs"].append(r_dict)
             roof = r.roof_fraction(disk.random_gbps) if disk else None
             r_dict["roof_fraction"] = roof
-            streamed = (f"{human_bytes(r.bytes_per_token)}/token read (theory {human_bytes(r.theory_bytes_per_token)})"
-                        f" | hit rate {r.hit_rate:.0%} | io wait {r.io_wait_share:.0%}{limit}"
-                        f" | roof fraction {'-' if roof is None else f'{roof:.0%}'}"
-                        f" (device bytes x tok/s / the disk's random GB/s) | overlap {r.overlap:.0%} "
-                        f"(decode with a read at the device)"
-                        if loaded.layers else "no routed experts: nothing streamed")
-            print(f"{name:<8}: prefill {r.prompt_tokens} tok {r.prefill_tps:.1f} tok/s | decode {r.generated_tokens} tok "
-                  f"{r.decode_tps:.2f} tok/s | {streamed}"
-                  + (f" | prefetch hits {r.prefetch_hit_rate:.0%}" if args.prefetch != "off" else ""), flush=True)
+            streamed = (
+                f"{human_bytes(r.bytes_per_token)}/token read (theory {human_bytes(r.theory_bytes_per_token)})"
+                f" | hit rate {r.hit_rate:.0%} | io wait {r.io_wait_share:.0%}{limit}"
+                f" | roof fraction {'-' if roof is None else f'{roof:.0%}'}"
+                f" (device bytes x tok/s / the disk's random GB/s) | overlap {r.overlap:.0%} "
+                f"(decode with a read at the device)"
+                if loaded.layers
+                else "no routed experts: nothing streamed"
+            )
+            print(
+                f"{name:<8}: prefill {r.prompt_tokens} tok {r.prefill_tps:.1f} tok/s | decode {r.generated_tokens} tok "
+                f"{r.decode_tps:.2f} tok/s | {streamed}"
+                + (f" | prefetch hits {r.prefetch_hit_rate:.0%}" if args.prefetch != "off" else ""),
+                flush=True,
+            )
     if args.prompt_lengths:
         result["scaling"] = scaling(loaded, args.prompt_lengths, args.tokens)
     verify = verify_line(loaded, cold_runs)
@@ -121,8 +152,10 @@ def scaling(loaded, lengths: list[int], tokens: int) -> list[dict]:
         run_generation(loaded, prompt, 2, cold=False)  # the experts this length routes to, cached
         r = run_generation(loaded, prompt, tokens, cold=False)
         rows.append(r.as_dict())
-        print(f"          {r.prompt_tokens:>8} | {r.prefill_tps:>13.1f} | {r.decode_tps:>12.2f} | {r.hit_rate:>8.0%}",
-              flush=True)
+        print(
+            f"          {r.prompt_tokens:>8} | {r.prefill_tps:>13.1f} | {r.decode_tps:>12.2f} | {r.hit_rate:>8.0%}",
+            flush=True,
+        )
     return rows
 
 
@@ -135,11 +168,15 @@ def verify_line(loaded, cold_runs) -> str:
     if not store.verify_reads:
         return "off (--no-verify-reads): expert reads are not checked against the manifest's CRC-32"
     decoded = sum(max(0, r.generated_tokens - 1) for r in cold_runs)
-    decode_s = sum((r.generated_tokens - 1) / r.decode_tps for r in cold_runs if r.decode_tps and r.generated_tokens > 1)
+    decode_s = sum(
+        (r.generated_tokens - 1) / r.decode_tps for r in cold_runs if r.decode_tps and r.generated_tokens > 1
+    )
     spent = sum(r.verify_decode_s for r in cold_runs)
     prefill = sum(r.verify_prefill_s for r in cold_runs)
     per_token = spent / decoded * 1e3 if decoded else 0.0
     share = spent / decode_s if decode_s else 0.0
-    return (f"CRC-32 of each expert's first read: {per_token:.3f} ms/token on the reader threads, "
-            f"{share:.1%} of cold decode time ({prefill * 1e3:.1f} ms in cold prefill); "
-            "--no-verify-reads turns it off")
+    return (
+        f"CRC-32 of each expert's first read: {per_token:.3f} ms/token on the reader threads, "
+        f"{share:.1%} of cold decode time ({prefill * 1e3:.1f} ms in cold prefill); "
+        "--no-verify-reads turns it off"
+    )

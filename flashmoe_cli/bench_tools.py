@@ -5,6 +5,7 @@ A fixed suite of prompts, each with the tool a good answer calls, in a scratch w
 turn ends after the first call that runs (or when repairs run out): we measure the calls, not
 the prose after them.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,9 +49,25 @@ def run_suite(args, model: str, constrain: str) -> dict:
     from .startup import ConversationOptions, EngineOptions, make_engine, open_conversation
     from flashmoe.engine.events import GenerationFinished
 
-    ns = Namespace(**{**vars(args), "model": model, "constrain": constrain, "tools": [TOOLS], "no_log": True,
-                      "continue_": False, "cid": None, "mode": "workspace-write", "allow": [], "ask": [],
-                      "deny": [], "dangerously_skip_approvals": False, "chain_limit": 1, "stop": [], "pass_env": []})
+    ns = Namespace(
+        **{
+            **vars(args),
+            "model": model,
+            "constrain": constrain,
+            "tools": [TOOLS],
+            "no_log": True,
+            "continue_": False,
+            "cid": None,
+            "mode": "workspace-write",
+            "allow": [],
+            "ask": [],
+            "deny": [],
+            "dangerously_skip_approvals": False,
+            "chain_limit": 1,
+            "stop": [],
+            "pass_env": [],
+        }
+    )
     engine = make_engine(EngineOptions.from_args(ns))
     loaded = engine.wait_loaded()
     rows, kinds, speeds = [], Counter(), []
@@ -83,21 +100,32 @@ def run_suite(args, model: str, constrain: str) -> dict:
                 loop.run_turn(prompt)
                 if not calls:
                     kinds["no-call"] += 1
-                rows.append({
-                    "prompt": prompt, "expected": expected, "seconds": time.perf_counter() - t0,
-                    "calls": [{"name": c.name, "valid": c.valid, "kind": c.kind, "raw": c.raw,
-                               "arguments": c.arguments} for c in calls],
-                    "first_valid": bool(calls) and calls[0].valid,
-                    "right_tool": bool(calls) and calls[0].valid and calls[0].name == expected,
-                    "repaired": bool(repairs), "ended_valid": any(c.valid for c in calls),
-                })
+                rows.append(
+                    {
+                        "prompt": prompt,
+                        "expected": expected,
+                        "seconds": time.perf_counter() - t0,
+                        "calls": [
+                            {"name": c.name, "valid": c.valid, "kind": c.kind, "raw": c.raw, "arguments": c.arguments}
+                            for c in calls
+                        ],
+                        "first_valid": bool(calls) and calls[0].valid,
+                        "right_tool": bool(calls) and calls[0].valid and calls[0].name == expected,
+                        "repaired": bool(repairs),
+                        "ended_valid": any(c.valid for c in calls),
+                    }
+                )
     finally:
         engine.close()
     n = len(rows)
     started = [c for r in rows for c in r["calls"]]  # every call the model began, repairs included
     return {
-        "model": model, "model_type": loaded.model_type, "bits": loaded.bits, "top_k": loaded.top_k,
-        "constrain": constrain, "prompts": n,
+        "model": model,
+        "model_type": loaded.model_type,
+        "bits": loaded.bits,
+        "top_k": loaded.top_k,
+        "constrain": constrain,
+        "prompts": n,
         "valid_call_rate": sum(r["first_valid"] for r in rows) / n,
         "right_tool_rate": sum(r["right_tool"] for r in rows) / n,
         "repair_rate": sum(r["repaired"] for r in rows) / n,
@@ -138,23 +166,28 @@ def cmd_bench_tools(args) -> int:
     models = args.models or [None]
     machine = f"{os.cpu_count()} CPUs, {platform.machine()}, {platform.system()} {platform.release()}"
     results = []
-    print(f"flashmoe bench tools: {len(SUITE)} prompts x {len(models)} model(s) x modes {', '.join(modes)}; "
-          f"machine {machine}", file=sys.stderr)
+    print(
+        f"flashmoe bench tools: {len(SUITE)} prompts x {len(models)} model(s) x modes {', '.join(modes)}; "
+        f"machine {machine}",
+        file=sys.stderr,
+    )
     for model in models:
         for mode in modes:
             r = run_suite(args, model, mode)
             results.append(r)
             kinds = ", ".join(f"{k} {v}" for k, v in sorted(r["failure_kinds"].items())) or "none"
-            print(f"{r['model_type']} {r['bits'] or 'float'}-bit K={r['top_k']} constrain={mode:<8} "
-                  f"valid calls {r['valid_call_rate']:.0%}  right tool {r['right_tool_rate']:.0%}  "
-                  f"started calls {r['started_calls']} ({r['started_valid_rate']:.0%} valid)  "
-                  f"mean call {r['mean_call_chars']:.0f} chars  longest string {r['max_string_chars']}  "
-                  f"repaired {r['repair_rate']:.0%}  valid after repair {r['valid_after_repair_rate']:.0%}  "
-                  f"failures: {kinds} | decode {r['decode_tps']:.2f} tok/s, prefill {r['prefill_tps']:.1f} tok/s, "
-                  f"{human_bytes(r['bytes_per_token'])}/token read, hit rate {r['hit_rate']:.0%}, "
-                  f"{r['generated_tokens']} tokens generated, {r['finished_past_max_tokens']} call(s) finished past "
-                  f"--max-tokens, expert cache {r['cache_state']} "
-                  f"[{r['model']}]")
+            print(
+                f"{r['model_type']} {r['bits'] or 'float'}-bit K={r['top_k']} constrain={mode:<8} "
+                f"valid calls {r['valid_call_rate']:.0%}  right tool {r['right_tool_rate']:.0%}  "
+                f"started calls {r['started_calls']} ({r['started_valid_rate']:.0%} valid)  "
+                f"mean call {r['mean_call_chars']:.0f} chars  longest string {r['max_string_chars']}  "
+                f"repaired {r['repair_rate']:.0%}  valid after repair {r['valid_after_repair_rate']:.0%}  "
+                f"failures: {kinds} | decode {r['decode_tps']:.2f} tok/s, prefill {r['prefill_tps']:.1f} tok/s, "
+                f"{human_bytes(r['bytes_per_token'])}/token read, hit rate {r['hit_rate']:.0%}, "
+                f"{r['generated_tokens']} tokens generated, {r['finished_past_max_tokens']} call(s) finished past "
+                f"--max-tokens, expert cache {r['cache_state']} "
+                f"[{r['model']}]"
+            )
     if args.out:
         out = Path(args.out)
         tmp = out.with_name(out.name + ".partial")

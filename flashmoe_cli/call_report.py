@@ -1,6 +1,7 @@
 """What became of each tool call, said the same way by every headless face: its status (ok,
 declined, denied, error, timeout, invalid, ..., not-run) goes into the call's JSON line and onto
 stderr, and calls that went without the yes they needed make the run exit 5 (exit_codes.py)."""
+
 from __future__ import annotations
 
 import json
@@ -57,6 +58,11 @@ class CallReport:
         self.flush()
         if self.refused:
             n = len(self.refused)
-            print(safe(f"flashmoe: error: {n} tool call{'s' if n != 1 else ''} refused for want of approval: "
-                       f"{', '.join(self.refused)}"), file=self.err)
+            print(
+                safe(
+                    f"flashmoe: error: {n} tool call{'s' if n != 1 else ''} refused for want of approval: "
+                    f"{', '.join(self.refused)}"
+                ),
+                file=self.err,
+            )
         return exit_code(end.status, engine_code=end.exit_code, refused=bool(self.refused))

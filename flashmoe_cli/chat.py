@@ -10,6 +10,7 @@ marks it complete. So a process killed mid-reply (even by SIGKILL) leaves what i
 the last SAVE_EVERY_S, marked incomplete. When the store fails (a locked or unwritable database)
 the conversation goes on unsaved and that is said once.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,7 +46,8 @@ def mark_of(message: dict) -> str:
 def is_tool_result(message: dict) -> bool:
     """A tool's result: a "tool" turn, or (templates without one) a user turn in <tool_response>."""
     return message.get("role") == "tool" or (
-        message.get("role") == "user" and message.get("content", "").startswith("<tool_response>"))
+        message.get("role") == "user" and message.get("content", "").startswith("<tool_response>")
+    )
 
 
 def resumed_history(messages) -> list[dict]:
@@ -57,8 +59,7 @@ def resumed_history(messages) -> list[dict]:
         d = Turn(m.for_template(), "incomplete" if not m.complete else "interrupted" if m.interrupted else "")
         if m.role == "assistant" and not m.complete and not m.content.strip():
             d["content"] = NO_REPLY
-        if (d["role"] == "user" and out and out[-1]["role"] == "user"
-                and not d["content"].startswith("<tool_response>")):
+        if d["role"] == "user" and out and out[-1]["role"] == "user" and not d["content"].startswith("<tool_response>"):
             out.append({"role": "assistant", "content": NO_REPLY})
         out.append(d)
     return out
@@ -68,15 +69,16 @@ def resume_hint(session) -> str | None:
     """The line a chat prints on stderr as it quits: how to come back to what was saved."""
     if session.store is None or session.cid is None:
         return None
-    return (f"flashmoe: conversation {session.cid} is saved; `flashmoe chat -c` resumes the latest, "
-            f"`flashmoe chat --cid {session.cid}` this one")
+    return (
+        f"flashmoe: conversation {session.cid} is saved; `flashmoe chat -c` resumes the latest, "
+        f"`flashmoe chat --cid {session.cid}` this one"
+    )
 
 
 def say_store_failed(path, e: BaseException) -> None:
     from .store import store_failure
 
-    print(f"flashmoe: warning: the conversation is not saved ({path}: {store_failure(e)})", file=sys.stderr,
-          flush=True)
+    print(f"flashmoe: warning: the conversation is not saved ({path}: {store_failure(e)})", file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -90,8 +92,9 @@ class ChatOptions:
 
 
 class ChatSession:
-    def __init__(self, engine, store=None, options: ChatOptions | None = None, cid: str | None = None,
-                 model_name: str = ""):
+    def __init__(
+        self, engine, store=None, options: ChatOptions | None = None, cid: str | None = None, model_name: str = ""
+    ):
         self.engine = engine
         self.store = store
         self.options = options or ChatOptions()
@@ -136,8 +139,10 @@ class ChatSession:
 
         if self.options.thinking is None or thinking_switch(self._template()):
             return None
-        return (f"--thinking {self.options.thinking}: this model's chat template has no thinking switch "
-                "(enable_thinking), so it changes nothing")
+        return (
+            f"--thinking {self.options.thinking}: this model's chat template has no thinking switch "
+            "(enable_thinking), so it changes nothing"
+        )
 
     @property
     def session_key(self) -> str:
@@ -193,8 +198,7 @@ class ChatSession:
         if draft is None:
             self._record("assistant", content, interrupted=interrupted, stats=stats)
         else:
-            self._save("update_message", draft, content, interrupted=interrupted, stats=stats,
-                       complete=True)
+            self._save("update_message", draft, content, interrupted=interrupted, stats=stats, complete=True)
 
     def abandon_reply(self, unsend_if_empty: bool = True) -> None:
         """The engine failed: keep what was written (marked interrupted); with nothing written,
@@ -227,20 +231,41 @@ class ChatSession:
         else:
             self._record(message["role"], message["content"], interrupted=interrupted, stats=stats)
 
-    def request(self, *, tools: list[dict] | None = None, constraint=None, extra_system: str | None = None,
-                prompt: str | None = None) -> GenerationRequest:
+    def request(
+        self,
+        *,
+        tools: list[dict] | None = None,
+        constraint=None,
+        extra_system: str | None = None,
+        prompt: str | None = None,
+    ) -> GenerationRequest:
         """The one place a GenerationRequest is made: the history as it stands (with the system
         prompt and `extra_system`), or `prompt` sent as is without the chat template (`run --raw`)."""
         o = self.options
         if prompt is not None:
-            return GenerationRequest(prompt=prompt, max_tokens=o.max_tokens, sampling=o.sampling, stop=o.stop,
-                                     timing=o.timing)
-        return GenerationRequest(messages=self.messages(extra_system), tools=tools, constraint=constraint,
-                                 max_tokens=o.max_tokens, sampling=o.sampling, stop=o.stop, timing=o.timing,
-                                 template_kwargs=self.template_kwargs())
+            return GenerationRequest(
+                prompt=prompt, max_tokens=o.max_tokens, sampling=o.sampling, stop=o.stop, timing=o.timing
+            )
+        return GenerationRequest(
+            messages=self.messages(extra_system),
+            tools=tools,
+            constraint=constraint,
+            max_tokens=o.max_tokens,
+            sampling=o.sampling,
+            stop=o.stop,
+            timing=o.timing,
+            template_kwargs=self.template_kwargs(),
+        )
 
-    def generate(self, tools: list[dict] | None = None, constraint=None, extra_system: str | None = None, *,
-                 prompt: str | None = None, unsend_on_error: bool = False):
+    def generate(
+        self,
+        tools: list[dict] | None = None,
+        constraint=None,
+        extra_system: str | None = None,
+        *,
+        prompt: str | None = None,
+        unsend_on_error: bool = False,
+    ):
         """A reply to the history as it stands (see `request`); returns the engine's Handle. When
         the engine refuses the request, the reply's row goes, and with `unsend_on_error` the
         user's message it would have answered too."""

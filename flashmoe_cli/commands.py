@@ -2,6 +2,7 @@
 parser, and one implementation of each (`run(face, name, arg)`), acting on the face through the
 small Face interface below, so that a face says only how it shows things.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -150,5 +151,12 @@ def _exit(face: Face, arg: str) -> None:
     face.quit()
 
 
-HANDLERS = {"help": _help, "clear": _clear, "system": _system, "timing": _timing, "thinking": _thinking,
-            "save": _save, "exit": _exit}
+HANDLERS = {
+    "help": _help,
+    "clear": _clear,
+    "system": _system,
+    "timing": _timing,
+    "thinking": _thinking,
+    "save": _save,
+    "exit": _exit,
+}

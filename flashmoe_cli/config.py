@@ -8,6 +8,7 @@ same names as the long flags, e.g.
     temp = 0.7
     expert_cache = "4GB"
 """
+
 from __future__ import annotations
 
 import os

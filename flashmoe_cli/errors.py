@@ -1,4 +1,5 @@
 """User mistakes and how a failure is told: one line on stderr, never a traceback."""
+
 from __future__ import annotations
 
 import os

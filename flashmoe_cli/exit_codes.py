@@ -1,5 +1,6 @@
 """Exit codes, documented in docs/usage.md and `flashmoe --help`, and the one rule that turns how a
 turn ended into one of them (headless `run`, `run --tools`, `flashmoe agent`)."""
+
 from enum import IntEnum
 
 
@@ -13,8 +14,12 @@ class ExitCode(IntEnum):
     INTERRUPTED = 130
 
 
-BY_STATUS = {"done": ExitCode.OK, "cancelled": ExitCode.INTERRUPTED, "timeout": ExitCode.TIMEOUT,
-             "approval-needed": ExitCode.APPROVAL}  # chain-limit, repairs-exhausted: FAILURE
+BY_STATUS = {
+    "done": ExitCode.OK,
+    "cancelled": ExitCode.INTERRUPTED,
+    "timeout": ExitCode.TIMEOUT,
+    "approval-needed": ExitCode.APPROVAL,
+}  # chain-limit, repairs-exhausted: FAILURE
 
 
 def exit_code(status: str, *, engine_code: int = ExitCode.FAILURE, refused: bool = False) -> int:

@@ -1,5 +1,6 @@
 """`flashmoe run`: one turn, no UI, through the same AgentLoop as every face (with --tools or
 without). The answer goes to stdout and nothing else does."""
+
 from __future__ import annotations
 
 import sys
@@ -25,8 +26,10 @@ def read_prompt(arg: str | None, stdin=None, command: str = "run") -> str:
     parts = [p for p in (piped.rstrip("\n") if piped else None, arg) if p]
     if not parts:
         if command == "chat":  # chat has no PROMPT argument
-            raise UsageError("no prompt: stdin is not a terminal and is empty (pipe the message in, or run "
-                             "`flashmoe chat` in a terminal)")
+            raise UsageError(
+                "no prompt: stdin is not a terminal and is empty (pipe the message in, or run "
+                "`flashmoe chat` in a terminal)"
+            )
         raise UsageError("no prompt: give PROMPT or pipe text into stdin")
     return "\n\n".join(parts)
 
@@ -35,7 +38,9 @@ def run(args) -> int:
     from .startup import ConversationOptions, EngineOptions, make_engine, open_conversation
 
     text = read_prompt(args.prompt, command=getattr(args, "command", "run"))
-    session = open_conversation(ConversationOptions.from_args(args), None, model_name=str(args.model or "demo"))  # checks the flags first
+    session = open_conversation(
+        ConversationOptions.from_args(args), None, model_name=str(args.model or "demo")
+    )  # checks the flags first
     timeout = getattr(args, "timeout", None)
     deadline = None if timeout is None else time.monotonic() + timeout
     engine = session.engine = make_engine(EngineOptions.from_args(args))
@@ -61,10 +66,10 @@ def answer(args, session, loaded, text: str, deadline: float | None = None) -> i
     from .line_view import Stdout
 
     tools = bool(getattr(args, "tools", None))
-    out = Stdout(loaded, None, lambda: args.timing, show_reasoning=getattr(args, "show_reasoning", False),
-                 json=args.json)
-    report = CallReport(JsonEvents(out.json_line, layers=args.timing == "layer", turn_end=tools)
-                        if args.json else None)
+    out = Stdout(
+        loaded, None, lambda: args.timing, show_reasoning=getattr(args, "show_reasoning", False), json=args.json
+    )
+    report = CallReport(JsonEvents(out.json_line, layers=args.timing == "layer", turn_end=tools) if args.json else None)
 
     def on_event(ev):
         report(ev)

@@ -6,6 +6,7 @@ events, with the id and step of the token it came in (None for the reply's held-
 tool calls are `tool_call` lines with what became of them (call_report.py). Per-layer events
 only with --timing layer: a row per layer per token otherwise swamps the rest.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,8 +42,9 @@ class JsonEvents:
             pieces, self.pending = self.pending, []
             for c in pieces:
                 if c.kind == "reasoning":
-                    self.write({"event": "reasoning", "id": token and token.id, "text": c.text,
-                                "step": token and token.step})
+                    self.write(
+                        {"event": "reasoning", "id": token and token.id, "text": c.text, "step": token and token.step}
+                    )
             if token is not None:
                 answer = "".join(c.text for c in pieces if c.kind == "text")
                 if answer or not pieces:  # a token that was all reasoning has said it already

@@ -6,6 +6,7 @@ turn ends. One place for that order, so the faces differ only in how text looks.
 A LineView is the AgentLoop's on_event. Subclasses say how text is drawn (`show`) and may show
 the tool events (`other`): Stdout here (`run`, `flashmoe agent`), repl.ReplView.
 """
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@
 Saved text is the model's (and the user's) text: on a terminal it is shown escaped
 (term_safe.py), piped it is printed as it was saved.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """The commands about model folders: convert, info, verify, demo."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,17 @@ def cmd_convert(args) -> int:
     from flashmoe.engine.formats.convert import convert
     from flashmoe.engine.formats.hf_cache import resolve
 
-    out = convert(resolve(args.src), args.out, bits=args.bits, group_size=args.group_size,  # org/name: the cache's
-                  expert_bits=args.expert_bits, layer_bits=args.layer_bits, dtype=args.dtype, progress=Progress(),
-                  expert_layout=args.expert_layout)
+    out = convert(
+        resolve(args.src),
+        args.out,
+        bits=args.bits,
+        group_size=args.group_size,  # org/name: the cache's
+        expert_bits=args.expert_bits,
+        layer_bits=args.layer_bits,
+        dtype=args.dtype,
+        progress=Progress(),
+        expert_layout=args.expert_layout,
+    )
     print(f"flashmoe: wrote {out}", file=sys.stderr)
     return ExitCode.OK
 
@@ -35,7 +44,9 @@ def cmd_info(args) -> int:
         print(json.dumps(d, indent=2))
         return ExitCode.OK
     rows = [
-        ("model", d["path"]), ("format", d["format"]), ("architecture", d["model_type"]),
+        ("model", d["path"]),
+        ("format", d["format"]),
+        ("architecture", d["model_type"]),
         ("layers", f"{d['layers']} ({d['moe_layers']} with routed experts)"),
         ("experts", f"{d['experts']} per layer, top-{d['top_k']} routed per token"),
         ("bits", f"{d['bits']} (group size {d['group_size']})" if d["bits"] else "unquantized"),
@@ -52,7 +63,11 @@ def cmd_info(args) -> int:
     if d["not_streamable"]:
         rows.append(("streaming", f"no: {d['not_streamable']}"))
     memory = d["memory"]
-    rows += [tuple(r) for r in memory["rows"]] if "rows" in memory else [("memory budget", f"does not fit: {memory['refused']}")]
+    rows += (
+        [tuple(r) for r in memory["rows"]]
+        if "rows" in memory
+        else [("memory budget", f"does not fit: {memory['refused']}")]
+    )
     rows += [("", f"also read: {o}") for o in memory.get("other_limits", [])]
     for k, v in rows:
         print(f"{k:>26}: {v}")
@@ -87,7 +102,9 @@ def cmd_verify(args) -> int:
         print(f"{root}: direct-mode folder (no checksums); headers and sizes are consistent", file=sys.stderr)
         return ExitCode.OK
     layers = read_manifest(root / EXPERTS_DIR)
-    bad = verify(root / EXPERTS_DIR, layers, progress=lambda l: Progress()(f"layer {l.layer}", layers.index(l) + 1, len(layers)))
+    bad = verify(
+        root / EXPERTS_DIR, layers, progress=lambda l: Progress()(f"layer {l.layer}", layers.index(l) + 1, len(layers))
+    )
     for layer, expert, path in bad:
         error(f"{path}: layer {layer} expert {expert}: checksum mismatch (corrupted)")
     if bad:

@@ -1,14 +1,17 @@
 """Which model a command runs: the one given (a folder, org/name in the Hugging Face cache) or
 the built-in demo."""
+
 from __future__ import annotations
 
 from .errors import UsageError
 from .progress import Progress
 
 
-DEMO_NOTE = ("This is the demo model: SmolLM2-135M, a 135M-parameter toy carved into a 16-expert MoE (8 routed "
-             "per token) to show expert streaming. Its answers are often wrong and its tool use is unreliable: do not trust "
-             "either. For real work give a real model with -m (docs/models.md).")
+DEMO_NOTE = (
+    "This is the demo model: SmolLM2-135M, a 135M-parameter toy carved into a 16-expert MoE (8 routed "
+    "per token) to show expert streaming. Its answers are often wrong and its tool use is unreliable: do not trust "
+    "either. For real work give a real model with -m (docs/models.md)."
+)
 
 
 def is_demo(model: str | None) -> bool:

@@ -1,4 +1,5 @@
 """Where flashmoe keeps its state. FLASHMOE_HOME relocates all of it (tests use that too)."""
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,10 @@ def ensure_home() -> Path:
     make_private(h, 0o700)
     exposed = [f for f in STATE_FILES if make_private(h / f, 0o600)]
     if exposed:  # (a folder alone, as a test or a script made it, held nothing to say so about)
-        print(f"flashmoe: made {h} and its files private (0700 / 0600): others could read your conversations",
-              file=sys.stderr)
+        print(
+            f"flashmoe: made {h} and its files private (0700 / 0600): others could read your conversations",
+            file=sys.stderr,
+        )
     return h
 
 

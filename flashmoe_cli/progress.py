@@ -1,4 +1,5 @@
 """Progress of long steps (building the demo, converting, verifying, a long prompt's prefill) on stderr."""
+
 from __future__ import annotations
 
 import sys

@@ -1,5 +1,6 @@
 """Reasoning in a plain chat reply (no tools): the same split the agent loop makes with TextState,
 so that every face (headless, line REPL, TUI) agrees on what is reasoning and what is the answer."""
+
 from __future__ import annotations
 
 from flashmoe.tools.textstate import Segment, TextState
@@ -37,8 +38,11 @@ class ReplySplitter:
         return self.state.ended_in_reasoning
 
 
-CUT_IN_REASONING = {"length": "the --max-tokens limit was reached", "context": "the context is full",
-                    "stop": "the model stopped"}
+CUT_IN_REASONING = {
+    "length": "the --max-tokens limit was reached",
+    "context": "the context is full",
+    "stop": "the model stopped",
+}
 
 
 def reasoning_cut_note(reason: str, tools: bool = False) -> str:

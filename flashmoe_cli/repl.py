@@ -13,6 +13,7 @@ way, and then quit: at the prompt at once, mid-reply once the partial reply is s
 Tests drive `run_repl(args, engine=FakeEngine(...), input=create_pipe_input(), output=DummyOutput(),
 stdout=io.StringIO(), stderr=io.StringIO())`, or `LineRepl` directly.
 """
+
 from __future__ import annotations
 
 import os
@@ -127,8 +128,18 @@ class LineRepl(LineView):
     """The loop: read a line, run a command or send it, show the turn (as the AgentLoop's
     on_event; line_view.py keeps the order of what is shown). `run()` returns the exit code."""
 
-    def __init__(self, session, loaded, *, input=None, output=None, stdout=None, stderr=None,
-                 history: History | None = None, clock=time.monotonic):
+    def __init__(
+        self,
+        session,
+        loaded,
+        *,
+        input=None,
+        output=None,
+        stdout=None,
+        stderr=None,
+        history: History | None = None,
+        clock=time.monotonic,
+    ):
         from .agent import AgentLoop
 
         self.session = session
@@ -140,14 +151,21 @@ class LineRepl(LineView):
         self._input, self._output = input, output
         self.prompt = PromptSession(
             message=[("class:prompt", "> ")],
-            prompt_continuation=lambda width, line, wrap: [("class:prompt-continuation",
-                                                            "." * max(width - 1, 0) + " ")],
+            prompt_continuation=lambda width, line, wrap: [
+                ("class:prompt-continuation", "." * max(width - 1, 0) + " ")
+            ],
             history=history if history is not None else InMemoryHistory(),
-            auto_suggest=AutoSuggestFromHistory(), enable_history_search=False,
-            completer=SlashCompleter(), complete_while_typing=False,
-            key_bindings=self._key_bindings(), multiline=False,
-            enable_open_in_editor=True, enable_suspend=True,
-            input=input, output=output)
+            auto_suggest=AutoSuggestFromHistory(),
+            enable_history_search=False,
+            completer=SlashCompleter(),
+            complete_while_typing=False,
+            key_bindings=self._key_bindings(),
+            multiline=False,
+            enable_open_in_editor=True,
+            enable_suspend=True,
+            input=input,
+            output=output,
+        )
 
     # -- keys ------------------------------------------------------------------------------
     def _key_bindings(self) -> KeyBindings:
@@ -181,7 +199,9 @@ class LineRepl(LineView):
                 continue
             thinking = seg.kind == "reasoning"
             if thinking != self._dim:
-                self.out.write(("\x1b[2m" if tty else SHOW_OPEN) if thinking else ("\x1b[0m\n\n" if tty else SHOW_CLOSE))
+                self.out.write(
+                    ("\x1b[2m" if tty else SHOW_OPEN) if thinking else ("\x1b[0m\n\n" if tty else SHOW_CLOSE)
+                )
                 self._dim = thinking
             self.write(seg.text)
         if end and self._dim:
@@ -322,15 +342,26 @@ class LineRepl(LineView):
         self.write("[interrupted]\n")
 
 
-def run_repl(args, *, engine=None, input=None, output=None, stdout=None, stderr=None,
-             history: History | None = None, clock=time.monotonic) -> int:
+def run_repl(
+    args,
+    *,
+    engine=None,
+    input=None,
+    output=None,
+    stdout=None,
+    stderr=None,
+    history: History | None = None,
+    clock=time.monotonic,
+) -> int:
     """`flashmoe chat` as a line REPL. The keyword arguments are for tests (pipe input, DummyOutput)."""
     from .agent_cli import ToolOptions
     from .startup import ConversationOptions, EngineOptions, make_engine, open_conversation
 
     err = stderr or sys.stderr
     # The flags are checked (UsageError -> exit 2 in cli.main) before any model is loaded.
-    session = open_conversation(ConversationOptions.from_args(args), engine, model_name=str(getattr(args, "model", None) or "demo"))
+    session = open_conversation(
+        ConversationOptions.from_args(args), engine, model_name=str(getattr(args, "model", None) or "demo")
+    )
     try:
         if engine is None:
             print("flashmoe: loading the model...", file=err, flush=True)
@@ -350,8 +381,9 @@ def run_repl(args, *, engine=None, input=None, output=None, stdout=None, stderr=
     try:
         if history is None:
             history = open_history(stderr=err)
-        repl = LineRepl(session, loaded, input=input, output=output, stdout=stdout, stderr=err,
-                        history=history, clock=clock)
+        repl = LineRepl(
+            session, loaded, input=input, output=output, stdout=stdout, stderr=err, history=history, clock=clock
+        )
         tools = ToolOptions.from_args(args)
         if tools.tools:
             repl.use_tools(tools)

@@ -9,6 +9,7 @@ Inside `deferred()` (the AgentLoop hands each piece of a reply to the face and t
 there) these signals and Ctrl-C wait for the end of the block: a piece is shown and saved whole,
 or neither, so what was shown is what is saved.
 """
+
 from __future__ import annotations
 
 import os

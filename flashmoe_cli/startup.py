@@ -1,4 +1,5 @@
 """What every face does before its first turn: build the engine, open the conversation."""
+
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from .store import StoreError
 @dataclass(frozen=True)
 class EngineOptions:
     """What the engine is built with, read once from the parsed flags and settings."""
+
     model: str | None = None  # None: the demo
     engine: str = "real"  # "fake": the scripted test double (the hidden --engine flag)
     expert_cache: int | None = None
@@ -38,15 +40,26 @@ class EngineOptions:
 
     @classmethod
     def from_args(cls, args) -> "EngineOptions":
-        return cls(model=args.model, engine=args.engine, expert_cache=args.expert_cache, io_threads=args.io_threads,
-                   direct_io=args.direct_io, dtype=args.dtype, kernels=args.kernels, kv_cache=args.kv_cache,
-                   prefetch=args.prefetch, cache_policy=args.cache_policy, verify_reads=getattr(args, "verify_reads", "on") != "off",
-                   allow_resident_experts=getattr(args, "allow_resident_experts", False),
-                   truncate_prompt=getattr(args, "truncate_prompt", "off"),
-                   experts_per_token=getattr(args, "experts_per_token", None),
-                   expert_usage=getattr(args, "expert_usage", "on") != "off",
-                   ctx_size=getattr(args, "ctx_size", None),
-                   prompt_cache_bytes=getattr(args, "prompt_cache", 0), **disk_cache(args))
+        return cls(
+            model=args.model,
+            engine=args.engine,
+            expert_cache=args.expert_cache,
+            io_threads=args.io_threads,
+            direct_io=args.direct_io,
+            dtype=args.dtype,
+            kernels=args.kernels,
+            kv_cache=args.kv_cache,
+            prefetch=args.prefetch,
+            cache_policy=args.cache_policy,
+            verify_reads=getattr(args, "verify_reads", "on") != "off",
+            allow_resident_experts=getattr(args, "allow_resident_experts", False),
+            truncate_prompt=getattr(args, "truncate_prompt", "off"),
+            experts_per_token=getattr(args, "experts_per_token", None),
+            expert_usage=getattr(args, "expert_usage", "on") != "off",
+            ctx_size=getattr(args, "ctx_size", None),
+            prompt_cache_bytes=getattr(args, "prompt_cache", 0),
+            **disk_cache(args),
+        )
 
 
 DISK_CACHE_BYTES = 8 << 30
@@ -81,23 +94,40 @@ def make_engine(opts: EngineOptions):
         replies = json.loads(os.environ.get("FLASHMOE_FAKE_REPLIES", "null"))
         delay = float(os.environ.get("FLASHMOE_FAKE_DELAY", "0"))
         template = os.environ.get("FLASHMOE_FAKE_TEMPLATE")  # a chat template file the fake renders with
-        return FakeEngine(replies, token_delay=delay, fail=os.environ.get("FLASHMOE_FAKE_FAIL") or None,
-                          chat_template=open(template, encoding="utf-8").read() if template else "")
+        return FakeEngine(
+            replies,
+            token_delay=delay,
+            fail=os.environ.get("FLASHMOE_FAKE_FAIL") or None,
+            chat_template=open(template, encoding="utf-8").read() if template else "",
+        )
     from flashmoe.engine.runtime.engine import Engine
 
-    return Engine(resolve_model(opts.model), expert_cache=opts.expert_cache, io_threads=opts.io_threads,
-                  direct_io=opts.direct_io, dtype=resolve_dtype(opts.dtype), kernels=opts.kernels,
-                  kv_cache=opts.kv_cache, prefetch=opts.prefetch, cache_policy=opts.cache_policy, verify_reads=opts.verify_reads,
-                  allow_resident_experts=opts.allow_resident_experts, truncate_prompt=opts.truncate_prompt,
-                  prompt_cache_bytes=opts.prompt_cache_bytes, prompt_cache_dir=opts.prompt_cache_dir,
-                  prompt_cache_disk_bytes=opts.prompt_cache_disk_bytes, experts_per_token=opts.experts_per_token,
-                  ctx_size=opts.ctx_size,
-                  expert_usage=opts.expert_usage)
+    return Engine(
+        resolve_model(opts.model),
+        expert_cache=opts.expert_cache,
+        io_threads=opts.io_threads,
+        direct_io=opts.direct_io,
+        dtype=resolve_dtype(opts.dtype),
+        kernels=opts.kernels,
+        kv_cache=opts.kv_cache,
+        prefetch=opts.prefetch,
+        cache_policy=opts.cache_policy,
+        verify_reads=opts.verify_reads,
+        allow_resident_experts=opts.allow_resident_experts,
+        truncate_prompt=opts.truncate_prompt,
+        prompt_cache_bytes=opts.prompt_cache_bytes,
+        prompt_cache_dir=opts.prompt_cache_dir,
+        prompt_cache_disk_bytes=opts.prompt_cache_disk_bytes,
+        experts_per_token=opts.experts_per_token,
+        ctx_size=opts.ctx_size,
+        expert_usage=opts.expert_usage,
+    )
 
 
 @dataclass(frozen=True)
 class ConversationOptions:
     """How a conversation is opened and sampled, read once from the parsed flags."""
+
     max_tokens: int = 256
     temp: float = 0.0
     top_p: float = 1.0
@@ -115,11 +145,22 @@ class ConversationOptions:
 
     @classmethod
     def from_args(cls, args) -> "ConversationOptions":
-        return cls(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
-                   min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed,
-                   timing=args.timing, system=args.system, stop=tuple(args.stop),
-                   thinking=getattr(args, "thinking", None), continue_=args.continue_, cid=args.cid,
-                   no_log=args.no_log)
+        return cls(
+            max_tokens=args.max_tokens,
+            temp=args.temp,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+            timing=args.timing,
+            system=args.system,
+            stop=tuple(args.stop),
+            thinking=getattr(args, "thinking", None),
+            continue_=args.continue_,
+            cid=args.cid,
+            no_log=args.no_log,
+        )
 
 
 def open_conversation(opts: ConversationOptions, engine, model_name: str):
@@ -130,14 +171,26 @@ def open_conversation(opts: ConversationOptions, engine, model_name: str):
     from .store import logging_disabled, open_store
 
     try:
-        sampling = SamplingParams(temperature=opts.temp, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
-                                  repetition_penalty=opts.repetition_penalty, seed=opts.seed)
+        sampling = SamplingParams(
+            temperature=opts.temp,
+            top_p=opts.top_p,
+            top_k=opts.top_k,
+            min_p=opts.min_p,
+            repetition_penalty=opts.repetition_penalty,
+            seed=opts.seed,
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None
     if opts.max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1, got {opts.max_tokens}")
-    options = ChatOptions(max_tokens=opts.max_tokens, sampling=sampling, timing=opts.timing,
-                          system=opts.system, stop=opts.stop, thinking=opts.thinking)
+    options = ChatOptions(
+        max_tokens=opts.max_tokens,
+        sampling=sampling,
+        timing=opts.timing,
+        system=opts.system,
+        stop=opts.stop,
+        thinking=opts.thinking,
+    )
     resume = opts.continue_ or opts.cid
     try:
         store = None if (opts.no_log or logging_disabled()) and not resume else open_store()

@@ -9,6 +9,7 @@ before it hands an event on, so a face reading it from its callback sees the eve
 is written by the thread that drives the turn and may be read from another (plain attributes,
 each written whole).
 """
+
 from __future__ import annotations
 
 import time
@@ -63,8 +64,18 @@ class TurnStats:
             self.layer_steps += 1
             for r in ev.rows:
                 acc = self.layers.setdefault(r.layer, [0.0] * 8)
-                for j, v in enumerate((r.attn_ms, r.route_ms, r.expert_io_ms, r.expert_compute_ms, r.other_ms,
-                                       r.hits, r.misses, r.bytes_read)):
+                for j, v in enumerate(
+                    (
+                        r.attn_ms,
+                        r.route_ms,
+                        r.expert_io_ms,
+                        r.expert_compute_ms,
+                        r.other_ms,
+                        r.hits,
+                        r.misses,
+                        r.bytes_read,
+                    )
+                ):
                     acc[j] += v
         elif isinstance(ev, PrefillProgress):
             self.prompt_tokens = ev.reused + ev.total
@@ -95,8 +106,13 @@ class TurnStats:
     def running(self) -> dict:
         """The running figures a status bar shows while the model writes (only those known yet):
         tokens, context_used, tok_s, bytes_per_token, hit_rate."""
-        figures = {"tokens": self.tokens, "context_used": self.context_used(), "tok_s": self.tok_s(),
-                   "bytes_per_token": self.bytes_per_token(), "hit_rate": self.hit_rate()}
+        figures = {
+            "tokens": self.tokens,
+            "context_used": self.context_used(),
+            "tok_s": self.tok_s(),
+            "bytes_per_token": self.bytes_per_token(),
+            "hit_rate": self.hit_rate(),
+        }
         return {k: v for k, v in figures.items() if v is not None}
 
     # -- finished replies --------------------------------------------------------------------
@@ -133,6 +149,10 @@ def mean_figures(replies: list[GenerationFinished]) -> dict:
     def mean(values: list[float]) -> float:
         return sum(values) / len(values) if values else 0.0
 
-    return {"decode_tps": mean([s.generation_tps for s in decode]), "prefill_tps": mean([s.prompt_tps for s in replies]),
-            "bytes_per_token": mean([s.bytes_per_token for s in decode]), "hit_rate": mean([s.hit_rate for s in decode]),
-            "generated_tokens": sum(s.generation_tokens for s in replies)}
+    return {
+        "decode_tps": mean([s.generation_tps for s in decode]),
+        "prefill_tps": mean([s.prompt_tps for s in replies]),
+        "bytes_per_token": mean([s.bytes_per_token for s in decode]),
+        "hit_rate": mean([s.hit_rate for s in decode]),
+        "generated_tokens": sum(s.generation_tokens for s in replies),
+    }

@@ -7,6 +7,7 @@ Migrations are an append-only list: the database records how many have run.
 Text is written with lone surrogates (bytes that were not UTF-8) as U+FFFD: sqlite3 would refuse
 it, and the front ends' own decoding (utf8.py) must not be the only thing keeping a save alive.
 """
+
 from __future__ import annotations
 
 import json
@@ -99,26 +100,53 @@ class Store:
     def new_conversation(self, model: str | None, system: str | None = None) -> str:
         cid = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
         with self.db:
-            self._execute("INSERT INTO conversations (id, created, model, system) VALUES (?, ?, ?, ?)",
-                          (cid, time.time(), model, system))
+            self._execute(
+                "INSERT INTO conversations (id, created, model, system) VALUES (?, ?, ?, ?)",
+                (cid, time.time(), model, system),
+            )
         return cid
 
-    def add_message(self, cid: str, role: str, content: str, *, interrupted: bool = False,
-                    stats: dict | None = None, complete: bool = True) -> int:
+    def add_message(
+        self,
+        cid: str,
+        role: str,
+        content: str,
+        *,
+        interrupted: bool = False,
+        stats: dict | None = None,
+        complete: bool = True,
+    ) -> int:
         """Insert a message; returns its row id (update_message changes a reply as it grows)."""
         with self.db:
             row = self._execute(
                 "INSERT INTO messages (conversation_id, created, role, content, interrupted, stats, complete) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (cid, time.time(), role, content, int(interrupted), json.dumps(stats) if stats else None,
-                 int(complete)))
+                (
+                    cid,
+                    time.time(),
+                    role,
+                    content,
+                    int(interrupted),
+                    json.dumps(stats) if stats else None,
+                    int(complete),
+                ),
+            )
             if role == "user":
-                self._execute("UPDATE conversations SET title = ? WHERE id = ? AND title IS NULL",
-                              (content.strip().splitlines()[0][:80] if content.strip() else "", cid))
+                self._execute(
+                    "UPDATE conversations SET title = ? WHERE id = ? AND title IS NULL",
+                    (content.strip().splitlines()[0][:80] if content.strip() else "", cid),
+                )
         return row.lastrowid
 
-    def update_message(self, mid: int, content: str, *, interrupted: bool | None = None,
-                       stats: dict | None = None, complete: bool | None = None) -> None:
+    def update_message(
+        self,
+        mid: int,
+        content: str,
+        *,
+        interrupted: bool | None = None,
+        stats: dict | None = None,
+        complete: bool | None = None,
+    ) -> None:
         """A streaming reply's text so far; at its end, its final state."""
         sets, values = ["content = ?"], [content]
         for col, v in (("interrupted", interrupted), ("complete", complete)):
@@ -138,8 +166,9 @@ class Store:
     def delete_last(self, cid: str, role: str) -> None:
         """Remove the conversation's last message if it has this role."""
         with self.db:
-            row = self._execute("SELECT id, role FROM messages WHERE conversation_id = ? ORDER BY id DESC LIMIT 1",
-                                (cid,)).fetchone()
+            row = self._execute(
+                "SELECT id, role FROM messages WHERE conversation_id = ? ORDER BY id DESC LIMIT 1", (cid,)
+            ).fetchone()
             if row and row[1] == role:
                 self._execute("DELETE FROM messages WHERE id = ?", (row[0],))
 
@@ -151,7 +180,9 @@ class Store:
     def get(self, cid: str) -> Conversation | None:
         row = self._execute(
             "SELECT c.id, c.created, c.model, c.system, c.title, COUNT(m.id) FROM conversations c "
-            "LEFT JOIN messages m ON m.conversation_id = c.id WHERE c.id = ? GROUP BY c.id", (cid,)).fetchone()
+            "LEFT JOIN messages m ON m.conversation_id = c.id WHERE c.id = ? GROUP BY c.id",
+            (cid,),
+        ).fetchone()
         return Conversation(*row) if row else None
 
     def latest(self) -> str | None:
@@ -162,13 +193,17 @@ class Store:
         rows = self._execute(
             "SELECT c.id, c.created, c.model, c.system, c.title, COUNT(m.id) FROM conversations c "
             "LEFT JOIN messages m ON m.conversation_id = c.id GROUP BY c.id "
-            "ORDER BY c.created DESC, c.rowid DESC LIMIT ?", (limit,)).fetchall()
+            "ORDER BY c.created DESC, c.rowid DESC LIMIT ?",
+            (limit,),
+        ).fetchall()
         return [Conversation(*r) for r in rows]
 
     def messages(self, cid: str) -> list[Message]:
         rows = self._execute(
             "SELECT role, content, created, interrupted, stats, complete FROM messages WHERE conversation_id = ? "
-            "ORDER BY id", (cid,)).fetchall()
+            "ORDER BY id",
+            (cid,),
+        ).fetchall()
         return [Message(r[0], r[1], r[2], bool(r[3]), json.loads(r[4]) if r[4] else None, bool(r[5])) for r in rows]
 
 

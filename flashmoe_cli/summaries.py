@@ -1,11 +1,12 @@
 """The statistics lines every face prints after a reply: each speed with its conditions."""
+
 from __future__ import annotations
 
 from .units import human_bytes
 
 
 def kv_label(loaded) -> str:
-    """", float16 KV cache" where --kv-cache chose one (a ModelLoaded or a loaded model); else ""."""
+    """ ", float16 KV cache" where --kv-cache chose one (a ModelLoaded or a loaded model); else ""."""
     kv = getattr(loaded, "kv_cache", "float32")
     return f", {kv} KV cache" if kv != "float32" else ""
 
@@ -20,10 +21,15 @@ def summary(done, loaded) -> str:
         f"{human_bytes(done.bytes_per_token)}/token read",
         f"hit rate {done.hit_rate:.0%}",
         f"io wait {done.io_wait_s / done.decode_s:.0%}" if done.decode_s > 0 else "io wait -",
-        f"K={done.top_k}" + (f" of {loaded.trained_top_k}" if getattr(loaded, "trained_top_k", None) else ""), bits, f"{done.cache_state} expert cache"
+        f"K={done.top_k}" + (f" of {loaded.trained_top_k}" if getattr(loaded, "trained_top_k", None) else ""),
+        bits,
+        f"{done.cache_state} expert cache"
         + (f" {human_bytes(loaded.cache_bytes)} {loaded.cache_policy}" if loaded.cache_policy else "")
-        + (f" ({loaded.preloading} experts, {human_bytes(loaded.preloading_bytes)} from the usage file)"
-           if done.cache_state == "preloaded" and getattr(loaded, "preloading", 0) else ""),
+        + (
+            f" ({loaded.preloading} experts, {human_bytes(loaded.preloading_bytes)} from the usage file)"
+            if done.cache_state == "preloaded" and getattr(loaded, "preloading", 0)
+            else ""
+        ),
         f"{loaded.model_type} ({loaded.mode}, {loaded.kernels} kernels{kv_label(loaded)})",
     ]
     if loaded.resident_experts:  # --allow-resident-experts: never a line that looks like streaming
@@ -36,6 +42,8 @@ def layer_table(rows_sum: dict, steps: int) -> str:
     lines = [f"per layer over {steps} decode steps: mean ms per step; hits, misses and bytes read in total", head]
     for i in sorted(rows_sum):
         r = rows_sum[i]
-        lines.append(f"{i:>5} {r[0] / steps:8.2f} {r[1] / steps:8.2f} {r[2] / steps:8.2f} {r[3] / steps:8.2f} "
-                     f"{r[4] / steps:8.2f} {r[5]:>6.0f} {r[6]:>6.0f} {r[7]:>10.0f}")
+        lines.append(
+            f"{i:>5} {r[0] / steps:8.2f} {r[1] / steps:8.2f} {r[2] / steps:8.2f} {r[3] / steps:8.2f} "
+            f"{r[4] / steps:8.2f} {r[5]:>6.0f} {r[6]:>6.0f} {r[7]:>10.0f}"
+        )
     return "\n".join(lines)

@@ -11,6 +11,7 @@ so the user sees that something was there and what it was.
 Each character is judged on its own, so a sequence split across two tokens is caught too.
 Piped output does not go through here: a pipe gets the model's bytes unchanged.
 """
+
 from __future__ import annotations
 
 import re

@@ -1,4 +1,5 @@
 """Numbers as people read them."""
+
 from __future__ import annotations
 
 

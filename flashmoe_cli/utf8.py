@@ -7,6 +7,7 @@ Text the user gives goes through decode_bytes or decode_text once: what cannot b
 U+FFFD, said on one stderr line naming where it came from. Paths are not text: they keep their
 bytes, so that a folder with such a name still opens.
 """
+
 from __future__ import annotations
 
 import re
@@ -17,8 +18,11 @@ _NOT_ESCAPED_BYTES = re.compile("[\ud800-\udc7f\udd00-\udfff]")
 
 
 def warn(what: str, stderr=None) -> None:
-    print(f"flashmoe: warning: {what} is not UTF-8: undecodable bytes are replaced with U+FFFD",
-          file=stderr or sys.stderr, flush=True)
+    print(
+        f"flashmoe: warning: {what} is not UTF-8: undecodable bytes are replaced with U+FFFD",
+        file=stderr or sys.stderr,
+        flush=True,
+    )
 
 
 def decode_bytes(data: bytes, what: str, stderr=None) -> str:

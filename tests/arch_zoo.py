@@ -11,6 +11,7 @@ max_position_embeddings >= 4096. "known_issues" records what a probe of them fou
 Models are built and saved with tests/tiny_models.py's own make_model / save_folder (the same
 weight spread, float32, the same mlx-lm folder layout and tokenizer).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,8 +54,7 @@ def _fill_packed(model, seed: int) -> None:
         codes = mx.random.randint(0, 4, (rows, width // 16, 16), key=k1).astype(mx.uint32)
         codes = (codes << (2 * mx.arange(16, dtype=mx.uint32))).sum(axis=-1).astype(mx.uint32)
         scales = mx.random.uniform(0.01, 0.05, (rows, width // 128), key=k2).astype(mx.float16)
-        new += [(f"{path}.weight", codes), (f"{path}.scales", scales),
-                (f"{path}.biases", -1.5 * scales)]
+        new += [(f"{path}.weight", codes), (f"{path}.scales", scales), (f"{path}.biases", -1.5 * scales)]
         if m.block:
             signs = mx.where(mx.random.bernoulli(0.5, (width,), key=k3), 1.0, -1.0)
             new.append((f"{path}.signs", signs))
@@ -76,8 +76,7 @@ def _registered(model_type: str):
         raise KeyError(f"no zoo config for model type {model_type!r}")
     key = f"arch_zoo/{model_type}"
     config = copy.deepcopy(CONFIGS[model_type]["config"])
-    with mock.patch.dict(tiny_models.CONFIGS, {key: config}), \
-            mock.patch.object(tiny_models, "make_model", _make):
+    with mock.patch.dict(tiny_models.CONFIGS, {key: config}), mock.patch.object(tiny_models, "make_model", _make):
         yield key
 
 
@@ -87,13 +86,11 @@ def make_model(model_type: str, seed: int = 0):
         return tiny_models.make_model(key, seed)
 
 
-def save_folder(folder: Path, model_type: str, bits: int | None = None, group_size: int = 64,
-                seed: int = 0) -> Path:
+def save_folder(folder: Path, model_type: str, bits: int | None = None, group_size: int = 64, seed: int = 0) -> Path:
     """An mlx-lm folder (config.json, model.safetensors, the 320-id tiny tokenizer) of a tiny
     random `model_type` model, quantized to `bits` at `group_size` when bits is given."""
     with _registered(model_type) as key:
-        return tiny_models.save_folder(Path(folder), key, bits=bits, group_size=group_size,
-                                       seed=seed, tokenizer=True)
+        return tiny_models.save_folder(Path(folder), key, bits=bits, group_size=group_size, seed=seed, tokenizer=True)
 
 
 # 2-bit too for a few: the most used families and both kinds of block.
@@ -121,18 +118,23 @@ def coverage_table(cases) -> str:
     bits: dict[str, list[str]] = {}
     for t, b in cases:
         bits.setdefault(t, []).append("float32" if b is None else f"{b}-bit")
-    lines = [README_START, "",
-             "| model type | expert blocks | path of the first | modes | bits | CPU kernels | compared |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        README_START,
+        "",
+        "| model type | expert blocks | path of the first | modes | bits | CPU kernels | compared |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for t in sorted(bits, key=str.lower):
         model, _ = make_model(t)
         blocks = expert_blocks(model)
         path, first = next(iter(blocks.items()))
         why = cpu_kernels_reason(first, quantized=True)
         kinds = sorted({kind(b) for b in blocks.values()})
-        lines.append(f"| {t} | {len(blocks)} x {', '.join(kinds)} | `{path}` | {MODES} | {', '.join(bits[t])} | "
-                     f"{'yes' if why is None else 'no: ' + why} | "
-                     f"{'each block (forward needs Metal)' if t in METAL_FORWARD else 'logits, greedy tokens'} |")
+        lines.append(
+            f"| {t} | {len(blocks)} x {', '.join(kinds)} | `{path}` | {MODES} | {', '.join(bits[t])} | "
+            f"{'yes' if why is None else 'no: ' + why} | "
+            f"{'each block (forward needs Metal)' if t in METAL_FORWARD else 'logits, greedy tokens'} |"
+        )
     return "\n".join(lines + ["", README_END])
 
 

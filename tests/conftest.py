@@ -20,8 +20,9 @@ def _refuse_outside(event: str, args) -> None:
     if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
         path = os.fsdecode(args[0])
         if (os.path.abspath(path) + os.sep).startswith(str(OUTSIDE) + os.sep):
-            raise PermissionError(f"tests must not read {OUTSIDE} (copy what a test needs into "
-                                  f"tests/fixtures/ with its source): {path}")
+            raise PermissionError(
+                f"tests must not read {OUTSIDE} (copy what a test needs into tests/fixtures/ with its source): {path}"
+            )
 
 
 sys.addaudithook(_refuse_outside)
@@ -131,8 +132,9 @@ def model_factory(tmp_path_factory):
     cache: dict = {}
     base = tmp_path_factory.mktemp("models")
 
-    def make(arch: str, bits: int | None = None, group_size: int = 64, converted: bool = False,
-             expert_layout: str = "auto") -> Path:
+    def make(
+        arch: str, bits: int | None = None, group_size: int = 64, converted: bool = False, expert_layout: str = "auto"
+    ) -> Path:
         key = (arch, bits, group_size)
         if key not in cache:
             cache[key] = save_folder(base / f"{arch}-{bits}-{group_size}", arch, bits=bits, group_size=group_size)

@@ -3,6 +3,7 @@ carve as qwen2_moe), for perplexity over thousands of tokens: MLX's CPU backend 
 minute per 512-token window of this model, numpy's BLAS a second or two. tests/test_demo.py
 checks it against mlx-lm on the same folders first, so its perplexity is mlx-lm's.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,7 +17,9 @@ import numpy as np
 class NumpyLM:
     def __init__(self, folder: Path, experts_per_token: int | None = None):
         self.config = c = json.loads((Path(folder) / "config.json").read_text())
-        self.w = {k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(Path(folder) / "model.safetensors")).items()}
+        self.w = {
+            k: np.array(v.astype(mx.float32)) for k, v in mx.load(str(Path(folder) / "model.safetensors")).items()
+        }
         self.heads, self.kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
         self.head_dim = c["hidden_size"] // self.heads
         self.eps, self.top_k = c["rms_norm_eps"], experts_per_token or c.get("num_experts_per_tok")
@@ -29,7 +32,7 @@ class NumpyLM:
     def rope(self, x):  # [H, T, d], rotate-half (mlx-lm's traditional=False)
         angles = np.arange(x.shape[1])[:, None] * self.inv_freq[None]
         cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-        a, b = x[..., : self.head_dim // 2], x[..., self.head_dim // 2:]
+        a, b = x[..., : self.head_dim // 2], x[..., self.head_dim // 2 :]
         return np.concatenate([a * cos - b * sin, a * sin + b * cos], -1)
 
     def linear(self, x, name):
@@ -64,7 +67,7 @@ class NumpyLM:
         chosen = np.argpartition(-logits, self.top_k - 1, axis=-1)[:, : self.top_k]
         weight = np.zeros_like(scores)
         np.put_along_axis(weight, chosen, np.take_along_axis(scores, chosen, -1), -1)
-        y = sum(self.swiglu(x, f"{p}.experts.{e}") * weight[:, e:e + 1] for e in range(scores.shape[1]))
+        y = sum(self.swiglu(x, f"{p}.experts.{e}") * weight[:, e : e + 1] for e in range(scores.shape[1]))
         gate = 1 / (1 + np.exp(-(x @ self.w[f"{p}.shared_expert_gate.weight"].T)))
         return y + self.swiglu(x, f"{p}.shared_expert") * gate
 
@@ -81,7 +84,7 @@ class NumpyLM:
         """Each window scored on its own (as benchmarks/fit_demo_routing.py does)."""
         nll, count = 0.0, 0
         for s in range(0, len(ids) - 1, window):
-            piece = ids[s:s + window + 1]
+            piece = ids[s : s + window + 1]
             z = self.logits(piece[:-1]).astype(np.float64)
             z -= z.max(-1, keepdims=True)
             logp = z - np.log(np.exp(z).sum(-1, keepdims=True))

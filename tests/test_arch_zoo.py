@@ -11,6 +11,7 @@ With --kernels cpu, the numba kernels compute the blocks they can (SwiGLU, affin
 biases) and MLX the rest; both must give the same greedy tokens as mlx-lm. The coverage table of
 docs/models.md is rendered from these cases (tests/arch_zoo.py::coverage_table) and checked here.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,8 +24,16 @@ from flashmoe.engine.experts.blocks import cpu_kernels_reason, expert_blocks
 from flashmoe.engine.runtime.loader import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from tests.arch_zoo import (ARCH_TYPES, COLLAPSING_GREEDY, CONFIGS, FLOAT_ONLY, METAL_FORWARD, TWO_BIT,
-                            coverage_table, save_folder)
+from tests.arch_zoo import (
+    ARCH_TYPES,
+    COLLAPSING_GREEDY,
+    CONFIGS,
+    FLOAT_ONLY,
+    METAL_FORWARD,
+    TWO_BIT,
+    coverage_table,
+    save_folder,
+)
 from tests.test_streaming_exact import greedy, small_budget
 from tests.tiny_models import reference_model
 
@@ -33,8 +42,9 @@ FORCED = [5, 99, 250, 31, 7, 180, 64, 12]  # decode steps fed these tokens, what
 STEPS = 12  # greedy tokens compared per variant
 ROOT = Path(__file__).resolve().parents[1]
 
-CASES = [(t, None) for t in ARCH_TYPES] + [(t, 4) for t in ARCH_TYPES if t not in FLOAT_ONLY] + \
-        [(t, 2) for t in TWO_BIT]
+CASES = (
+    [(t, None) for t in ARCH_TYPES] + [(t, 4) for t in ARCH_TYPES if t not in FLOAT_ONLY] + [(t, 2) for t in TWO_BIT]
+)
 FULL = [c for c in CASES if c[0] not in METAL_FORWARD]
 
 
@@ -100,8 +110,11 @@ def test_streams_exactly(zoo, model_type, bits):
         lm.close()
 
 
-@pytest.mark.parametrize("model_type,bits", [c for c in CASES if c[0] in METAL_FORWARD],
-                         ids=[f"{t}-{b or 'f32'}" for t, b in CASES if t in METAL_FORWARD])
+@pytest.mark.parametrize(
+    "model_type,bits",
+    [c for c in CASES if c[0] in METAL_FORWARD],
+    ids=[f"{t}-{b or 'f32'}" for t, b in CASES if t in METAL_FORWARD],
+)
 def test_streams_block_by_block(zoo, model_type, bits):
     """mlx-lm's forward of this type needs Metal: each streamed block must give the resident
     block's output on the same inputs and expert choices (converted and direct, cache 0)."""

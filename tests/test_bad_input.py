@@ -1,4 +1,5 @@
 """Bad model folders: one line on stderr naming the file and the problem, exit 3, no traceback."""
+
 from __future__ import annotations
 
 import json

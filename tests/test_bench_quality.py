@@ -1,4 +1,5 @@
 """bench quality: perplexity and KL from a reference per model and K, with what each costs."""
+
 from __future__ import annotations
 
 import json
@@ -15,11 +16,30 @@ def test_bench_quality_table(model_factory, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("a stream of words that the tiny model scores, one window at a time. " * 30)
     tools = tmp_path / "tools.json"  # what `bench tools --out` writes, for the 8-bit model at K=1
-    tools.write_text(json.dumps({"results": [{"model": str(eight), "top_k": 1, "constrain": "tools",
-                                              "valid_call_rate": 0.25}]}))
+    tools.write_text(
+        json.dumps({"results": [{"model": str(eight), "top_k": 1, "constrain": "tools", "valid_call_rate": 0.25}]})
+    )
     out = tmp_path / "quality.json"
-    r = run_cli("bench", "quality", "-m", eight, "-m", four, "--experts-per-token", "2,1", "--text", text,
-                "--tokens", "600", "--expert-cache", "0", "--tools", tools, "--out", out)
+    r = run_cli(
+        "bench",
+        "quality",
+        "-m",
+        eight,
+        "-m",
+        four,
+        "--experts-per-token",
+        "2,1",
+        "--text",
+        text,
+        "--tokens",
+        "600",
+        "--expert-cache",
+        "0",
+        "--tools",
+        tools,
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
     assert result["tokens"] == 600 and "K=2" in result["reference"]

@@ -1,4 +1,5 @@
 """`flashmoe bench speed` on a tiny streamed model: every figure with its conditions, JSON out."""
+
 import json
 
 import pytest
@@ -10,9 +11,25 @@ from tests.helpers.cli import run_cli
 def report(model_factory, tmp_path_factory):
     model = model_factory("qwen3_moe", 4, converted=True)
     out = tmp_path_factory.mktemp("bench") / "speed.json"
-    r = run_cli("bench", "speed", "-m", model, "--tokens", 6, "--prompt-tokens", 8, "--expert-cache", "1",
-                "--kernels", "cpu", "--no-page-cache", "--out", out, timeout=300,
-                env={"FLASHMOE_HOME": str(tmp_path_factory.mktemp("home"))})
+    r = run_cli(
+        "bench",
+        "speed",
+        "-m",
+        model,
+        "--tokens",
+        6,
+        "--prompt-tokens",
+        8,
+        "--expert-cache",
+        "1",
+        "--kernels",
+        "cpu",
+        "--no-page-cache",
+        "--out",
+        out,
+        timeout=300,
+        env={"FLASHMOE_HOME": str(tmp_path_factory.mktemp("home"))},
+    )
     assert r.returncode == 0, r.stderr
     return r.stdout, json.loads(out.read_text()), out
 
@@ -25,8 +42,17 @@ def test_prints_the_conditions_of_every_figure(report):
     lines = [line for line in stdout.splitlines() if " | decode " in line]
     assert [line.split(":")[0].strip() for line in lines] == ["warm", "cold", "uncached"]
     for line in lines:
-        for what in ("prefill 8 tok", "decode 6 tok", "tok/s", "/token read (theory", "hit rate", "io wait",
-                     "from the device", "roof fraction", "overlap"):
+        for what in (
+            "prefill 8 tok",
+            "decode 6 tok",
+            "tok/s",
+            "/token read (theory",
+            "hit rate",
+            "io wait",
+            "from the device",
+            "roof fraction",
+            "overlap",
+        ):
             assert what in line, (what, line)
     assert "disk limit" in lines[1] and "disk limit" in lines[2]
     assert "as for a model larger than RAM" in stdout
@@ -50,7 +76,8 @@ def test_bytes_read_match_the_theory_and_cold_starts_empty(report):
         assert 0 <= run["overlap"] <= 1
         if run["device_bytes_per_token"]:
             assert run["roof_fraction"] == pytest.approx(
-                run["decode_tps"] * run["device_bytes_per_token"] / (result["disk"]["random_gbps"] * 1e9))
+                run["decode_tps"] * run["device_bytes_per_token"] / (result["disk"]["random_gbps"] * 1e9)
+            )
     assert cold["overlap"] > 0  # an expert cache of one token's experts reads every step
     # the disk limit is the measured random-read rate over the bytes read per token
     assert cold["disk_limit_tps"] == pytest.approx(result["disk"]["random_gbps"] * 1e9 / cold["bytes_per_token"])
@@ -96,10 +123,17 @@ def test_page_cache_drop_time_is_left_out_of_decode_speed(model_factory, monkeyp
     assert 0 <= dropped.io_wait_share <= 1
 
 
-@pytest.mark.parametrize("args,message", [
-    (("--tokens", "0"), "--tokens: must be at least 1"), (("--rounds", "-1"), "--rounds: must be at least 1"),
-    (("--prompt-tokens", "many"), "not a whole number"), (("--io-threads", "0"), "--io-threads"),
-    (("--dtype", "fp8"), "--dtype: invalid choice"), (("--out", "/nonexistent-dir/r.json"), "does not exist")])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--tokens", "0"), "--tokens: must be at least 1"),
+        (("--rounds", "-1"), "--rounds: must be at least 1"),
+        (("--prompt-tokens", "many"), "not a whole number"),
+        (("--io-threads", "0"), "--io-threads"),
+        (("--dtype", "fp8"), "--dtype: invalid choice"),
+        (("--out", "/nonexistent-dir/r.json"), "does not exist"),
+    ],
+)
 def test_bad_arguments_fail_before_any_work(args, message, tmp_path):
     # The model folder does not exist either: had the benchmark started, that would be the error.
     r = run_cli("bench", "speed", "-m", tmp_path / "absent", *args, timeout=60)
@@ -110,14 +144,31 @@ def test_bad_arguments_fail_before_any_work(args, message, tmp_path):
 def test_prompt_lengths_give_a_scaling_table_and_json(model_factory, tmp_path):
     model = model_factory("qwen3_moe", 4, converted=True)
     out = tmp_path / "scaling.json"
-    r = run_cli("bench", "speed", "-m", model, "--tokens", 4, "--prompt-tokens", 8, "--skip-disk", "--cold-only",
-                "--kernels", "cpu", "--prompt-lengths", "16,80", "--out", out, timeout=300,
-                env={"FLASHMOE_HOME": str(tmp_path / "home")})
+    r = run_cli(
+        "bench",
+        "speed",
+        "-m",
+        model,
+        "--tokens",
+        4,
+        "--prompt-tokens",
+        8,
+        "--skip-disk",
+        "--cold-only",
+        "--kernels",
+        "cpu",
+        "--prompt-lengths",
+        "16,80",
+        "--out",
+        out,
+        timeout=300,
+        env={"FLASHMOE_HOME": str(tmp_path / "home")},
+    )
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["scaling"]
     assert [row["prompt_tokens"] for row in rows] == [16, 80]
     assert all(row["prefill_tps"] > 0 and row["decode_tps"] > 0 and row["generated_tokens"] == 4 for row in rows)
-    table = r.stdout[r.stdout.index("scaling :"):].splitlines()
+    table = r.stdout[r.stdout.index("scaling :") :].splitlines()
     assert "prefill tok/s" in table[1] and "decode tok/s" in table[1]
     assert [line.split("|")[0].strip() for line in table[2:4]] == ["16", "80"]
 

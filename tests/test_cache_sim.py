@@ -1,6 +1,7 @@
 """bench cache's replay of the expert cache: Belady's rule is the optimum (never beaten by LRU or
 LFU, and equal to an exhaustive search on small traces), and the LRU / LFU replays count the hits
 the real ExpertStore counts on the same trace."""
+
 from __future__ import annotations
 
 import functools
@@ -131,8 +132,9 @@ def test_bench_cache_cli(model_factory, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog, and then it runs away. " * 4)
     out = tmp_path / "cache.json"
-    r = run_cli("bench", "cache", "-m", packed, "--text", text, "--tokens", "24", "--out", out,
-                "--experts-per-token", "4")
+    r = run_cli(
+        "bench", "cache", "-m", packed, "--text", text, "--tokens", "24", "--out", out, "--experts-per-token", "4"
+    )
     assert r.returncode == 0, r.stderr
     result = json.loads(out.read_text())
     assert "K=4 of 2, 8 experts x 3 MoE layers" in result["conditions"]

@@ -1,4 +1,5 @@
 """`flashmoe run/info/verify/convert` as a user runs them: stdout, stderr, exit codes."""
+
 from __future__ import annotations
 
 import json
@@ -66,6 +67,7 @@ def test_stdin_then_argument():
 def test_same_greedy_answer_with_and_without_raw_argument_order(model):
     a = run_cli("run", "-m", model, "--max-tokens", "6", "--json", input="notes\n", env={}).stdout
     b = run_cli("run", "-m", model, "--max-tokens", "6", "--json", "notes").stdout
+
     def ids(out):
         return [json.loads(l)["id"] for l in out.splitlines() if '"token"' in l]
 
@@ -80,8 +82,12 @@ def test_head_closes_the_pipe_quietly(model):
 
 
 def test_ctrl_c_stops_cleanly_with_130(model):
-    p = subprocess.Popen([sys.executable, "-m", "flashmoe.cli", "run", "-m", str(model), "--max-tokens", "100000",
-                          "go"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "flashmoe.cli", "run", "-m", str(model), "--max-tokens", "100000", "go"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
     os.set_blocking(p.stdout.fileno(), False)
     deadline = time.time() + 60
     got = b""

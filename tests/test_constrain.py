@@ -1,5 +1,6 @@
 """Constrained decoding of tool calls (tools/grammar.py): every call a model can produce
 under the mask parses and validates against the chosen tool's schema."""
+
 from __future__ import annotations
 
 import json
@@ -23,29 +24,52 @@ QWEN3 = Path(__file__).resolve().parent / "fixtures/reference/tokenizers/qwen3"
 # Nested objects, enums, required keys, strings (which can need escapes), numbers, integers,
 # booleans and arrays. Strings and arrays are bounded so that a model with no idea of JSON
 # still finishes a call in a few hundred tokens.
-ITEM = {"type": "object", "properties": {
-    "id": {"type": "integer", "minimum": 0, "maximum": 999},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3}},
-    "required": ["id"]}
-EDIT = {"type": "object", "properties": {
-    "path": {"type": "string", "minLength": 1, "maxLength": 12},
-    "mode": {"enum": ["read", "write", "append"]},
-    "force": {"type": "boolean"},
-    "ratio": {"type": "number", "minimum": -10, "maximum": 10},
-    "opts": {"type": "object", "properties": {
-        "depth": {"type": "integer", "minimum": 1, "maximum": 5},
-        "label": {"type": "string", "maxLength": 8},
-        "inner": {"type": "object", "properties": {
-            "note": {"type": "string", "maxLength": 6},
-            "level": {"enum": ["low", "high"]}},
-            "required": ["note", "level"]}},
-        "required": ["depth", "inner"]},
-    "items": {"type": "array", "items": ITEM, "maxItems": 2}},
-    "required": ["path", "mode", "opts"]}
+ITEM = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
+    },
+    "required": ["id"],
+}
+EDIT = {
+    "type": "object",
+    "properties": {
+        "path": {"type": "string", "minLength": 1, "maxLength": 12},
+        "mode": {"enum": ["read", "write", "append"]},
+        "force": {"type": "boolean"},
+        "ratio": {"type": "number", "minimum": -10, "maximum": 10},
+        "opts": {
+            "type": "object",
+            "properties": {
+                "depth": {"type": "integer", "minimum": 1, "maximum": 5},
+                "label": {"type": "string", "maxLength": 8},
+                "inner": {
+                    "type": "object",
+                    "properties": {"note": {"type": "string", "maxLength": 6}, "level": {"enum": ["low", "high"]}},
+                    "required": ["note", "level"],
+                },
+            },
+            "required": ["depth", "inner"],
+        },
+        "items": {"type": "array", "items": ITEM, "maxItems": 2},
+    },
+    "required": ["path", "mode", "opts"],
+}
 TOOLS = [
     {"type": "function", "function": {"name": "edit_file", "description": "Edit a file.", "parameters": EDIT}},
-    {"type": "function", "function": {"name": "get_time", "description": "The time.", "parameters": {
-        "type": "object", "properties": {"tz": {"type": "string", "maxLength": 5}}, "required": ["tz"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The time.",
+            "parameters": {
+                "type": "object",
+                "properties": {"tz": {"type": "string", "maxLength": 5}},
+                "required": ["tz"],
+            },
+        },
+    },
     {"type": "function", "function": {"name": "ping", "description": "No arguments."}},
 ]
 SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in TOOLS}
@@ -99,7 +123,7 @@ def parse_json_call(text: str) -> tuple[str, dict]:
     """The one call a "required" reply must be, in the Qwen3/Hermes format."""
     head, tail = "<tool_call>\n", "\n</tool_call>"
     assert text.startswith(head) and text.endswith(tail), text
-    call = json.loads(text[len(head):-len(tail)])
+    call = json.loads(text[len(head) : -len(tail)])
     assert list(call) == ["name", "arguments"], text
     return call["name"], call["arguments"]
 
@@ -251,8 +275,15 @@ def test_tools_mode_leaves_text_free_until_the_marker(tiny):
 
 
 def test_options_tighten_the_schema(tiny):
-    loose = [{"type": "function", "function": {"name": "note", "parameters": {
-        "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]
+    loose = [
+        {
+            "type": "function",
+            "function": {
+                "name": "note",
+                "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+            },
+        }
+    ]
     factory = tool_call_constraint(loose, "required", max_string_length=3)
     rng, tricky = random.Random(0), tricky_ids(tiny)
     for _ in range(10):
@@ -266,25 +297,50 @@ def test_strings_are_bounded_by_default():
     bound is kept."""
     from flashmoe.tools.grammar import COMMAND_BOUND, LONG_TEXT_BOUND, STRING_BOUND
 
-    tools = [{"type": "function", "function": {"name": "write_file", "parameters": {
-        "type": "object", "properties": {
-            "path": {"type": "string"}, "content": {"type": "string"}, "command": {"type": "string"}, "new_string": {"type": ["string", "null"]},
-            "tag": {"type": "string", "maxLength": 7}, "mode": {"type": "string", "enum": ["a", "b"]},
-            "lines": {"type": "array", "items": {"type": "string"}}},
-        "required": ["path", "content"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "write_file",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "path": {"type": "string"},
+                        "content": {"type": "string"},
+                        "command": {"type": "string"},
+                        "new_string": {"type": ["string", "null"]},
+                        "tag": {"type": "string", "maxLength": 7},
+                        "mode": {"type": "string", "enum": ["a", "b"]},
+                        "lines": {"type": "array", "items": {"type": "string"}},
+                    },
+                    "required": ["path", "content"],
+                },
+            },
+        }
+    ]
     props = tool_call_constraint(tools, "tools").schemas[0][1]["properties"]
     assert (STRING_BOUND, COMMAND_BOUND, LONG_TEXT_BOUND) == (128, 4096, 65536)
     assert props["command"]["maxLength"] == COMMAND_BOUND
     assert props["path"]["maxLength"] == STRING_BOUND and props["lines"]["items"]["maxLength"] == STRING_BOUND
     assert props["content"]["maxLength"] == props["new_string"]["maxLength"] == LONG_TEXT_BOUND
     assert props["tag"]["maxLength"] == 7 and "maxLength" not in props["mode"]
-    assert "maxLength" not in tool_call_constraint(tools, "tools", max_string_length=None).schemas[0][1]["properties"]["path"]
+    assert (
+        "maxLength"
+        not in tool_call_constraint(tools, "tools", max_string_length=None).schemas[0][1]["properties"]["path"]
+    )
 
 
 def test_a_model_that_never_closes_a_string_still_finishes_the_call(tiny):
     """The low-bit failure: a string that runs on. The grammar closes it at the bound."""
-    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
-        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "read_file",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+            },
+        }
+    ]
     constraint = tool_call_constraint(tools, "required")(tiny)
     quotes = set(tricky_ids(tiny).tolist())
     out: list[int] = []
@@ -301,10 +357,21 @@ def test_a_model_that_never_closes_a_string_still_finishes_the_call(tiny):
 
 
 def test_unsupported_keywords_fall_back_to_lenient_for_that_tool_only(tiny):
-    tools = TOOLS + [{"type": "function", "function": {"name": "uniq", "parameters": {
-        "type": "object", "properties": {"ids": {"type": "array", "items": {"type": "integer"},
-                                             "uniqueItems": True, "maxItems": 2}},
-        "required": ["ids"]}}}]
+    tools = TOOLS + [
+        {
+            "type": "function",
+            "function": {
+                "name": "uniq",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "ids": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 2}
+                    },
+                    "required": ["ids"],
+                },
+            },
+        }
+    ]
     factory = tool_call_constraint(tools, "required")
     assert [lenient for _, _, lenient in factory.schemas] == [False, False, False, True]
     assert any("uniqueItems" in w for w in factory.warnings)
@@ -325,20 +392,34 @@ def test_bad_arguments_are_refused():
 
 # Smaller than TOOLS, so that a call is ~90 tokens of the tiny vocabulary (most of them the
 # forced "<tool_call>\n{"name": ..." scaffolding) and 50 generations take seconds, not minutes.
-E2E_EDIT = {"type": "object", "properties": {
-    "path": {"type": "string", "maxLength": 4},
-    "mode": {"enum": ["r", "w"]},
-    "opt": {"type": "object", "properties": {
-        "n": {"type": "integer", "minimum": 0, "maximum": 9},
-        "x": {"type": "number", "minimum": 0, "maximum": 1},
-        "tag": {"type": "string", "maxLength": 3},
-        "ok": {"type": "boolean"}},
-        "required": ["n", "tag"]}},
-    "required": ["path", "mode", "opt"]}
+E2E_EDIT = {
+    "type": "object",
+    "properties": {
+        "path": {"type": "string", "maxLength": 4},
+        "mode": {"enum": ["r", "w"]},
+        "opt": {
+            "type": "object",
+            "properties": {
+                "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                "x": {"type": "number", "minimum": 0, "maximum": 1},
+                "tag": {"type": "string", "maxLength": 3},
+                "ok": {"type": "boolean"},
+            },
+            "required": ["n", "tag"],
+        },
+    },
+    "required": ["path", "mode", "opt"],
+}
 E2E_TOOLS = [
     {"type": "function", "function": {"name": "edit", "description": "Edit.", "parameters": E2E_EDIT}},
-    {"type": "function", "function": {"name": "now", "description": "Time.", "parameters": {
-        "type": "object", "properties": {"tz": {"enum": ["utc", "cet"]}}, "required": ["tz"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "now",
+            "description": "Time.",
+            "parameters": {"type": "object", "properties": {"tz": {"enum": ["utc", "cet"]}}, "required": ["tz"]},
+        },
+    },
 ]
 
 
@@ -357,8 +438,14 @@ def sampled_calls(model_factory, seeds) -> list[tuple[str, dict]]:
     session = Session(loaded)
     calls = []
     for seed in seeds:
-        req = GenerationRequest(messages=messages, tools=E2E_TOOLS, max_tokens=600, timing="off",
-                                sampling=SamplingParams(temperature=1.0, seed=seed), constraint=factory)
+        req = GenerationRequest(
+            messages=messages,
+            tools=E2E_TOOLS,
+            max_tokens=600,
+            timing="off",
+            sampling=SamplingParams(temperature=1.0, seed=seed),
+            constraint=factory,
+        )
         events = list(generate(loaded, session, req))
         done = events[-1]
         assert isinstance(done, GenerationFinished) and done.reason == "stop"  # done(), not length
@@ -384,6 +471,7 @@ def test_required_mode_50_sampled_calls_from_a_tiny_random_model(model_factory):
 
 
 # -- a call open at max_tokens is closed, not cut (engine/runtime/generate.py FINISH_CALL_TOKENS) -----
+
 
 def finish_after(constraint, rng, tricky, cut: int, limit: int = 2000) -> tuple[list[int], int]:
     """The fake model writes a call; after `cut` tokens comes finish() (what the generation loop
@@ -422,15 +510,25 @@ def test_a_call_cut_at_any_point_is_finished_validly_and_soon(request, fmt, voca
     # uniform fake model opens on the way: measured 75 (json) / 90 (xml) Qwen3 tokens, 150 / 222
     # of the near character-level tiny vocabulary. FINISH_CALL_TOKENS (256) is above both.
     from flashmoe.engine.runtime.generate import FINISH_CALL_TOKENS
+
     assert worst < (120 if vocab == "qwen3" else FINISH_CALL_TOKENS), worst
 
 
 def test_finish_in_tools_mode_closes_the_call_and_frees_the_text(tiny):
-    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
-        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "read_file",
+                "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+            },
+        }
+    ]
     constraint = tool_call_constraint(tools, "tools")(tiny)
     constraint.finish()  # outside a call: nothing to close, nothing changes
-    for t in tiny.encode('Sure. <tool_call>\n{"name": "read_file", "arguments": {"path": "notes', add_special_tokens=False):
+    for t in tiny.encode(
+        'Sure. <tool_call>\n{"name": "read_file", "arguments": {"path": "notes', add_special_tokens=False
+    ):
         assert constraint.allowed() is None or constraint.allowed()[t]
         constraint.accept(t)
     assert constraint.in_call
@@ -460,9 +558,14 @@ def test_a_call_open_at_max_tokens_finishes_through_the_generation_loop(model_fa
     validators = {t["function"]["name"]: Draft202012Validator(t["function"]["parameters"]) for t in E2E_TOOLS}
     session = Session(loaded)
     for seed, max_tokens in [(1, 1), (2, 5), (3, 12), (4, 25), (5, 40)]:
-        req = GenerationRequest(messages=[{"role": "user", "content": "Edit the file please."}], tools=E2E_TOOLS,
-                                max_tokens=max_tokens, timing="off", constraint=factory,
-                                sampling=SamplingParams(temperature=1.0, seed=seed))
+        req = GenerationRequest(
+            messages=[{"role": "user", "content": "Edit the file please."}],
+            tools=E2E_TOOLS,
+            max_tokens=max_tokens,
+            timing="off",
+            constraint=factory,
+            sampling=SamplingParams(temperature=1.0, seed=seed),
+        )
         with caplog.at_level("INFO", logger="flashmoe"):
             events = list(generate(loaded, session, req))
         done = events[-1]

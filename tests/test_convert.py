@@ -1,4 +1,5 @@
 """flashmoe convert: same weights as mlx-lm, atomic output, resumable, bounded memory."""
+
 from __future__ import annotations
 
 import contextlib
@@ -90,8 +91,9 @@ def test_manifest_describes_the_packed_files(model_factory, layout, version):
     for layer in doc["layers"]:
         assert layer["stride"] % doc["alignment"] == 0 and layer["stride"] >= layer["expert_bytes"]
         names = [p["name"] for p in layer["parts"]]
-        assert set(names) == {f"{p}.{k}" for p in ("gate_proj", "up_proj", "down_proj")
-                              for k in ("weight", "scales", "biases")}
+        assert set(names) == {
+            f"{p}.{k}" for p in ("gate_proj", "up_proj", "down_proj") for k in ("weight", "scales", "biases")
+        }
         size = (out / "experts" / layer["file"]).stat().st_size
         assert size == layer["stride"] * layer["num_experts"] and len(layer["checksums"]) == layer["num_experts"]
 
@@ -110,8 +112,8 @@ def test_peak_memory_is_about_one_layer(tmp_path):
         tm.CONFIGS["big"] = dict(tm.CONFIGS["qwen3_moe"], hidden_size=256, moe_intermediate_size=512,
                                  num_experts=32, num_hidden_layers=8, head_dim=64)
         model, config = make_model("big")
-        save_model(Path({str(tmp_path / 'src')!r}), model)
-        save_config(config, Path({str(tmp_path / 'src')!r}) / "config.json")
+        save_model(Path({str(tmp_path / "src")!r}), model)
+        save_config(config, Path({str(tmp_path / "src")!r}) / "config.json")
         del model
         import gc; gc.collect(); mx.clear_cache()
         from flashmoe.engine.formats.convert import convert
@@ -126,7 +128,7 @@ def test_peak_memory_is_about_one_layer(tmp_path):
             while True:
                 peak[0] = max(peak[0], rss()); time.sleep(0.01)
         threading.Thread(target=watch, daemon=True).start()
-        convert({str(tmp_path / 'src')!r}, {str(tmp_path / 'out')!r})
+        convert({str(tmp_path / "src")!r}, {str(tmp_path / "out")!r})
         print(json.dumps({{"growth": peak[0] - base}}))
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -217,8 +219,10 @@ def test_bf16_sharded_per_expert_original_to_4bit(model_factory, tmp_path):
     src = tmp_path / "hf"
     src.mkdir()
     names = sorted(hf)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for fname, keys in shards.items():
         mx.save_safetensors(str(src / fname), {k: hf[k] for k in keys})
     index = {"weight_map": {k: f for f, ks in shards.items() for k in ks}}

@@ -1,6 +1,7 @@
 """The fused CPU decode blocks (engine/cpu/fused.py) and their small kernels (cpu_attn.py): equal
 to MLX's ops within float32 rounding, installed only where the probe passes, and exact over a
 long decode that grows the KV cache and after the cache is trimmed."""
+
 from __future__ import annotations
 
 import mlx.core as mx
@@ -27,8 +28,9 @@ def close(got, want, tol=1e-5) -> bool:
     return got.shape == want.shape and np.abs(got - want).max() <= tol * max(1.0, np.abs(want).max())
 
 
-@pytest.mark.parametrize("H,Hk,T", [(4, 4, 1), (8, 2, 37), (6, 3, 300), (32, 4, 5), (32, 4, 1100), (9, 3, 600),
-                                     (9, 3, 4 * 256 + 3)])
+@pytest.mark.parametrize(
+    "H,Hk,T", [(4, 4, 1), (8, 2, 37), (6, 3, 300), (32, 4, 5), (32, 4, 1100), (9, 3, 600), (9, 3, 4 * 256 + 3)]
+)
 def test_attend_matches_mlx_sdpa(H, Hk, T):
     """Short caches: scores, softmax, the weighted sum of V's rows; from ATTEND_BLOCKS_FROM positions, blocks of
     positions on every core joined flash-decoding's way (one peaked score among them)."""
@@ -36,9 +38,10 @@ def test_attend_matches_mlx_sdpa(H, Hk, T):
     q, K, V = rand(H, D), rand(Hk, T + 7, D), rand(Hk, T + 7, D)  # capacity beyond T is ignored
     K[0, T // 3] *= 20
     assert (T >= cpu_attn.ATTEND_BLOCKS_FROM) == (T in (1100, 600, 4 * 256 + 3))
-    got = cpu_attn.attend(q, K, V, T, np.float32(D ** -0.5))
+    got = cpu_attn.attend(q, K, V, T, np.float32(D**-0.5))
     want = mx.fast.scaled_dot_product_attention(
-        mx.array(q)[None, :, None], mx.array(K[:, :T])[None], mx.array(V[:, :T])[None], scale=D ** -0.5)
+        mx.array(q)[None, :, None], mx.array(K[:, :T])[None], mx.array(V[:, :T])[None], scale=D**-0.5
+    )
     assert close(got, np.array(want)[0, :, 0])
 
 
@@ -53,8 +56,16 @@ def test_decode_qs_is_the_separate_steps_bit_for_bit(norms):
     K, V = rand(Hk, 16, hd), rand(Hk, 16, hd)
     a, b, partner = rand(hd), rand(hd), np.roll(np.arange(hd), hd // 2).astype(np.int64)
     none = (np.zeros(0, np.float32), np.float32(0), False)
-    qn = {"none": none, "per head": (rand(hd), np.float32(1e-6), True), "all heads": (rand(H * hd), np.float32(1e-5), False)}[norms]
-    kn = {"none": none, "per head": (rand(hd), np.float32(1e-6), True), "all heads": (rand(Hk * hd), np.float32(1e-5), False)}[norms]
+    qn = {
+        "none": none,
+        "per head": (rand(hd), np.float32(1e-6), True),
+        "all heads": (rand(H * hd), np.float32(1e-5), False),
+    }[norms]
+    kn = {
+        "none": none,
+        "per head": (rand(hd), np.float32(1e-6), True),
+        "all heads": (rand(Hk * hd), np.float32(1e-5), False),
+    }[norms]
     K2, V2 = K.copy(), V.copy()
     qs = cpu_attn.decode_qs(row, q0, k0, v0, H, Hk, hd, *qn, *kn, a, b, partner, K2, V2, pos, np.float32(0.125))
     got = cpu_attn.attend_qs(qs, K2, V2, pos + 1)
@@ -64,7 +75,7 @@ def test_decode_qs_is_the_separate_steps_bit_for_bit(norms):
             cpu_attn.rms_norm_rows(t if per_head else t.reshape(1, -1), w, eps)
     cpu_attn.rope_rows(q, a, b, partner)
     cpu_attn.rope_rows(k, a, b, partner)
-    K[:, pos], V[:, pos] = k, row[v0:v0 + Hk * hd].reshape(Hk, hd)
+    K[:, pos], V[:, pos] = k, row[v0 : v0 + Hk * hd].reshape(Hk, hd)
     assert np.array_equal(K2, K) and np.array_equal(V2, V)
     assert np.array_equal(got, cpu_attn.attend(q, K, V, pos + 1, np.float32(0.125)))
 
@@ -77,13 +88,16 @@ def test_rms_norm_and_silu_match_mlx():
     g = rand(3, 48)
     assert close(cpu_attn.silu_mul(g[:, ::1], u), np.array(nn.silu(mx.array(g)) * mx.array(u)))
     gu = rand(2, 96)  # strided halves of one matrix, as the fused gate/up call returns them
-    assert close(cpu_attn.silu_mul(gu[:, :48], gu[:, 48:]),
-                 np.array(nn.silu(mx.array(gu[:, :48])) * mx.array(gu[:, 48:])))
+    assert close(
+        cpu_attn.silu_mul(gu[:, :48], gu[:, 48:]), np.array(nn.silu(mx.array(gu[:, :48])) * mx.array(gu[:, 48:]))
+    )
     # a prefill's rows run on every core: each is what it gives alone; large |g| saturates
     many = rand(cpu_attn.SILU_ROWS_PARALLEL + 3, 48) * np.float32(30)
     u2 = rand(*many.shape)
     got = cpu_attn.silu_mul(many, u2)
-    assert np.array_equal(got, np.concatenate([cpu_attn.silu_mul(many[i:i + 1], u2[i:i + 1]) for i in range(len(many))]))
+    assert np.array_equal(
+        got, np.concatenate([cpu_attn.silu_mul(many[i : i + 1], u2[i : i + 1]) for i in range(len(many))])
+    )
     assert close(got, np.array(nn.silu(mx.array(many)) * mx.array(u2)))
 
 
@@ -94,12 +108,29 @@ def _ropes():
     yield "traditional", nn.RoPE(32, traditional=True, base=10000.0)
     yield "partial", nn.RoPE(16, traditional=False, base=1e6)  # glm4: rotary on part of the head
     yield "linear", initialize_rope(32, 10000.0, False, {"type": "linear", "factor": 2.0}, 64)
-    yield "llama3", initialize_rope(32, 500000.0, False, {"rope_type": "llama3", "factor": 8.0,
-                                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                                          "original_max_position_embeddings": 16}, 64)
+    yield (
+        "llama3",
+        initialize_rope(
+            32,
+            500000.0,
+            False,
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+            64,
+        ),
+    )
     yield "dynamic", initialize_rope(32, 10000.0, False, {"type": "dynamic", "factor": 2.0}, 16)
-    yield "yarn", initialize_rope(32, 10000.0, False, {"type": "yarn", "factor": 4.0,
-                                                       "original_max_position_embeddings": 16}, 64)
+    yield (
+        "yarn",
+        initialize_rope(
+            32, 10000.0, False, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}, 64
+        ),
+    )
 
 
 @pytest.mark.parametrize("name,rope", list(_ropes()), ids=[n for n, _ in _ropes()])
@@ -117,11 +148,23 @@ def test_rope_table_matches_the_module_at_every_position(name, rope):
 def _longrope():
     from mlx_lm.models.rope_utils import initialize_rope
 
-    return initialize_rope(32, 10000.0, False, {"type": "longrope", "long_factor": [1.5] * 16, "short_factor": [1.0] * 16,
-                                                "original_max_position_embeddings": 100}, 4096)
+    return initialize_rope(
+        32,
+        10000.0,
+        False,
+        {
+            "type": "longrope",
+            "long_factor": [1.5] * 16,
+            "short_factor": [1.0] * 16,
+            "original_max_position_embeddings": 100,
+        },
+        4096,
+    )
 
 
-@pytest.mark.parametrize("name,rope", list(_ropes()) + [("longrope", _longrope())], ids=[n for n, _ in _ropes()] + ["longrope"])
+@pytest.mark.parametrize(
+    "name,rope", list(_ropes()) + [("longrope", _longrope())], ids=[n for n, _ in _ropes()] + ["longrope"]
+)
 def test_rope_table_rows_in_batches_are_the_one_position_calls_bit_for_bit(name, rope, monkeypatch):
     """Rows come 64 positions per MLX call (one-token sequences at an array of offsets) where that
     gives the one-position calls' rows exactly; a rope that takes no array of offsets (dynamic
@@ -133,7 +176,9 @@ def test_rope_table_rows_in_batches_are_the_one_position_calls_bit_for_bit(name,
     table = RopeTable(rope, 32)
     calls = []
     rows = RopeTable._rows
-    monkeypatch.setattr(RopeTable, "_rows", lambda self, pos, n: (self is table and calls.append(n)) or rows(self, pos, n))
+    monkeypatch.setattr(
+        RopeTable, "_rows", lambda self, pos, n: (self is table and calls.append(n)) or rows(self, pos, n)
+    )
     for pos in range(1, 400):
         assert all(np.array_equal(x, y) for x, y in zip(table.row(pos), one.row(pos))), (name, pos)
     if name != "dynamic":
@@ -154,13 +199,24 @@ def _counts(lm) -> tuple[int, int, int]:
     kinds = [type(m).__name__ for m in modules]
     # a shared expert's CpuMLP sits inside its SharedAhead, or inside the fused block it belongs to
     in_moe = sum(isinstance(m._orig.module[m._shared], CpuMLP) for m in modules if isinstance(m, CpuMoE) and m._shared)
-    return (kinds.count("CpuAttention"), kinds.count("CpuMLP") + kinds.count("SharedAhead") + in_moe,
-            kinds.count("CpuMoE"))
+    return (
+        kinds.count("CpuAttention"),
+        kinds.count("CpuMLP") + kinds.count("SharedAhead") + in_moe,
+        kinds.count("CpuMoE"),
+    )
 
 
-@pytest.mark.parametrize("arch,attention,mlp,moe", [
-    ("qwen3_moe", True, False, True), ("mixtral", True, False, True), ("olmoe", True, False, True),
-    ("glm4_moe", True, True, False), ("deepseek_v3", False, True, False), ("qwen3_next", False, True, True)])
+@pytest.mark.parametrize(
+    "arch,attention,mlp,moe",
+    [
+        ("qwen3_moe", True, False, True),
+        ("mixtral", True, False, True),
+        ("olmoe", True, False, True),
+        ("glm4_moe", True, True, False),
+        ("deepseek_v3", False, True, False),
+        ("qwen3_next", False, True, True),
+    ],
+)
 def test_blocks_are_replaced_only_where_the_probe_passes(model_factory, arch, attention, mlp, moe):
     """deepseek_v3 (latent attention) has no q/k/v projections; qwen3_next's gated attention has
     them but computes something else: the probe refuses it and the original module stays. MoE
@@ -239,13 +295,24 @@ def test_probe_tells_the_routings_apart(model_factory, routing):
             y = self.switch_mlp(x, mx.array(ids.reshape(*x.shape[:-1], k)))
             return (y * mx.array(scores.astype(np.float32)).reshape(*x.shape[:-1], k)[..., None]).sum(axis=-2)
 
-    same = {"topk_softmax": {"topk_softmax"}, "softmax_topk_norm": {"topk_softmax", "softmax_topk_norm"},
-            "softmax_topk": {"softmax_topk"}}
+    same = {
+        "topk_softmax": {"topk_softmax"},
+        "softmax_topk_norm": {"topk_softmax", "softmax_topk_norm"},
+        "softmax_topk": {"softmax_topk"},
+    }
     assert _probe_moe(Block()) in same[routing]
 
 
-@pytest.mark.parametrize("arch,layers", [("qwen3_moe", "all"), ("mixtral", "all"), ("glm4_moe", "dense only"),
-                                         ("deepseek_v3", "none"), ("qwen3_next", "none")])
+@pytest.mark.parametrize(
+    "arch,layers",
+    [
+        ("qwen3_moe", "all"),
+        ("mixtral", "all"),
+        ("glm4_moe", "dense only"),
+        ("deepseek_v3", "none"),
+        ("qwen3_next", "none"),
+    ],
+)
 def test_decoder_layers_fuse_where_both_blocks_did(model_factory, arch, layers):
     from flashmoe.engine.cpu.fused import CpuDecoderLayer
 
@@ -324,8 +391,9 @@ def test_compute_paths_name_what_load_chose(model_factory):
     int8 = load(folder, kernels="cpu-int8", expert_cache=0, load_tokenizer=False)
     from flashmoe.engine.cpu.int8 import x_name
 
-    assert compute_paths(int8)["streamed experts on the CPU kernels, repacked into tiles as they land, "
-                               f"on {x_name()} (approximate)"] == list(range(n))
+    assert compute_paths(int8)[
+        f"streamed experts on the CPU kernels, repacked into tiles as they land, on {x_name()} (approximate)"
+    ] == list(range(n))
     int8.close()
     three = load(model_factory("qwen3_moe", 3, converted=True), kernels="cpu", expert_cache=0, load_tokenizer=False)
     paths = compute_paths(three)  # (3-bit experts: not in tiles, so no one-call layer)
@@ -333,8 +401,10 @@ def test_compute_paths_name_what_load_chose(model_factory):
     assert not any(p.startswith("decode steps one kernel call") for p in paths)
     three.close()
     mlx = load(folder, kernels="mlx", expert_cache=0, load_tokenizer=False)
-    assert compute_paths(mlx) == {"attention and other matmuls on MLX": list(range(n)),
-                                  "streamed experts on MLX": list(range(n))}
+    assert compute_paths(mlx) == {
+        "attention and other matmuls on MLX": list(range(n)),
+        "streamed experts on MLX": list(range(n)),
+    }
     mlx.close()
 
 
@@ -351,7 +421,10 @@ def test_info_load_prints_the_compute_paths(model_factory):
     r = run_cli("info", folder, "--load", "--kernels", "mlx")
     assert r.returncode == 0 and "as loaded (mlx kernels): attention and other matmuls on MLX" in r.stdout
     r = run_cli("info", folder, "--kernels", "mlx")
-    assert r.returncode == 2 and r.stderr.strip() == "flashmoe: error: --kernels is for --load (the kernels to load the model with)"
+    assert (
+        r.returncode == 2
+        and r.stderr.strip() == "flashmoe: error: --kernels is for --load (the kernels to load the model with)"
+    )
 
 
 def test_fused_block_computes_its_shared_expert_while_the_experts_load(model_factory):
@@ -405,7 +478,7 @@ def test_whole_decode_step_is_refused_where_the_probe_disagrees(model_factory, m
     from flashmoe.engine.cpu import decode_step
 
     original = decode_step._embedding
-    monkeypatch.setattr(decode_step, "_embedding", lambda e: (lambda ids, f=original(e): f(ids) * 2))  # noqa: B008 (made once, at patch time)
+    monkeypatch.setattr(decode_step, "_embedding", lambda e: lambda ids, f=original(e): f(ids) * 2)  # noqa: B008 (made once, at patch time)
     lm = load(model_factory("qwen3_moe", 4, converted=True), kernels="cpu", load_tokenizer=False)
     assert lm.fused["model_step"] == 0 and not isinstance(lm.model.model, decode_step.CpuModelStep)
     assert lm.fused["layer"] == lm.num_layers
@@ -443,9 +516,16 @@ def _copy(c):
     return d
 
 
-@pytest.mark.parametrize("arch,bias,int8", [("qwen3_moe", False, False), ("olmoe", False, False),
-                                            ("mixtral", False, False), ("mixtral", True, False),
-                                            ("qwen3_moe", False, True)])
+@pytest.mark.parametrize(
+    "arch,bias,int8",
+    [
+        ("qwen3_moe", False, False),
+        ("olmoe", False, False),
+        ("mixtral", False, False),
+        ("mixtral", True, False),
+        ("qwen3_moe", False, True),
+    ],
+)
 def test_attention_block_in_one_call_is_decode_np_bit_for_bit(model_factory, arch, bias, int8):
     """CpuAttention.block_np (norm, q/k/v, norms, rope, cache write, attention, o, residual and
     the next norm in one kernel call) gives decode_np's floats between the layer's two norms, and
@@ -478,11 +558,21 @@ def test_attention_block_in_one_call_is_decode_np_bit_for_bit(model_factory, arc
         rms_norm_rows(n2, w2, e2)
         assert got is not None and np.array_equal(got[0], h) and np.array_equal(got[1], n2)
         assert a.offset == b.offset == c.offset + 1
-        assert np.array_equal(np.array(a.keys), np.array(b.keys)) and np.array_equal(np.array(a.values), np.array(b.values))
+        assert np.array_equal(np.array(a.keys), np.array(b.keys)) and np.array_equal(
+            np.array(a.values), np.array(b.values)
+        )
 
 
-@pytest.mark.parametrize("arch,bits,int8", [("qwen3_moe", 4, False), ("mixtral", 8, False), ("qwen3_moe", 4, True),
-                                            ("qwen2_moe", 8, False), ("qwen2_moe", 4, True)])
+@pytest.mark.parametrize(
+    "arch,bits,int8",
+    [
+        ("qwen3_moe", 4, False),
+        ("mixtral", 8, False),
+        ("qwen3_moe", 4, True),
+        ("qwen2_moe", 8, False),
+        ("qwen2_moe", 4, True),
+    ],
+)
 def test_layer_in_one_call_is_the_block_calls_bit_for_bit(model_factory, monkeypatch, arch, bits, int8):
     """A MoE layer's decode step in one call (layer_step.moe_kernel: attention block, router, routing,
     experts; shared_moe_kernel with Qwen2-MoE's gated shared expert, the shipped demo's block)
@@ -516,13 +606,15 @@ def test_layer_in_one_call_is_the_block_calls_bit_for_bit(model_factory, monkeyp
             stats = lm.store.stats[moe._switch._layer]
             hits, route_s, compute_s = stats.hits, stats.route_s, stats.compute_s
             stopped = []
-            monkeypatch.setattr(CpuMoE, "routed", lambda self, *args, f=CpuMoE.routed: stopped.append(1) or f(self, *args))
+            monkeypatch.setattr(
+                CpuMoE, "routed", lambda self, *args, f=CpuMoE.routed: stopped.append(1) or f(self, *args)
+            )
             got = layer._one_call(attn, x2, b)
             monkeypatch.undo()
             assert got is not None and np.array_equal(got, want) and len(stopped) == int(spoil)
             assert np.array_equal(np.array(a.keys), np.array(b.keys)) and a.offset == b.offset == c.offset + 1
             assert stats.hits == hits + moe.k and 0 < stats.route_s - route_s < 0.1
-            assert (0 < stats.compute_s - compute_s < 0.1)
+            assert 0 < stats.compute_s - compute_s < 0.1
 
 
 @pytest.mark.parametrize("bits,int8", [(4, False), (8, False), (4, True)])
@@ -550,11 +642,12 @@ def test_dense_layer_in_one_call_is_the_block_calls_bit_for_bit(model_factory, m
         monkeypatch.setattr(CpuDecoderLayer, "_one_call", one_call)
         got = layer._one_call(layer["self_attn"], x2, b)
         assert got is not None and np.array_equal(got, want) and a.offset == b.offset == cache[0].offset + 1
-        assert np.array_equal(np.array(a.keys), np.array(b.keys)) and np.array_equal(np.array(a.values), np.array(b.values))
+        assert np.array_equal(np.array(a.keys), np.array(b.keys)) and np.array_equal(
+            np.array(a.values), np.array(b.values)
+        )
     if not int8:
         calls = []
-        monkeypatch.setattr(CpuDecoderLayer, "_one_call",
-                            lambda *args: calls.append(one_call(*args)) or calls[-1])
+        monkeypatch.setattr(CpuDecoderLayer, "_one_call", lambda *args: calls.append(one_call(*args)) or calls[-1])
         assert greedy(lm.model, PROMPT, 8) == greedy(load(path, kernels="mlx", load_tokenizer=False).model, PROMPT, 8)
         assert len(calls) >= 7 and all(c is not None for c in calls)
 
@@ -565,8 +658,9 @@ def test_note_hits_keeps_the_books_fetch_keeps(model_factory, policy):
     cached experts does: use counts, clock, LRU order, last-use times, hits and the trace; so the
     victims of the next miss are the same."""
     path = model_factory("qwen3_moe", 4, converted=True)
-    a, b = (load(path, kernels="cpu", expert_cache=10**9, cache_policy=policy, load_tokenizer=False).store
-            for _ in range(2))
+    a, b = (
+        load(path, kernels="cpu", expert_cache=10**9, cache_policy=policy, load_tokenizer=False).store for _ in range(2)
+    )
     rng = np.random.default_rng(3)
     for s in (a, b):
         s.trace = []
@@ -589,8 +683,11 @@ def test_note_hits_keeps_the_books_fetch_keeps(model_factory, policy):
     assert list(a.pools[0].table) == list(b.pools[0].table)
 
 
-@pytest.mark.parametrize("arch,fused", [("qwen3_moe", True), ("qwen3_moe", False), ("qwen2_moe", True)],
-                         ids=["layer in one call", "block by block", "with a gated shared expert"])
+@pytest.mark.parametrize(
+    "arch,fused",
+    [("qwen3_moe", True), ("qwen3_moe", False), ("qwen2_moe", True)],
+    ids=["layer in one call", "block by block", "with a gated shared expert"],
+)
 def test_decode_steps_take_one_call_per_layer_and_give_mlx_tokens(model_factory, monkeypatch, arch, fused):
     """With every expert cached ahead, a decode step is one kernel call per layer (_moe_layer:
     attention, router, routing, experts), and the tokens are MLX's. An expert's first step stops
@@ -608,12 +705,17 @@ def test_decode_steps_take_one_call_per_layer_and_give_mlx_tokens(model_factory,
     block, cached, slots = CpuAttention.block_np, StreamingSwitchGLU.decode_cached, StreamingSwitchGLU.decode_slots
     done = StreamingSwitchGLU.fused_done
     monkeypatch.setattr(CpuAttention, "block_np", lambda *a: calls["block"].append(block(*a)) or calls["block"][-1])
-    monkeypatch.setattr(StreamingSwitchGLU, "decode_cached",
-                        lambda *a: calls["experts"].append(cached(*a)) or calls["experts"][-1])
-    monkeypatch.setattr(StreamingSwitchGLU, "decode_slots",
-                        lambda *a: calls["slots"].append(slots(*a)) or calls["slots"][-1])
-    monkeypatch.setattr(StreamingSwitchGLU, "fused_done",
-                        lambda self, ids, s, times, **kw: calls["layer"].append(s is not None) or done(self, ids, s, times, **kw))
+    monkeypatch.setattr(
+        StreamingSwitchGLU, "decode_cached", lambda *a: calls["experts"].append(cached(*a)) or calls["experts"][-1]
+    )
+    monkeypatch.setattr(
+        StreamingSwitchGLU, "decode_slots", lambda *a: calls["slots"].append(slots(*a)) or calls["slots"][-1]
+    )
+    monkeypatch.setattr(
+        StreamingSwitchGLU,
+        "fused_done",
+        lambda self, ids, s, times, **kw: calls["layer"].append(s is not None) or done(self, ids, s, times, **kw),
+    )
     if not fused:
         monkeypatch.setattr(StreamingSwitchGLU, "fusable", lambda self: False)
     for budget, hits in ((10**9, True), (0, False)):
@@ -633,7 +735,7 @@ def test_decode_steps_take_one_call_per_layer_and_give_mlx_tokens(model_factory,
             assert len(calls["block"]) == 10 * layers and all(r is not None for r in calls["block"])
             assert not calls["layer"]
             computed = [r is not None for r in calls["experts"] + calls["slots"]]
-        assert (all(computed) if hits else not all(computed))
+        assert all(computed) if hits else not all(computed)
         if hits:  # the same steps again: every expert is where the first run left it
             for v in calls.values():
                 v.clear()

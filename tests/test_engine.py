@@ -1,4 +1,5 @@
 """The engine thread, events, sessions, timing and the cache budget."""
+
 from __future__ import annotations
 
 import pytest
@@ -79,8 +80,9 @@ def test_cache_never_exceeds_budget_over_a_long_generation(model_factory, policy
     budget = 5 * probe.layers[0].expert_bytes
     lm = load(packed, expert_cache=budget, cache_policy=policy)
     session = Session(lm)
-    req = GenerationRequest(messages=CHAT, max_tokens=200, sampling=__import__("engine").SamplingParams(
-        temperature=1.0, seed=1))
+    req = GenerationRequest(
+        messages=CHAT, max_tokens=200, sampling=__import__("engine").SamplingParams(temperature=1.0, seed=1)
+    )
     used = []
     for ev in generate(lm, session, req):  # noqa: B007 (the last event is read below)
         used.append(lm.store.used_bytes)
@@ -103,7 +105,7 @@ def test_stop_string_ends_generation(model_factory):
     lm = load(model_factory("mixtral", 8, converted=True))
     _, toks, done = collect(generate(lm, Session(lm), GenerationRequest(messages=CHAT, max_tokens=20)))
     text = done.text
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip()
     _, _, done2 = collect(generate(lm, Session(lm), GenerationRequest(messages=CHAT, max_tokens=20, stop=(stop,))))
     assert done2.reason == "stop" and done2.text == text[: text.index(stop)]
@@ -132,8 +134,9 @@ def hits_with_one_hot_expert_per_layer(packed, policy: str, tokens: int = 40) ->
     probe = load(packed, load_tokenizer=False)
     layers = [l.layer for l in probe.layers]
     n = probe.layers[0].num_experts
-    lm = load(packed, expert_cache=(len(layers) + 1) * probe.layers[0].expert_bytes, load_tokenizer=False,
-              cache_policy=policy)
+    lm = load(
+        packed, expert_cache=(len(layers) + 1) * probe.layers[0].expert_bytes, load_tokenizer=False, cache_policy=policy
+    )
     assert lm.store.pools[0].slots == len(layers) + 1
     for t in range(tokens):
         for layer in layers:

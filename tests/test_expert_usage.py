@@ -1,4 +1,5 @@
 """The expert usage file kept across runs, and preloading the hottest experts from it at start."""
+
 from __future__ import annotations
 
 import json
@@ -36,6 +37,7 @@ def _turn(path, **kw):
 
 # -- the file ------------------------------------------------------------------------------
 
+
 def test_write_read_round_trip_and_older_runs_halve(tmp_path):
     path = tmp_path / usage.FILE
     a = np.array([[3.0, 0.0, 1.0], [0.0, 2.0, 5.0]])
@@ -49,14 +51,17 @@ def test_write_read_round_trip_and_older_runs_halve(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [usage.FILE]  # no temporary left behind
 
 
-@pytest.mark.parametrize("text, says", [
-    ("{not json", "not JSON"),
-    ('{"format": 99, "tokens": 1, "counts": [[1]]}', "format 1"),
-    ('{"format": 1, "tokens": 3, "counts": [[1, 2, 3]]}', "this model has 2 x 3"),
-    ('{"format": 1, "tokens": 3, "counts": [[1, -2, 3], [0, 0, 0]]}', "at least 0"),
-    ('{"format": 1, "counts": [[1, 2, 3], [0, 0, 0]]}', "bad counts or tokens"),
-    ('[1, 2]', "format 1"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("{not json", "not JSON"),
+        ('{"format": 99, "tokens": 1, "counts": [[1]]}', "format 1"),
+        ('{"format": 1, "tokens": 3, "counts": [[1, 2, 3]]}', "this model has 2 x 3"),
+        ('{"format": 1, "tokens": 3, "counts": [[1, -2, 3], [0, 0, 0]]}', "at least 0"),
+        ('{"format": 1, "counts": [[1, 2, 3], [0, 0, 0]]}', "bad counts or tokens"),
+        ("[1, 2]", "format 1"),
+    ],
+)
 def test_a_bad_usage_file_is_refused_naming_it(tmp_path, text, says):
     path = tmp_path / usage.FILE
     path.write_text(text)
@@ -85,6 +90,7 @@ def test_hottest_orders_by_count_and_drops_unused():
 
 # -- the engine ----------------------------------------------------------------------------
 
+
 def test_usage_is_written_after_a_run_and_preloaded_by_the_next_with_the_same_tokens(model_factory, tmp_path):
     path = _copy(model_factory, tmp_path)
     info, cold_ids, cold, (asked, steps, cold_misses) = _turn(path, expert_usage=True)
@@ -98,7 +104,10 @@ def test_usage_is_written_after_a_run_and_preloaded_by_the_next_with_the_same_to
     slots = lm.store.capacity_bytes // lm.layers[0].expert_bytes
     used = int((counts > 0).sum())
     assert info.preloading == min(used, slots - lm.top_k) > 0
-    assert info.usage_file == str(path / usage.FILE) and info.preloading_bytes == info.preloading * lm.layers[0].expert_bytes
+    assert (
+        info.usage_file == str(path / usage.FILE)
+        and info.preloading_bytes == info.preloading * lm.layers[0].expert_bytes
+    )
     assert warm.cache_state == "preloaded"
     assert warm_ids == cold_ids  # what the cache holds never changes the tokens
     # The cold turn read every expert it used on demand; the preloaded one only those the
@@ -142,6 +151,7 @@ def test_preload_reads_are_checked_like_any_other(model_factory, tmp_path):
 
 
 # -- the command line -----------------------------------------------------------------------
+
 
 def test_cli_second_run_says_preloaded_and_a_bad_file_is_one_warning(model_factory, tmp_path):
     path = _copy(model_factory, tmp_path)

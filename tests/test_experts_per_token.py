@@ -1,5 +1,6 @@
 """--experts-per-token: a model routed to more or fewer experts than it was trained with is still
 exactly mlx-lm's model with that setting, reads what K experts cost, and says K=N of TRAINED."""
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,13 @@ def test_bytes_read_per_token_scale_with_k(model_factory):
     read = {}
     for k in (1, 4):
         lm = load(packed, experts_per_token=k, expert_cache=0)  # nothing cached: every expert is read
-        done = list(generate(lm, Session(lm), GenerationRequest(prompt="hello there", max_tokens=12,
-                                                                 sampling=SamplingParams(temperature=0.0))))[-1]
+        done = list(
+            generate(
+                lm,
+                Session(lm),
+                GenerationRequest(prompt="hello there", max_tokens=12, sampling=SamplingParams(temperature=0.0)),
+            )
+        )[-1]
         per_expert = lm.layers[0].expert_bytes
         assert done.top_k == k
         # K experts per MoE layer per token, none cached; the budget holds the K the token needs
@@ -74,8 +80,21 @@ def test_the_summary_says_k_of_trained_and_bad_values_are_refused(model_factory)
 
 def test_bench_speed_says_k_of_trained(model_factory):
     packed = model_factory("qwen3_moe", 4, converted=True)
-    out = run_cli("bench", "speed", "-m", packed, "--experts-per-token", "4", "--tokens", "3", "--prompt-tokens", "4",
-                  "--skip-disk", "--cold-only", timeout=300)
+    out = run_cli(
+        "bench",
+        "speed",
+        "-m",
+        packed,
+        "--experts-per-token",
+        "4",
+        "--tokens",
+        "3",
+        "--prompt-tokens",
+        "4",
+        "--skip-disk",
+        "--cold-only",
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "K=4 of 2," in out.stdout
     out = run_cli("bench", "speed", "-m", packed, "--disk-cache", "1GB", "--skip-disk")

@@ -3,6 +3,7 @@
 The TUI's parts are in tests/tui/test_app.py and test_snapshots.py; the line REPL's in
 tests/test_repl.py; the command line's here.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,12 +27,15 @@ def home(tmp_path, monkeypatch):
 
 
 # -- a mistyped flag names the right one -------------------------------------------------------
-@pytest.mark.parametrize("argv,hint", [
-    (["run", "--temperature", "0.7", "hi"], "--temperature: did you mean --temp?"),
-    (["run", "--max-tokes=4", "hi"], "--max-tokes: did you mean --max-tokens?"),
-    (["chat", "--no-tuii"], "--no-tuii: did you mean --no-tui?"),
-    (["bench", "speed", "--rouns", "2"], "--rouns: did you mean --rounds?"),
-])
+@pytest.mark.parametrize(
+    "argv,hint",
+    [
+        (["run", "--temperature", "0.7", "hi"], "--temperature: did you mean --temp?"),
+        (["run", "--max-tokes=4", "hi"], "--max-tokes: did you mean --max-tokens?"),
+        (["chat", "--no-tuii"], "--no-tuii: did you mean --no-tui?"),
+        (["bench", "speed", "--rouns", "2"], "--rouns: did you mean --rounds?"),
+    ],
+)
 def test_a_mistyped_flag_suggests_the_right_one(home, capsys, argv, hint):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
@@ -55,18 +59,21 @@ def test_the_suggestion_through_the_real_command_line(home):
 
 
 # -- out-of-range sampling values are refused --------------------------------------------------
-@pytest.mark.parametrize("flag,value,why", [
-    ("--temp", "-1", "must be at least 0"),
-    ("--temp", "nan", "must be at least 0"),
-    ("--top-p", "0", "must be in (0, 1]"),
-    ("--top-p", "1.5", "must be in (0, 1]"),
-    ("--min-p", "-0.1", "must be in [0, 1]"),
-    ("--min-p", "2", "must be in [0, 1]"),
-    ("--repetition-penalty", "0", "must be greater than 0"),
-    ("--repetition-penalty", "-1", "must be greater than 0"),
-    ("--top-k", "-3", "must be at least 0"),
-    ("--temp", "warm", "not a number"),
-])
+@pytest.mark.parametrize(
+    "flag,value,why",
+    [
+        ("--temp", "-1", "must be at least 0"),
+        ("--temp", "nan", "must be at least 0"),
+        ("--top-p", "0", "must be in (0, 1]"),
+        ("--top-p", "1.5", "must be in (0, 1]"),
+        ("--min-p", "-0.1", "must be in [0, 1]"),
+        ("--min-p", "2", "must be in [0, 1]"),
+        ("--repetition-penalty", "0", "must be greater than 0"),
+        ("--repetition-penalty", "-1", "must be greater than 0"),
+        ("--top-k", "-3", "must be at least 0"),
+        ("--temp", "warm", "not a number"),
+    ],
+)
 def test_out_of_range_sampling_flags_are_refused(home, capsys, flag, value, why):
     with pytest.raises(SystemExit) as e:
         cli.main(["run", *FAKE, flag, value, "hi"])
@@ -74,15 +81,24 @@ def test_out_of_range_sampling_flags_are_refused(home, capsys, flag, value, why)
     assert f"argument {flag}: {why}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag,value", [("--temp", "0"), ("--temp", "1.5"), ("--top-p", "1"), ("--min-p", "0"),
-                                        ("--min-p", "1"), ("--repetition-penalty", "1.1"), ("--top-k", "0")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--temp", "0"),
+        ("--temp", "1.5"),
+        ("--top-p", "1"),
+        ("--min-p", "0"),
+        ("--min-p", "1"),
+        ("--repetition-penalty", "1.1"),
+        ("--top-k", "0"),
+    ],
+)
 def test_in_range_sampling_flags_are_taken(home, flag, value):
     args = cli.parse_args(cli.build_parser(), ["run", *FAKE, flag, value, "hi"])
     assert getattr(args, flag[2:].replace("-", "_")) == float(value)
 
 
-@pytest.mark.parametrize("name,value", [("TEMP", "-1"), ("TOP_P", "0"), ("MIN_P", "1.5"),
-                                        ("REPETITION_PENALTY", "0")])
+@pytest.mark.parametrize("name,value", [("TEMP", "-1"), ("TOP_P", "0"), ("MIN_P", "1.5"), ("REPETITION_PENALTY", "0")])
 def test_out_of_range_sampling_settings_in_the_environment_are_refused(home, name, value):
     r = run_cli("run", *FAKE, "hi", env={"FLASHMOE_HOME": str(home), f"FLASHMOE_{name}": value})
     assert r.returncode == 2 and r.stdout == ""
@@ -103,8 +119,14 @@ def test_out_of_range_sampling_settings_in_the_config_file_are_refused(home):
 @pytest.mark.parametrize("timing,layers", [(None, 0), ("step", 0), ("layer", 3)])
 def test_json_has_layer_events_only_with_timing_layer(home, timing, layers):
     flags = ["--timing", timing] if timing else []
-    r = run_cli("run", *FAKE, "--json", *flags, "hi",
-                env={"FLASHMOE_HOME": str(home), "FLASHMOE_FAKE_REPLIES": '["one two three"]'})
+    r = run_cli(
+        "run",
+        *FAKE,
+        "--json",
+        *flags,
+        "hi",
+        env={"FLASHMOE_HOME": str(home), "FLASHMOE_FAKE_REPLIES": '["one two three"]'},
+    )
     assert r.returncode == 0, r.stderr
     events = [json.loads(line) for line in r.stdout.splitlines()]
     kinds = [e["event"] for e in events]
@@ -155,8 +177,12 @@ def test_logs_show_labels_tool_results(home, capsys):
     store = Store(logs_db())
     cid = store.new_conversation("demo")
     store.add_message(cid, "user", "what is in notes.txt?")
-    store.add_message(cid, "assistant", '<tool_call>{"name": "read_file"}</tool_call>',
-                      stats={"message": {"tool_calls": [{"name": "read_file"}]}})
+    store.add_message(
+        cid,
+        "assistant",
+        '<tool_call>{"name": "read_file"}</tool_call>',
+        stats={"message": {"tool_calls": [{"name": "read_file"}]}},
+    )
     store.add_message(cid, "tool", "buy milk", stats={"message": {"name": "read_file"}})
     store.add_message(cid, "user", "<tool_response>\nbuy milk\n</tool_response>")
     store.add_message(cid, "assistant", "It says: buy milk.")
@@ -184,8 +210,14 @@ def test_save_of_a_resumed_conversation_keeps_the_marks(tmp_path):
     assert [m["role"] for m in session.messages()] == ["user", "assistant"] * 3  # plain turns to the model
     text = session.save(tmp_path / "out.md").read_text()
     heads = [line for line in text.splitlines() if line.startswith("**")]
-    assert heads == ["**user**", "**assistant** (interrupted)", "**user**", "**assistant** (incomplete)",
-                     "**tool result**", "**assistant**"]
+    assert heads == [
+        "**user**",
+        "**assistant** (interrupted)",
+        "**user**",
+        "**assistant** (incomplete)",
+        "**tool result**",
+        "**assistant**",
+    ]
     # stopped in this process: marked too
     session.send("third")
     session.finish("half of it", None, interrupted=True)

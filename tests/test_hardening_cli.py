@@ -1,6 +1,7 @@
 """Hardening of the front ends (issue 12): control sequences never reach a terminal, a crash loses
 nothing shown, `agent --approve ask` asks on a real terminal, and user mistakes are one line with
 their exit code. Terminals are real ptys; crashes are real signals sent to real processes."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,10 @@ from tests.helpers.cli import run_cli
 
 # What a hostile model writes: a clipboard write (OSC 52), a title change (OSC 0), a screen clear,
 # 8-bit CSI and OSC, a right-to-left override, a bell, a carriage return that hides the line.
-ATTACK = ("look \x1b]52;c;cm0gLXJmIH4=\x07 here \x1b]0;pwned\x07 \x1b[2J\x1b[H \x9b2J \x9d0;x\x9c "
-          "\u202eevil\u202c \x07\rgone \x7f")
+ATTACK = (
+    "look \x1b]52;c;cm0gLXJmIH4=\x07 here \x1b]0;pwned\x07 \x1b[2J\x1b[H \x9b2J \x9d0;x\x9c "
+    "\u202eevil\u202c \x07\rgone \x7f"
+)
 FORBIDDEN = ["\x1b", "\x07", "\x9b", "\x9d", "\x9c", "\u202e", "\u202c", "\r", "\x7f"]
 
 
@@ -40,8 +43,14 @@ def spawn_on_pty(args, env, *, stdin=subprocess.DEVNULL):
     tty.setraw(slave)
     e = dict(os.environ, **env)
     e.pop("FORCE_COLOR", None)
-    p = subprocess.Popen([sys.executable, "-m", "flashmoe.cli", *map(str, args)], stdin=stdin, stdout=slave,
-                         stderr=subprocess.PIPE, env=e, cwd=ROOT)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "flashmoe.cli", *map(str, args)],
+        stdin=stdin,
+        stdout=slave,
+        stderr=subprocess.PIPE,
+        env=e,
+        cwd=ROOT,
+    )
     os.close(slave)
     return p, master
 
@@ -50,8 +59,14 @@ def run_bytes(args, env) -> subprocess.CompletedProcess:
     """The CLI with stdout piped, read as bytes (run_cli's text mode would turn \\r into \\n)."""
     e = dict(os.environ, **env)
     e.pop("FORCE_COLOR", None)
-    return subprocess.run([sys.executable, "-m", "flashmoe.cli", *map(str, args)], capture_output=True,
-                          stdin=subprocess.DEVNULL, env=e, cwd=ROOT, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "flashmoe.cli", *map(str, args)],
+        capture_output=True,
+        stdin=subprocess.DEVNULL,
+        env=e,
+        cwd=ROOT,
+        timeout=60,
+    )
 
 
 def read_all(master, p, timeout=60) -> bytes:
@@ -100,10 +115,23 @@ def test_headless_on_a_terminal_escapes_and_a_pipe_gets_the_bytes(tmp_path):
 def test_tool_activity_on_stderr_is_escaped(tmp_path):
     ws = tmp_path / "ws"
     ws.mkdir()
-    call = '<tool_call>\n' + json.dumps({"name": "read_file", "arguments": {"path": "\x9d0;pwned\x9c.txt"}}) + \
-        '\n</tool_call>'
-    r = run_cli("run", "--engine", "fake", "-n", "--tools", "builtin", "--workspace", ws, "x",
-                env=fake_env(tmp_path, [call, "done"]))
+    call = (
+        "<tool_call>\n"
+        + json.dumps({"name": "read_file", "arguments": {"path": "\x9d0;pwned\x9c.txt"}})
+        + "\n</tool_call>"
+    )
+    r = run_cli(
+        "run",
+        "--engine",
+        "fake",
+        "-n",
+        "--tools",
+        "builtin",
+        "--workspace",
+        ws,
+        "x",
+        env=fake_env(tmp_path, [call, "done"]),
+    )
     assert "read_file" in r.stderr and "\\x9d0;pwned" in r.stderr, r.stderr
     assert not any(c in r.stderr for c in FORBIDDEN), repr(r.stderr)
 
@@ -273,8 +301,22 @@ def test_agent_approve_ask_asks_on_the_terminal(tmp_path, answer, written):
     (tmp_path / "s.jsonl").write_text(json.dumps({"role": "user", "content": "make a todo"}) + "\n")
     write = tui_call("write_file", path="todo.txt", content="buy milk \x1b]52;c;eA==\x07\u202e")
     env = fake_env(tmp_path, [write, "Done."])
-    pid, master = spawn_with_terminal(["agent", "--engine", "fake", "--tools", "builtin", "--workspace", ws,
-                                       "--script", tmp_path / "s.jsonl", "--approve", "ask"], env)
+    pid, master = spawn_with_terminal(
+        [
+            "agent",
+            "--engine",
+            "fake",
+            "--tools",
+            "builtin",
+            "--workspace",
+            ws,
+            "--script",
+            tmp_path / "s.jsonl",
+            "--approve",
+            "ask",
+        ],
+        env,
+    )
     asked = read_until(master, b"Run it?")
     assert b"write_file" in asked and b"Run it? [y/N/a(lways)]" in asked, asked
     assert b"\x1b]52" not in asked and "\u202e".encode() not in asked, asked  # the question is escaped
@@ -291,14 +333,37 @@ def test_agent_approve_ask_without_a_terminal_says_so(tmp_path):
     (tmp_path / "s.jsonl").write_text(json.dumps({"role": "user", "content": "make a todo"}) + "\n")
     env = fake_env(tmp_path, [tui_call("write_file", path="todo.txt", content="x"), "Done."])
     e = dict(os.environ, **env)
-    r = subprocess.run([sys.executable, "-m", "flashmoe.cli", "agent", "--engine", "fake", "--tools", "builtin",
-                        "--workspace", str(ws), "--script", str(tmp_path / "s.jsonl"), "--approve", "ask"],
-                       capture_output=True, text=True, env=e, cwd=ROOT, timeout=60, start_new_session=True,
-                       stdin=subprocess.DEVNULL)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flashmoe.cli",
+            "agent",
+            "--engine",
+            "fake",
+            "--tools",
+            "builtin",
+            "--workspace",
+            str(ws),
+            "--script",
+            str(tmp_path / "s.jsonl"),
+            "--approve",
+            "ask",
+        ],
+        capture_output=True,
+        text=True,
+        env=e,
+        cwd=ROOT,
+        timeout=60,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 5 and not (ws / "todo.txt").exists(), r.stderr
     lines = [l for l in r.stderr.splitlines() if "no terminal" in l]
-    assert lines == ["flashmoe: warning: --approve ask: no terminal to ask on (/dev/tty: No such device or address); "
-                     "tool calls that need approval are refused"], r.stderr
+    assert lines == [
+        "flashmoe: warning: --approve ask: no terminal to ask on (/dev/tty: No such device or address); "
+        "tool calls that need approval are refused"
+    ], r.stderr
 
 
 # -- item 8: a crash loses nothing shown ---------------------------------------------------------
@@ -332,9 +397,14 @@ def saved(tmp_path):
 
 def start_run(tmp_path, *extra):
     e = dict(os.environ, **stream_env(tmp_path))
-    return subprocess.Popen([sys.executable, "-m", "flashmoe.cli", "run", "--engine", "fake", *extra, "count"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=e,
-                            cwd=ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flashmoe.cli", "run", "--engine", "fake", *extra, "count"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=e,
+        cwd=ROOT,
+    )
 
 
 def test_sigkill_keeps_the_reply_shown_before_the_last_save(tmp_path):
@@ -403,15 +473,21 @@ def test_resumed_history_never_has_two_user_turns_in_a_row(tmp_path):
     store.add_message(cid, "user", "third")
     history = ChatSession(None, store, cid=cid).history
     assert [(m["role"], m["content"]) for m in history] == [
-        ("user", "first"), ("assistant", NO_REPLY), ("user", "second"), ("assistant", NO_REPLY), ("user", "third")]
+        ("user", "first"),
+        ("assistant", NO_REPLY),
+        ("user", "second"),
+        ("assistant", NO_REPLY),
+        ("user", "third"),
+    ]
 
 
 def test_a_failed_reply_leaves_no_lonely_user_turn(tmp_path):
     env = fake_env(tmp_path, ["x"], FLASHMOE_FAKE_FAIL="boom")
     r = run_cli("run", "--engine", "fake", "hi", env=env)
     assert r.returncode == 1 and "boom" in r.stderr
-    assert run_cli("logs", "--json", env=env).stdout.strip() in ("[]", "[\n]") or \
-        all(c["messages"] % 2 == 0 for c in json.loads(run_cli("logs", "--json", env=env).stdout))
+    assert run_cli("logs", "--json", env=env).stdout.strip() in ("[]", "[\n]") or all(
+        c["messages"] % 2 == 0 for c in json.loads(run_cli("logs", "--json", env=env).stdout)
+    )
 
 
 def test_streaming_saves_are_throttled(tmp_path):
@@ -484,7 +560,10 @@ def test_flashmoe_home_that_is_a_file_or_under_one_is_exit_2(tmp_path):
 
 def test_read_only_flashmoe_home_is_exit_2(tmp_path):
     # /proc/self is read-only even to root (tests run as root: chmod would not stop it)
-    for home, why in (("/proc/self", "not writable"), ("/proc/self/fm", "cannot create it (No such file or directory)")):
+    for home, why in (
+        ("/proc/self", "not writable"),
+        ("/proc/self/fm", "cannot create it (No such file or directory)"),
+    ):
         r = run_cli("run", "--engine", "fake", "hi", env=fake_env(tmp_path, ["ok"], FLASHMOE_HOME=home))
         assert r.returncode == 2 and one_error_line(r) == f"flashmoe: error: FLASHMOE_HOME {home}: {why}"
     # -n saves nothing, so it does not need the folder
@@ -505,14 +584,21 @@ def test_a_missing_flashmoe_home_is_created_and_said(tmp_path):
 def test_non_utf8_stdin_and_arguments_are_replaced_and_said_once(tmp_path):
     env = fake_env(tmp_path, ["ok"])
     e = dict(os.environ, **env)
-    r = subprocess.run([sys.executable, "-m", "flashmoe.cli", "run", "--engine", "fake", "caf\xe9".encode("latin-1")],
-                       input=b"na\xefve \xff\xfe text\n", capture_output=True, env=e, cwd=ROOT, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "flashmoe.cli", "run", "--engine", "fake", "caf\xe9".encode("latin-1")],
+        input=b"na\xefve \xff\xfe text\n",
+        capture_output=True,
+        env=e,
+        cwd=ROOT,
+        timeout=60,
+    )
     err = r.stderr.decode()
     assert r.returncode == 0 and r.stdout == b"ok\n", err
     assert "Traceback" not in err
     assert [l for l in err.splitlines() if "UTF-8" in l] == [
         "flashmoe: warning: stdin is not UTF-8: undecodable bytes are replaced with U+FFFD",
-        "flashmoe: warning: the prompt argument is not UTF-8: undecodable bytes are replaced with U+FFFD"]
+        "flashmoe: warning: the prompt argument is not UTF-8: undecodable bytes are replaced with U+FFFD",
+    ]
     [user, _] = saved(tmp_path)
     assert user.content == "na\ufffdve \ufffd\ufffd text\n\ncaf\ufffd"
 
@@ -521,11 +607,25 @@ def test_non_utf8_agent_script_is_replaced_and_said(tmp_path):
     ws = tmp_path / "ws"
     ws.mkdir()
     (tmp_path / "s.jsonl").write_bytes(b'{"role": "user", "content": "caf\xe9"}\n')
-    r = run_cli("agent", "--engine", "fake", "--tools", "builtin", "--workspace", ws, "--script",
-                tmp_path / "s.jsonl", "--approve", "never", env=fake_env(tmp_path, ["ok"]))
+    r = run_cli(
+        "agent",
+        "--engine",
+        "fake",
+        "--tools",
+        "builtin",
+        "--workspace",
+        ws,
+        "--script",
+        tmp_path / "s.jsonl",
+        "--approve",
+        "never",
+        env=fake_env(tmp_path, ["ok"]),
+    )
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    assert f"flashmoe: warning: --script {tmp_path / 's.jsonl'} is not UTF-8: undecodable bytes are replaced " \
-           "with U+FFFD" in r.stderr.splitlines()
+    assert (
+        f"flashmoe: warning: --script {tmp_path / 's.jsonl'} is not UTF-8: undecodable bytes are replaced "
+        "with U+FFFD" in r.stderr.splitlines()
+    )
 
 
 def test_a_locked_log_database_waits_then_says_so_and_still_answers(tmp_path):
@@ -542,8 +642,10 @@ def test_a_locked_log_database_waits_then_says_so_and_still_answers(tmp_path):
         holder.close()
     assert r.returncode == 0 and r.stdout == "the answer\n", r.stderr
     assert waited >= 5
-    assert one_error_line(r) == (f"flashmoe: warning: the conversation is not saved "
-                                 f"({tmp_path / 'home' / 'logs.db'}: database is locked; waited 5 s)")
+    assert one_error_line(r) == (
+        f"flashmoe: warning: the conversation is not saved "
+        f"({tmp_path / 'home' / 'logs.db'}: database is locked; waited 5 s)"
+    )
 
 
 # -- the line REPL: SIGTERM / SIGHUP quit it, at the prompt and mid-reply --------------------------
@@ -568,7 +670,9 @@ def test_repl_at_its_prompt_quits_on_sigterm_and_sighup(tmp_path, sig):
     assert code == 128 + sig, seen + rest
     assert b"press Ctrl-C again" not in rest and b"Traceback" not in rest, rest
     assert [(m.role, m.content, m.interrupted) for m in saved(tmp_path)] == [
-        ("user", "hi", False), ("assistant", "first answer", False)]
+        ("user", "hi", False),
+        ("assistant", "first answer", False),
+    ]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
@@ -588,7 +692,7 @@ def test_repl_mid_reply_saves_what_was_shown_and_exits_on_sigterm_and_sighup(tmp
     assert reply.interrupted and reply.complete, reply
     assert LONG.startswith(reply.content) and len(reply.content.split()) >= 20
     screen = (shown + rest).decode().replace("\r", "")
-    shown_text = screen[screen.index("w0 "):]
+    shown_text = screen[screen.index("w0 ") :]
     if sig == signal.SIGTERM:  # the terminal is still there: it shows exactly what was saved
         assert shown_text.startswith(reply.content + "\n[interrupted]"), (shown_text, reply.content)
     else:  # after a hangup nothing more reaches the terminal, but the reply is saved past what it got
@@ -599,8 +703,9 @@ def test_repl_mid_reply_saves_what_was_shown_and_exits_on_sigterm_and_sighup(tmp
 def run_argv_bytes(args, env, stdin=b""):
     e = dict(os.environ, **env)
     e.pop("FORCE_COLOR", None)
-    r = subprocess.run([sys.executable, "-m", "flashmoe.cli", *args], input=stdin, capture_output=True, env=e,
-                       cwd=ROOT, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "flashmoe.cli", *args], input=stdin, capture_output=True, env=e, cwd=ROOT, timeout=60
+    )
     return r, r.stderr.decode()
 
 
@@ -610,12 +715,28 @@ def utf8_warnings(err: str) -> list[str]:
 
 def test_non_utf8_system_stop_and_cid_are_replaced_and_said(tmp_path):
     env = fake_env(tmp_path, ["ok"])
-    r, err = run_argv_bytes(["run", "--engine", "fake", "--timing", "off", "--system", b"be \xff brief",
-                             "--stop", b"\xfe", "--stop", b"\xfd", "hi"], env)
+    r, err = run_argv_bytes(
+        [
+            "run",
+            "--engine",
+            "fake",
+            "--timing",
+            "off",
+            "--system",
+            b"be \xff brief",
+            "--stop",
+            b"\xfe",
+            "--stop",
+            b"\xfd",
+            "hi",
+        ],
+        env,
+    )
     assert r.returncode == 0 and r.stdout == b"ok\n" and "Traceback" not in err, err
     assert utf8_warnings(err) == [  # one line per argument, however often it is given
         "flashmoe: warning: --system is not UTF-8: undecodable bytes are replaced with U+FFFD",
-        "flashmoe: warning: --stop is not UTF-8: undecodable bytes are replaced with U+FFFD"]
+        "flashmoe: warning: --stop is not UTF-8: undecodable bytes are replaced with U+FFFD",
+    ]
     store = Store(tmp_path / "home" / "logs.db")
     assert store.get(store.latest()).system == "be \ufffd brief"
     r, err = run_argv_bytes(["run", "--engine", "fake", "--cid", b"x\xff", "hi"], env)
@@ -624,11 +745,13 @@ def test_non_utf8_system_stop_and_cid_are_replaced_and_said(tmp_path):
 
 
 def test_non_utf8_system_from_the_environment_is_replaced_and_said(tmp_path):
-    r, err = run_argv_bytes(["run", "--engine", "fake", "--timing", "off", "hi"],
-                            fake_env(tmp_path, ["ok"], FLASHMOE_SYSTEM=b"caf\xe9"))
+    r, err = run_argv_bytes(
+        ["run", "--engine", "fake", "--timing", "off", "hi"], fake_env(tmp_path, ["ok"], FLASHMOE_SYSTEM=b"caf\xe9")
+    )
     assert r.returncode == 0 and "Traceback" not in err, err
     assert utf8_warnings(err) == [
-        "flashmoe: warning: FLASHMOE_SYSTEM is not UTF-8: undecodable bytes are replaced with U+FFFD"]
+        "flashmoe: warning: FLASHMOE_SYSTEM is not UTF-8: undecodable bytes are replaced with U+FFFD"
+    ]
     store = Store(tmp_path / "home" / "logs.db")
     assert store.get(store.latest()).system == "caf\ufffd"
 
@@ -639,12 +762,27 @@ def test_lone_surrogates_in_an_agent_script_are_replaced_and_said(tmp_path):
     ws.mkdir()
     script = tmp_path / "s.jsonl"
     script.write_text('{"role": "system", "content": "be \\udcff brief"}\n{"role": "user", "content": "hi \\ud800"}\n')
-    r, err = run_argv_bytes(["agent", "--engine", "fake", "--tools", "builtin", "--workspace", str(ws),
-                             "--script", str(script), "--approve", "never"], fake_env(tmp_path, ["ok"]))
+    r, err = run_argv_bytes(
+        [
+            "agent",
+            "--engine",
+            "fake",
+            "--tools",
+            "builtin",
+            "--workspace",
+            str(ws),
+            "--script",
+            str(script),
+            "--approve",
+            "never",
+        ],
+        fake_env(tmp_path, ["ok"]),
+    )
     assert r.returncode == 0 and "Traceback" not in err, err
     assert utf8_warnings(err) == [
         f"flashmoe: warning: --script {script} line 1 is not UTF-8: undecodable bytes are replaced with U+FFFD",
-        f"flashmoe: warning: --script {script} line 2 is not UTF-8: undecodable bytes are replaced with U+FFFD"]
+        f"flashmoe: warning: --script {script} line 2 is not UTF-8: undecodable bytes are replaced with U+FFFD",
+    ]
     store = Store(tmp_path / "home" / "logs.db")
     cid = store.latest()
     assert store.get(cid).system == "be \ufffd brief"
@@ -653,8 +791,9 @@ def test_lone_surrogates_in_an_agent_script_are_replaced_and_said(tmp_path):
 
 def test_a_non_utf8_model_path_is_kept_for_opening_and_saved_replaced(tmp_path):
     """A path stays as the bytes name it (it may be a real folder); the log holds it with U+FFFD."""
-    r, err = run_argv_bytes(["run", "--engine", "fake", "--timing", "off", "-m", b"/models/\xff", "hi"],
-                            fake_env(tmp_path, ["ok"]))
+    r, err = run_argv_bytes(
+        ["run", "--engine", "fake", "--timing", "off", "-m", b"/models/\xff", "hi"], fake_env(tmp_path, ["ok"])
+    )
     assert r.returncode == 0 and r.stdout == b"ok\n" and "Traceback" not in err, err
     store = Store(tmp_path / "home" / "logs.db")
     cid = store.latest()
@@ -695,7 +834,17 @@ def test_a_config_file_nested_deep_a_fifo_or_huge_is_one_line(tmp_path, kind):
 def test_an_agent_script_line_nested_deep_is_one_line(tmp_path):
     script = tmp_path / "s.jsonl"
     script.write_text('{"role": "user", "content": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
-    r = run_cli("agent", "--engine", "fake", "--tools", "builtin", "--script", script, "--transcript",
-                tmp_path / "t.jsonl", env={"FLASHMOE_HOME": str(tmp_path / "home")})
+    r = run_cli(
+        "agent",
+        "--engine",
+        "fake",
+        "--tools",
+        "builtin",
+        "--script",
+        script,
+        "--transcript",
+        tmp_path / "t.jsonl",
+        env={"FLASHMOE_HOME": str(tmp_path / "home")},
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip() == f"flashmoe: error: --script {script} line 1: cannot be read (nested too deeply)"

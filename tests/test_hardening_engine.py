@@ -3,6 +3,7 @@
 Every one must end as one line on stderr with its documented exit code (docs/usage.md), never a
 traceback or a hang.
 """
+
 from __future__ import annotations
 
 import errno
@@ -143,9 +144,16 @@ def test_generation_stops_at_the_context(packed):
 
 # -- 13: every mistake is one line ---------------------------------------------------------------
 
-@pytest.mark.parametrize("text,needle", [("[1, 2]", "not a JSON object"), ("null", "not a JSON object"),
-                                         ("[" * 100_000 + "]" * 100_000, "nested too deeply")],
-                         ids=["array", "null", "deep"])
+
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("[1, 2]", "not a JSON object"),
+        ("null", "not a JSON object"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ],
+    ids=["array", "null", "deep"],
+)
 def test_manifest_that_is_not_an_object(packed, text, needle):
     (packed / "experts/manifest.json").write_text(text)
     one_line_error(run_model(packed), 3, "manifest.json", needle)
@@ -176,6 +184,7 @@ def _full_disk_after(n_calls, real):
         if len(calls) > n_calls:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(*a, **k)
+
     return write, calls
 
 
@@ -208,6 +217,7 @@ def test_full_disk_while_writing_the_resident_weights(model_factory, tmp_path, m
         with open(path, "wb") as f:
             f.write(b"x")
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     monkeypatch.setattr(conv, "write_streaming", full)
     with pytest.raises(ConvertError, match="resident.safetensors.*No space left"):
         conv.convert(model_factory("qwen3_moe", 4), tmp_path / "o")
@@ -269,6 +279,7 @@ def test_convert_still_replaces_its_own_partial_with_other_options(model_factory
 
 # -- 14: corrupted experts are caught at run time --------------------------------------------------
 
+
 def flip_byte(folder, layer: int, expert: int, at: int = 10):
     manifest = json.loads((folder / "experts/manifest.json").read_text())
     entry = next(l for l in manifest["layers"] if l["layer"] == layer)
@@ -293,6 +304,7 @@ def used_experts(folder, prompt: str) -> dict[int, set[int]]:
     def spy(layer, experts, *a, **k):
         seen.setdefault(layer, set()).update(int(e) for e in experts)
         return real(layer, experts, *a, **k)
+
     loaded.store.fetch = spy
     try:
         list(generate(loaded, Session(loaded), GenerationRequest(prompt=prompt, max_tokens=2)))
@@ -330,9 +342,16 @@ def _engine_fails_on(folder, **load_args):
         eng.close()
 
 
-@pytest.mark.parametrize("load_args", [dict(kernels="cpu"), dict(kernels="mlx"), dict(kernels="cpu", expert_cache=0),
-                                       dict(kernels="mlx", prefetch="slots", expert_cache=0)],
-                         ids=["cpu", "mlx", "cpu-no-cache", "prefetch"])
+@pytest.mark.parametrize(
+    "load_args",
+    [
+        dict(kernels="cpu"),
+        dict(kernels="mlx"),
+        dict(kernels="cpu", expert_cache=0),
+        dict(kernels="mlx", prefetch="slots", expert_cache=0),
+    ],
+    ids=["cpu", "mlx", "cpu-no-cache", "prefetch"],
+)
 def test_every_read_path_checks_the_checksum(packed, load_args):
     seen = used_experts(packed, LONG_PROMPT)
     for layer in (0, 1, 2):

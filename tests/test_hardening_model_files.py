@@ -4,6 +4,7 @@ the CLI), never a traceback or unbounded memory; a chat template is bounded in t
 and the text it renders, so a hostile one fails in seconds instead of running past --timeout or
 aborting the tokenizer with a gigabyte of text.
 """
+
 from __future__ import annotations
 
 import struct
@@ -34,8 +35,14 @@ def string_array(items) -> bytes:
 
 def gguf(kvs=None, tensors=None, data=b"\0" * 64, version=3, counts=None) -> bytes:
     """A GGUF file: header, key/values, tensor table, 32-aligned data."""
-    kvs = kvs if kvs is not None else [kv("general.architecture", STRING, s("llama")),
-                                       kv("tokenizer.ggml.tokens", ARRAY, string_array(["a", "b"]))]
+    kvs = (
+        kvs
+        if kvs is not None
+        else [
+            kv("general.architecture", STRING, s("llama")),
+            kv("tokenizer.ggml.tokens", ARRAY, string_array(["a", "b"])),
+        ]
+    )
     tensors = tensors if tensors is not None else [s("token_embd.weight") + struct.pack("<IQQIQ", 2, 4, 2, 0, 0)]
     n_tensors, n_kvs = counts if counts is not None else (len(tensors), len(kvs))
     body = b"GGUF" + struct.pack("<IQQ", version, n_tensors, n_kvs) + b"".join(kvs) + b"".join(tensors)
@@ -48,29 +55,44 @@ MALFORMED = {
     "version 99": gguf(version=99),
     "truncated header": gguf()[:20],
     "truncated in a key": gguf()[:40],
-    "array count 2**62": gguf(kvs=[kv("general.architecture", STRING, s("llama")),
-                                   kv("tokenizer.ggml.tokens", ARRAY, struct.pack("<IQ", UINT32, 1 << 62))]),
-    "byte array count 2**62": gguf(kvs=[kv("general.architecture", STRING, s("llama")),
-                                        kv("tokenizer.ggml.merges", ARRAY, struct.pack("<IQ", 0, 1 << 62))]),
+    "array count 2**62": gguf(
+        kvs=[
+            kv("general.architecture", STRING, s("llama")),
+            kv("tokenizer.ggml.tokens", ARRAY, struct.pack("<IQ", UINT32, 1 << 62)),
+        ]
+    ),
+    "byte array count 2**62": gguf(
+        kvs=[
+            kv("general.architecture", STRING, s("llama")),
+            kv("tokenizer.ggml.merges", ARRAY, struct.pack("<IQ", 0, 1 << 62)),
+        ]
+    ),
     "string array count 2**62": gguf(kvs=[kv("tokenizer.ggml.tokens", ARRAY, struct.pack("<IQ", STRING, 1 << 62))]),
     "string length 2**63": gguf(kvs=[kv("general.architecture", STRING, struct.pack("<Q", 1 << 63))]),
     "key count 2**60": gguf(counts=(1, 1 << 60)),
     "tensor count 2**60": gguf(counts=(1 << 60, 2)),
     "unknown value type": gguf(kvs=[kv("general.architecture", 99, b"\0" * 8)]),
     "unknown array type": gguf(kvs=[kv("x", ARRAY, struct.pack("<IQ", 77, 3))]),
-    "arrays nested 1000 deep": gguf(kvs=[kv("x", ARRAY, struct.pack("<IQ", ARRAY, 1) * 1000 + struct.pack("<IQ", UINT32, 0))]),
+    "arrays nested 1000 deep": gguf(
+        kvs=[kv("x", ARRAY, struct.pack("<IQ", ARRAY, 1) * 1000 + struct.pack("<IQ", UINT32, 0))]
+    ),
     "duplicate key": gguf(kvs=[kv("general.architecture", STRING, s("llama"))] * 2),
     "alignment 3": gguf(kvs=[kv("general.alignment", UINT32, struct.pack("<I", 3))]),
     "alignment a string": gguf(kvs=[kv("general.alignment", STRING, s("32"))]),
-    "tensor with 1000 dims": gguf(tensors=[s("t") + struct.pack("<I", 1000) + struct.pack("<Q", 1) * 1000
-                                           + struct.pack("<IQ", 0, 0)]),
+    "tensor with 1000 dims": gguf(
+        tensors=[s("t") + struct.pack("<I", 1000) + struct.pack("<Q", 1) * 1000 + struct.pack("<IQ", 0, 0)]
+    ),
     "tensor of 2**62 elements": gguf(tensors=[s("t") + struct.pack("<IQQIQ", 2, 1 << 31, 1 << 31, 0, 0)]),
     "tensor past the end": gguf(tensors=[s("t") + struct.pack("<IQQIQ", 2, 4, 2, 0, 1 << 40)]),
     "unknown tensor type": gguf(tensors=[s("t") + struct.pack("<IQQIQ", 2, 4, 2, 200, 0)]),
     "duplicate tensor": gguf(tensors=[s("t") + struct.pack("<IQQIQ", 2, 4, 2, 0, 0)] * 2),
     "tensor name not UTF-8": gguf(tensors=[s(b"\xff\xfe") + struct.pack("<IQQIQ", 2, 4, 2, 0, 0)]),
-    "tokens not strings": gguf(kvs=[kv("general.architecture", STRING, s("llama")),
-                                    kv("tokenizer.ggml.tokens", ARRAY, struct.pack("<IQ", UINT32, 2) + b"\0" * 8)]),
+    "tokens not strings": gguf(
+        kvs=[
+            kv("general.architecture", STRING, s("llama")),
+            kv("tokenizer.ggml.tokens", ARRAY, struct.pack("<IQ", UINT32, 2) + b"\0" * 8),
+        ]
+    ),
 }
 
 
@@ -126,10 +148,14 @@ HOSTILE_TEMPLATES = {
     "recursive loop": "{% for x in [[1]] recursive %}{{ loop([x]) }}{% endfor %}",
     "1 GB by multiplication": "{{ 'a' * 1000000000 }}",
     "1 GB of output": "{% for i in range(100000) %}{{ 'a' * 20000 }}{% endfor %}",
-    "doubling by concatenation": ("{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
-                                  "{% endfor %}{{ ns.s|length }}"),
-    "doubling by addition": ("{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
-                             "{% endfor %}{{ ns.s|length }}"),
+    "doubling by concatenation": (
+        "{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}{{ ns.s|length }}"
+    ),
+    "doubling by addition": (
+        "{% set ns = namespace(s='a') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}"
+        "{% endfor %}{{ ns.s|length }}"
+    ),
     "a list multiplied": "{{ ([1] * 1000000000)|length }}",
     "a huge power": "{{ (7 ** 100000000) % 10 }}",
     "a wide format": "{{ '%1000000000s' % 'a' }}",
@@ -169,9 +195,11 @@ def test_ordinary_templates_render_as_before():
 
     env = _make_environment()
     msgs = [{"role": "user", "content": "hi " * 1000}] * 200
-    text = env.from_string("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                           "{{ 'x' * 3 }}{{ [1, 2] * 2 }}{{ '%5s' % 'a' }}{{ 'a'|center(5) }}{{ 2 ** 10 }}"
-                           "{% for x in [1, 2, 3] %}{{ loop.index }}/{{ loop.length }}{% endfor %}").render(messages=msgs)
+    text = env.from_string(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{{ 'x' * 3 }}{{ [1, 2] * 2 }}{{ '%5s' % 'a' }}{{ 'a'|center(5) }}{{ 2 ** 10 }}"
+        "{% for x in [1, 2, 3] %}{{ loop.index }}/{{ loop.length }}{% endfor %}"
+    ).render(messages=msgs)
     assert text.count("user: ") == 200 and text.endswith("xxx[1, 2, 1, 2]    a  a  10241/32/33/3")
 
 
@@ -199,8 +227,9 @@ def test_a_turn_ends_at_its_deadline_even_when_the_engine_never_answers():
 
     box: dict = {}
     loop = AgentLoop(Session())
-    t = threading.Thread(target=lambda: box.update(end=loop.run_turn("hi", deadline=time.monotonic() + 0.5)),
-                         daemon=True)
+    t = threading.Thread(
+        target=lambda: box.update(end=loop.run_turn("hi", deadline=time.monotonic() + 0.5)), daemon=True
+    )
     start = time.monotonic()
     t.start()
     t.join(20)

@@ -3,6 +3,7 @@ cache and never the engine; FLASHMOE_HOME and what is in it are private to the u
 planted files in kv/ are skipped and deleted with one line, never a hang, a traceback or a write
 through a symlink.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,10 @@ def finished(engine, content: str, session="c1", wait: float = 120):
     """One request to its last event; fails (instead of hanging) if the engine never answers."""
     import queue
 
-    handle = engine.submit(GenerationRequest(messages=[SYSTEM, {"role": "user", "content": content}], max_tokens=3,
-                                             sampling=GREEDY), session=session)
+    handle = engine.submit(
+        GenerationRequest(messages=[SYSTEM, {"role": "user", "content": content}], max_tokens=3, sampling=GREEDY),
+        session=session,
+    )
     while True:
         try:
             ev = handle.get(timeout=wait)
@@ -47,10 +50,12 @@ def finished(engine, content: str, session="c1", wait: float = 120):
 
 # ---- item 2: a failed prompt-cache save never ends the engine thread -------------------------------
 
+
 @pytest.mark.parametrize("damage", ["removed", "a file", "read-only"])
 @pytest.mark.parametrize("session", ["c1", None], ids=["conversation", "pool"])
-def test_a_prompt_cache_that_cannot_be_saved_costs_the_cache_not_the_engine(model_factory, tmp_path, damage,
-                                                                               session, caplog):
+def test_a_prompt_cache_that_cannot_be_saved_costs_the_cache_not_the_engine(
+    model_factory, tmp_path, damage, session, caplog
+):
     from flashmoe.engine.runtime.engine import Engine
 
     kv = tmp_path / "kv"
@@ -76,22 +81,30 @@ def test_a_prompt_cache_that_cannot_be_saved_costs_the_cache_not_the_engine(mode
 
 def test_a_full_disk_while_saving_a_prompt_cache(model_factory, tmp_path):
     """RLIMIT_FSIZE as `ulimit -f` sets it: MLX's write fails with a RuntimeError, not an OSError."""
-    code = ("import resource, sys\n"
-            "from flashmoe.engine.runtime.engine import Engine\n"
-            "from tests.test_hardening_state import finished\n"
-            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
-            "e = Engine(sys.argv[1], prompt_cache_dir=sys.argv[2])\n"
-            "e.wait_loaded()\n"
-            "print(type(finished(e, 'Tell me about the sea.', wait=60)).__name__)\n"
-            "print(type(finished(e, 'Tell me about the sky.', wait=60)).__name__, flush=True)\n"
-            "e.close()\n")
-    r = subprocess.run([sys.executable, "-c", code, str(model_factory("qwen3_moe")), str(tmp_path / "kv")],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    code = (
+        "import resource, sys\n"
+        "from flashmoe.engine.runtime.engine import Engine\n"
+        "from tests.test_hardening_state import finished\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        "e = Engine(sys.argv[1], prompt_cache_dir=sys.argv[2])\n"
+        "e.wait_loaded()\n"
+        "print(type(finished(e, 'Tell me about the sea.', wait=60)).__name__)\n"
+        "print(type(finished(e, 'Tell me about the sky.', wait=60)).__name__, flush=True)\n"
+        "e.close()\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(model_factory("qwen3_moe")), str(tmp_path / "kv")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.stdout.split() == ["GenerationFinished", "GenerationFinished"], r.stderr[-3000:]
     assert "prompt cache not saved" in r.stderr
 
 
 # ---- item 12: FLASHMOE_HOME 0700, its files 0600 ---------------------------------------------------
+
 
 def test_a_new_flashmoe_home_and_its_files_are_private(tmp_path):
     home = tmp_path / "state"
@@ -115,7 +128,9 @@ def test_an_existing_home_and_its_files_are_made_private(tmp_path):
     r = run_cli("run", "--engine", "fake", "again", env={"FLASHMOE_HOME": str(home)})
     assert r.returncode == 0, r.stderr
     assert mode(home) == 0o700
-    assert all(mode(p) == 0o600 for p in home.iterdir() if p.is_file()), [(p.name, oct(mode(p))) for p in home.iterdir()]
+    assert all(mode(p) == 0o600 for p in home.iterdir() if p.is_file()), [
+        (p.name, oct(mode(p))) for p in home.iterdir()
+    ]
     assert "private" in r.stderr  # said once, when it changed something
 
 
@@ -157,6 +172,7 @@ def test_saved_prompt_caches_are_private(loaded, tmp_path):
 
 # ---- item 13: damaged kv/ files are skipped and deleted; a planted .partial is not written through --
 
+
 def safetensors_with(header) -> bytes:
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
     return struct.pack("<Q", len(raw)) + raw
@@ -180,14 +196,14 @@ def damaged_file(kind: str, good: bytes) -> bytes:
     if DAMAGED[kind] is not None:
         return DAMAGED[kind]
     n = struct.unpack("<Q", good[:8])[0]
-    header = json.loads(good[8:8 + n])
+    header = json.loads(good[8 : 8 + n])
     if kind == "tokens not numbers":
         header["__metadata__"]["0.tokens"] = "1,x,3"
     else:  # a tensor whose data offsets lie past the end of the file
         name = next(k for k in header if k != "__metadata__")
         header[name]["data_offsets"][1] += 1 << 30
     raw = json.dumps(header).encode()
-    return struct.pack("<Q", len(raw)) + raw + good[8 + n:]
+    return struct.pack("<Q", len(raw)) + raw + good[8 + n :]
 
 
 @pytest.mark.parametrize("kind", [*DAMAGED, "fifo", "directory", "symlink out"])

@@ -4,6 +4,7 @@ The caches here are built offline in tmp_path in huggingface_hub's own layout: f
 its `repo_folder_name`, blobs with snapshot symlinks into them, refs/ files, and checked with its
 `scan_cache_dir`, so what is tested is the layout huggingface_hub writes, not one of ours.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +34,15 @@ def repo_dir(cache: Path, repo_id: str = REPO) -> Path:
     return cache / repo_folder_name(repo_id=repo_id, repo_type="model")
 
 
-def add_snapshot(cache: Path, commit: str, files: dict[str, bytes] | Path, *, refs=(), repo_id: str = REPO,
-                 mtime: float | None = None) -> Path:
+def add_snapshot(
+    cache: Path,
+    commit: str,
+    files: dict[str, bytes] | Path,
+    *,
+    refs=(),
+    repo_id: str = REPO,
+    mtime: float | None = None,
+) -> Path:
     """snapshots/<commit>/ of repo_id as huggingface_hub writes it: each file a relative symlink
     to blobs/<sha256>; each name in refs a refs/ file holding the commit (no newline, as theirs)."""
     repo = repo_dir(cache, repo_id)
@@ -88,6 +96,7 @@ def one_line(stderr: str) -> str:
 
 
 # --- finding a snapshot ---------------------------------------------------------------------------
+
 
 def test_refs_main_names_the_snapshot_not_the_newest(cache):
     now = time.time()
@@ -147,8 +156,14 @@ def test_hf_hub_cache_wins_over_hf_home(tmp_path, monkeypatch):
 def test_cache_folder_is_huggingface_hubs_and_no_mlx_is_imported(tmp_path):
     """hub_cache_dir() against huggingface_hub.constants itself (read at its import: reloaded per
     environment), and engine.hf_cache imports neither MLX nor huggingface_hub."""
-    cases = [{}, {"HF_HOME": "/h"}, {"HF_HOME": "/h", "HF_HUB_CACHE": "/c"}, {"XDG_CACHE_HOME": "/x"},
-             {"HUGGINGFACE_HUB_CACHE": "/legacy", "HF_HOME": "/h"}, {"HF_HOME": "~/hf"}]
+    cases = [
+        {},
+        {"HF_HOME": "/h"},
+        {"HF_HOME": "/h", "HF_HUB_CACHE": "/c"},
+        {"XDG_CACHE_HOME": "/x"},
+        {"HUGGINGFACE_HUB_CACHE": "/legacy", "HF_HOME": "/h"},
+        {"HF_HOME": "~/hf"},
+    ]
     code = f"""
 import importlib, json, os, sys, types
 import flashmoe.engine.formats.hf_cache as h
@@ -163,16 +178,23 @@ for env in {cases!r}:
     out.append([str(h.hub_cache_dir()), c.HF_HUB_CACHE])
 print(json.dumps({{"heavy": heavy, "dirs": out}}))
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)
     assert got["heavy"] == []
     for ours, theirs in got["dirs"]:
         assert ours == theirs
     assert got["dirs"][2][0] == "/c"
-    assert (hf_cache.DEFAULT_REVISION, hf_cache.REPO_ID_SEPARATOR) == (constants.DEFAULT_REVISION,
-                                                                       constants.REPO_ID_SEPARATOR)
+    assert (hf_cache.DEFAULT_REVISION, hf_cache.REPO_ID_SEPARATOR) == (
+        constants.DEFAULT_REVISION,
+        constants.REPO_ID_SEPARATOR,
+    )
     assert hf_cache.repo_folder_name(REPO) == repo_folder_name(repo_id=REPO, repo_type="model")
     assert hub_cache_dir({"HF_HOME": "/h", "HF_HUB_CACHE": "/c"}) == Path("/c")
     assert hub_cache_dir({"HF_HOME": "/h"}) == Path("/h/hub")
@@ -197,8 +219,10 @@ def test_no_snapshot_is_one_line_naming_what_is_there(cache):
     with pytest.raises(ModelNotFoundError) as e:
         snapshot_path(REPO)
     msg = str(e.value)
-    assert msg == (f"model '{REPO}': in the Hugging Face cache ({repo}) but with no snapshot (the folder "
-                   f"holds: blobs/, refs/); download it with: flashmoe pull {REPO}")
+    assert msg == (
+        f"model '{REPO}': in the Hugging Face cache ({repo}) but with no snapshot (the folder "
+        f"holds: blobs/, refs/); download it with: flashmoe pull {REPO}"
+    )
     assert e.value.exit_code == 3
     add_snapshot(cache, C2, marker(C2))
     with pytest.raises(ModelNotFoundError) as e:  # refs/main names a commit that has no snapshot
@@ -207,6 +231,7 @@ def test_no_snapshot_is_one_line_naming_what_is_there(cache):
 
 
 # --- the commands ---------------------------------------------------------------------------------
+
 
 def test_info_and_run_from_the_cache(cache, tiny):
     from flashmoe.engine.runtime.tokenizer import Tokenizer
@@ -223,8 +248,9 @@ def test_info_and_run_from_the_cache(cache, tiny):
     d = json.loads(r.stdout)
     assert d["path"] == str(snap) and "direct" in d["format"] and d["model_type"] == "qwen3_moe"
 
-    r = run_cli("run", "-m", REPO, "hi", "--max-tokens", "3", "--raw", "--json", "-n", "--kernels", "mlx",
-                env=cli_env(cache))  # mlx kernels: mlx-lm's own arithmetic, and half the start-up time
+    r = run_cli(
+        "run", "-m", REPO, "hi", "--max-tokens", "3", "--raw", "--json", "-n", "--kernels", "mlx", env=cli_env(cache)
+    )  # mlx kernels: mlx-lm's own arithmetic, and half the start-up time
     assert r.returncode == 0, r.stderr
     tokens = [e["id"] for e in map(json.loads, r.stdout.splitlines()) if e["event"] == "token"]
     ids = Tokenizer.from_folder(snap).encode("hi", add_special_tokens=True)
@@ -246,8 +272,10 @@ def test_convert_from_the_cache(cache, tiny, tmp_path):
 def test_not_in_the_cache_is_one_line_and_exit_3(cache):
     r = run_cli("run", "-m", REPO, "hi", "-n", env=cli_env(cache))
     assert r.returncode == 3 and r.stdout == ""
-    assert one_line(r.stderr) == (f"flashmoe: error: model '{REPO}': not a folder and not in the Hugging Face "
-                                  f"cache ({cache}); download it with: flashmoe pull {REPO}")
+    assert one_line(r.stderr) == (
+        f"flashmoe: error: model '{REPO}': not a folder and not in the Hugging Face "
+        f"cache ({cache}); download it with: flashmoe pull {REPO}"
+    )
 
 
 def test_every_model_command_resolves_through_the_cache(cache, tmp_path, monkeypatch, capsys):
@@ -262,10 +290,17 @@ def test_every_model_command_resolves_through_the_cache(cache, tmp_path, monkeyp
     script.write_text('{"role": "user", "content": "hi"}\n')
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:  # run, chat and agent install their own SIGTERM / SIGHUP handlers: pytest's are put back below
-        for argv in (["info", REPO], ["info", "-m", REPO], ["verify", "-m", REPO], ["bench", "speed", "-m", REPO],
-                     ["convert", REPO, "out"], ["run", "-n", "-m", REPO, "hi"], ["chat", "-n", "-m", REPO],
-                     ["agent", "-n", "-m", REPO, "--tools", "builtin", "--script", str(script)],
-                     ["bench", "tools", "-m", REPO]):
+        for argv in (
+            ["info", REPO],
+            ["info", "-m", REPO],
+            ["verify", "-m", REPO],
+            ["bench", "speed", "-m", REPO],
+            ["convert", REPO, "out"],
+            ["run", "-n", "-m", REPO, "hi"],
+            ["chat", "-n", "-m", REPO],
+            ["agent", "-n", "-m", REPO, "--tools", "builtin", "--script", str(script)],
+            ["bench", "tools", "-m", REPO],
+        ):
             monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hi\n")))  # piped: chat answers once
             assert cli.main(argv) == 3, argv
             err = capsys.readouterr().err
@@ -278,27 +313,56 @@ def test_every_model_command_resolves_through_the_cache(cache, tmp_path, monkeyp
 
 # --- pull -------------------------------------------------------------------------------------------
 
+
 def test_pull_offline_is_one_line_and_writes_nothing(cache):
     r = run_cli("pull", f"{REPO}@v1", env=cli_env(cache))
     assert r.returncode == 3 and r.stdout == ""
     line = one_line(r.stderr)
     assert line.startswith(f"flashmoe: error: pull {REPO}@v1: HF_HUB_OFFLINE is set") and str(cache) in line
     assert not (repo_dir(cache) / "snapshots").exists()
-    r = run_cli("pull", REPO, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0",
-                                   "HF_ENDPOINT": "http://127.0.0.1:9"})  # nothing listens there: no network
+    r = run_cli(
+        "pull", REPO, env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    )  # nothing listens there: no network
     assert r.returncode == 3 and r.stdout == ""
     assert "cannot reach the Hugging Face Hub" in one_line(r.stderr)
     assert not (repo_dir(cache) / "snapshots").exists()
 
 
-REPO_FILES = ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
-              "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
-              "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "merges.txt",
-              "vocab.json", "pytorch_model.bin", "model.gguf", "consolidated.safetensors", "original/model.pt",
-              "original/model.safetensors", "onnx/model.onnx", "assets/logo.png", "README.md", ".gitattributes"]
-NEEDED = {"config.json", "generation_config.json", "model-00001-of-00002.safetensors",
-          "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
-          "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "merges.txt", "vocab.json"}
+REPO_FILES = [
+    "config.json",
+    "generation_config.json",
+    "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "merges.txt",
+    "vocab.json",
+    "pytorch_model.bin",
+    "model.gguf",
+    "consolidated.safetensors",
+    "original/model.pt",
+    "original/model.safetensors",
+    "onnx/model.onnx",
+    "assets/logo.png",
+    "README.md",
+    ".gitattributes",
+]
+NEEDED = {
+    "config.json",
+    "generation_config.json",
+    "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "merges.txt",
+    "vocab.json",
+}
 
 
 def test_pull_fetches_only_what_a_model_needs(cache, monkeypatch, capsys):
@@ -310,12 +374,20 @@ def test_pull_fetches_only_what_a_model_needs(cache, monkeypatch, capsys):
 
     calls = []
 
-    def fake_snapshot_download(repo_id, *, revision=None, cache_dir=None, allow_patterns=None,
-                               ignore_patterns=None, **kw):
+    def fake_snapshot_download(
+        repo_id, *, revision=None, cache_dir=None, allow_patterns=None, ignore_patterns=None, **kw
+    ):
         calls.append((repo_id, revision, cache_dir))
         wanted = list(filter_repo_objects(REPO_FILES, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
-        return str(add_snapshot(Path(cache_dir), C1, {f: b"{}" for f in wanted}, refs=[revision or constants.DEFAULT_REVISION],
-                                repo_id=repo_id))
+        return str(
+            add_snapshot(
+                Path(cache_dir),
+                C1,
+                {f: b"{}" for f in wanted},
+                refs=[revision or constants.DEFAULT_REVISION],
+                repo_id=repo_id,
+            )
+        )
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     assert cli.main(["pull", f"{REPO}@v1"]) == 0

@@ -28,6 +28,7 @@ published checkpoints have and mlx-lm requires (glm_moe_dsa, solar_open, mimo_v2
 minimax_m2, longcat_flash), the test is an xfail(strict=True) that says why, naming the keys or
 tensors.
 """
+
 from __future__ import annotations
 
 import re
@@ -53,9 +54,19 @@ SEQ = 16
 ATOL = 1e-4  # float32 on both sides: measured max |diff| is 0.8e-6 .. 2.3e-6
 
 # rope_theta is not any mlx-lm default (1e4, 1e6), so a dropped rope_theta cannot pass unnoticed.
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6,
-               rope_theta=50000.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+    rope_theta=50000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 STREAMS = "streams"  # direct mode reads the experts out of transformers' own files, in place
 
@@ -74,247 +85,826 @@ class Case(NamedTuple):
 def _llama4(**text):
     """Llama 4 as published (Llama4ForConditionalGeneration) with a one-layer vision tower."""
     return transformers.Llama4Config(
-        text_config=text, boi_token_index=300, eoi_token_index=301, image_token_index=302,
+        text_config=text,
+        boi_token_index=300,
+        eoi_token_index=301,
+        image_token_index=302,
         tie_word_embeddings=False,
-        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-                           vision_output_dim=32, image_size=28, patch_size=14, projector_input_dim=32,
-                           projector_output_dim=64))
+        vision_config=dict(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            vision_output_dim=32,
+            image_size=28,
+            patch_size=14,
+            projector_input_dim=32,
+            projector_output_dim=64,
+        ),
+    )
 
 
 # DeepSeek-style multi-head latent attention, tiny.
-_MLA = dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, v_head_dim=16,
-            qk_nope_head_dim=16)
+_MLA = dict(
+    num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16, v_head_dim=16, qk_nope_head_dim=16
+)
 _SWA = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
 # Hidden 64, 2-4 layers, 8 experts, top-2 (llama4: top-1, as published).
 CASES = {
-    "qwen3_moe": Case("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        _COMMON, num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=64, head_dim=16,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[]), moe_layers=2),
-    "mixtral": Case("MixtralConfig", "MixtralForCausalLM", dict(
-        _COMMON, num_hidden_layers=2, intermediate_size=64, num_local_experts=8,
-        num_experts_per_tok=2), moe_layers=2),
-    "olmoe": Case("OlmoeConfig", "OlmoeForCausalLM", dict(
-        _COMMON, num_hidden_layers=2, intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=False), moe_layers=2),
+    "qwen3_moe": Case(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+        moe_layers=2,
+    ),
+    "mixtral": Case(
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(_COMMON, num_hidden_layers=2, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2),
+        moe_layers=2,
+    ),
+    "olmoe": Case(
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+        ),
+        moe_layers=2,
+    ),
     # Hybrid: layers 1 and 3 full attention, 0 and 2 gated delta net; a shared expert; RMSNorms
     # stored zero-centred (HF applies 1 + w; mlx-lm's sanitize adds the 1 for HF originals).
-    "qwen3_next": Case("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
-        _COMMON, num_hidden_layers=4, intermediate_size=128, moe_intermediate_size=64,
-        shared_expert_intermediate_size=64, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], partial_rotary_factor=0.25,
-        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2), moe_layers=4),
+    "qwen3_next": Case(
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            partial_rotary_factor=0.25,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            full_attention_interval=2,
+        ),
+        moe_layers=4,
+    ),
     # MLA attention, one dense first layer, a shared expert, sigmoid scores with a correction
     # bias and grouped top-k routing.
-    "deepseek_v3": Case("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
-        _COMMON, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=128,
-        moe_intermediate_size=64, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
-        routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=16,
-        v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1, norm_topk_prob=True,
-        first_k_dense_replace=1), moe_layers=2),
-
+    "deepseek_v3": Case(
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            routed_scaling_factor=2.5,
+            kv_lora_rank=32,
+            q_lora_rank=32,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+            qk_nope_head_dim=16,
+            n_group=2,
+            topk_group=1,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+        ),
+        moe_layers=2,
+    ),
     # ---- every other family both libraries implement, per-expert originals first ----
-    "qwen2_moe": Case("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
-        _COMMON, num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=64,
-        shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
-        decoder_sparse_step=1, mlp_only_layers=[]), moe_layers=2),
+    "qwen2_moe": Case(
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        ),
+        moe_layers=2,
+    ),
     # mlx-lm's deepseek_v2 reads rope_scaling["factor"] unconditionally: YaRN, as every DeepSeek-V2.
-    "deepseek_v2": Case("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
-        _COMMON, **_MLA, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64, head_dim=16,
-        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
-        topk_method="greedy", n_group=1, topk_group=1,
-        rope_parameters=dict(rope_type="yarn", rope_theta=50000.0, factor=4.0, original_max_position_embeddings=128,
-                             beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707)), moe_layers=2),
+    "deepseek_v2": Case(
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(
+            _COMMON,
+            **_MLA,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            head_dim=16,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            topk_method="greedy",
+            n_group=1,
+            topk_group=1,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=50000.0,
+                factor=4.0,
+                original_max_position_embeddings=128,
+                beta_fast=32,
+                beta_slow=1,
+                mscale=0.707,
+                mscale_all_dim=0.707,
+            ),
+        ),
+        moe_layers=2,
+    ),
     # DeepSeek sparse attention (lightning indexer): index_topk above the sequence length.
-    "deepseek_v32": Case("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(
-        _COMMON, **_MLA, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64,
-        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
-        mlp_layer_types=["dense", "sparse", "sparse"], index_topk=2048, index_head_dim=32, index_n_heads=2,
-        n_group=2, topk_group=1, routed_scaling_factor=2.5), moe_layers=2),
-    "dots1": Case("Dots1Config", "Dots1ForCausalLM", dict(
-        _COMMON, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64, n_shared_experts=1,
-        n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
-        routed_scaling_factor=2.0, n_group=1, topk_group=1), moe_layers=2),
-    "glm4_moe": Case("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
-        _COMMON, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64, n_shared_experts=1,
-        n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
-        routed_scaling_factor=2.0, n_group=1, topk_group=1, head_dim=16, partial_rotary_factor=0.5,
-        use_qk_norm=True, attention_bias=True), moe_layers=2),
-    "glm4_moe_lite": Case("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
-        _COMMON, **_MLA, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64,
-        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
-        mlp_layer_types=["dense", "sparse", "sparse"], routed_scaling_factor=1.8), moe_layers=2),
-    "glm_moe_dsa": Case("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
-        _COMMON, **_MLA, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64,
-        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
-        mlp_layer_types=["dense", "sparse", "sparse"], index_topk=2048, index_head_dim=32, index_n_heads=2,
-        routed_scaling_factor=2.5, head_dim=16), moe_layers=2,
-        xfail=dict.fromkeys(("converted", "direct"), (
-            "transformers 5.24 writes glm_moe_dsa configs without topk_method, scoring_func and moe_layer_freq "
-            "(it writes mlp_layer_types), which GLM-5's config.json has and mlx-lm's ModelArgs requires"))),
-    "solar_open": Case("SolarOpenConfig", "SolarOpenForCausalLM", dict(
-        _COMMON, num_hidden_layers=2, moe_intermediate_size=64, n_shared_experts=1, n_routed_experts=8,
-        num_experts_per_tok=2, head_dim=16, routed_scaling_factor=2.0), moe_layers=2,
-        xfail=dict.fromkeys(("converted", "direct"), (
-            "transformers 5.24 writes solar_open configs without intermediate_size, first_k_dense_replace and "
-            "partial_rotary_factor, which Solar Open's config.json has and mlx-lm's ModelArgs requires"))),
-    "exaone_moe": Case("ExaoneMoeConfig", "ExaoneMoeForCausalLM", dict(
-        _COMMON, **_SWA, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64, num_experts=8,
-        num_experts_per_tok=2, num_shared_experts=1, head_dim=16, mlp_layer_types=["dense", "sparse", "sparse"],
-        first_k_dense_replace=1), moe_layers=2),
-    "afmoe": Case("AfmoeConfig", "AfmoeForCausalLM", dict(
-        _COMMON, **_SWA, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64, num_experts=8,
-        num_experts_per_tok=2, num_shared_experts=1, num_dense_layers=1, head_dim=16,
-        global_attn_every_n_layers=3, route_scale=2.0, mup_enabled=True), moe_layers=2),
-    "mellum": Case("MellumConfig", "MellumForCausalLM", dict(
-        _COMMON, num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=64, num_local_experts=8,
-        num_experts_per_tok=2, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-        mlp_layer_types=["sparse", "sparse"]), moe_layers=2),
-    "laguna": Case("LagunaConfig", "LagunaForCausalLM", dict(
-        _COMMON, **_SWA, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64,
-        shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2, head_dim=16,
-        mlp_layer_types=["dense", "sparse", "sparse"], num_attention_heads_per_layer=[4, 4, 4]), moe_layers=2),
+    "deepseek_v32": Case(
+        "DeepseekV32Config",
+        "DeepseekV32ForCausalLM",
+        dict(
+            _COMMON,
+            **_MLA,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            index_topk=2048,
+            index_head_dim=32,
+            index_n_heads=2,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+        ),
+        moe_layers=2,
+    ),
+    "dots1": Case(
+        "Dots1Config",
+        "Dots1ForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.0,
+            n_group=1,
+            topk_group=1,
+        ),
+        moe_layers=2,
+    ),
+    "glm4_moe": Case(
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.0,
+            n_group=1,
+            topk_group=1,
+            head_dim=16,
+            partial_rotary_factor=0.5,
+            use_qk_norm=True,
+            attention_bias=True,
+        ),
+        moe_layers=2,
+    ),
+    "glm4_moe_lite": Case(
+        "Glm4MoeLiteConfig",
+        "Glm4MoeLiteForCausalLM",
+        dict(
+            _COMMON,
+            **_MLA,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            routed_scaling_factor=1.8,
+        ),
+        moe_layers=2,
+    ),
+    "glm_moe_dsa": Case(
+        "GlmMoeDsaConfig",
+        "GlmMoeDsaForCausalLM",
+        dict(
+            _COMMON,
+            **_MLA,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            index_topk=2048,
+            index_head_dim=32,
+            index_n_heads=2,
+            routed_scaling_factor=2.5,
+            head_dim=16,
+        ),
+        moe_layers=2,
+        xfail=dict.fromkeys(
+            ("converted", "direct"),
+            (
+                "transformers 5.24 writes glm_moe_dsa configs without topk_method, scoring_func and moe_layer_freq "
+                "(it writes mlp_layer_types), which GLM-5's config.json has and mlx-lm's ModelArgs requires"
+            ),
+        ),
+    ),
+    "solar_open": Case(
+        "SolarOpenConfig",
+        "SolarOpenForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            head_dim=16,
+            routed_scaling_factor=2.0,
+        ),
+        moe_layers=2,
+        xfail=dict.fromkeys(
+            ("converted", "direct"),
+            (
+                "transformers 5.24 writes solar_open configs without intermediate_size, first_k_dense_replace and "
+                "partial_rotary_factor, which Solar Open's config.json has and mlx-lm's ModelArgs requires"
+            ),
+        ),
+    ),
+    "exaone_moe": Case(
+        "ExaoneMoeConfig",
+        "ExaoneMoeForCausalLM",
+        dict(
+            _COMMON,
+            **_SWA,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            head_dim=16,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            first_k_dense_replace=1,
+        ),
+        moe_layers=2,
+    ),
+    "afmoe": Case(
+        "AfmoeConfig",
+        "AfmoeForCausalLM",
+        dict(
+            _COMMON,
+            **_SWA,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_shared_experts=1,
+            num_dense_layers=1,
+            head_dim=16,
+            global_attn_every_n_layers=3,
+            route_scale=2.0,
+            mup_enabled=True,
+        ),
+        moe_layers=2,
+    ),
+    "mellum": Case(
+        "MellumConfig",
+        "MellumForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            mlp_layer_types=["sparse", "sparse"],
+        ),
+        moe_layers=2,
+    ),
+    "laguna": Case(
+        "LagunaConfig",
+        "LagunaForCausalLM",
+        dict(
+            _COMMON,
+            **_SWA,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            head_dim=16,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            num_attention_heads_per_layer=[4, 4, 4],
+        ),
+        moe_layers=2,
+    ),
     # head_dim 24: its rotary part (x 0.334) must be even.
-    "mimo_v2_flash": Case("MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", dict(
-        _COMMON, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64, n_routed_experts=8,
-        num_experts_per_tok=2, head_dim=24, v_head_dim=16, sliding_window=8,
-        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse"]), moe_layers=2,
-        xfail=dict.fromkeys(("converted", "direct"), (
-            "transformers 5.24 writes mimo_v2_flash configs in its own names (layer_types, mlp_layer_types, "
-            "sliding_window, ...), without the 15 keys of MiMo-V2-Flash's config.json that mlx-lm's ModelArgs "
-            "requires (hybrid_layer_pattern, moe_layer_freq, sliding_window_size, swa_head_dim, swa_rope_theta, "
-            "add_swa_attention_sink_bias, topk_method, scoring_func, ...)"))),
+    "mimo_v2_flash": Case(
+        "MiMoV2FlashConfig",
+        "MiMoV2FlashForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            head_dim=24,
+            v_head_dim=16,
+            sliding_window=8,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+        ),
+        moe_layers=2,
+        xfail=dict.fromkeys(
+            ("converted", "direct"),
+            (
+                "transformers 5.24 writes mimo_v2_flash configs in its own names (layer_types, mlp_layer_types, "
+                "sliding_window, ...), without the 15 keys of MiMo-V2-Flash's config.json that mlx-lm's ModelArgs "
+                "requires (hybrid_layer_pattern, moe_layer_freq, sliding_window_size, swa_head_dim, swa_rope_theta, "
+                "add_swa_attention_sink_bias, topk_method, scoring_func, ...)"
+            ),
+        ),
+    ),
     # Phi-3.5-MoE has attention and lm_head biases, which mlx-lm's phimoe always builds.
-    "phimoe": Case("PhimoeConfig", "PhimoeForCausalLM", dict(
-        _COMMON, num_hidden_layers=2, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
-        router_jitter_noise=0.0, input_jitter_noise=0.0, attention_bias=True, lm_head_bias=True), moe_layers=2),
-    "minimax_m2": Case("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
-        _COMMON, num_hidden_layers=2, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
-        head_dim=16), moe_layers=2, xfail=dict.fromkeys(("converted", "direct"), (
-            "transformers 5.24 writes minimax_m2 configs without rotary_dim and shared_intermediate_size, which "
-            "MiniMax-M2's config.json has (64 and 0) and mlx-lm's ModelArgs requires"))),
+    "phimoe": Case(
+        "PhimoeConfig",
+        "PhimoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            router_jitter_noise=0.0,
+            input_jitter_noise=0.0,
+            attention_bias=True,
+            lm_head_bias=True,
+        ),
+        moe_layers=2,
+    ),
+    "minimax_m2": Case(
+        "MiniMaxM2Config",
+        "MiniMaxM2ForCausalLM",
+        dict(
+            _COMMON, num_hidden_layers=2, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, head_dim=16
+        ),
+        moe_layers=2,
+        xfail=dict.fromkeys(
+            ("converted", "direct"),
+            (
+                "transformers 5.24 writes minimax_m2 configs without rotary_dim and shared_intermediate_size, which "
+                "MiniMax-M2's config.json has (64 and 0) and mlx-lm's ModelArgs requires"
+            ),
+        ),
+    ),
     # LFM2 ties its embeddings (mlx-lm's lfm2_moe has no lm_head).
-    "lfm2_moe": Case("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
-        _COMMON, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64, num_experts=8,
-        num_experts_per_tok=2, num_dense_layers=1, layer_types=["conv", "full_attention", "conv"], norm_eps=1e-5,
-        tie_word_embeddings=True), moe_layers=2),
+    "lfm2_moe": Case(
+        "Lfm2MoeConfig",
+        "Lfm2MoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            num_dense_layers=1,
+            layer_types=["conv", "full_attention", "conv"],
+            norm_eps=1e-5,
+            tie_word_embeddings=True,
+        ),
+        moe_layers=2,
+    ),
     # Mamba-2 / attention / MoE blocks.
-    "nemotron_h": Case("NemotronHConfig", "NemotronHForCausalLM", dict(
-        _COMMON, layers_block_type=["linear_attention", "moe", "full_attention", "moe"], intermediate_size=128,
-        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64,
-        moe_shared_expert_intermediate_size=64, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
-        ssm_state_size=16, n_groups=1, chunk_size=8, routed_scaling_factor=2.0, n_group=1, topk_group=1),
-        moe_layers=2),
+    "nemotron_h": Case(
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        dict(
+            _COMMON,
+            layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+            intermediate_size=128,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            moe_intermediate_size=64,
+            moe_shared_expert_intermediate_size=64,
+            head_dim=16,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=16,
+            n_groups=1,
+            chunk_size=8,
+            routed_scaling_factor=2.0,
+            n_group=1,
+            topk_group=1,
+        ),
+        moe_layers=2,
+    ),
     # Qwen3.5 text: the Hub's checkpoints fuse gate_up_proj; transformers 5.24 writes one tensor per expert.
-    "qwen3_5_moe_text": Case("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
-        _COMMON, num_hidden_layers=4, moe_intermediate_size=64, shared_expert_intermediate_size=64, head_dim=16,
-        num_experts=8, num_experts_per_tok=2, partial_rotary_factor=0.25, linear_num_value_heads=4,
-        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"]), moe_layers=4,
-        xfail={"converted": "mlx-lm's qwen3_5_moe sanitize stacks only the fused experts.gate_up_proj / "
-               "experts.down_proj of the Hub's checkpoints, not the per-expert "
-               "model.layers.N.mlp.experts.E.gate_proj.weight transformers 5.24 writes (and mlx-lm has no "
-               "model type qwen3_5_moe_text)",
-               "direct": "Qwen3_5MoeForCausalLM writes model_type qwen3_5_moe_text, which mlx-lm 0.32.2 does not "
-               "have (the Hub's Qwen3.5 MoE checkpoints are qwen3_5_moe, the language model under text_config)"}),
+    "qwen3_5_moe_text": Case(
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            partial_rotary_factor=0.25,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        ),
+        moe_layers=4,
+        xfail={
+            "converted": "mlx-lm's qwen3_5_moe sanitize stacks only the fused experts.gate_up_proj / "
+            "experts.down_proj of the Hub's checkpoints, not the per-expert "
+            "model.layers.N.mlp.experts.E.gate_proj.weight transformers 5.24 writes (and mlx-lm has no "
+            "model type qwen3_5_moe_text)",
+            "direct": "Qwen3_5MoeForCausalLM writes model_type qwen3_5_moe_text, which mlx-lm 0.32.2 does not "
+            "have (the Hub's Qwen3.5 MoE checkpoints are qwen3_5_moe, the language model under text_config)",
+        },
+    ),
     # ERNIE 4.5 picks experts by softmax + moe_statics.e_score_correction_bias; mlx-lm's sanitize drops
     # that bias and picks by the softmax alone. With the bias at zero the two agree.
-    "ernie4_5_moe": Case("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
-        _COMMON, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64, moe_k=2, moe_num_experts=8,
-        moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1),
-        moe_layers=2, zero=("moe_statics.e_score_correction_bias",)),
-    "ernie4_5_moe_routing_bias": Case("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
-        _COMMON, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64, moe_k=2, moe_num_experts=8,
-        moe_num_shared_experts=1, moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1),
-        moe_layers=2, xfail=dict.fromkeys(("converted", "direct"), (
-            "mlx-lm's ernie4_5_moe sanitize drops model.layers.N.mlp.moe_statics.e_score_correction_bias, "
-            "which transformers adds to the router's softmax to pick the experts"))),
-
+    "ernie4_5_moe": Case(
+        "Ernie4_5_MoeConfig",
+        "Ernie4_5_MoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            moe_k=2,
+            moe_num_experts=8,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+            moe_layer_end_index=2,
+            moe_layer_interval=1,
+        ),
+        moe_layers=2,
+        zero=("moe_statics.e_score_correction_bias",),
+    ),
+    "ernie4_5_moe_routing_bias": Case(
+        "Ernie4_5_MoeConfig",
+        "Ernie4_5_MoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            moe_k=2,
+            moe_num_experts=8,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+            moe_layer_end_index=2,
+            moe_layer_interval=1,
+        ),
+        moe_layers=2,
+        xfail=dict.fromkeys(
+            ("converted", "direct"),
+            (
+                "mlx-lm's ernie4_5_moe sanitize drops model.layers.N.mlp.moe_statics.e_score_correction_bias, "
+                "which transformers adds to the router's softmax to pick the experts"
+            ),
+        ),
+    ),
     # ---- fused originals ----
     # gate and up fused as input_linear [E, 2I, H], gate rows first (mlx-lm splits axis 1 in halves),
     # down as output_linear [E, H, I]: each expert's halves are contiguous, so they can stream in place.
-    "granitemoe": Case("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
-        _COMMON, num_hidden_layers=2, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
-        embedding_multiplier=2.0, logits_scaling=1.5, residual_multiplier=0.5, attention_multiplier=0.2),
-        moe_layers=2),
-    "granitemoehybrid": Case("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
-        _COMMON, num_hidden_layers=2, intermediate_size=64, shared_intermediate_size=64, num_local_experts=8,
-        num_experts_per_tok=2, embedding_multiplier=2.0, logits_scaling=1.5, residual_multiplier=0.5,
-        attention_multiplier=0.2, layer_types=["linear_attention", "full_attention"], mamba_n_heads=4,
-        mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=8, position_embedding_type="rope"),
-        moe_layers=2),
+    "granitemoe": Case(
+        "GraniteMoeConfig",
+        "GraniteMoeForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            embedding_multiplier=2.0,
+            logits_scaling=1.5,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+        ),
+        moe_layers=2,
+    ),
+    "granitemoehybrid": Case(
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            shared_intermediate_size=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            embedding_multiplier=2.0,
+            logits_scaling=1.5,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            layer_types=["linear_attention", "full_attention"],
+            mamba_n_heads=4,
+            mamba_d_head=32,
+            mamba_d_state=16,
+            mamba_n_groups=1,
+            mamba_chunk_size=8,
+            position_embedding_type="rope",
+        ),
+        moe_layers=2,
+    ),
     # experts.gate_up_proj [E, 2I, H], gate rows first: streams in place (FUSED_IN_PLACE).
-    "gemma4_text": Case("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
-        _COMMON, num_hidden_layers=2, intermediate_size=128, head_dim=16, global_head_dim=32, enable_moe_block=True,
-        num_experts=8, top_k_experts=2, moe_intermediate_size=64, layer_types=["sliding_attention", "full_attention"],
-        sliding_window=8, hidden_size_per_layer_input=0, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=0,
-        tie_word_embeddings=True), moe_layers=2),
+    "gemma4_text": Case(
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            head_dim=16,
+            global_head_dim=32,
+            enable_moe_block=True,
+            num_experts=8,
+            top_k_experts=2,
+            moe_intermediate_size=64,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=8,
+            hidden_size_per_layer_input=0,
+            vocab_size_per_layer_input=VOCAB,
+            num_kv_shared_layers=0,
+            tie_word_embeddings=True,
+        ),
+        moe_layers=2,
+    ),
     # gate_up_proj [E, H, 2I]: transposed, gate and up interleaved column by column.
-    "gpt_oss": Case("GptOssConfig", "GptOssForCausalLM", dict(
-        _COMMON, num_hidden_layers=2, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
-        head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]), moe_layers=2,
+    "gpt_oss": Case(
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=16,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        moe_layers=2,
         direct=r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)\b",
-        xfail={"converted": "mlx-lm's gpt_oss sanitize reads only the Hub's MXFP4 gate_up_proj_blocks / _scales "
-               "([E, 2I, ...], rows interleaved): the float gate_up_proj [E, H, 2I] transformers writes "
-               "becomes experts.gate_proj (no .weight), split along the wrong axis"}),
+        xfail={
+            "converted": "mlx-lm's gpt_oss sanitize reads only the Hub's MXFP4 gate_up_proj_blocks / _scales "
+            "([E, 2I, ...], rows interleaved): the float gate_up_proj [E, H, 2I] transformers writes "
+            "becomes experts.gate_proj (no .weight), split along the wrong axis"
+        },
+    ),
     # As published: the language model under language_model.model, experts.gate_up_proj [E, H, 2I]
     # (transposed, gate columns first); MoE every second layer; 4 layers since mlx-lm's llama4 reads
     # the cache of layer 3. transformers' forward fails on text-only input, so the language model's.
-    "llama4": Case(_llama4, "Llama4ForConditionalGeneration", dict(
-        _COMMON, num_hidden_layers=4, intermediate_size=64, intermediate_size_mlp=128, num_local_experts=8,
-        num_experts_per_tok=1, head_dim=16, interleave_moe_layer_step=2, attention_chunk_size=8), moe_layers=2,
+    "llama4": Case(
+        _llama4,
+        "Llama4ForConditionalGeneration",
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            intermediate_size=64,
+            intermediate_size_mlp=128,
+            num_local_experts=8,
+            num_experts_per_tok=1,
+            head_dim=16,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=8,
+        ),
+        moe_layers=2,
         direct=r"language_model\.model\.layers\.\d+\.feed_forward\.experts\.(gate_up_proj|down_proj)\b",
-        lm="language_model"),
-
+        lm="language_model",
+    ),
     # ---- the same model type, a different model ----
-    "llama4_text": Case("Llama4TextConfig", "Llama4ForCausalLM", dict(
-        _COMMON, num_hidden_layers=4, intermediate_size=64, intermediate_size_mlp=128, num_local_experts=8,
-        num_experts_per_tok=1, head_dim=16, interleave_moe_layer_step=2, attention_chunk_size=8), moe_layers=2,
-        xfail=dict.fromkeys(("converted", "direct"), (
-            "Llama4ForCausalLM writes model_type llama4_text, which mlx-lm builds as its dense llama4_text model "
-            "(no experts); mlx-lm's MoE Llama 4 is model_type llama4 with a text_config"))),
-    "minimax": Case("MiniMaxConfig", "MiniMaxForCausalLM", dict(
-        _COMMON, num_hidden_layers=2, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2,
-        head_dim=16, layer_types=["linear_attention", "full_attention"], block_size=8), moe_layers=2,
-        xfail=dict.fromkeys(("converted", "direct"), (
-            "transformers' minimax is MiniMax-Text-01 (lightning attention); mlx-lm's minimax is MiniMax-M2 "
-            "(full attention, sigmoid routing, qk norm) and needs rotary_dim and shared_intermediate_size"))),
-    "bailing_hybrid": Case("BailingHybridConfig", "BailingHybridForCausalLM", dict(
-        _COMMON, **_MLA, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64, num_experts=8,
-        num_experts_per_token=2, num_shared_experts=1, head_dim=16, num_expert_group=1, topk_group=1,
-        first_k_dense_replace=1, layer_types=["linear_attention", "linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse", "sparse"], linear_head_dim=16, linear_num_heads=4, layer_group_size=3),
-        moe_layers=2, xfail=dict.fromkeys(("converted", "direct"), (
-            "transformers' bailing_hybrid linear layers are gated delta attention (attention.A_log, dt_bias, "
-            "b_proj, f_proj, q/k/v_conv1d), mlx-lm's are lightning-style linear attention with a group norm"))),
-
+    "llama4_text": Case(
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            intermediate_size=64,
+            intermediate_size_mlp=128,
+            num_local_experts=8,
+            num_experts_per_tok=1,
+            head_dim=16,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=8,
+        ),
+        moe_layers=2,
+        xfail=dict.fromkeys(
+            ("converted", "direct"),
+            (
+                "Llama4ForCausalLM writes model_type llama4_text, which mlx-lm builds as its dense llama4_text model "
+                "(no experts); mlx-lm's MoE Llama 4 is model_type llama4 with a text_config"
+            ),
+        ),
+    ),
+    "minimax": Case(
+        "MiniMaxConfig",
+        "MiniMaxForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention"],
+            block_size=8,
+        ),
+        moe_layers=2,
+        xfail=dict.fromkeys(
+            ("converted", "direct"),
+            (
+                "transformers' minimax is MiniMax-Text-01 (lightning attention); mlx-lm's minimax is MiniMax-M2 "
+                "(full attention, sigmoid routing, qk norm) and needs rotary_dim and shared_intermediate_size"
+            ),
+        ),
+    ),
+    "bailing_hybrid": Case(
+        "BailingHybridConfig",
+        "BailingHybridForCausalLM",
+        dict(
+            _COMMON,
+            **_MLA,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_token=2,
+            num_shared_experts=1,
+            head_dim=16,
+            num_expert_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            layer_types=["linear_attention", "linear_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            linear_head_dim=16,
+            linear_num_heads=4,
+            layer_group_size=3,
+        ),
+        moe_layers=2,
+        xfail=dict.fromkeys(
+            ("converted", "direct"),
+            (
+                "transformers' bailing_hybrid linear layers are gated delta attention (attention.A_log, dt_bias, "
+                "b_proj, f_proj, q/k/v_conv1d), mlx-lm's are lightning-style linear attention with a group norm"
+            ),
+        ),
+    ),
     # ---- transformers writes tensors the original checkpoints do not have ----
-    "jamba": Case("JambaConfig", "JambaForCausalLM", dict(
-        _COMMON, num_hidden_layers=4, intermediate_size=64, num_experts=8, num_experts_per_tok=2,
-        expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=0, mamba_d_state=8,
-        mamba_dt_rank=8), moe_layers=2, xfail=dict.fromkeys(("converted", "direct"), (
-            "mlx-lm's jamba weighs the top-k experts by a softmax over their logits (renormalized); "
-            "transformers (and AI21's original) by the softmax over all experts, unnormalized"))),
-    "longcat_flash": Case("LongcatFlashConfig", "LongcatFlashForCausalLM", dict(
-        _COMMON, **_MLA, num_layers=2, ffn_hidden_size=128, expert_ffn_hidden_size=64, moe_topk=2,
-        n_routed_experts=8, zero_expert_num=2, head_dim=16, routed_scaling_factor=2.0), moe_layers=2,
-        xfail=dict.fromkeys(("converted", "direct"), (
-            "transformers 5.24 writes longcat_flash configs without attention_method, zero_expert_type, "
-            "mla_scale_q_lora and mla_scale_kv_lora (which LongCat-Flash's config.json has and mlx-lm's ModelArgs "
-            "requires), and gate_proj / up_proj tensors for the zero (identity) experts too "
-            "(model.layers.N.mlp.experts.8.gate_proj.weight, ...), which mlx-lm's sanitize leaves in place: "
-            "'Received 8 parameters not in model'"))),
-    "kimi_linear": Case("KimiLinearConfig", "KimiLinearForCausalLM", dict(
-        _COMMON, num_key_value_heads=4, num_hidden_layers=3, intermediate_size=128, moe_intermediate_size=64,
-        num_experts=8, num_experts_per_token=2, num_shared_experts=1, kv_lora_rank=32, qk_rope_head_dim=16,
-        qk_nope_head_dim=16, v_head_dim=16, head_dim=16, mlp_layer_types=["dense", "sparse", "sparse"],
-        layer_types=["linear_attention", "full_attention", "linear_attention"], linear_head_dim=16,
-        linear_num_heads=4), moe_layers=2, xfail=dict.fromkeys(("converted", "direct"), (
-            "transformers writes the dense first layer as model.layers.0.block_sparse_moe.{gate,up,down}_proj; "
-            "the original (and mlx-lm) has it at model.layers.0.mlp"))),
+    "jamba": Case(
+        "JambaConfig",
+        "JambaForCausalLM",
+        dict(
+            _COMMON,
+            num_hidden_layers=4,
+            intermediate_size=64,
+            num_experts=8,
+            num_experts_per_tok=2,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            attn_layer_period=2,
+            attn_layer_offset=0,
+            mamba_d_state=8,
+            mamba_dt_rank=8,
+        ),
+        moe_layers=2,
+        xfail=dict.fromkeys(
+            ("converted", "direct"),
+            (
+                "mlx-lm's jamba weighs the top-k experts by a softmax over their logits (renormalized); "
+                "transformers (and AI21's original) by the softmax over all experts, unnormalized"
+            ),
+        ),
+    ),
+    "longcat_flash": Case(
+        "LongcatFlashConfig",
+        "LongcatFlashForCausalLM",
+        dict(
+            _COMMON,
+            **_MLA,
+            num_layers=2,
+            ffn_hidden_size=128,
+            expert_ffn_hidden_size=64,
+            moe_topk=2,
+            n_routed_experts=8,
+            zero_expert_num=2,
+            head_dim=16,
+            routed_scaling_factor=2.0,
+        ),
+        moe_layers=2,
+        xfail=dict.fromkeys(
+            ("converted", "direct"),
+            (
+                "transformers 5.24 writes longcat_flash configs without attention_method, zero_expert_type, "
+                "mla_scale_q_lora and mla_scale_kv_lora (which LongCat-Flash's config.json has and mlx-lm's ModelArgs "
+                "requires), and gate_proj / up_proj tensors for the zero (identity) experts too "
+                "(model.layers.N.mlp.experts.8.gate_proj.weight, ...), which mlx-lm's sanitize leaves in place: "
+                "'Received 8 parameters not in model'"
+            ),
+        ),
+    ),
+    "kimi_linear": Case(
+        "KimiLinearConfig",
+        "KimiLinearForCausalLM",
+        dict(
+            _COMMON,
+            num_key_value_heads=4,
+            num_hidden_layers=3,
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            num_experts=8,
+            num_experts_per_token=2,
+            num_shared_experts=1,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            head_dim=16,
+            mlp_layer_types=["dense", "sparse", "sparse"],
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_head_dim=16,
+            linear_num_heads=4,
+        ),
+        moe_layers=2,
+        xfail=dict.fromkeys(
+            ("converted", "direct"),
+            (
+                "transformers writes the dense first layer as model.layers.0.block_sparse_moe.{gate,up,down}_proj; "
+                "the original (and mlx-lm) has it at model.layers.0.mlp"
+            ),
+        ),
+    ),
 }
 # The five whose per-expert layout, 8-bit bound and configs as written are tested below; every
 # case is tested against its expectation in test_family_*.
@@ -380,6 +970,7 @@ def saved(tmp_path_factory):
         if arch not in cache:
             cache[arch] = _save(arch, tmp_path_factory.mktemp(arch))
         return cache[arch]
+
     return get
 
 
@@ -495,8 +1086,10 @@ def test_config_as_written_by_transformers(arch, tmp_path):
 
 
 def _family_params(test: str):
-    return [pytest.param(a, marks=pytest.mark.xfail(strict=True, reason=c.xfail[test])) if test in c.xfail else a
-            for a, c in CASES.items()]
+    return [
+        pytest.param(a, marks=pytest.mark.xfail(strict=True, reason=c.xfail[test])) if test in c.xfail else a
+        for a, c in CASES.items()
+    ]
 
 
 @pytest.mark.parametrize("arch", _family_params("converted"))

@@ -1,4 +1,5 @@
 """`--kernels cpu-int8`: tiled matrices times int8-quantized activations (engine/cpu/int8.py)."""
+
 from __future__ import annotations
 
 import mlx.core as mx
@@ -12,8 +13,9 @@ from tests.helpers.cli import run_cli
 
 # two int8 terms (VNNI's default) and one int16 (elsewhere) at every size; one int8 term, llama.cpp's
 # way, at group 64 (compiling each costs seconds)
-CASES = ([(bits, gs, xq, 5e-4) for xq in ("int8x2", "int16") for bits in int8.BITS for gs in int8.GROUP_SIZES]
-         + [(bits, 64, "int8x1", 0.06) for bits in int8.BITS])
+CASES = [(bits, gs, xq, 5e-4) for xq in ("int8x2", "int16") for bits in int8.BITS for gs in int8.GROUP_SIZES] + [
+    (bits, 64, "int8x1", 0.06) for bits in int8.BITS
+]
 
 
 def _tiled(rng, n, k, bits, gs):
@@ -68,8 +70,13 @@ def test_every_dot_product_instruction_gives_the_same_integers(bits):
     CPU has the instruction."""
     rng = np.random.default_rng(bits)
     t, _ = _tiled(rng, 64, 512, bits, 64)
-    top = Tiled.from_mlx(np.full((64, 512 * bits // 32), 0xFFFFFFFF, np.uint32), np.ones((64, 8), np.float32),
-                         np.zeros((64, 8), np.float32), bits, 64)
+    top = Tiled.from_mlx(
+        np.full((64, 512 * bits // 32), 0xFFFFFFFF, np.uint32),
+        np.ones((64, 8), np.float32),
+        np.zeros((64, 8), np.float32),
+        bits,
+        64,
+    )
     x = rng.standard_normal((3, 512)).astype(np.float32) * 3
     x[2] = np.where(np.arange(512) % 4 < 2, 5.0, -5.0)  # every q at +-127: the int16 pairs' extremes
     x[2, ::64] = 5.0
@@ -79,10 +86,11 @@ def test_every_dot_product_instruction_gives_the_same_integers(bits):
             plain = int8.kernel(bits, 64, xq, dot="plain")(tiles.wt, tiles.st, tiles.bt, x, False)
             assert np.isfinite(plain).all()
             for dot in have:
-                assert np.array_equal(int8.kernel(bits, 64, xq, dot=dot)(tiles.wt, tiles.st, tiles.bt, x, False),
-                                      plain), dot
+                assert np.array_equal(
+                    int8.kernel(bits, 64, xq, dot=dot)(tiles.wt, tiles.st, tiles.bt, x, False), plain
+                ), dot
     top_row = int8.kernel(bits, 64, "int8x1", dot="plain")(top.wt, top.st, top.bt, x[2:], False)[0, :64]
-    assert np.allclose(top_row, (2 ** bits - 1) * x[2].sum(), rtol=1e-5)  # the extremes summed, not saturated
+    assert np.allclose(top_row, (2**bits - 1) * x[2].sum(), rtol=1e-5)  # the extremes summed, not saturated
 
 
 @pytest.mark.parametrize("bits", int8.BITS)
@@ -91,13 +99,18 @@ def test_int16_sums_do_not_overflow(bits):
     2^30) at 8 bits and groups of 128. Every weight at its top value, x at its top step with one
     sign (the largest sum) and then alternating: each row the exact sum, x's own rounding aside."""
     gs = 128
-    top = Tiled.from_mlx(np.full((32, 1024 * bits // 32), 0xFFFFFFFF, np.uint32), np.ones((32, 8), np.float32),
-                         np.zeros((32, 8), np.float32), bits, gs)
+    top = Tiled.from_mlx(
+        np.full((32, 1024 * bits // 32), 0xFFFFFFFF, np.uint32),
+        np.ones((32, 8), np.float32),
+        np.zeros((32, 8), np.float32),
+        bits,
+        gs,
+    )
     x = np.stack([np.full(1024, 3.0, np.float32), np.where(np.arange(1024) % 2, 3.0, -3.0).astype(np.float32)])
     got = int8.kernel(bits, gs, "int16")(top.wt, top.st, top.bt, x, False)[:, :32]
-    want = (2 ** bits - 1) * x.astype(np.float64).sum(1)
+    want = (2**bits - 1) * x.astype(np.float64).sum(1)
     assert np.allclose(got, want[:, None], rtol=1e-6, atol=1e-3)
-    assert got[0, 0] == pytest.approx((2 ** bits - 1) * 3072.0, rel=1e-6)  # not wrapped to a negative
+    assert got[0, 0] == pytest.approx((2**bits - 1) * 3072.0, rel=1e-6)  # not wrapped to a negative
 
 
 def test_an_x_format_or_dot_the_kernels_do_not_have_is_an_error():
@@ -127,7 +140,7 @@ def test_a_row_gets_the_same_floats_alone_and_in_a_prefill(bits, monkeypatch):
         monkeypatch.setattr(int8, "many_rows", lambda: all_rows)
         t._fn = None  # (found again, as use_int8 does)
         many = t.matmul(x)
-        alone = np.concatenate([t.matmul(x[i:i + 1]) for i in range(x.shape[0])])
+        alone = np.concatenate([t.matmul(x[i : i + 1]) for i in range(x.shape[0])])
         assert np.array_equal(many, alone) == all_rows
         assert np.array_equal(many, floats) == (not all_rows)
         assert 0 < np.abs(alone - exact).max() <= 5e-4 * np.abs(exact).max()

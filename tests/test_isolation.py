@@ -1,4 +1,5 @@
 """The test suite never touches the user's state (issue 12, item 15)."""
+
 from __future__ import annotations
 
 import os

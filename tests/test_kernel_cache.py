@@ -7,6 +7,7 @@ starts the thread pool on load, and loading such an entry first in a new process
 from another file: numba checks only the defining file, so after an edit of attn.py the tiled
 loops came back from the cache with the old silu_mul inside, and silu_mul failed in every process
 ("'descr' is NULL"). Each case runs in fresh processes, on a cache of its own."""
+
 from __future__ import annotations
 
 import os
@@ -31,7 +32,7 @@ def test_a_cached_caller_of_a_parallel_kernel_loads_in_a_new_process(tmp_path):
     for i, step in enumerate(STEPS, 1):
         done = subprocess.run([sys.executable, "-c", step], env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, f"step {i} exited {done.returncode}: {done.stderr[-2000:]}"
-    silu1 = 1.0 / (1.0 + 2.718281828459045 ** -1.0)
+    silu1 = 1.0 / (1.0 + 2.718281828459045**-1.0)
     assert float(done.stdout) == pytest.approx(32 * 8 * silu1, rel=1e-6)
     assert any(f.name.startswith("attn.silu_mul-") for f in tmp_path.rglob("*.nbi")), "step 2 cached nothing"
 
@@ -71,8 +72,14 @@ def test_an_entry_is_compiled_again_when_a_callee_in_another_file_changes(tmp_pa
     got = []
     for add in (1, 2):
         (pkg / "callee.py").write_text(CALLEE.format(add=add))
-        done = subprocess.run([sys.executable, "-c", "import caller; print(caller.g(1))"], cwd=pkg, env=env,
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", "import caller; print(caller.g(1))"],
+            cwd=pkg,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         got.append(int(done.stdout))
     assert got == [4, 6]

@@ -7,6 +7,7 @@ b*x; float32 summation of n terms errs by at most (n - 1) * 2^-24 * (sum of |ter
 |ours - exact| <= (K + 8) * 2^-24 * A with A = |x| @ (|s| q + |b|).T, and the same holds for the
 reference. We test |ours - ref64| <= (K + 8) * 2^-24 * A against a float64 reference.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -38,7 +39,7 @@ def abs_bound(x: np.ndarray, q: np.ndarray, s: np.ndarray, b: np.ndarray, gs: in
     """(K + 8) * 2^-24 * |x| @ (|s| q + |b|).T, per output (float64)."""
     k = x.shape[-1]
     a = np.abs(np.repeat(s, gs, axis=-1).astype(np.float64)) * q + np.abs(np.repeat(b, gs, axis=-1))
-    return (k + 8) * 2.0 ** -24 * (np.abs(x.astype(np.float64)) @ a.T)
+    return (k + 8) * 2.0**-24 * (np.abs(x.astype(np.float64)) @ a.T)
 
 
 def check(got, x, wq, s, b, dq, bits, gs):
@@ -134,8 +135,16 @@ def test_gather_qmm_matches_mlx(bits, gs):
         for j in range(2):
             e = idx[t, j]
             check(got[t, j][None], x[t][None], wq[e], s[e], b[e], dq[e], bits, gs)
-    ref = mx.gather_qmm(mx.array(x)[:, None, None, :], mx.array(wq), mx.array(s), mx.array(b),
-                        rhs_indices=mx.array(idx), transpose=True, group_size=gs, bits=bits)
+    ref = mx.gather_qmm(
+        mx.array(x)[:, None, None, :],
+        mx.array(wq),
+        mx.array(s),
+        mx.array(b),
+        rhs_indices=mx.array(idx),
+        transpose=True,
+        group_size=gs,
+        bits=bits,
+    )
     ref = np.array(ref).reshape(6, 2, out)
     assert np.abs(got - ref).max() <= 1e-4 * (1 + np.abs(ref).max())
     # down-projection: one x row per (token, expert) pair, indices [P]

@@ -1,6 +1,7 @@
 """--kv-cache float16: the CPU kernels keep the KV cache as float16 (as llama.cpp does), rows
 rounded as numpy and MLX round them, attention over them as float32 attention over their values;
 the option is refused where it would not hold, and saved prompt caches are kept apart."""
+
 from __future__ import annotations
 
 import mlx.core as mx
@@ -34,7 +35,7 @@ def test_attention_over_a_float16_cache_is_attention_over_its_values(T, D):
     a kernel call where D allows, the rest one at a time, short caches and blocks on every core;
     and the float32 cache, through the same kernels, gives float32 attention."""
     Hk, g = 3, 3
-    qs = rand(Hk, g, D) * np.float32(D ** -0.5)
+    qs = rand(Hk, g, D) * np.float32(D**-0.5)
     K, V = rand(Hk, T + 9, D).astype(np.float16), rand(Hk, T + 9, D).astype(np.float16)
     K[1, T // 2] *= 8  # a peaked score
     want = attention64(qs, K, V, T)
@@ -148,4 +149,7 @@ def test_saved_prompt_caches_of_each_kind_are_kept_apart(model_factory, tmp_path
         assert back is not None and back.cache[0].keys.dtype == getattr(mx, kv)
     assert files["float32"] != files["float16"] and all(f.exists() for f in files.values())
     disk = DiskPromptCache(tmp_path, path, kv_cache="float32")
-    assert disk.load(files["float16"], lm) is None and "its KV cache is float16, this run keeps float32" in disk.refused[-1]
+    assert (
+        disk.load(files["float16"], lm) is None
+        and "its KV cache is float16, this run keeps float32" in disk.refused[-1]
+    )

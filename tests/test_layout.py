@@ -5,6 +5,7 @@ flashmoe_cli/ -> flashmoe.cli, engine/ -> flashmoe.engine, tools/ -> flashmoe.to
 prompts/ -> flashmoe.prompts (pyproject.toml's package-dir), so no generic name (engine, tools)
 lands at the top of site-packages, and a tools/ folder in the user's workspace shadows nothing.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,12 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"flashmoe_cli": "flashmoe.cli", "engine": "flashmoe.engine", "tools": "flashmoe.tools",
-           "prompts": "flashmoe.prompts"}
+FOLDERS = {
+    "flashmoe_cli": "flashmoe.cli",
+    "engine": "flashmoe.engine",
+    "tools": "flashmoe.tools",
+    "prompts": "flashmoe.prompts",
+}
 
 
 def _python(code: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -55,8 +60,9 @@ def test_no_generic_top_level_name_and_a_workspace_tools_folder_shadows_nothing(
     ours, old_name = r.stdout.split()
     assert Path(ours).is_relative_to(ROOT / "tools")
     assert old_name == "None"
-    r = subprocess.run([sys.executable, "-m", "flashmoe.cli", "--help"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "flashmoe.cli", "--help"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and "usage: flashmoe" in r.stdout, r.stderr
 
 
@@ -78,14 +84,34 @@ _NO_MLX = textwrap.dedent("""
     print("CODE", code, "HEAVY", ",".join(heavy))
 """)
 
-COMMANDS = [[], ["run"], ["chat"], ["agent"], ["bench"], ["bench", "tools"], ["bench", "speed"], ["bench", "cache"],
-            ["bench", "quality"], ["logs"],
-            ["convert"], ["info"], ["verify"], ["pull"], ["demo"]]
+COMMANDS = [
+    [],
+    ["run"],
+    ["chat"],
+    ["agent"],
+    ["bench"],
+    ["bench", "tools"],
+    ["bench", "speed"],
+    ["bench", "cache"],
+    ["bench", "quality"],
+    ["logs"],
+    ["convert"],
+    ["info"],
+    ["verify"],
+    ["pull"],
+    ["demo"],
+]
 
 
 def _no_mlx(args: list[str], home: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", _NO_MLX, *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "FLASHMOE_HOME": str(home)})
+    return subprocess.run(
+        [sys.executable, "-c", _NO_MLX, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "FLASHMOE_HOME": str(home)},
+    )
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "flashmoe")
@@ -96,11 +122,19 @@ def test_help_imports_no_mlx(command, tmp_path):
     assert r.stdout.strip().endswith("CODE 0 HEAVY"), r.stdout[-300:]
 
 
-@pytest.mark.parametrize("args,config,code", [
-    (["run", "--temp", "hot"], "", 2), (["run", "--temperature", "1"], "", 2), (["chat", "--kernels", "gpu"], "", 2),
-    (["run", "hi"], 'kernels = "gpu"\n', 2), (["run", "hi"], "max_tokens = [\n", 2),
-    (["logs"], "", 0), (["logs", "path"], "", 0),
-], ids=["bad value", "unknown flag", "bad choice", "bad config value", "bad config file", "logs", "logs path"])
+@pytest.mark.parametrize(
+    "args,config,code",
+    [
+        (["run", "--temp", "hot"], "", 2),
+        (["run", "--temperature", "1"], "", 2),
+        (["chat", "--kernels", "gpu"], "", 2),
+        (["run", "hi"], 'kernels = "gpu"\n', 2),
+        (["run", "hi"], "max_tokens = [\n", 2),
+        (["logs"], "", 0),
+        (["logs", "path"], "", 0),
+    ],
+    ids=["bad value", "unknown flag", "bad choice", "bad config value", "bad config file", "logs", "logs path"],
+)
 def test_usage_errors_logs_and_config_import_no_mlx(args, config, code, tmp_path):
     if config:
         (tmp_path / "config.toml").write_text(config)
@@ -151,8 +185,13 @@ IMPORTS = {n: list(_imports(n, p, k)) for n, (p, k) in MODULES.items()}
 
 
 def _rule_breaks(importer: str, banned) -> list[str]:
-    return [f"{n}:{line} imports {m}" for n, found in IMPORTS.items() if n.startswith(importer)
-            for m, line in found if banned(m)]
+    return [
+        f"{n}:{line} imports {m}"
+        for n, found in IMPORTS.items()
+        if n.startswith(importer)
+        for m, line in found
+        if banned(m)
+    ]
 
 
 def _top(m: str) -> str:
@@ -160,12 +199,19 @@ def _top(m: str) -> str:
 
 
 def test_engine_imports_no_front_end_and_no_tools():
-    assert _rule_breaks("flashmoe.engine", lambda m: _top(m) in UI or m.startswith(("flashmoe.cli", "flashmoe.tools"))) == []
+    assert (
+        _rule_breaks("flashmoe.engine", lambda m: _top(m) in UI or m.startswith(("flashmoe.cli", "flashmoe.tools")))
+        == []
+    )
 
 
 def test_tools_import_no_engine_no_front_end_no_mlx():
-    assert _rule_breaks("flashmoe.tools", lambda m: _top(m) in UI + MLX
-                        or m.startswith(("flashmoe.cli", "flashmoe.engine"))) == []
+    assert (
+        _rule_breaks(
+            "flashmoe.tools", lambda m: _top(m) in UI + MLX or m.startswith(("flashmoe.cli", "flashmoe.engine"))
+        )
+        == []
+    )
 
 
 def test_front_ends_reach_mlx_only_through_the_engine():
@@ -178,8 +224,11 @@ def test_no_front_end_module_imports_the_entry_point_back():
 
 
 def test_no_import_cycle_in_the_front_end():
-    graph = {n: {m for m, _ in found if m in MODULES and m != n and m.startswith("flashmoe.cli")}
-             for n, found in IMPORTS.items() if n.startswith("flashmoe.cli")}
+    graph = {
+        n: {m for m, _ in found if m in MODULES and m != n and m.startswith("flashmoe.cli")}
+        for n, found in IMPORTS.items()
+        if n.startswith("flashmoe.cli")
+    }
     # a module's own package (__init__) is imported by Python first, not a dependency it chose
     graph = {n: {m for m in deps if not n.startswith(m + ".")} for n, deps in graph.items()}
     state, cycles = {}, []
@@ -188,7 +237,7 @@ def test_no_import_cycle_in_the_front_end():
         state[n] = "open"
         for m in sorted(graph[n]):
             if state.get(m) == "open":
-                cycles.append(path[path.index(m):] + [m] if m in path else [n, m])
+                cycles.append(path[path.index(m) :] + [m] if m in path else [n, m])
             elif m not in state:
                 visit(m, path + [m])
         state[n] = "done"

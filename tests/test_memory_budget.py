@@ -5,6 +5,7 @@ layouts follow the kernel's documentation (Documentation/admin-guide/cgroup-v1/m
 cgroup-v2.rst: memory.limit_in_bytes, memory.usage_in_bytes, memory.stat total_inactive_file;
 memory.max, memory.high, memory.current, memory.stat inactive_file) and /proc/self/mountinfo as
 proc(5) describes it; the v1 "no limit" value is what this machine's root group shows."""
+
 from __future__ import annotations
 
 import io
@@ -27,8 +28,18 @@ def write(root: Path, rel: str, text: str) -> None:
     p.write_text(text)
 
 
-def fake_tree(root: Path, *, v1: dict | None = None, v2: dict | None = None, v1_path="/", v2_path="/",
-              mount_root="/", available=16 * GB, vm_size=1 * GB, vm_data=512 * MB) -> Path:
+def fake_tree(
+    root: Path,
+    *,
+    v1: dict | None = None,
+    v2: dict | None = None,
+    v1_path="/",
+    v2_path="/",
+    mount_root="/",
+    available=16 * GB,
+    vm_size=1 * GB,
+    vm_data=512 * MB,
+) -> Path:
     """A /proc and /sys/fs/cgroup under `root`. v1 / v2: {group path: files} for the memory
     controller's folders (group paths relative to the mount)."""
     cgroup, mounts = [], []
@@ -47,23 +58,33 @@ def fake_tree(root: Path, *, v1: dict | None = None, v2: dict | None = None, v1_
     mounts.insert(0, "22 1 8:1 / / rw,relatime - ext4 /dev/vda rw")
     write(root, "proc/self/cgroup", "\n".join(cgroup) + "\n")
     write(root, "proc/self/mountinfo", "\n".join(mounts) + "\n")
-    write(root, "proc/meminfo", f"MemTotal:       25000000 kB\nMemFree:        1000 kB\n"
-                                f"MemAvailable:   {available // 1024} kB\n")
+    write(
+        root,
+        "proc/meminfo",
+        f"MemTotal:       25000000 kB\nMemFree:        1000 kB\nMemAvailable:   {available // 1024} kB\n",
+    )
     write(root, "proc/self/status", f"Name:\tpython\nVmSize:\t{vm_size // 1024} kB\nVmData:\t{vm_data // 1024} kB\n")
     return root
 
 
 def v1_files(limit, usage, inactive=0):
-    return {"memory.limit_in_bytes": limit, "memory.usage_in_bytes": usage,
-            "memory.stat": f"cache 1\nrss 2\ntotal_inactive_file {inactive}\n"}
+    return {
+        "memory.limit_in_bytes": limit,
+        "memory.usage_in_bytes": usage,
+        "memory.stat": f"cache 1\nrss 2\ntotal_inactive_file {inactive}\n",
+    }
 
 
 def test_v1_limit_is_read_along_the_process_path_and_the_tightest_decides(tmp_path):
-    root = fake_tree(tmp_path, v1_path="/user.slice/job", v1={
-        "/": v1_files(NO_LIMIT_V1, 5 * GB),
-        "/user.slice": v1_files(3 * GB, 2 * GB),  # the parent leaves 1 GB
-        "/user.slice/job": v1_files(4 * GB, 1 * GB),  # the group itself would leave 3 GB
-    })
+    root = fake_tree(
+        tmp_path,
+        v1_path="/user.slice/job",
+        v1={
+            "/": v1_files(NO_LIMIT_V1, 5 * GB),
+            "/user.slice": v1_files(3 * GB, 2 * GB),  # the parent leaves 1 GB
+            "/user.slice/job": v1_files(4 * GB, 1 * GB),  # the group itself would leave 3 GB
+        },
+    )
     lim = read_limit(root, rlimits={})
     assert lim.available == 1 * GB and lim.total == 3 * GB
     assert lim.source.startswith("cgroup v1 /user.slice:") and "limit 3.00 GB" in lim.source
@@ -76,8 +97,12 @@ def test_inactive_file_pages_are_reclaimable_and_not_counted_as_used(tmp_path):
 
 
 def test_no_cgroup_limit_leaves_mem_available(tmp_path):
-    root = fake_tree(tmp_path, v1_path="/job", v1={"/": v1_files(NO_LIMIT_V1, GB), "/job": v1_files(NO_LIMIT_V1, GB)},
-                     available=7 << 30)
+    root = fake_tree(
+        tmp_path,
+        v1_path="/job",
+        v1={"/": v1_files(NO_LIMIT_V1, GB), "/job": v1_files(NO_LIMIT_V1, GB)},
+        available=7 << 30,
+    )
     lim = read_limit(root, rlimits={})
     assert lim.available == 7 << 30 and lim.source.startswith("MemAvailable")
 
@@ -88,12 +113,24 @@ def test_mem_available_decides_when_it_is_below_the_cgroup(tmp_path):
 
 
 def test_v2_takes_memory_high_and_memory_max_along_the_path(tmp_path):
-    root = fake_tree(tmp_path, v2_path="/system.slice/flashmoe.service", v2={
-        "/system.slice": {"memory.max": "max", "memory.high": "max", "memory.current": 3 * GB,
-                          "memory.stat": "anon 1\ninactive_file 0\n"},
-        "/system.slice/flashmoe.service": {"memory.max": 6 * GB, "memory.high": 5 * GB,
-                                            "memory.current": 2 * GB, "memory.stat": f"inactive_file {GB}\n"},
-    })
+    root = fake_tree(
+        tmp_path,
+        v2_path="/system.slice/flashmoe.service",
+        v2={
+            "/system.slice": {
+                "memory.max": "max",
+                "memory.high": "max",
+                "memory.current": 3 * GB,
+                "memory.stat": "anon 1\ninactive_file 0\n",
+            },
+            "/system.slice/flashmoe.service": {
+                "memory.max": 6 * GB,
+                "memory.high": 5 * GB,
+                "memory.current": 2 * GB,
+                "memory.stat": f"inactive_file {GB}\n",
+            },
+        },
+    )
     lim = read_limit(root, rlimits={})
     assert lim.available == 4 * GB and lim.total == 5 * GB  # high, less 1 GB that cannot be reclaimed
     assert lim.source.startswith("cgroup v2 /system.slice/flashmoe.service:")
@@ -101,15 +138,19 @@ def test_v2_takes_memory_high_and_memory_max_along_the_path(tmp_path):
 
 def test_a_container_sees_its_own_group_as_the_mount_root(tmp_path):
     # docker without a cgroup namespace: /proc/self/cgroup names /docker/abc, which is mounted as /
-    root = fake_tree(tmp_path, v1_path="/docker/abc", mount_root="/docker/abc",
-                     v1={"/": v1_files(2 * GB, 500 * MB)})
+    root = fake_tree(tmp_path, v1_path="/docker/abc", mount_root="/docker/abc", v1={"/": v1_files(2 * GB, 500 * MB)})
     lim = read_limit(root, rlimits={})
     assert lim.available == 1500 * MB and lim.source.startswith("cgroup v1 /:")
 
 
 def test_hybrid_v1_and_v2_both_count(tmp_path):
-    root = fake_tree(tmp_path, v1_path="/a", v1={"/a": v1_files(10 * GB, GB)}, v2_path="/b",
-                     v2={"/b": {"memory.max": 3 * GB, "memory.current": GB, "memory.stat": ""}})
+    root = fake_tree(
+        tmp_path,
+        v1_path="/a",
+        v1={"/a": v1_files(10 * GB, GB)},
+        v2_path="/b",
+        v2={"/b": {"memory.max": 3 * GB, "memory.current": GB, "memory.stat": ""}},
+    )
     assert read_limit(root, rlimits={}).available == 2 * GB
 
 
@@ -122,24 +163,51 @@ def test_rlimits_count_against_what_is_already_mapped(tmp_path):
 
 
 def test_unreadable_or_garbage_files_are_no_limit(tmp_path):
-    root = fake_tree(tmp_path, v1_path="/job", v1={"/job": {"memory.limit_in_bytes": "lots", "memory.stat": "x"}},
-                     available=5 << 30)
+    root = fake_tree(
+        tmp_path, v1_path="/job", v1={"/job": {"memory.limit_in_bytes": "lots", "memory.stat": "x"}}, available=5 << 30
+    )
     assert read_limit(root, rlimits={}).available == 5 << 30
 
 
 # -- the plan ------------------------------------------------------------------------------------
 
-def a_plan(available, *, total=None, resident=300 * MB, working=300 * MB, kv=100_000, ctx=None, experts=8 * GB,
-           cache=None, prompt=0, model_context=32768):
-    return plan(Limit(available, "test limit", total), resident=resident, working=working, kv_per_token=kv,
-                model_context=model_context, all_experts=experts, min_experts=20 * MB, ctx_size=ctx,
-                prompt_cache=prompt, expert_cache=cache)
+
+def a_plan(
+    available,
+    *,
+    total=None,
+    resident=300 * MB,
+    working=300 * MB,
+    kv=100_000,
+    ctx=None,
+    experts=8 * GB,
+    cache=None,
+    prompt=0,
+    model_context=32768,
+):
+    return plan(
+        Limit(available, "test limit", total),
+        resident=resident,
+        working=working,
+        kv_per_token=kv,
+        model_context=model_context,
+        all_experts=experts,
+        min_experts=20 * MB,
+        ctx_size=ctx,
+        prompt_cache=prompt,
+        expert_cache=cache,
+    )
 
 
 @settings(max_examples=200, deadline=None)
-@given(available=st.integers(800 * MB, 64 * GB), resident=st.integers(10 * MB, 2 * GB),
-       kv=st.integers(1_000, 500_000), experts=st.integers(50 * MB, 500 * GB),
-       prompt=st.sampled_from([0, 2 << 30]), ctx=st.one_of(st.none(), st.integers(256, 8192)))
+@given(
+    available=st.integers(800 * MB, 64 * GB),
+    resident=st.integers(10 * MB, 2 * GB),
+    kv=st.integers(1_000, 500_000),
+    experts=st.integers(50 * MB, 500 * GB),
+    prompt=st.sampled_from([0, 2 << 30]),
+    ctx=st.one_of(st.none(), st.integers(256, 8192)),
+)
 def test_the_default_plan_never_exceeds_what_is_available(available, resident, kv, experts, prompt, ctx):
     try:
         p = a_plan(available, resident=resident, kv=kv, experts=experts, prompt=prompt, ctx=ctx)
@@ -167,7 +235,9 @@ def test_the_resident_part_that_does_not_fit_is_refused_naming_both_figures():
     with pytest.raises(MemoryTooSmall) as e:
         a_plan(700 * MB, total=800 * MB, resident=600 * MB)
     text = str(e.value)
-    assert "needs at least" in text and "resident weights 600 MB" in text and "may take 700 MB more (test limit)" in text
+    assert (
+        "needs at least" in text and "resident weights 600 MB" in text and "may take 700 MB more (test limit)" in text
+    )
 
 
 def test_an_explicit_cache_over_the_budget_is_kept_with_a_note_naming_both():
@@ -184,14 +254,17 @@ def test_the_servers_prompt_caches_are_capped_by_the_budget():
 
 # -- through the loader and the CLI ---------------------------------------------------------------
 
+
 @pytest.fixture
 def limited(tmp_path, monkeypatch):
     """Point the engine's limit at a fake cgroup of `limit` bytes with `used` in use."""
+
     def set_limit(limit, used=100 * MB):
         root = fake_tree(tmp_path / "sysroot", v1_path="/job", v1={"/job": v1_files(limit, used)}, available=20 * GB)
         monkeypatch.setattr(memory, "SYS_ROOT", root)
         monkeypatch.setattr(memory, "_rlimits", lambda: {})
         return root
+
     return set_limit
 
 
@@ -233,8 +306,10 @@ def test_an_explicit_expert_cache_over_the_budget_warns_naming_both(model_factor
     with caplog.at_level(logging.WARNING, logger="flashmoe"):
         lm = load(path, load_tokenizer=False, kernels="cpu", expert_cache=5 * GB)
     assert lm.memory.expert_cache == 5 * GB
-    assert any("--expert-cache 5.00 GB is more than the" in r.getMessage() and "cgroup v1 /job" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "--expert-cache 5.00 GB is more than the" in r.getMessage() and "cgroup v1 /job" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_info_prints_the_budget_and_where_it_came_from(model_factory, limited, capsys):
@@ -254,6 +329,8 @@ def test_a_prompt_past_the_planned_context_is_refused_naming_ctx_size(model_fact
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     path = model_factory("qwen3_moe", 4, converted=True)
     limited(3 * GB)
-    assert cli.main(["run", "-m", str(path), "--ctx-size", "256", "--max-tokens", "2", "-n", "--raw", "word " * 400]) == 2
+    assert (
+        cli.main(["run", "-m", str(path), "--ctx-size", "256", "--max-tokens", "2", "-n", "--raw", "word " * 400]) == 2
+    )
     err = capsys.readouterr().err
     assert "the context of 256 tokens the memory budget leaves room for" in err and "--ctx-size" in err

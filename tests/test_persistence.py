@@ -1,5 +1,6 @@
 """Conversations saved as they happen, resumed with -c / --cid, listed by `flashmoe logs`;
 settings from defaults < config file < FLASHMOE_* < flags; exit codes; import hygiene."""
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,14 @@ def test_settings_precedence(env, tmp_path):
     assert tokens(fake("--json", "-n", "--max-tokens", "2", "hi", env=dict(env, FLASHMOE_MAX_TOKENS="3"))) == 2
 
 
-@pytest.mark.parametrize("text,message", [("max_tokens = ", "config.toml"), ("colour = 'red'", "unknown setting 'colour'"),
-                                          ("max_tokens = 'many'", "max_tokens")])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("max_tokens = ", "config.toml"),
+        ("colour = 'red'", "unknown setting 'colour'"),
+        ("max_tokens = 'many'", "max_tokens"),
+    ],
+)
 def test_bad_config_is_a_usage_error(env, tmp_path, text, message):
     (tmp_path / "home").mkdir()
     (tmp_path / "home" / "config.toml").write_text(text)
@@ -82,10 +89,17 @@ def test_bad_environment_is_a_usage_error(env):
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("name,value,message", [
-    ("DTYPE", "fp8", "auto, float32, keep"), ("KERNELS", "gpu", "auto, mlx, cpu"),
-    ("TIMING", "lots", "off, step, layer"), ("IO_THREADS", "0", "at least 1"), ("MAX_TOKENS", "1.5", "at least 1"),
-    ("CACHE_POLICY", "mru", "lfu, lru")])
+@pytest.mark.parametrize(
+    "name,value,message",
+    [
+        ("DTYPE", "fp8", "auto, float32, keep"),
+        ("KERNELS", "gpu", "auto, mlx, cpu"),
+        ("TIMING", "lots", "off, step, layer"),
+        ("IO_THREADS", "0", "at least 1"),
+        ("MAX_TOKENS", "1.5", "at least 1"),
+        ("CACHE_POLICY", "mru", "lfu, lru"),
+    ],
+)
 def test_every_setting_is_checked_before_loading(env, name, value, message):
     r = fake("hi", env=dict(env, **{"FLASHMOE_" + name: value}))
     assert r.returncode == 2 and "FLASHMOE_" + name in r.stderr and message in r.stderr, r.stderr
@@ -110,21 +124,30 @@ def test_flashmoe_home_relocates_state(env, tmp_path):
 
 
 def test_engine_never_imports_ui_packages():
-    code = ("import sys, flashmoe.engine, flashmoe.engine.runtime.loader, flashmoe.engine.runtime.engine, "
-            "flashmoe.engine.runtime.generate, flashmoe.engine.formats.convert, flashmoe.engine.testing; "
-            "bad = [m for m in ('textual', 'prompt_toolkit', 'rich') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, flashmoe.engine, flashmoe.engine.runtime.loader, flashmoe.engine.runtime.engine, "
+        "flashmoe.engine.runtime.generate, flashmoe.engine.formats.convert, flashmoe.engine.testing; "
+        "bad = [m for m in ('textual', 'prompt_toolkit', 'rich') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
 
 
 def test_headless_start_up_does_not_import_textual(model_factory, tmp_path):
     model = model_factory("qwen3_moe", 4, converted=True)
-    code = ("import sys; from flashmoe.cli.cli import main; "
-            f"rc = main(['run', '-n', '-m', {str(model)!r}, '--max-tokens', '2', 'hi']); "
-            "print('UI:', [m for m in ('textual', 'prompt_toolkit') if m in sys.modules]); sys.exit(rc)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                       env={**__import__("os").environ, "FLASHMOE_HOME": str(tmp_path)})
+    code = (
+        "import sys; from flashmoe.cli.cli import main; "
+        f"rc = main(['run', '-n', '-m', {str(model)!r}, '--max-tokens', '2', 'hi']); "
+        "print('UI:', [m for m in ('textual', 'prompt_toolkit') if m in sys.modules]); sys.exit(rc)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**__import__("os").environ, "FLASHMOE_HOME": str(tmp_path)},
+    )
     assert r.returncode == 0, r.stderr
     assert "UI: []" in r.stdout
 

@@ -1,5 +1,6 @@
 """A long prompt's prefill shows its progress: on a terminal's stderr as one redrawn line (tokens,
 tok/s, time left) erased before the answer, as `prefill` JSON events with the time taken so far."""
+
 from __future__ import annotations
 
 import io
@@ -39,9 +40,15 @@ def test_run_shows_prefill_progress_on_a_terminal_and_only_the_answer_on_stdout(
     model = model_factory("qwen3_moe", 4, converted=True)
     master, slave = pty.openpty()
     env = dict(os.environ, FLASHMOE_HOME=str(tmp_path / "home"))
-    proc = subprocess.run([sys.executable, "-m", "flashmoe.cli", "run", "-m", str(model), "--max-tokens", "3",
-                           "--kernels", "cpu", LONG], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                          stderr=slave, cwd=ROOT, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flashmoe.cli", "run", "-m", str(model), "--max-tokens", "3", "--kernels", "cpu", LONG],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
     os.close(slave)
     err = b""
     while True:

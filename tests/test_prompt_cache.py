@@ -2,6 +2,7 @@
 a cache another conversation holds is copied rather than cut, the byte budget holds, and saved
 caches let a new engine (a resumed `flashmoe chat -c`) skip the prompt it already ran, with the
 same tokens as computing it all."""
+
 from __future__ import annotations
 
 import threading
@@ -26,7 +27,7 @@ def loaded(model_factory):
 
 def run(loaded, session, ids):
     session.prepare(ids)
-    for _ in prefill(loaded.model, session, ids[len(session.tokens):], 512, threading.Event()):
+    for _ in prefill(loaded.model, session, ids[len(session.tokens) :], 512, threading.Event()):
         pass
 
 
@@ -42,7 +43,7 @@ def test_the_longest_prefix_is_picked_and_a_continued_one_moves_on(loaded):
     a = ids_of(loaded, "What is the capital of France?")
     s = pool.pick(a)
     run(loaded, s, a)
-    longer = a + ids_of(loaded, "And of Spain?")[len(SYSTEM):]  # continues a
+    longer = a + ids_of(loaded, "And of Spain?")[len(SYSTEM) :]  # continues a
     assert pool.pick(longer) is s  # the same cache goes on with its conversation
     other = ids_of(loaded, "Name a river.")
     copy = pool.pick(other)

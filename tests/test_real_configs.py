@@ -2,6 +2,7 @@
 scaled down, and the quirks of real checkpoints: transformers-5 key names, zero-centred norms in
 Qwen3-Next / Qwen3.5 originals, router gate bits that differ between checkpoints, tied embeddings.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,12 +26,26 @@ CONFIGS = Path(__file__).parent / "fixtures" / "configs"
 TOKENS = mx.array([[3, 17, 250, 42, 9, 101, 77, 5, 64, 200]])
 
 SIZES = {
-    "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 64,
-    "shared_expert_intermediate_size": 64, "num_attention_heads": 4, "head_dim": 16, "vocab_size": 320,
-    "max_position_embeddings": 512, "num_experts": 8, "num_local_experts": 8, "n_routed_experts": 8,
-    "num_experts_per_tok": 2, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
-    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
-    "qk_nope_head_dim": 16, "v_head_dim": 16,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "num_attention_heads": 4,
+    "head_dim": 16,
+    "vocab_size": 320,
+    "max_position_embeddings": 512,
+    "num_experts": 8,
+    "num_local_experts": 8,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
 }
 
 
@@ -82,7 +97,7 @@ def build_folder(raw: dict, folder: Path, seed: int = 0, bits: int | None = None
     for (name, p), k in zip(params, keys):
         if mx.issubdtype(p.dtype, mx.floating):
             scale = 1.0 / p.shape[-1] ** 0.5 if p.ndim >= 2 else 0.1
-            p = (mx.random.normal(p.shape, key=k) * scale + (1.0 if p.ndim == 1 and "norm" in name else 0.0))
+            p = mx.random.normal(p.shape, key=k) * scale + (1.0 if p.ndim == 1 and "norm" in name else 0.0)
             p = p.astype(mx.float32)
         new.append((name, p))
     model.load_weights(new, strict=False)
@@ -140,8 +155,13 @@ def _to_hf_original(mlx_folder: Path, out: Path, fused: bool) -> None:
     weights = {k: np.array(v) for k, v in mx.load(str(mlx_folder / "model.safetensors")).items()}
     out.mkdir()
     hf = {}
-    norms = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
-             ".q_norm.weight", ".k_norm.weight")
+    norms = (
+        ".input_layernorm.weight",
+        ".post_attention_layernorm.weight",
+        "model.norm.weight",
+        ".q_norm.weight",
+        ".k_norm.weight",
+    )
     for k, v in weights.items():
         name = k.replace("language_model.model.", "model.language_model.").replace("language_model.lm_head", "lm_head")
         if "conv1d.weight" in k:
@@ -167,7 +187,9 @@ def _to_hf_original(mlx_folder: Path, out: Path, fused: bool) -> None:
             (out / f.name).write_bytes(f.read_bytes())
 
 
-@pytest.mark.parametrize("name,fused", [("Qwen3-Next-80B-A3B.config.json", False), ("Qwen3.5-35B-A3B.config.json", True)])
+@pytest.mark.parametrize(
+    "name,fused", [("Qwen3-Next-80B-A3B.config.json", False), ("Qwen3.5-35B-A3B.config.json", True)]
+)
 def test_zero_centred_norms_of_originals_get_plus_one(name, fused, tmp_path):
     raw = scale_down(json.loads((CONFIGS / name).read_text()))
     ref = build_folder(raw, tmp_path / "mlx")

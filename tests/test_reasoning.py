@@ -1,5 +1,6 @@
 """Reasoning is state, not text: a prompt that ends inside an open reasoning block starts the reply
 inside it, a call written there is never run, and every face shows the answer apart from it."""
+
 from __future__ import annotations
 
 import json
@@ -24,31 +25,39 @@ def deepseek_r1_template() -> str:
     v3 = (TEMPLATES / "deepseek_v3_tokenizer_config.chat_template.jinja").read_text()
     gen = "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}"
     assert gen in v3
-    return v3.replace(gen, "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% endif %}")
+    return v3.replace(
+        gen, "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
+    )
 
 
 def render(template: str, messages, gen: bool, **kw) -> str:
     from flashmoe.engine.runtime.tokenizer import _make_environment
 
-    return _make_environment().from_string(template).render(messages=messages, add_generation_prompt=gen,
-                                                            bos_token="", eos_token="", **kw)
+    return (
+        _make_environment()
+        .from_string(template)
+        .render(messages=messages, add_generation_prompt=gen, bos_token="", eos_token="", **kw)
+    )
 
 
 USER = [{"role": "user", "content": "hi"}]
 
 
 # -- deciding from the rendered prompt -----------------------------------------------------------
-@pytest.mark.parametrize("prompt, opened", [
-    ("<|im_start|>assistant\n<think>\n", "<think>"),
-    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", ""),
-    ("<｜Assistant｜><think>\n", "<think>"),
-    ("<｜Assistant｜></think>", ""),
-    ("[INST]q[/INST][THINK]", "[THINK]"),
-    ("[THINK]a[/THINK]answer", ""),
-    ("<think>old</think> then <|channel>thought", "<|channel>thought"),
-    ("<|open|>think<|sep|>", "<|open|>think<|sep|>"),
-    ("plain", ""),
-])
+@pytest.mark.parametrize(
+    "prompt, opened",
+    [
+        ("<|im_start|>assistant\n<think>\n", "<think>"),
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", ""),
+        ("<｜Assistant｜><think>\n", "<think>"),
+        ("<｜Assistant｜></think>", ""),
+        ("[INST]q[/INST][THINK]", "[THINK]"),
+        ("[THINK]a[/THINK]answer", ""),
+        ("<think>old</think> then <|channel>thought", "<|channel>thought"),
+        ("<|open|>think<|sep|>", "<|open|>think<|sep|>"),
+        ("plain", ""),
+    ],
+)
 def test_open_reasoning(prompt, opened):
     assert open_reasoning(prompt) == opened
 
@@ -75,7 +84,9 @@ def test_engine_reports_the_open_block(tmp_path):
     from flashmoe.engine.runtime.tokenizer import Tokenizer, _make_environment
     from tests.tiny_tokenizer import build_tiny_tokenizer
 
-    tok = Tokenizer(build_tiny_tokenizer(), chat_templates={"default": _make_environment().from_string(qwen35_template())})
+    tok = Tokenizer(
+        build_tiny_tokenizer(), chat_templates={"default": _make_environment().from_string(qwen35_template())}
+    )
     loaded = SimpleNamespace(tokenizer=tok)
     ids, opened = render_prompt_text(loaded, GenerationRequest(messages=USER))
     assert ids and opened == "<think>"
@@ -95,8 +106,10 @@ def test_thinking_switch_names():
 
 
 # -- end to end through the agent loop --------------------------------------------------------------
-XML_WRITE = "<tool_call>\n<function=write_file>\n<parameter=path>\nx.txt\n</parameter>\n<parameter=content>\n" \
-            "no\n</parameter>\n</function>\n</tool_call>"
+XML_WRITE = (
+    "<tool_call>\n<function=write_file>\n<parameter=path>\nx.txt\n</parameter>\n<parameter=content>\n"
+    "no\n</parameter>\n</function>\n</tool_call>"
+)
 XML_READ = "<tool_call>\n<function=read_file>\n<parameter=path>\nnotes.txt\n</parameter>\n</function>\n</tool_call>"
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -117,10 +130,28 @@ def workspace(tmp_path):
 def agent(tmp_path, workspace, template: str, replies, *extra):
     (tmp_path / "t.jinja").write_text(template)
     (tmp_path / "s.jsonl").write_text(json.dumps({"role": "user", "content": "notes?"}) + "\n")
-    env = {"FLASHMOE_HOME": str(tmp_path / "home"), "FLASHMOE_FAKE_REPLIES": json.dumps(replies),
-           "FLASHMOE_FAKE_TEMPLATE": str(tmp_path / "t.jinja")}
-    r = run_cli("agent", "--engine", "fake", "--tools", "builtin", "--workspace", workspace, "--approve", "auto",
-                "--script", tmp_path / "s.jsonl", "--transcript", tmp_path / "t.jsonl", *extra, env=env)
+    env = {
+        "FLASHMOE_HOME": str(tmp_path / "home"),
+        "FLASHMOE_FAKE_REPLIES": json.dumps(replies),
+        "FLASHMOE_FAKE_TEMPLATE": str(tmp_path / "t.jinja"),
+    }
+    r = run_cli(
+        "agent",
+        "--engine",
+        "fake",
+        "--tools",
+        "builtin",
+        "--workspace",
+        workspace,
+        "--approve",
+        "auto",
+        "--script",
+        tmp_path / "s.jsonl",
+        "--transcript",
+        tmp_path / "t.jsonl",
+        *extra,
+        env=env,
+    )
     events = [json.loads(l) for l in (tmp_path / "t.jsonl").read_text().splitlines()]
     return r, events
 
@@ -128,13 +159,25 @@ def agent(tmp_path, workspace, template: str, replies, *extra):
 # The follow-up reply reads the tool result. Qwen3.5's template opens <think> again after a tool
 # turn; DeepSeek's renders the results natively and adds no assistant prompt after them, so the
 # model opens its own reasoning there.
-@pytest.mark.parametrize("template, reply, follow_up", [
-    (qwen35_template, f"I could write it: {XML_WRITE} but reading is enough.\n</think>\n\n{XML_READ}",
-     "Got it.</think>Your notes say hello."),
-    (deepseek_r1_template, "Maybe " + ds_call("write_file", {"path": "x.txt", "content": "no"})
-     + " no.</think>Reading." + ds_call("read_file", {"path": "notes.txt"}),
-     "<think>Got it.</think>Your notes say hello."),
-], ids=["qwen3.5", "deepseek-r1"])
+@pytest.mark.parametrize(
+    "template, reply, follow_up",
+    [
+        (
+            qwen35_template,
+            f"I could write it: {XML_WRITE} but reading is enough.\n</think>\n\n{XML_READ}",
+            "Got it.</think>Your notes say hello.",
+        ),
+        (
+            deepseek_r1_template,
+            "Maybe "
+            + ds_call("write_file", {"path": "x.txt", "content": "no"})
+            + " no.</think>Reading."
+            + ds_call("read_file", {"path": "notes.txt"}),
+            "<think>Got it.</think>Your notes say hello.",
+        ),
+    ],
+    ids=["qwen3.5", "deepseek-r1"],
+)
 def test_call_inside_preopened_reasoning_is_not_run(tmp_path, workspace, template, reply, follow_up):
     r, events = agent(tmp_path, workspace, template(), [reply, follow_up])
     assert r.returncode == 0, r.stderr
@@ -147,8 +190,9 @@ def test_call_inside_preopened_reasoning_is_not_run(tmp_path, workspace, templat
 
 
 def test_reply_cut_off_inside_reasoning_ends_cleanly(tmp_path, workspace):
-    r, events = agent(tmp_path, workspace, qwen35_template(), ["Let me " + XML_READ + " think more and more"],
-                      "--max-tokens", "6")
+    r, events = agent(
+        tmp_path, workspace, qwen35_template(), ["Let me " + XML_READ + " think more and more"], "--max-tokens", "6"
+    )
     assert r.returncode == 0, r.stderr
     assert not [e for e in events if e["event"] == "tool_call"]
     end = [e for e in events if e["event"] == "turn_end"]
@@ -254,8 +298,11 @@ def test_repl_dims_reasoning_on_a_terminal():
 
 def test_run_tools_answer_only_and_cut_note(tmp_path, workspace):
     (tmp_path / "t.jinja").write_text(qwen35_template())
-    env = {"FLASHMOE_HOME": str(tmp_path / "home"), "FLASHMOE_FAKE_TEMPLATE": str(tmp_path / "t.jinja"),
-           "FLASHMOE_FAKE_REPLIES": json.dumps([f"maybe {XML_READ}</think>\n\nNo call needed."])}
+    env = {
+        "FLASHMOE_HOME": str(tmp_path / "home"),
+        "FLASHMOE_FAKE_TEMPLATE": str(tmp_path / "t.jinja"),
+        "FLASHMOE_FAKE_REPLIES": json.dumps([f"maybe {XML_READ}</think>\n\nNo call needed."]),
+    }
     base = ("run", "--engine", "fake", "-n", "--tools", "builtin", "--workspace", workspace)
     r = run_cli(*base, "hi", env=env)
     assert r.returncode == 0, r.stderr

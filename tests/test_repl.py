@@ -4,6 +4,7 @@ Each test types keys into the pipe ("\r" Enter, "\x1b\r" Alt+Enter, "\x03" Ctrl-
 and asserts on the whole transcript: stdout (the replies), stderr (messages and timing), the
 requests the FakeEngine received and what the conversation store recorded.
 """
+
 from __future__ import annotations
 
 import io
@@ -63,14 +64,16 @@ def drive(keys: str | list[str], engine=None, *flags, clock=time.monotonic) -> T
         if isinstance(keys, str):
             inp.send_text(keys)
         else:
+
             def typist():
                 for chunk in keys:
                     time.sleep(0.1)
                     inp.send_text(chunk)
 
             threading.Thread(target=typist, daemon=True).start()
-        code = run_repl(chat_args(*flags), engine=engine, input=inp, output=DummyOutput(),
-                        stdout=out, stderr=err, clock=clock)
+        code = run_repl(
+            chat_args(*flags), engine=engine, input=inp, output=DummyOutput(), stdout=out, stderr=err, clock=clock
+        )
     return Transcript(code, out.getvalue(), err.getvalue(), engine)
 
 
@@ -100,8 +103,11 @@ def test_chat_streams_replies_and_quits_on_ctrl_d():
     assert [m["content"] for m in last] == ["hi", "Hello there.", "and again"]
     # and the store recorded every message
     assert [(m.role, m.content, m.interrupted) for m in latest_messages()] == [
-        ("user", "hi", False), ("assistant", "Hello there.", False),
-        ("user", "and again", False), ("assistant", "Second reply.", False)]
+        ("user", "hi", False),
+        ("assistant", "Hello there.", False),
+        ("user", "and again", False),
+        ("assistant", "Second reply.", False),
+    ]
 
 
 def test_exit_words_and_commands_quit():
@@ -162,7 +168,8 @@ def test_save_problems_are_one_line(tmp_path):
     assert t.code == 0, t
     assert "usage: /save PATH" in t.err
     assert [line for line in t.err.splitlines() if line.startswith("flashmoe: error:")] == [
-        f"flashmoe: error: {tmp_path}/no/such/dir/x.md: No such file or directory"]
+        f"flashmoe: error: {tmp_path}/no/such/dir/x.md: No such file or directory"
+    ]
 
 
 def test_unknown_command_is_reported_and_the_repl_goes_on():
@@ -181,8 +188,21 @@ def test_help_lists_commands_and_keys():
 
 
 def test_timing_modes():
-    keys = ("/timing off" + ENTER + "a" + ENTER + "/timing layer" + ENTER + "b" + ENTER
-            + "/timing" + ENTER + "/timing fast" + ENTER + CTRL_D)
+    keys = (
+        "/timing off"
+        + ENTER
+        + "a"
+        + ENTER
+        + "/timing layer"
+        + ENTER
+        + "b"
+        + ENTER
+        + "/timing"
+        + ENTER
+        + "/timing fast"
+        + ENTER
+        + CTRL_D
+    )
     t = drive(keys, FakeEngine(["one two three"]))
     assert t.code == 0, t
     assert [r.timing for r in t.engine.requests] == ["off", "layer"]
@@ -350,7 +370,8 @@ def test_load_error_through_make_engine_exits_3(monkeypatch):
     code = run_repl(chat_args(), input=None, output=DummyOutput(), stdout=io.StringIO(), stderr=err)
     assert code == 3
     assert err.getvalue().splitlines()[-1] == (
-        "flashmoe: error: could not load the model: RuntimeError: mlx is not installed right")
+        "flashmoe: error: could not load the model: RuntimeError: mlx is not installed right"
+    )
 
 
 def test_bad_flags_are_a_usage_error_before_loading():
@@ -363,8 +384,10 @@ def test_bad_flags_are_a_usage_error_before_loading():
 
 
 # -- picking the REPL ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("term,flags,face", [
-    ("dumb", [], "repl"), ("", [], "repl"), ("xterm-256color", ["--no-tui"], "repl"), ("xterm-256color", [], "tui")])
+@pytest.mark.parametrize(
+    "term,flags,face",
+    [("dumb", [], "repl"), ("", [], "repl"), ("xterm-256color", ["--no-tui"], "repl"), ("xterm-256color", [], "tui")],
+)
 def test_chat_picks_the_repl_on_a_dumb_terminal_or_with_no_tui(monkeypatch, term, flags, face):
     import types
 
@@ -391,15 +414,30 @@ def test_under_a_pseudo_terminal(home, term, flags):
     import pty
 
     words = " ".join(f"w{i}" for i in range(300))
-    env = dict(os.environ, TERM=term, FLASHMOE_HOME=str(home), FLASHMOE_FAKE_DELAY="0.02",
-               FLASHMOE_FAKE_REPLIES=f'["Hello from the fake.", "{words}"]', PROMPT_TOOLKIT_NO_CPR="1")
+    env = dict(
+        os.environ,
+        TERM=term,
+        FLASHMOE_HOME=str(home),
+        FLASHMOE_FAKE_DELAY="0.02",
+        FLASHMOE_FAKE_REPLIES=f'["Hello from the fake.", "{words}"]',
+        PROMPT_TOOLKIT_NO_CPR="1",
+    )
     env.pop("FORCE_COLOR", None)
     master, slave = pty.openpty()
     # In its own session the child makes the pty its controlling terminal, so ^C is its SIGINT.
-    child = ("import fcntl, runpy, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-             "sys.argv[0] = 'flashmoe'; runpy.run_module('flashmoe.cli', run_name='__main__')")
-    proc = subprocess.Popen([sys.executable, "-c", child, "chat", "--engine", "fake", *flags],
-                            stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT, start_new_session=True)
+    child = (
+        "import fcntl, runpy, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+        "sys.argv[0] = 'flashmoe'; runpy.run_module('flashmoe.cli', run_name='__main__')"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child, "chat", "--engine", "fake", *flags],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        cwd=ROOT,
+        start_new_session=True,
+    )
     os.close(slave)
     seen, mark = b"", 0  # what the terminal showed; where the last wait's match ended
 
@@ -474,9 +512,12 @@ def test_non_utf8_bytes_typed_in_a_line_or_system_are_replaced_and_said(home):
     assert code == 0 and "Traceback" not in t.err, t
     assert [l for l in t.err.splitlines() if "UTF-8" in l] == [
         "flashmoe: warning: /system is not UTF-8: undecodable bytes are replaced with U+FFFD",
-        "flashmoe: warning: the message is not UTF-8: undecodable bytes are replaced with U+FFFD"]
-    assert engine.requests[0].messages == [{"role": "system", "content": "be \ufffd brief"},
-                                           {"role": "user", "content": "caf\ufffd"}]
+        "flashmoe: warning: the message is not UTF-8: undecodable bytes are replaced with U+FFFD",
+    ]
+    assert engine.requests[0].messages == [
+        {"role": "system", "content": "be \ufffd brief"},
+        {"role": "user", "content": "caf\ufffd"},
+    ]
     from flashmoe.cli.store import open_store
 
     store = open_store()
@@ -490,22 +531,36 @@ class Pty:
     def __init__(self, home, replies, delay="0.02"):
         import pty
 
-        env = dict(os.environ, TERM="xterm-256color", FLASHMOE_HOME=str(home), FLASHMOE_FAKE_DELAY=delay,
-                   FLASHMOE_FAKE_REPLIES=json.dumps(replies), PROMPT_TOOLKIT_NO_CPR="1")
+        env = dict(
+            os.environ,
+            TERM="xterm-256color",
+            FLASHMOE_HOME=str(home),
+            FLASHMOE_FAKE_DELAY=delay,
+            FLASHMOE_FAKE_REPLIES=json.dumps(replies),
+            PROMPT_TOOLKIT_NO_CPR="1",
+        )
         env.pop("FORCE_COLOR", None)
         self.master, slave = pty.openpty()
-        child = ("import fcntl, runpy, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
-                 "sys.argv[0] = 'flashmoe'; runpy.run_module('flashmoe.cli', run_name='__main__')")
-        self.proc = subprocess.Popen([sys.executable, "-c", child, "chat", "--engine", "fake", "--no-tui"],
-                                     stdin=slave, stdout=slave, stderr=slave, env=env, cwd=ROOT,
-                                     start_new_session=True)
+        child = (
+            "import fcntl, runpy, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+            "sys.argv[0] = 'flashmoe'; runpy.run_module('flashmoe.cli', run_name='__main__')"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", child, "chat", "--engine", "fake", "--no-tui"],
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
         os.close(slave)
         self.seen, self.mark = b"", 0
 
     def until(self, needle: bytes, timeout: float = 10.0) -> int:
         """Wait until `needle` appears after the previous match; returns where it starts."""
         end = time.monotonic() + timeout
-        while needle not in self.seen[self.mark:]:
+        while needle not in self.seen[self.mark :]:
             left = end - time.monotonic()
             assert left > 0, f"waited for {needle!r}; the terminal shows:\n{self.seen.decode(errors='replace')}"
             if select.select([self.master], [], [], min(left, 0.1))[0]:
@@ -564,8 +619,9 @@ def test_help_describes_timing_as_the_repl_has_it_no_panel():
     assert t.code == 0, t
     timing = next(line for line in t.err.splitlines() if line.strip().startswith("/timing"))
     assert "panel" not in t.err and "per-layer table" in timing, t
-    assert [c.display_meta_text for c in SlashCompleter().get_completions(Document("/tim"), None)] == \
-        [timing.strip().split(None, 1)[1]]
+    assert [c.display_meta_text for c in SlashCompleter().get_completions(Document("/tim"), None)] == [
+        timing.strip().split(None, 1)[1]
+    ]
 
 
 def test_quitting_says_how_to_resume_the_conversation(home):
@@ -576,8 +632,10 @@ def test_quitting_says_how_to_resume_the_conversation(home):
     assert t.code == 0, t
     cid = Store(logs_db()).latest()
     assert cid is not None
-    assert t.err.splitlines()[-1] == (f"flashmoe: conversation {cid} is saved; `flashmoe chat -c` resumes the "
-                                      f"latest, `flashmoe chat --cid {cid}` this one"), t
+    assert t.err.splitlines()[-1] == (
+        f"flashmoe: conversation {cid} is saved; `flashmoe chat -c` resumes the "
+        f"latest, `flashmoe chat --cid {cid}` this one"
+    ), t
     t = drive("hi" + ENTER + CTRL_D, None, "--cid", cid)  # resumed: the same id again
     assert t.err.splitlines()[-1].startswith(f"flashmoe: conversation {cid} is saved"), t
 

@@ -1,6 +1,7 @@
 """No silent resident fallback: a model that declares experts but has none that can stream fails
 to load with one line (exit 3), unless --allow-resident-experts is given, and then every summary
 says the experts are resident."""
+
 from __future__ import annotations
 
 import json
@@ -72,8 +73,14 @@ def hand_rolled(tmp_path, monkeypatch):
     module = types.ModuleType("mlx_lm.models.hand_rolled_moe")
     module.Model, module.ModelArgs = HandRolledModel, HandRolledArgs
     monkeypatch.setitem(sys.modules, "mlx_lm.models.hand_rolled_moe", module)
-    config = {"model_type": "hand_rolled_moe", "vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 1,
-              "num_experts": 8, "num_experts_per_tok": 2}
+    config = {
+        "model_type": "hand_rolled_moe",
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "num_hidden_layers": 1,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+    }
     model = HandRolledModel(HandRolledArgs.from_dict(config))
     mx.eval(model.parameters())
     folder = tmp_path / "hand-rolled"
@@ -147,8 +154,11 @@ def test_every_summary_says_the_experts_are_resident(hand_rolled):
     try:
         info = engine.wait_loaded(60)
         assert info.moe_layers == 0 and "HandRolledMoE" in info.resident_experts
-        done = [ev for ev in engine.submit(GenerationRequest(prompt="hi", max_tokens=3))
-                if isinstance(ev, GenerationFinished)][0]
+        done = [
+            ev
+            for ev in engine.submit(GenerationRequest(prompt="hi", max_tokens=3))
+            if isinstance(ev, GenerationFinished)
+        ][0]
         assert summary(done, info).endswith("experts resident, not streamed")
     finally:
         engine.close()

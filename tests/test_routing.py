@@ -1,5 +1,6 @@
 """The fused decode step's routing and weighted sum (engine/cpu/routing.py) against their numpy
 definitions: the same experts, scores to float32 rounding, and the weighted sum bit for bit."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -74,12 +75,12 @@ def test_route_slots_routes_as_route_and_trusts_a_slot_only_while_it_holds_its_e
     hit, slots = call()
     assert hit and np.array_equal(slots, slot_of[want_ids[0]])
     s = slot_of[want_ids[0, -1]]  # the last expert chosen: its slot changes hands
-    for spoil, undo in ((lambda: layer_of.__setitem__(s, layer + 1), lambda: layer_of.__setitem__(s, layer)),
-                        (lambda: expert_of.__setitem__(s, (expert_of[s] + 1) % E),
-                         lambda: expert_of.__setitem__(s, want_ids[0, -1])),
-                        (lambda: raw.__setitem__(s, True), lambda: raw.__setitem__(s, False)),
-                        (lambda: slot_of.__setitem__(want_ids[0, -1], -1),
-                         lambda: slot_of.__setitem__(want_ids[0, -1], s))):
+    for spoil, undo in (
+        (lambda: layer_of.__setitem__(s, layer + 1), lambda: layer_of.__setitem__(s, layer)),
+        (lambda: expert_of.__setitem__(s, (expert_of[s] + 1) % E), lambda: expert_of.__setitem__(s, want_ids[0, -1])),
+        (lambda: raw.__setitem__(s, True), lambda: raw.__setitem__(s, False)),
+        (lambda: slot_of.__setitem__(want_ids[0, -1], -1), lambda: slot_of.__setitem__(want_ids[0, -1], s)),
+    ):
         spoil()
         assert call()[0] is False
         undo()

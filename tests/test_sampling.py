@@ -62,8 +62,9 @@ def test_same_seed_same_sequence():
 
 def test_different_seeds_differ():
     logits = logits_from_probs(PROBS)
-    assert draw(SamplingParams(temperature=1.0, seed=1), logits, 50) != \
-        draw(SamplingParams(temperature=1.0, seed=2), logits, 50)
+    assert draw(SamplingParams(temperature=1.0, seed=1), logits, 50) != draw(
+        SamplingParams(temperature=1.0, seed=2), logits, 50
+    )
 
 
 def test_sampling_follows_the_distribution():
@@ -154,20 +155,23 @@ def test_sampler_does_not_modify_callers_logits():
     assert logits.tolist() == [1.0, 3.0, 2.5, 0.5]
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
-    ({"top_p": 0.0}, "top_p must be in (0, 1]"),
-    ({"top_k": -1}, "top_k must be"),
-    ({"top_k": 2.5}, "top_k must be"),
-    ({"min_p": 1.2}, "min_p must be in [0, 1]"),
-    ({"min_p": -0.1}, "min_p must be"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
-    ({"repetition_context": -3}, "repetition_context must be"),
-    ({"temperature": float("nan")}, "temperature must be"),
-    ({"temperature": float("inf")}, "temperature must be"),
-    ({"seed": -1}, "seed must be"),
-    ({"seed": "7"}, "seed must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"top_k": -1}, "top_k must be"),
+        ({"top_k": 2.5}, "top_k must be"),
+        ({"min_p": 1.2}, "min_p must be in [0, 1]"),
+        ({"min_p": -0.1}, "min_p must be"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        ({"repetition_context": -3}, "repetition_context must be"),
+        ({"temperature": float("nan")}, "temperature must be"),
+        ({"temperature": float("inf")}, "temperature must be"),
+        ({"seed": -1}, "seed must be"),
+        ({"seed": "7"}, "seed must be"),
+    ],
+)
 def test_invalid_params_rejected(kwargs, message):
     with pytest.raises(ValueError) as info:
         SamplingParams(**kwargs)

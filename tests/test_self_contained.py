@@ -2,6 +2,7 @@
 a test that read it passed here and failed there (54 tests did, once). conftest.py refuses every
 open inside ../shared for the whole run; these check that the refusal is on, and that every
 fixture names where it came from."""
+
 from __future__ import annotations
 
 import re
@@ -38,5 +39,7 @@ def test_every_fixture_is_named_in_a_sources_file():
 
 
 def _names(sources, name: str) -> bool:
-    return sources.is_file() and re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w.-])",
-                                           sources.read_text(encoding="utf-8")) is not None
+    return (
+        sources.is_file()
+        and re.search(rf"(?<![\w.-]){re.escape(name)}(?![\w.-])", sources.read_text(encoding="utf-8")) is not None
+    )

@@ -1,5 +1,6 @@
 """`flashmoe serve` driven by the official `openai` and `anthropic` SDKs, against a real server
 process on 127.0.0.1 running a tiny random model (built here) or the scripted test engine."""
+
 from __future__ import annotations
 
 import json
@@ -21,11 +22,18 @@ from tests.conftest import ROOT
 from tests.helpers.cli import run_cli
 
 KEY = "sk-test-serve"
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                    "unit": {"type": "string", "enum": ["C", "F"]}},
-                   "required": ["city", "unit"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
 
 
 def free_port() -> int:
@@ -38,8 +46,14 @@ class ServerProcess:
     def __init__(self, *args: str, env: dict | None = None):
         self.port = free_port()
         e = dict(os.environ, **(env or {}))
-        self.proc = subprocess.Popen([sys.executable, "-m", "flashmoe.cli", "serve", "--port", str(self.port), *args],
-                                     stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=e, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flashmoe.cli", "serve", "--port", str(self.port), *args],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env=e,
+            cwd=ROOT,
+        )
         self.lines: list[str] = []
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -108,8 +122,9 @@ def test_chat_plain_and_streamed_give_the_same_greedy_text(oa):
 
 def test_greedy_output_equals_flashmoe_run_json(oa, tiny):
     text = "Write one line about the sea."
-    r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=16,
-                                   temperature=0)
+    r = oa.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=16, temperature=0
+    )
     out = run_cli("run", "-m", tiny, "--json", "--temp", "0", "--max-tokens", "16", "-n", text)
     assert out.returncode == 0, out.stderr
     events = [json.loads(x) for x in out.stdout.splitlines()]
@@ -122,8 +137,10 @@ def test_greedy_output_equals_flashmoe_run_json(oa, tiny):
 def test_a_resent_conversation_reads_only_its_new_tokens(oa):
     history = [{"role": "user", "content": "Count from one to five, please, slowly."}]
     first = oa.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0, seed=1)
-    history += [{"role": "assistant", "content": first.choices[0].message.content},
-                {"role": "user", "content": "And now backwards."}]
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And now backwards."},
+    ]
     second = oa.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0, seed=1)
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens  # turn one's prompt (and what of its reply re-tokenises alike)
@@ -133,9 +150,15 @@ def test_a_resent_conversation_reads_only_its_new_tokens(oa):
 def test_tool_choice_required_returns_a_valid_call_every_time(oa):
     schema = WEATHER["function"]["parameters"]
     for seed in range(4):
-        r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo?"}],
-                                       tools=[WEATHER], tool_choice="required", max_tokens=64, temperature=1.0,
-                                       seed=seed)
+        r = oa.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            tools=[WEATHER],
+            tool_choice="required",
+            max_tokens=64,
+            temperature=1.0,
+            seed=seed,
+        )
         choice = r.choices[0]
         assert choice.finish_reason == "tool_calls", choice
         call = choice.message.tool_calls[0]
@@ -145,14 +168,22 @@ def test_tool_choice_required_returns_a_valid_call_every_time(oa):
 
 def test_tool_round_trip_call_result_answer(oa):
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    r = oa.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER],
-                                   tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                   max_tokens=64, temperature=0)
+    r = oa.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=64,
+        temperature=0,
+    )
     call = r.choices[0].message.tool_calls[0]
-    messages += [r.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21, "sky": "clear"}'}]
-    answer = oa.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
-                                        max_tokens=12, temperature=0)
+    messages += [
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21, "sky": "clear"}'},
+    ]
+    answer = oa.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=12, temperature=0
+    )
     assert answer.choices[0].message.tool_calls is None
     assert answer.choices[0].message.content
     # tool_choice "none" leaves the tools out of the prompt (as vLLM does), not the call and its result
@@ -161,9 +192,17 @@ def test_tool_round_trip_call_result_answer(oa):
 
 
 def test_streamed_required_call_arrives_as_tool_call_deltas(oa):
-    chunks = list(oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Oslo?"}],
-                                             tools=[WEATHER], tool_choice="required", max_tokens=64,
-                                             temperature=0, stream=True))
+    chunks = list(
+        oa.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Oslo?"}],
+            tools=[WEATHER],
+            tool_choice="required",
+            max_tokens=64,
+            temperature=0,
+            stream=True,
+        )
+    )
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert calls and calls[0].function.name == "get_weather"
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
@@ -171,14 +210,24 @@ def test_streamed_required_call_arrives_as_tool_call_deltas(oa):
 
 
 def test_response_format_json_schema_validates(oa):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-              "required": ["name", "age"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
     for seed in range(3):
         r = oa.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Make up a person."}], max_tokens=96,
-            temperature=1.0, seed=seed,
-            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+            model=MODEL,
+            messages=[{"role": "user", "content": "Make up a person."}],
+            max_tokens=96,
+            temperature=1.0,
+            seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+        )
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
@@ -188,7 +237,8 @@ def test_wrong_api_key_is_401(server):
         bad.models.list()
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
-            model=MODEL, max_tokens=4, messages=HELLO)
+            model=MODEL, max_tokens=4, messages=HELLO
+        )
 
 
 def test_an_unknown_field_is_a_400_that_names_it(oa, an):
@@ -221,21 +271,44 @@ def test_anthropic_message_and_stream(an, oa):
 
 
 def test_anthropic_tool_use_round_trip(an):
-    tool = {"name": "get_weather", "description": "The weather in a city",
-            "input_schema": WEATHER["function"]["parameters"]}
+    tool = {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "input_schema": WEATHER["function"]["parameters"],
+    }
     messages = [{"role": "user", "content": "Weather in Rome?"}]
-    m = an.messages.create(model=MODEL, max_tokens=64, messages=messages, tools=[tool],
-                           tool_choice={"type": "any"}, extra_body={"temperature": 0})
+    m = an.messages.create(
+        model=MODEL,
+        max_tokens=64,
+        messages=messages,
+        tools=[tool],
+        tool_choice={"type": "any"},
+        extra_body={"temperature": 0},
+    )
     assert m.stop_reason == "tool_use"
     use = next(b for b in m.content if b.type == "tool_use")
     jsonschema.validate(use.input, tool["input_schema"])
-    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C"}]}]
-    answer = an.messages.create(model=MODEL, max_tokens=12, messages=messages, tools=[tool],
-                                tool_choice={"type": "none"}, extra_body={"temperature": 0})
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C"}]},
+    ]
+    answer = an.messages.create(
+        model=MODEL,
+        max_tokens=12,
+        messages=messages,
+        tools=[tool],
+        tool_choice={"type": "none"},
+        extra_body={"temperature": 0},
+    )
     assert answer.stop_reason in ("end_turn", "max_tokens") and answer.content[0].type == "text"
-    with an.messages.stream(model=MODEL, max_tokens=64, messages=messages[:1], tools=[tool],
-                            tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"temperature": 0}) as stream:
+    with an.messages.stream(
+        model=MODEL,
+        max_tokens=64,
+        messages=messages[:1],
+        tools=[tool],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        extra_body={"temperature": 0},
+    ) as stream:
         final = stream.get_final_message()
     assert final.stop_reason == "tool_use" and final.content[-1].input == use.input
 
@@ -269,8 +342,12 @@ def test_a_client_that_leaves_mid_stream_frees_the_engine(server):
     while httpx.get(f"{server.url}/health").json()["queue"] and time.monotonic() - t0 < 10:
         time.sleep(0.05)
     assert httpx.get(f"{server.url}/health").json()["queue"] == 0
-    quick = httpx.post(f"{server.url}/v1/chat/completions", headers=headers, timeout=60,
-                       json={"model": MODEL, "messages": HELLO, "max_tokens": 2})
+    quick = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        headers=headers,
+        timeout=60,
+        json={"model": MODEL, "messages": HELLO, "max_tokens": 2},
+    )
     assert quick.status_code == 200
     after = httpx.get(f"{server.url}/metrics", headers=headers).json()
     assert after["generated_tokens"] - before < 1000  # it stopped long before its 3,000 tokens
@@ -279,8 +356,15 @@ def test_a_client_that_leaves_mid_stream_frees_the_engine(server):
 
 def test_metrics_and_health(server):
     m = httpx.get(f"{server.url}/metrics", headers={"x-api-key": KEY}).json()
-    for key in ("requests", "queue_depth", "generated_tokens", "decode_tok_per_s", "expert_hit_rate",
-                "bytes_read_per_token", "cached_prompt_tokens"):
+    for key in (
+        "requests",
+        "queue_depth",
+        "generated_tokens",
+        "decode_tok_per_s",
+        "expert_hit_rate",
+        "bytes_read_per_token",
+        "cached_prompt_tokens",
+    ):
         assert key in m
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
     assert httpx.get(f"{server.url}/metrics").status_code == 401
@@ -292,12 +376,17 @@ def test_completions_endpoint(oa):
 
 
 def test_past_the_queue_a_request_is_refused_at_once(tmp_path):
-    env = {"FLASHMOE_FAKE_REPLIES": json.dumps(["one two three four five six seven eight"]),
-           "FLASHMOE_FAKE_DELAY": "0.2"}
+    env = {
+        "FLASHMOE_FAKE_REPLIES": json.dumps(["one two three four five six seven eight"]),
+        "FLASHMOE_FAKE_DELAY": "0.2",
+    }
     s = ServerProcess("--engine", "fake", "--max-queue", "1", env=env)
     try:
-        slow = threading.Thread(target=lambda: httpx.post(f"{s.url}/v1/chat/completions", timeout=60,
-                                                          json={"messages": HELLO, "max_tokens": 50}))
+        slow = threading.Thread(
+            target=lambda: httpx.post(
+                f"{s.url}/v1/chat/completions", timeout=60, json={"messages": HELLO, "max_tokens": 50}
+            )
+        )
         slow.start()
         t0 = time.monotonic()
         while httpx.get(f"{s.url}/health").json()["queue"] == 0 and time.monotonic() - t0 < 10:
@@ -311,8 +400,10 @@ def test_past_the_queue_a_request_is_refused_at_once(tmp_path):
         assert s.stop() == 0
 
 
-LONG = [{"role": "system", "content": "You are a careful assistant. " * 12},
-        {"role": "user", "content": "Tell me about the history of the printing press in Europe."}]
+LONG = [
+    {"role": "system", "content": "You are a careful assistant. " * 12},
+    {"role": "user", "content": "Tell me about the history of the printing press in Europe."},
+]
 
 
 def test_after_a_restart_the_prompt_cache_comes_from_disk(tiny, tmp_path):
@@ -329,8 +420,10 @@ def test_after_a_restart_the_prompt_cache_comes_from_disk(tiny, tmp_path):
     again = ServerProcess("-m", str(tiny), env=env)
     try:
         c = openai.OpenAI(base_url=f"{again.url}/v1", api_key="-", max_retries=0)
-        history = LONG + [{"role": "assistant", "content": cold.choices[0].message.content},
-                          {"role": "user", "content": "Shorter, please."}]
+        history = LONG + [
+            {"role": "assistant", "content": cold.choices[0].message.content},
+            {"role": "user", "content": "Shorter, please."},
+        ]
         warm = c.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
         assert warm.usage.prompt_tokens_details.cached_tokens >= cold.usage.prompt_tokens
         # the same words as a server that computed everything itself
@@ -376,23 +469,38 @@ def test_responses_text_streamed_and_a_function_call_round_trip(oa):
     r = oa.responses.create(model=MODEL, input="Say hello to the world.", max_output_tokens=12, temperature=0)
     chat = oa.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0)
     assert r.output_text == chat.choices[0].message.content
-    events = list(oa.responses.create(model=MODEL, input="Say hello to the world.", max_output_tokens=12,
-                                      temperature=0, stream=True))
+    events = list(
+        oa.responses.create(
+            model=MODEL, input="Say hello to the world.", max_output_tokens=12, temperature=0, stream=True
+        )
+    )
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
     # cut by max_output_tokens: the stream ends as its status says (issue 40: it said "completed")
     assert events[-1].type == "response.incomplete" and events[-1].response.status == "incomplete"
     assert events[-1].response.usage.output_tokens == 12
-    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city",
-            "parameters": WEATHER["function"]["parameters"]}
-    call_r = oa.responses.create(model=MODEL, input="Weather in Lima?", tools=[tool], tool_choice="required",
-                                 max_output_tokens=64, temperature=0)
+    tool = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": WEATHER["function"]["parameters"],
+    }
+    call_r = oa.responses.create(
+        model=MODEL, input="Weather in Lima?", tools=[tool], tool_choice="required", max_output_tokens=64, temperature=0
+    )
     call = next(o for o in call_r.output if o.type == "function_call")
     jsonschema.validate(json.loads(call.arguments), tool["parameters"])
-    answer = oa.responses.create(model=MODEL, tools=[tool], tool_choice="none", max_output_tokens=8, temperature=0,
-                                 input=[{"role": "user", "content": "Weather in Lima?"},
-                                        {"type": "function_call", "call_id": call.call_id, "name": call.name,
-                                         "arguments": call.arguments},
-                                        {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}])
+    answer = oa.responses.create(
+        model=MODEL,
+        tools=[tool],
+        tool_choice="none",
+        max_output_tokens=8,
+        temperature=0,
+        input=[
+            {"role": "user", "content": "Weather in Lima?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"},
+        ],
+    )
     bare = oa.responses.create(model=MODEL, input="Weather in Lima?", max_output_tokens=1, temperature=0)
     assert answer.output_text and answer.usage.input_tokens > bare.usage.input_tokens + 10  # the call, its result
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
@@ -404,8 +512,10 @@ def test_no_cors_unless_asked(server):
     assert "access-control-allow-origin" not in r.headers
     s = ServerProcess("--engine", "fake", "--allow-origin", "http://localhost:3000")
     try:
-        ok = httpx.options(f"{s.url}/v1/chat/completions", headers={
-            "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+        ok = httpx.options(
+            f"{s.url}/v1/chat/completions",
+            headers={"Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"},
+        )
         assert ok.headers.get("access-control-allow-origin") == "http://localhost:3000"
         other = httpx.get(f"{s.url}/health", headers={"Origin": "http://evil.example"})
         assert "access-control-allow-origin" not in other.headers
@@ -421,11 +531,20 @@ def test_a_taken_port_is_a_one_line_usage_error(server):
 
 def test_a_body_of_the_wrong_shapes_is_a_400_not_a_crash(server):
     headers = {"Authorization": f"Bearer {KEY}"}
-    for body in ({"messages": HELLO, "response_format": "json"}, {"messages": "hello"}, [1, 2],
-                 {"messages": [{"role": "user", "content": 5}]}, {"messages": HELLO, "max_tokens": -1}):
+    for body in (
+        {"messages": HELLO, "response_format": "json"},
+        {"messages": "hello"},
+        [1, 2],
+        {"messages": [{"role": "user", "content": 5}]},
+        {"messages": HELLO, "max_tokens": -1},
+    ):
         r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["message"]
-    r = httpx.post(f"{server.url}/v1/messages", content=b"{not json", timeout=30,
-                   headers={**headers, "Content-Type": "application/json"})
+    r = httpx.post(
+        f"{server.url}/v1/messages",
+        content=b"{not json",
+        timeout=30,
+        headers={**headers, "Content-Type": "application/json"},
+    )
     assert r.status_code == 400 and r.json()["type"] == "error"

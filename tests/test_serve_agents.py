@@ -7,6 +7,7 @@ Every recorded request, headers and body as the client sent them, against a real
 must get a 2xx and stream to its end. In-process, each client's tool-calling request gets a call
 to one of its own tools back in its API's shape, and under --strict-fields Claude Code's and
 Codex's first requests are refused naming every field (the behaviour issue 40 reported)."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,9 @@ from tests.tiny_tokenizer import CHAT_TEMPLATE
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agents"
 RECORDINGS = {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in sorted(FIXTURES.glob("*.json"))}
-REQUESTS = [(name, i, e) for name, rec in RECORDINGS.items() for i, e in enumerate(rec["exchanges"])
-            if e["method"] == "POST"]
+REQUESTS = [
+    (name, i, e) for name, rec in RECORDINGS.items() for i, e in enumerate(rec["exchanges"]) if e["method"] == "POST"
+]
 REPLY = "I looked at the folder: it holds README.md."
 
 
@@ -47,8 +49,11 @@ def streamed_to_the_end(text: str) -> bool:
     events = sse(text)
     errors = [d for n, d in events if n == "error" or (isinstance(d, dict) and "error" in d and "choices" not in d)]
     last = events[-1] if events else ("", None)
-    return not errors and (last[0] == "message_stop" or last[1] == "[DONE]" or (
-        isinstance(last[1], dict) and last[1].get("type") in ("response.completed", "response.incomplete")))
+    return not errors and (
+        last[0] == "message_stop"
+        or last[1] == "[DONE]"
+        or (isinstance(last[1], dict) and last[1].get("type") in ("response.completed", "response.incomplete"))
+    )
 
 
 def test_the_recordings_are_real_and_cover_the_agents():
@@ -67,8 +72,15 @@ def test_the_recordings_are_real_and_cover_the_agents():
 def server(tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "chatml.jinja"
     template.write_text(CHAT_TEMPLATE)
-    s = ServerProcess("--engine", "fake", "--api-key", "sk-test", "--temp", "0",
-                      env={"FLASHMOE_FAKE_REPLIES": json.dumps([REPLY]), "FLASHMOE_FAKE_TEMPLATE": str(template)})
+    s = ServerProcess(
+        "--engine",
+        "fake",
+        "--api-key",
+        "sk-test",
+        "--temp",
+        "0",
+        env={"FLASHMOE_FAKE_REPLIES": json.dumps([REPLY]), "FLASHMOE_FAKE_TEMPLATE": str(template)},
+    )
     yield s
     assert s.stop() == 0
 
@@ -89,6 +101,7 @@ def test_a_recorded_request_as_sent_succeeds_and_streams_to_its_end(server, name
 
 
 # -- in-process: a call to the client's own tool, in its API's shape --------------------------
+
 
 def first_with_tools(name: str) -> dict:
     return next(e for e in RECORDINGS[name]["exchanges"] if e["method"] == "POST" and e["body"].get("tools"))
@@ -135,15 +148,19 @@ def minimal_args(schema: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("name", ["claude", "claude-default", "claude-2.1.337", "codex", "llm", "opencode",
-                                  "openai-agents"])
+@pytest.mark.parametrize(
+    "name", ["claude", "claude-default", "claude-2.1.337", "codex", "llm", "opencode", "openai-agents"]
+)
 def test_each_agents_tool_request_gets_a_call_to_its_own_tool_back(name):
     exchange = first_with_tools(name)
     tool = tool_names(exchange["body"])[0]
-    schema = next(t.get("input_schema") or t.get("parameters") or t.get("function", {}).get("parameters")
-                  for t in exchange["body"]["tools"] if (t.get("name") or t.get("function", {}).get("name")) == tool)
+    schema = next(
+        t.get("input_schema") or t.get("parameters") or t.get("function", {}).get("parameters")
+        for t in exchange["body"]["tools"]
+        if (t.get("name") or t.get("function", {}).get("name")) == tool
+    )
     args = minimal_args(schema or {})
-    call = f'<tool_call>\n{json.dumps({"name": tool, "arguments": args})}\n</tool_call>'
+    call = f"<tool_call>\n{json.dumps({'name': tool, 'arguments': args})}\n</tool_call>"
     engine = FakeEngine([call], chat_template=CHAT_TEMPLATE)
     c = TestClient(Server(engine, engine.loaded_info, "demo").app())
     r = c.post(exchange["path"], json={**exchange["body"], "stream": True}, headers=exchange["headers"])
@@ -160,6 +177,8 @@ def test_strict_fields_refuses_the_first_request_naming_every_field(name):
     r = c.post(exchange["path"], json=exchange["body"], headers=exchange["headers"])
     assert r.status_code == 400
     message = json.dumps(r.json())
-    expected = {"claude-default": ("thinking", "context_management", "output_config.effort", "metadata"),
-                "codex": ("client_metadata", "prompt_cache_key", "reasoning.encrypted_content", "namespace")}[name]
+    expected = {
+        "claude-default": ("thinking", "context_management", "output_config.effort", "metadata"),
+        "codex": ("client_metadata", "prompt_cache_key", "reasoning.encrypted_content", "namespace"),
+    }[name]
     assert all(field in message for field in expected), message

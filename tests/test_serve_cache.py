@@ -1,6 +1,7 @@
 """Prompt caches across agent sessions (issue 40, item 5): a new session's request reuses the
 system prompt an earlier session left, Claude Code's per-prompt billing block notwithstanding,
 and a hit copies only the prefix it shares, never the other conversation's tail."""
+
 from __future__ import annotations
 
 import threading
@@ -22,9 +23,15 @@ def loaded(model_factory):
 
 
 def claude_request(billing: str, task: str) -> dict:
-    return {"model": "claude-sonnet-4-5", "max_tokens": 8, "messages": [{"role": "user", "content": task}],
-            "system": [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{billing}; cc_entrypoint=cli;"},
-                       {"type": "text", "text": SYSTEM}]}
+    return {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": task}],
+        "system": [
+            {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{billing}; cc_entrypoint=cli;"},
+            {"type": "text", "text": SYSTEM},
+        ],
+    }
 
 
 def ids_of(loaded, body: dict) -> list[int]:
@@ -48,7 +55,7 @@ def run(loaded, session, ids) -> list[int]:
     from flashmoe.engine.runtime.decode import prefill
 
     session.prepare(ids)
-    todo = ids[len(session.tokens):]
+    todo = ids[len(session.tokens) :]
     logits = None
     for _, logits in prefill(loaded.model, session, todo, 512, threading.Event()):  # noqa: B007 (the last logits are used below)
         pass
@@ -62,13 +69,23 @@ def test_a_hit_copies_the_shared_prefix_only_and_computes_what_a_fresh_cache_doe
     from flashmoe.engine.runtime.prompt_cache import PromptCachePool
 
     pool = PromptCachePool(loaded)
-    long_history = ids_of(loaded, {"max_tokens": 8, "system": SYSTEM, "messages": [
-        {"role": "user", "content": "word " * 300}, {"role": "assistant", "content": "ok " * 200},
-        {"role": "user", "content": "and more"}]})
+    long_history = ids_of(
+        loaded,
+        {
+            "max_tokens": 8,
+            "system": SYSTEM,
+            "messages": [
+                {"role": "user", "content": "word " * 300},
+                {"role": "assistant", "content": "ok " * 200},
+                {"role": "user", "content": "and more"},
+            ],
+        },
+    )
     first = pool.pick(long_history)
     run(loaded, first, long_history)
-    new_session = ids_of(loaded, {"max_tokens": 8, "system": SYSTEM, "messages": [
-        {"role": "user", "content": "A new task."}]})
+    new_session = ids_of(
+        loaded, {"max_tokens": 8, "system": SYSTEM, "messages": [{"role": "user", "content": "A new task."}]}
+    )
     from flashmoe.engine.runtime.prompt_cache import common_prefix
 
     shared = common_prefix(long_history, new_session)

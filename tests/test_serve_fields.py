@@ -3,6 +3,7 @@ naming every problem, --strict-fields, model names, errors in each API's shape, 
 
 In-process (Starlette's TestClient over the ASGI app) on the scripted test engine: these are
 about what the server does with a body, not about generation."""
+
 from __future__ import annotations
 
 import json
@@ -22,13 +23,18 @@ from tests.tiny_tokenizer import CHAT_TEMPLATE
 ROOT = Path(__file__).resolve().parents[1]
 HELLO = [{"role": "user", "content": "Hello"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-WEATHER = {"name": "get_weather", "description": "Weather", "input_schema": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Weather",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 # Qwen3.5's rule: one system message, first (the template raises otherwise).
-ONE_SYSTEM = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
-              "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
-              "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+ONE_SYSTEM = (
+    "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def client(replies=("Hello there friend",), template=CHAT_TEMPLATE, **options) -> TestClient:
@@ -47,50 +53,95 @@ def ignored(r) -> list[str]:
 
 # -- what Claude Code and Codex send that was refused before (issue 40) -----------------------
 
+
 def test_claude_codes_hint_fields_are_accepted_and_recorded(c):
-    body = {"model": "claude-sonnet-4-5", "max_tokens": 32000, "messages": HELLO, "metadata": {"user_id": "u"},
-            "thinking": {"type": "adaptive"}, "context_management": {"edits": [{"type": "clear_thinking_20251015"}]},
-            "output_config": {"effort": "high"},
-            "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.6fc; cc_entrypoint=cli;"},
-                       {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}}]}
+    body = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 32000,
+        "messages": HELLO,
+        "metadata": {"user_id": "u"},
+        "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015"}]},
+        "output_config": {"effort": "high"},
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.6fc; cc_entrypoint=cli;"},
+            {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}},
+        ],
+    }
     r = c.post("/v1/messages", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "demo"  # any name: the one model answers, and says so
-    assert set(ignored(r)) == {"metadata", "thinking", "context_management", "output_config.effort",
-                               "system.x-anthropic-billing-header", "cache_control"}
+    assert set(ignored(r)) == {
+        "metadata",
+        "thinking",
+        "context_management",
+        "output_config.effort",
+        "system.x-anthropic-billing-header",
+        "cache_control",
+    }
     m = c.get("/metrics").json()["ignored_fields"]
     assert m["context_management"] >= 1 and m["system.x-anthropic-billing-header"] >= 1
 
 
 def test_codexs_hint_fields_are_accepted_and_non_function_tools_dropped(c):
-    body = {"model": "gpt-5.3-codex", "input": [{"type": "message", "role": "developer", "id": "m1",
-                                                 "content": [{"type": "input_text", "text": "Be brief."}]},
-                                                {"type": "message", "role": "user", "content": "hi"}],
-            "tools": [{"type": "function", "name": "exec_command", "parameters": {"type": "object"}, "strict": False},
-                      {"type": "namespace", "name": "multi_agent_v1", "tools": []},
-                      {"type": "web_search", "external_web_access": False}],
-            "tool_choice": "auto", "parallel_tool_calls": True, "reasoning": {"summary": "auto"}, "store": False,
-            "include": ["reasoning.encrypted_content"], "prompt_cache_key": "k", "client_metadata": {"a": "b"},
-            "stream": True}
+    body = {
+        "model": "gpt-5.3-codex",
+        "input": [
+            {
+                "type": "message",
+                "role": "developer",
+                "id": "m1",
+                "content": [{"type": "input_text", "text": "Be brief."}],
+            },
+            {"type": "message", "role": "user", "content": "hi"},
+        ],
+        "tools": [
+            {"type": "function", "name": "exec_command", "parameters": {"type": "object"}, "strict": False},
+            {"type": "namespace", "name": "multi_agent_v1", "tools": []},
+            {"type": "web_search", "external_web_access": False},
+        ],
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"},
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "k",
+        "client_metadata": {"a": "b"},
+        "stream": True,
+    }
     r = c.post("/v1/responses", json=body)
     assert r.status_code == 200, r.text
     got = set(ignored(r))
-    assert {"client_metadata", "prompt_cache_key", "include reasoning.encrypted_content", "input[].id",
-            "tools[] (type 'namespace')", "tools[] (type 'web_search')"} <= got
+    assert {
+        "client_metadata",
+        "prompt_cache_key",
+        "include reasoning.encrypted_content",
+        "input[].id",
+        "tools[] (type 'namespace')",
+        "tools[] (type 'web_search')",
+    } <= got
     assert r.text.rstrip().splitlines()[-1].startswith("data: ") and '"response.completed"' in r.text
 
 
 def test_every_problem_is_named_in_one_400(c):
-    body = {"input": "hi", "previous_response_id": "resp_1", "store": True, "top_logprobs": 3, "frobnicate": 1,
-            "include": ["message.output_text.logprobs"]}
+    body = {
+        "input": "hi",
+        "previous_response_id": "resp_1",
+        "store": True,
+        "top_logprobs": 3,
+        "frobnicate": 1,
+        "include": ["message.output_text.logprobs"],
+    }
     r = c.post("/v1/responses", json=body)
     assert r.status_code == 400
     msg = r.json()["error"]["message"]
     assert msg.startswith("5 problems")
     for name in ("previous_response_id", "store", "top_logprobs", "frobnicate", "message.output_text.logprobs"):
         assert name in msg
-    r = c.post("/v1/chat/completions", json={"messages": HELLO, "n": 2, "logprobs": True, "logit_bias": {"1": 2},
-                                            "store": True})
+    r = c.post(
+        "/v1/chat/completions",
+        json={"messages": HELLO, "n": 2, "logprobs": True, "logit_bias": {"1": 2}, "store": True},
+    )
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("4 problems")
     image = {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "AA=="}}]}
     r = c.post("/v1/messages", json={"max_tokens": 5, "messages": [image], "container": "x"})
@@ -102,29 +153,61 @@ def test_a_problem_that_stops_one_reading_does_not_hide_the_others(c):
     """A bad max_tokens, tool_choice, response format, stop or message content used to end the
     reading at once: the 400 named it and the problems before it, not the ones after."""
     image = {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "AA=="}}]}
-    body = {"messages": [image, {"role": "user", "content": 5}], "container": "x", "tool_choice": {"type": "bogus"},
-            "stop_sequences": 5, "output_config": {"format": {"type": "xml"}}}  # and no max_tokens
+    body = {
+        "messages": [image, {"role": "user", "content": 5}],
+        "container": "x",
+        "tool_choice": {"type": "bogus"},
+        "stop_sequences": 5,
+        "output_config": {"format": {"type": "xml"}},
+    }  # and no max_tokens
     msg = c.post("/v1/messages", json=body).json()["error"]["message"]
     assert msg.startswith("7 problems"), msg
-    for named in ("container", "max_tokens", "tool_choice", "output_config.format", "text only",
-                  "messages[1].content", "stop_sequences"):
+    for named in (
+        "container",
+        "max_tokens",
+        "tool_choice",
+        "output_config.format",
+        "text only",
+        "messages[1].content",
+        "stop_sequences",
+    ):
         assert named in msg, (named, msg)
-    body = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}, {"role": "user", "content": 5}],
-            "n": 2, "response_format": {"type": "xml"}, "tool_choice": "sometimes", "max_tokens": 0, "stop": 5}
+    body = {
+        "messages": [{"role": "user", "content": [{"type": "image_url"}]}, {"role": "user", "content": 5}],
+        "n": 2,
+        "response_format": {"type": "xml"},
+        "tool_choice": "sometimes",
+        "max_tokens": 0,
+        "stop": 5,
+    }
     msg = c.post("/v1/chat/completions", json=body).json()["error"]["message"]
     assert msg.startswith("7 problems"), msg
-    for named in ("n must be 1", "'image_url'", "messages[1]", "response_format", "tool_choice", "max_tokens",
-                  "stop must"):
+    for named in (
+        "n must be 1",
+        "'image_url'",
+        "messages[1]",
+        "response_format",
+        "tool_choice",
+        "max_tokens",
+        "stop must",
+    ):
         assert named in msg, (named, msg)
-    body = {"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}], "store": True,
-            "text": {"format": {"type": "xml"}}, "tool_choice": "sometimes", "max_output_tokens": -1}
+    body = {
+        "input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}],
+        "store": True,
+        "text": {"format": {"type": "xml"}},
+        "tool_choice": "sometimes",
+        "max_output_tokens": -1,
+    }
     msg = c.post("/v1/responses", json=body).json()["error"]["message"]
     assert msg.startswith("5 problems"), msg
     for named in ("store", "'input_image'", "'xml'", "tool_choice", "max_output_tokens"):
         assert named in msg, (named, msg)
     # a problem found building the engine request (a tool_choice naming no offered tool) is named too
-    msg = c.post("/v1/chat/completions", json={"messages": HELLO, "n": 2, "tool_choice": {
-        "type": "function", "function": {"name": "nope"}}}).json()["error"]["message"]
+    msg = c.post(
+        "/v1/chat/completions",
+        json={"messages": HELLO, "n": 2, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+    ).json()["error"]["message"]
     assert msg.startswith("2 problems") and "'nope'" in msg and "n must be 1" in msg, msg
 
 
@@ -133,8 +216,12 @@ def test_a_deferred_tool_stays_out_of_the_prompt_unless_named():
     defer_loading: true. Offered to the demo under a forced first call, it was the call made,
     and Claude Code answered "No such tool". A deferred tool is loaded only when a tool search
     finds it, and this server runs none: it is left out, as Anthropic's API and OpenAI's leave it."""
-    placeholder = {"name": "DeferredToolPlaceholder", "description": "never call this tool",
-                   "input_schema": {"type": "object", "properties": {}}, "defer_loading": True}
+    placeholder = {
+        "name": "DeferredToolPlaceholder",
+        "description": "never call this tool",
+        "input_schema": {"type": "object", "properties": {}},
+        "defer_loading": True,
+    }
     engine = FakeEngine([CALL], chat_template=CHAT_TEMPLATE)
     c = TestClient(Server(engine, engine.loaded_info, "demo", force_first_call=True).app())
 
@@ -147,15 +234,35 @@ def test_a_deferred_tool_stays_out_of_the_prompt_unless_named():
     assert "DeferredToolPlaceholder" not in offered() and "get_weather" in offered()
     assert "defer_loading" in r.headers["x-flashmoe-translated"]
     fn = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}, "defer_loading": True}
-    c.post("/v1/chat/completions", json={"messages": HELLO, "tools": [fn, {"type": "function", "function": {
-        "name": "get_weather", "parameters": WEATHER["input_schema"]}}]})
+    c.post(
+        "/v1/chat/completions",
+        json={
+            "messages": HELLO,
+            "tools": [
+                fn,
+                {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"]}},
+            ],
+        },
+    )
     assert "lookup" not in offered()
-    c.post("/v1/responses", json={"input": "hi", "tools": [{"type": "function", "name": "lookup", "defer_loading": True,
-                                                            "parameters": {"type": "object"}}]})
+    c.post(
+        "/v1/responses",
+        json={
+            "input": "hi",
+            "tools": [{"type": "function", "name": "lookup", "defer_loading": True, "parameters": {"type": "object"}}],
+        },
+    )
     assert "lookup" not in offered()
     # named by tool_choice, it is what the client asked for: offered
-    r = c.post("/v1/messages", json={"max_tokens": 50, "messages": HELLO, "tools": [placeholder],
-                                     "tool_choice": {"type": "tool", "name": "DeferredToolPlaceholder"}})
+    r = c.post(
+        "/v1/messages",
+        json={
+            "max_tokens": 50,
+            "messages": HELLO,
+            "tools": [placeholder],
+            "tool_choice": {"type": "tool", "name": "DeferredToolPlaceholder"},
+        },
+    )
     assert r.status_code == 200 and "DeferredToolPlaceholder" in offered()
     # only deferred tools: the reply is not forced (there is no tool to force)
     r = c.post("/v1/messages", json={"max_tokens": 50, "messages": HELLO, "tools": [placeholder]})
@@ -163,20 +270,40 @@ def test_a_deferred_tool_stays_out_of_the_prompt_unless_named():
 
 
 def test_a_tool_choice_naming_a_dropped_tool_is_refused(c):
-    r = c.post("/v1/messages", json={"max_tokens": 5, "messages": HELLO, "tool_choice": {"type": "tool", "name": "web"},
-                                     "tools": [{"type": "web_search_20250305", "name": "web"}]})
+    r = c.post(
+        "/v1/messages",
+        json={
+            "max_tokens": 5,
+            "messages": HELLO,
+            "tool_choice": {"type": "tool", "name": "web"},
+            "tools": [{"type": "web_search_20250305", "name": "web"}],
+        },
+    )
     assert r.status_code == 400 and "web_search_20250305" in r.json()["error"]["message"]
-    r = c.post("/v1/responses", json={"input": "hi", "tools": [{"type": "web_search"}],
-                                      "tool_choice": {"type": "web_search"}})
+    r = c.post(
+        "/v1/responses", json={"input": "hi", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}
+    )
     assert r.status_code == 400 and "function tools only" in r.json()["error"]["message"]
-    r = c.post("/v1/chat/completions", json={"messages": HELLO, "tools": [{"type": "custom", "custom": {"name": "x"}}],
-                                            "tool_choice": {"type": "custom", "custom": {"name": "x"}}})
+    r = c.post(
+        "/v1/chat/completions",
+        json={
+            "messages": HELLO,
+            "tools": [{"type": "custom", "custom": {"name": "x"}}],
+            "tool_choice": {"type": "custom", "custom": {"name": "x"}},
+        },
+    )
     assert r.status_code == 400 and "'custom'" in r.json()["error"]["message"]
 
 
 def test_strict_fields_refuses_what_would_be_ignored_naming_each():
     strict = client(strict_fields=True)
-    body = {"max_tokens": 5, "messages": HELLO, "metadata": {}, "context_management": {}, "thinking": {"type": "adaptive"}}
+    body = {
+        "max_tokens": 5,
+        "messages": HELLO,
+        "metadata": {},
+        "context_management": {},
+        "thinking": {"type": "adaptive"},
+    }
     r = strict.post("/v1/messages", json=body)
     assert r.status_code == 400
     msg = r.json()["error"]["message"]
@@ -186,23 +313,41 @@ def test_strict_fields_refuses_what_would_be_ignored_naming_each():
 
 # -- translations -----------------------------------------------------------------------------
 
+
 def test_mid_conversation_system_messages_follow_the_template():
     assert system_anywhere(CHAT_TEMPLATE) and not system_anywhere(ONE_SYSTEM)
     from flashmoe.cli.serve.generation import ChatCall
 
-    history = [{"role": "system", "content": "A"}, {"role": "user", "content": "u"},
-               {"role": "system", "content": "B"}, {"role": "user", "content": "v"}]
+    history = [
+        {"role": "system", "content": "A"},
+        {"role": "user", "content": "u"},
+        {"role": "system", "content": "B"},
+        {"role": "user", "content": "v"},
+    ]
     kept = Prompter(CHAT_TEMPLATE).messages(ChatCall(messages=history), [])
     assert [m["role"] for m in kept] == ["system", "user", "system", "user"]
     fields = Fields()
     merged = Prompter(ONE_SYSTEM).messages(ChatCall(messages=history), [], fields)
-    assert merged == [{"role": "system", "content": "A\n\nB"}, {"role": "user", "content": "u"},
-                      {"role": "user", "content": "v"}]
+    assert merged == [
+        {"role": "system", "content": "A\n\nB"},
+        {"role": "user", "content": "u"},
+        {"role": "user", "content": "v"},
+    ]
     assert fields.translated == ["system messages: merged into the system prompt"]
     # Claude Code's mid-conversation system message, through the API and the template that refuses it
     c = client(template=ONE_SYSTEM)
-    r = c.post("/v1/messages", json={"max_tokens": 5, "system": "A", "messages": [
-        {"role": "user", "content": "u"}, {"role": "system", "content": "B"}, {"role": "user", "content": "v"}]})
+    r = c.post(
+        "/v1/messages",
+        json={
+            "max_tokens": 5,
+            "system": "A",
+            "messages": [
+                {"role": "user", "content": "u"},
+                {"role": "system", "content": "B"},
+                {"role": "user", "content": "v"},
+            ],
+        },
+    )
     assert r.status_code == 200, r.text
     assert "merged" in r.headers["x-flashmoe-translated"]
 
@@ -232,9 +377,12 @@ def test_a_request_without_a_temperature_gets_the_servers():
     engine = FakeEngine(["ok"], chat_template=CHAT_TEMPLATE)
     server = Server(engine, engine.loaded_info, "demo", temperature=0.0, repetition_penalty=1.2)
     c = TestClient(server.app())
-    for path, body in (("/v1/messages", {"max_tokens": 5, "messages": HELLO}),
-                       ("/v1/chat/completions", {"messages": HELLO, "temperature": None}),
-                       ("/v1/responses", {"input": "hi"}), ("/v1/completions", {"prompt": "hi"})):
+    for path, body in (
+        ("/v1/messages", {"max_tokens": 5, "messages": HELLO}),
+        ("/v1/chat/completions", {"messages": HELLO, "temperature": None}),
+        ("/v1/responses", {"input": "hi"}),
+        ("/v1/completions", {"prompt": "hi"}),
+    ):
         assert c.post(path, json=body).status_code == 200, path
         assert engine.requests[-1].sampling.temperature == 0.0, path
         assert engine.requests[-1].sampling.repetition_penalty == 1.2, path
@@ -251,21 +399,45 @@ def test_a_request_without_a_temperature_gets_the_servers():
 def test_force_first_call_requires_only_the_conversations_first_reply_to_be_a_call():
     engine = FakeEngine([CALL, "The weather is fine."], chat_template=CHAT_TEMPLATE)
     c = TestClient(Server(engine, engine.loaded_info, "demo", force_first_call=True).app())
-    first = c.post("/v1/messages", json={"max_tokens": 50, "messages": [{"role": "user", "content": "Oslo?"}],
-                                         "tools": [WEATHER]})
+    first = c.post(
+        "/v1/messages", json={"max_tokens": 50, "messages": [{"role": "user", "content": "Oslo?"}], "tools": [WEATHER]}
+    )
     assert first.json()["stop_reason"] == "tool_use" and "force-first-call" in first.headers["x-flashmoe-translated"]
     assert engine.requests[-1].constraint.mode == "required" and not engine.requests[-1].constraint.parallel
     use = first.json()["content"][0]
-    after = c.post("/v1/messages", json={"max_tokens": 50, "tools": [WEATHER], "messages": [
-        {"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": [use]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"},
-                                     {"type": "text", "text": "<system-reminder>be brief</system-reminder>"}]}]})
+    after = c.post(
+        "/v1/messages",
+        json={
+            "max_tokens": 50,
+            "tools": [WEATHER],
+            "messages": [
+                {"role": "user", "content": "Oslo?"},
+                {"role": "assistant", "content": [use]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"},
+                        {"type": "text", "text": "<system-reminder>be brief</system-reminder>"},
+                    ],
+                },
+            ],
+        },
+    )
     assert engine.requests[-1].constraint.mode == "tools" and "x-flashmoe-translated" not in after.headers
     # a later user message (Claude Code's "continue" after a reply hit max_tokens) is not forced:
     # forcing each would loop call, result, reply, continue for ever on a model that never stops
-    c.post("/v1/messages", json={"max_tokens": 50, "tools": [WEATHER], "messages": [
-        {"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": "Let me see"},
-        {"role": "user", "content": "Go on."}]})
+    c.post(
+        "/v1/messages",
+        json={
+            "max_tokens": 50,
+            "tools": [WEATHER],
+            "messages": [
+                {"role": "user", "content": "Oslo?"},
+                {"role": "assistant", "content": "Let me see"},
+                {"role": "user", "content": "Go on."},
+            ],
+        },
+    )
     assert engine.requests[-1].constraint.mode == "tools"
 
 
@@ -288,6 +460,7 @@ def test_keepalives_come_at_least_every_10_seconds(monkeypatch):
 
 # -- names, routes, errors ----------------------------------------------------------------------
 
+
 def test_served_model_names_restrict_the_names_and_models_routes_show_no_paths():
     named = client(served_names=("flash", "flash-2"))
     r = named.post("/v1/chat/completions", json={"model": "gpt-4o", "messages": HELLO})
@@ -303,8 +476,15 @@ def test_served_model_names_restrict_the_names_and_models_routes_show_no_paths()
         assert not re.search(r'"/[^"]*/', text), text
 
 
-@pytest.mark.parametrize("method,path,status", [("GET", "/v1/nothing", 404), ("GET", "/v1/messages", 405),
-                                                ("DELETE", "/v1/chat/completions", 405), ("GET", "/nope", 404)])
+@pytest.mark.parametrize(
+    "method,path,status",
+    [
+        ("GET", "/v1/nothing", 404),
+        ("GET", "/v1/messages", 405),
+        ("DELETE", "/v1/chat/completions", 405),
+        ("GET", "/nope", 404),
+    ],
+)
 def test_every_error_is_json_in_the_calling_apis_shape(c, method, path, status):
     r = c.request(method, path)
     assert r.status_code == status and r.headers["content-type"] == "application/json"
@@ -325,14 +505,38 @@ def test_paths_in_error_messages_are_cut_to_their_last_part():
 
 # -- the policy tables and the docs agree ------------------------------------------------------
 
-@pytest.mark.parametrize("heading,policies", [
-    ("POST /v1/messages (Anthropic)", [anthropic_api.MESSAGES, anthropic_api.OUTPUT_CONFIG, anthropic_api.THINKING,
-                                       anthropic_api.TOOL, anthropic_api.TEXT_BLOCK]),
-    ("POST /v1/messages/count_tokens (Anthropic)", [anthropic_api.COUNT_TOKENS]),
-    ("POST /v1/chat/completions (OpenAI)", [openai_api.CHAT, openai_api.MESSAGE, openai_api.FUNCTION, openai_api.TOOL]),
-    ("POST /v1/completions (OpenAI)", [openai_api.COMPLETION]),
-    ("POST /v1/responses (OpenAI Responses)", [responses_api.RESPONSES, responses_api.TEXT, responses_api.REASONING,
-                                               responses_api.FUNCTION, responses_api.ITEM])])
+
+@pytest.mark.parametrize(
+    "heading,policies",
+    [
+        (
+            "POST /v1/messages (Anthropic)",
+            [
+                anthropic_api.MESSAGES,
+                anthropic_api.OUTPUT_CONFIG,
+                anthropic_api.THINKING,
+                anthropic_api.TOOL,
+                anthropic_api.TEXT_BLOCK,
+            ],
+        ),
+        ("POST /v1/messages/count_tokens (Anthropic)", [anthropic_api.COUNT_TOKENS]),
+        (
+            "POST /v1/chat/completions (OpenAI)",
+            [openai_api.CHAT, openai_api.MESSAGE, openai_api.FUNCTION, openai_api.TOOL],
+        ),
+        ("POST /v1/completions (OpenAI)", [openai_api.COMPLETION]),
+        (
+            "POST /v1/responses (OpenAI Responses)",
+            [
+                responses_api.RESPONSES,
+                responses_api.TEXT,
+                responses_api.REASONING,
+                responses_api.FUNCTION,
+                responses_api.ITEM,
+            ],
+        ),
+    ],
+)
 def test_docs_name_every_field_of_each_endpoints_policy(heading, policies):
     doc = (ROOT / "docs" / "serve.md").read_text()
     section = doc.split(f"### {heading}\n", 1)[1].split("\n### ", 1)[0].split("\n## ", 1)[0]
@@ -346,12 +550,32 @@ def test_the_issue_40_first_requests_parse_without_problems():
     """The field sets issue 40 lists, read by the parsers alone (the replays of the recorded
     requests are tests/test_serve_agents.py)."""
     fields = Fields()
-    anthropic_api.parse_messages({"model": "m", "max_tokens": 32000, "messages": HELLO, "thinking": {"type": "adaptive"},
-                                  "context_management": {}, "output_config": {"effort": "high"}, "stream": True,
-                                  "metadata": {}}, fields)
-    responses_api.parse_responses({"model": "m", "input": "hi", "client_metadata": {}, "reasoning": {},
-                                   "include": ["reasoning.encrypted_content"], "store": False,
-                                   "tools": [{"type": "namespace", "name": "n", "tools": []}]}, fields, 64)
+    anthropic_api.parse_messages(
+        {
+            "model": "m",
+            "max_tokens": 32000,
+            "messages": HELLO,
+            "thinking": {"type": "adaptive"},
+            "context_management": {},
+            "output_config": {"effort": "high"},
+            "stream": True,
+            "metadata": {},
+        },
+        fields,
+    )
+    responses_api.parse_responses(
+        {
+            "model": "m",
+            "input": "hi",
+            "client_metadata": {},
+            "reasoning": {},
+            "include": ["reasoning.encrypted_content"],
+            "store": False,
+            "tools": [{"type": "namespace", "name": "n", "tools": []}],
+        },
+        fields,
+        64,
+    )
     assert fields.problems == []
     json.dumps(fields.header)
 

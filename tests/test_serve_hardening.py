@@ -11,6 +11,7 @@ tenant header, --max-tokens 64, --read-timeout 2, a FLASHMOE_HOME whose kv/ hold
 conversation's cache), and the scripted engine replying a bare JSON call (the Hermes near-miss a
 low-bit model writes) for the attacks that need the model's output to be exactly so.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,10 +31,14 @@ from tests.tiny_tokenizer import CHAT_TEMPLATE
 KA, KB = "sk-alice-key-0123456789", "sk-bob-key-9876543210"
 FREEZE_S = 0.1
 HELLO = [{"role": "user", "content": "Say hello."}]
-LOCAL = [{"role": "system", "content": "You keep the notes of a private conversation. " * 4},
-         {"role": "user", "content": "What did I say about the budget?"}]
-SECRET = [{"role": "system", "content": "The door code is 4831. Never tell it. You guard the building. " * 3},
-          {"role": "user", "content": "Who are you?"}]
+LOCAL = [
+    {"role": "system", "content": "You keep the notes of a private conversation. " * 4},
+    {"role": "user", "content": "What did I say about the budget?"},
+]
+SECRET = [
+    {"role": "system", "content": "The door code is 4831. Never tell it. You guard the building. " * 3},
+    {"role": "user", "content": "Who are you?"},
+]
 # The scripted model's one reply: a bare call (no <tool_call> wrapper) whose "s" backtracks in
 # Python's re against the patterns below, and whose "r" is no regular expression re can compile.
 BARE_CALL = json.dumps({"name": "check", "arguments": {"s": "a" * 27 + "!", "r": "a{99999999999999999999}"}})
@@ -71,9 +76,19 @@ def server(home, tiny, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"# the second tenant\n{KB}\n")
     keys.chmod(0o600)
-    s = ServerProcess("-m", str(tiny), "--api-key-file", str(keys), "--tenant-header", "X-Tenant",
-                      "--max-tokens", "64", "--read-timeout", "2",
-                      env={"FLASHMOE_HOME": str(home), "FLASHMOE_API_KEY": KA})
+    s = ServerProcess(
+        "-m",
+        str(tiny),
+        "--api-key-file",
+        str(keys),
+        "--tenant-header",
+        "X-Tenant",
+        "--max-tokens",
+        "64",
+        "--read-timeout",
+        "2",
+        env={"FLASHMOE_HOME": str(home), "FLASHMOE_API_KEY": KA},
+    )
     yield s
     assert s.stop() == 0
 
@@ -82,8 +97,13 @@ def server(home, tiny, tmp_path_factory):
 def scripted(tmp_path_factory):
     template = tmp_path_factory.mktemp("template") / "chatml.jinja"
     template.write_text(CHAT_TEMPLATE)
-    s = ServerProcess("--engine", "fake", "--allow-host", "box.lan",
-                      env={"FLASHMOE_FAKE_REPLIES": json.dumps([BARE_CALL]), "FLASHMOE_FAKE_TEMPLATE": str(template)})
+    s = ServerProcess(
+        "--engine",
+        "fake",
+        "--allow-host",
+        "box.lan",
+        env={"FLASHMOE_FAKE_REPLIES": json.dumps([BARE_CALL]), "FLASHMOE_FAKE_TEMPLATE": str(template)},
+    )
     yield s
     assert s.stop() == 0
 
@@ -114,8 +134,9 @@ def while_health(url: str, attack, tries: int = 3):
     than FREEZE_S."""
     port = url.rsplit(":", 1)[1]
     for _ in range(tries):
-        poller = subprocess.Popen([sys.executable, "-c", POLLER, port], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+        poller = subprocess.Popen(
+            [sys.executable, "-c", POLLER, port], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         assert poller.stdout.readline().strip() == "ready"
         time.sleep(0.03)
         try:
@@ -153,23 +174,46 @@ def openai_error(r) -> str:
 
 # -- item 1: no request freezes every client ------------------------------------------------------
 
+
 def big_schema(n: int) -> dict:
     return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
 
 
 FREEZES = {
     "10,000 properties": {"messages": HELLO, "max_tokens": 2, "tools": [tool(big_schema(10_000))]},
-    "200,000-value enum": {"messages": HELLO, "max_tokens": 2, "tools": [tool(
-        {"type": "object", "properties": {"x": {"enum": list(range(200_000))}}})]},
-    "a self-referencing $ref": {"messages": HELLO, "max_tokens": 2, "tools": [tool(
-        {"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}})]},
-    "a $ref loop through allOf": {"messages": HELLO, "max_tokens": 2, "tools": [tool(
-        {"type": "object", "$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}},
-         "properties": {"x": {"$ref": "#/$defs/a"}}})]},
-    "the root referring to itself": {"messages": HELLO, "max_tokens": 2, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}},
-    "a schema nested 40 deep": {"messages": HELLO, "max_tokens": 2, "tools": [tool(
-        json.loads('{"type": "object", "properties": {"a": ' * 20 + '{"type": "string"}' + "}}" * 20))]},
+    "200,000-value enum": {
+        "messages": HELLO,
+        "max_tokens": 2,
+        "tools": [tool({"type": "object", "properties": {"x": {"enum": list(range(200_000))}}})],
+    },
+    "a self-referencing $ref": {
+        "messages": HELLO,
+        "max_tokens": 2,
+        "tools": [tool({"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}})],
+    },
+    "a $ref loop through allOf": {
+        "messages": HELLO,
+        "max_tokens": 2,
+        "tools": [
+            tool(
+                {
+                    "type": "object",
+                    "$defs": {"a": {"allOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}},
+                    "properties": {"x": {"$ref": "#/$defs/a"}},
+                }
+            )
+        ],
+    },
+    "the root referring to itself": {
+        "messages": HELLO,
+        "max_tokens": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}},
+    },
+    "a schema nested 40 deep": {
+        "messages": HELLO,
+        "max_tokens": 2,
+        "tools": [tool(json.loads('{"type": "object", "properties": {"a": ' * 20 + '{"type": "string"}' + "}}" * 20))],
+    },
     "a 3 MB message": {"messages": [{"role": "user", "content": "ab " * 1_000_000}], "max_tokens": 2},
 }
 
@@ -216,8 +260,13 @@ def test_a_body_past_the_limit_is_refused_as_it_arrives(server):
     assert r.status_code == 413 and "--max-body" in openai_error(r) and slowest < FREEZE_S
 
     def chunked():
-        return httpx.post(f"{server.url}/v1/messages", headers=auth(), timeout=120,
-                          content=(body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)))
+        return httpx.post(
+            f"{server.url}/v1/messages",
+            headers=auth(),
+            timeout=120,
+            content=(body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20)),
+        )
+
     r, slowest = while_health(server.url, chunked)
     assert r.status_code == 413 and "--max-body" in anthropic_error(r) and slowest < FREEZE_S
 
@@ -227,15 +276,27 @@ def wrapped(tmp_path_factory):
     """The same call inside <tool_call> (parsed, then checked by the agent loop's validation)."""
     template = tmp_path_factory.mktemp("template") / "chatml.jinja"
     template.write_text(CHAT_TEMPLATE)
-    s = ServerProcess("--engine", "fake", env={"FLASHMOE_FAKE_REPLIES": json.dumps([f"<tool_call>\n{BARE_CALL}\n</tool_call>"]),
-                                               "FLASHMOE_FAKE_TEMPLATE": str(template)})
+    s = ServerProcess(
+        "--engine",
+        "fake",
+        env={
+            "FLASHMOE_FAKE_REPLIES": json.dumps([f"<tool_call>\n{BARE_CALL}\n</tool_call>"]),
+            "FLASHMOE_FAKE_TEMPLATE": str(template),
+        },
+    )
     yield s
     assert s.stop() == 0
 
 
 def check_tool(**s_schema) -> dict:
-    return tool({"type": "object", "properties": {"s": {"type": "string", **s_schema}, "r": {"type": "string"}},
-                 "required": ["s"]}, "check")
+    return tool(
+        {
+            "type": "object",
+            "properties": {"s": {"type": "string", **s_schema}, "r": {"type": "string"}},
+            "required": ["s"],
+        },
+        "check",
+    )
 
 
 @pytest.mark.parametrize("pattern", ["^(a+)+$", "^(a|a)*$"])
@@ -263,9 +324,16 @@ def test_a_call_under_format_regex_that_re_cannot_compile_is_refused_not_a_500(s
     """`r` is `a{99999999999999999999}`: Python's re raised OverflowError past jsonschema's format
     check, a 500. Now that value fails its schema: the bare reply stays text, the wrapped call is
     refused."""
-    body = {"messages": HELLO, "max_tokens": 200, "tools": [tool(
-        {"type": "object", "properties": {"s": {"type": "string"}, "r": {"type": "string", "format": "regex"}}},
-        "check")]}
+    body = {
+        "messages": HELLO,
+        "max_tokens": 200,
+        "tools": [
+            tool(
+                {"type": "object", "properties": {"s": {"type": "string"}, "r": {"type": "string", "format": "regex"}}},
+                "check",
+            )
+        ],
+    }
     r = post(scripted.url, body)()
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == BARE_CALL, r.text[:300]
     r = post(wrapped.url, body)()
@@ -276,10 +344,19 @@ def test_a_call_under_format_regex_that_re_cannot_compile_is_refused_not_a_500(s
 def test_the_grammar_holds_a_backtracking_pattern_without_freezing(server):
     """The call is written under the grammar (llguidance's own linear-time matcher) and checked
     after (the regex engine, with a time limit): a valid call, and /health never waits."""
-    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^(a+)+$", "maxLength": 12}},
-              "required": ["s"]}
-    body = {"messages": HELLO, "max_tokens": 60, "tools": [tool(schema, "check")], "tool_choice": "required",
-            "temperature": 1.0, "seed": 3}
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "pattern": "^(a+)+$", "maxLength": 12}},
+        "required": ["s"],
+    }
+    body = {
+        "messages": HELLO,
+        "max_tokens": 60,
+        "tools": [tool(schema, "check")],
+        "tool_choice": "required",
+        "temperature": 1.0,
+        "seed": 3,
+    }
     r, slowest = while_health(server.url, post(server.url, body))
     assert r.status_code == 200, r.text[:300]
     call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
@@ -287,6 +364,7 @@ def test_the_grammar_holds_a_backtracking_pattern_without_freezing(server):
 
 
 # -- the five 500s: each a 400 in the calling API's error JSON ------------------------------------
+
 
 def test_five_former_500s_are_400s_in_the_apis_shape(server):
     deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
@@ -299,22 +377,41 @@ def test_five_former_500s_are_400s_in_the_apis_shape(server):
         assert r.status_code == 400 and "surrogate" in read(r), r.text[:200]
     r = post(server.url, b'{"messages": [{"role": "user", "content": "x"}], "seed": "\\udfff"}')()
     assert r.status_code == 400 and "surrogate" in openai_error(r)
-    loop = {"max_tokens": 4, "messages": HELLO, "tools": [{"name": "t", "input_schema": {
-        "type": "object", "$defs": {"a": {"$ref": "#/$defs/a"}}, "properties": {"x": {"$ref": "#/$defs/a"}}}}]}
+    loop = {
+        "max_tokens": 4,
+        "messages": HELLO,
+        "tools": [
+            {
+                "name": "t",
+                "input_schema": {
+                    "type": "object",
+                    "$defs": {"a": {"$ref": "#/$defs/a"}},
+                    "properties": {"x": {"$ref": "#/$defs/a"}},
+                },
+            }
+        ],
+    }
     r = post(server.url, loop, "/v1/messages")()
     assert r.status_code == 400 and "loop" in anthropic_error(r)
     for pattern in ("a{99999999999999999999}", "(" * 3000 + ")" * 3000):
-        bad = {"messages": HELLO, "tools": [tool({"type": "object", "properties": {"x": {"type": "string",
-                                                                                         "pattern": pattern}}})]}
+        bad = {
+            "messages": HELLO,
+            "tools": [tool({"type": "object", "properties": {"x": {"type": "string", "pattern": pattern}}})],
+        }
         r = post(server.url, bad)()
         assert r.status_code == 400 and "regex" in openai_error(r), r.text[:200]
 
 
 # -- item 3: the prompt cache keeps tenants apart --------------------------------------------------
 
+
 def cached(url: str, messages, headers) -> int:
-    r = httpx.post(f"{url}/v1/chat/completions", headers=headers, timeout=120,
-                   json={"messages": messages, "max_tokens": 2, "temperature": 0})
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers=headers,
+        timeout=120,
+        json={"messages": messages, "max_tokens": 2, "temperature": 0},
+    )
     assert r.status_code == 200, r.text[:300]
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -332,12 +429,17 @@ def test_a_tenant_never_reuses_another_tenants_prompt_cache(server, home):
     assert cached(server.url, LOCAL, auth(KA, "notes")) == 0  # a local conversation's cache in kv/
     serve_files = list((home / "kv" / "serve").glob("*.safetensors"))
     assert serve_files and len(list((home / "kv").glob("*.safetensors"))) == 1  # the local one only
-    r = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2},
-                   headers={"Authorization": f"Bearer {KA}"}, timeout=60)
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": HELLO, "max_tokens": 2},
+        headers={"Authorization": f"Bearer {KA}"},
+        timeout=60,
+    )
     assert r.status_code == 400 and "X-Tenant" in openai_error(r)
 
 
 # -- item 11: connections, web pages, max_tokens, keys ----------------------------------------------
+
 
 def read_until_closed(s: socket.socket) -> bytes:
     out = b""
@@ -375,8 +477,11 @@ def test_half_open_connections_are_closed_at_the_read_timeout(server):
     def stalled_body():
         with socket.create_connection(("127.0.0.1", server.port)) as s:
             s.settimeout(8)
-            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KA.encode()
-                      + b"\r\nX-Tenant: a\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"m")
+            s.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer "
+                + KA.encode()
+                + b'\r\nX-Tenant: a\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"m'
+            )
             results["body"] = read_until_closed(s)
 
     t0 = time.monotonic()
@@ -391,12 +496,20 @@ def test_half_open_connections_are_closed_at_the_read_timeout(server):
 
 
 def test_max_tokens_is_capped_at_the_servers_max_tokens(server):
-    r = httpx.post(f"{server.url}/v1/chat/completions", headers=auth(), timeout=120,
-                   json={"messages": HELLO, "max_tokens": 10**9, "temperature": 1.0, "seed": 1})
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        headers=auth(),
+        timeout=120,
+        json={"messages": HELLO, "max_tokens": 10**9, "temperature": 1.0, "seed": 1},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 64
     assert "max_tokens: 1000000000 -> 64 (--max-tokens)" in r.headers["x-flashmoe-translated"]
-    m = httpx.post(f"{server.url}/v1/messages", headers=auth(), timeout=120,
-                   json={"messages": HELLO, "max_tokens": 10**9, "temperature": 1.0})
+    m = httpx.post(
+        f"{server.url}/v1/messages",
+        headers=auth(),
+        timeout=120,
+        json={"messages": HELLO, "max_tokens": 10**9, "temperature": 1.0},
+    )
     assert m.status_code == 200 and m.json()["usage"]["output_tokens"] <= 64
 
 
@@ -412,8 +525,12 @@ def test_a_web_page_cannot_post_text_or_forms(server):
         assert r.status_code == 415 and "application/json" in openai_error(r), content_type
         r = httpx.post(f"{server.url}/v1/messages", content=body, headers=headers, timeout=60)
         assert r.status_code == 415 and anthropic_error(r), content_type
-    ok = httpx.post(f"{server.url}/v1/chat/completions", content=body, timeout=60,
-                    headers={**auth(), "Content-Type": "application/json; charset=utf-8"})
+    ok = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=body,
+        timeout=60,
+        headers={**auth(), "Content-Type": "application/json; charset=utf-8"},
+    )
     assert ok.status_code == 200
 
 
@@ -423,8 +540,12 @@ def test_the_host_must_be_the_servers_unless_allowed(scripted):
     for host in ("evil.example", "evil.example:%d" % scripted.port, "127.0.0.1.evil.example"):
         r = httpx.get(f"{scripted.url}/health", headers={"Host": host}, timeout=30)
         assert r.status_code == 421 and "--allow-host" in openai_error(r), host
-    r = httpx.post(f"{scripted.url}/v1/messages", json={"max_tokens": 2, "messages": HELLO},
-                   headers={"Host": "evil.example"}, timeout=30)
+    r = httpx.post(
+        f"{scripted.url}/v1/messages",
+        json={"max_tokens": 2, "messages": HELLO},
+        headers={"Host": "evil.example"},
+        timeout=30,
+    )
     assert r.status_code == 421 and anthropic_error(r)
     for host in (f"127.0.0.1:{scripted.port}", "localhost", f"localhost:{scripted.port}", "box.lan:80", "BOX.LAN"):
         assert httpx.get(f"{scripted.url}/health", headers={"Host": host}, timeout=30).status_code == 200, host
@@ -444,9 +565,11 @@ def test_an_empty_key_is_refused_not_served_openly(tmp_path):
     """`--api-key ""` (an unset variable in a script) served everyone while looking protected."""
     empty = tmp_path / "keys"
     empty.write_text("# none yet\n\n")
-    for args, env, said in ((["--api-key", ""], {}, "--api-key '': an empty key"),
-                            (["--api-key-file", str(empty)], {}, "holds no key"),
-                            ([], {"FLASHMOE_API_KEY": " "}, "FLASHMOE_API_KEY is set but empty")):
+    for args, env, said in (
+        (["--api-key", ""], {}, "--api-key '': an empty key"),
+        (["--api-key-file", str(empty)], {}, "holds no key"),
+        ([], {"FLASHMOE_API_KEY": " "}, "FLASHMOE_API_KEY is set but empty"),
+    ):
         out = run_cli("serve", "--engine", "fake", "--port", "0", *args, env=env, timeout=60)
         assert out.returncode == 2 and said in out.stderr, (args, out.stderr)
         assert "Traceback" not in out.stderr and "serving" not in out.stderr
@@ -466,8 +589,10 @@ def test_the_limits_leave_the_agents_requests_alone():
                 continue
             raw = json.dumps(x["body"]).encode()
             assert len(raw) * 8 < limits.max_body and parse_json(raw, limits.max_depth // 3) == x["body"]
-            schemas = [t.get("input_schema") or t.get("parameters") or t.get("function", {}).get("parameters")
-                       for t in x["body"].get("tools") or []]
+            schemas = [
+                t.get("input_schema") or t.get("parameters") or t.get("function", {}).get("parameters")
+                for t in x["body"].get("tools") or []
+            ]
             sizes = [_size(s) for s in schemas if s]
             assert sum(n for n, _ in sizes) * 4 < limits.schema_nodes, f.name
             assert all(d * 2 < limits.schema_depth for _, d in sizes), f.name

@@ -5,6 +5,7 @@ prompt that cannot run refused before the first byte; keepalives on a quiet stre
 
 A real server process on a tiny random model (its byte-level tokenizer makes a call ~60 tokens,
 so budgets bite), plus the scripted engine in-process where a reply must be exactly one text."""
+
 from __future__ import annotations
 
 import json
@@ -23,7 +24,11 @@ from tests.test_serve import HELLO, WEATHER, ServerProcess
 from tests.tiny_tokenizer import CHAT_TEMPLATE
 
 MODEL = "tiny"
-TOOL_A = {"name": "get_weather", "description": "The weather in a city", "input_schema": WEATHER["function"]["parameters"]}
+TOOL_A = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": WEATHER["function"]["parameters"],
+}
 MARKUP = ("<tool_call>", "</tool_call>", "<tool", "tool_call", "</tool")
 
 
@@ -55,35 +60,70 @@ def test_max_tokens_is_a_hard_limit_under_forced_parallel_calls(oa, an, max_toke
     validate, no markup in the content."""
     schema = WEATHER["function"]["parameters"]
     ask = [{"role": "user", "content": "Weather in Oslo and Rome?"}]
-    r = oa.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], tool_choice="required",
-                                   max_tokens=max_tokens, temperature=1.0, seed=max_tokens)
+    r = oa.chat.completions.create(
+        model=MODEL,
+        messages=ask,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=max_tokens,
+        temperature=1.0,
+        seed=max_tokens,
+    )
     assert r.usage.completion_tokens <= max_tokens
     no_markup(r.choices[0].message.content)
     for call in r.choices[0].message.tool_calls or []:
         jsonschema.validate(json.loads(call.function.arguments), schema)
     assert r.choices[0].finish_reason == ("tool_calls" if r.choices[0].message.tool_calls else "length")
-    chunks = list(oa.chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], tool_choice="required",
-                                             max_tokens=max_tokens, temperature=1.0, seed=max_tokens + 1,
-                                             stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        oa.chat.completions.create(
+            model=MODEL,
+            messages=ask,
+            tools=[WEATHER],
+            tool_choice="required",
+            max_tokens=max_tokens,
+            temperature=1.0,
+            seed=max_tokens + 1,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].usage.completion_tokens <= max_tokens
     no_markup("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
-    m = an.messages.create(model=MODEL, max_tokens=max_tokens, messages=ask, tools=[TOOL_A],
-                           tool_choice={"type": "any"}, extra_body={"temperature": 1.0})
+    m = an.messages.create(
+        model=MODEL,
+        max_tokens=max_tokens,
+        messages=ask,
+        tools=[TOOL_A],
+        tool_choice={"type": "any"},
+        extra_body={"temperature": 1.0},
+    )
     assert m.usage.output_tokens <= max_tokens
     assert m.stop_reason in ("tool_use", "max_tokens")
     for b in m.content:
         no_markup(getattr(b, "text", ""))
         if b.type == "tool_use":
             jsonschema.validate(b.input, schema)
-    with an.messages.stream(model=MODEL, max_tokens=max_tokens, messages=ask, tools=[TOOL_A],
-                            tool_choice={"type": "any"}, extra_body={"temperature": 1.0}) as stream:
+    with an.messages.stream(
+        model=MODEL,
+        max_tokens=max_tokens,
+        messages=ask,
+        tools=[TOOL_A],
+        tool_choice={"type": "any"},
+        extra_body={"temperature": 1.0},
+    ) as stream:
         final = stream.get_final_message()
     assert final.usage.output_tokens <= max_tokens
     for b in final.content:
         if b.type == "tool_use":
             jsonschema.validate(b.input, schema)
-    r = oa.responses.create(model=MODEL, input="Weather in Lima?", tool_choice="required", max_output_tokens=max_tokens,
-                            tools=[{"type": "function", "name": "get_weather", "parameters": schema}], temperature=1.0)
+    r = oa.responses.create(
+        model=MODEL,
+        input="Weather in Lima?",
+        tool_choice="required",
+        max_output_tokens=max_tokens,
+        tools=[{"type": "function", "name": "get_weather", "parameters": schema}],
+        temperature=1.0,
+    )
     assert r.usage.output_tokens <= max_tokens
     assert r.status == ("completed" if any(o.type == "function_call" for o in r.output) else "incomplete")
 
@@ -91,29 +131,51 @@ def test_max_tokens_is_a_hard_limit_under_forced_parallel_calls(oa, an, max_toke
 def test_a_call_that_fits_closes_inside_the_budget(oa):
     """The shortest call here is 58 tokens; at 64 the grammar closes it in time, every seed."""
     for seed in range(4):
-        r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Oslo?"}], tools=[WEATHER],
-                                       tool_choice="required", parallel_tool_calls=False, max_tokens=64,
-                                       temperature=1.0, seed=seed)
+        r = oa.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Oslo?"}],
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=64,
+            temperature=1.0,
+            seed=seed,
+        )
         assert r.choices[0].finish_reason == "tool_calls" and r.usage.completion_tokens <= 64
 
 
 def test_streamed_call_arguments_arrive_in_pieces_and_add_up(oa, an):
-    chunks = list(oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Oslo?"}],
-                                             tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,
-                                             max_tokens=200, temperature=0, stream=True))
+    chunks = list(
+        oa.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Oslo?"}],
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=200,
+            temperature=0,
+            stream=True,
+        )
+    )
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert len(deltas) > 3 and deltas[0].id and deltas[0].function.name == "get_weather"
     args = "".join(d.function.arguments or "" for d in deltas)
     jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
     events = []
-    with an.messages.stream(model=MODEL, max_tokens=200, messages=[{"role": "user", "content": "Oslo?"}],
-                            tools=[TOOL_A], tool_choice={"type": "any", "disable_parallel_tool_use": True},
-                            extra_body={"temperature": 0}) as stream:
+    with an.messages.stream(
+        model=MODEL,
+        max_tokens=200,
+        messages=[{"role": "user", "content": "Oslo?"}],
+        tools=[TOOL_A],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        extra_body={"temperature": 0},
+    ) as stream:
         for ev in stream:
             events.append(ev)
         final = stream.get_final_message()
-    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"
-              and e.delta.type == "input_json_delta"]
+    pieces = [
+        e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    ]
     assert len(pieces) > 3 and json.loads("".join(pieces)) == final.content[0].input
 
 
@@ -121,12 +183,14 @@ def test_stop_sequence_is_reported_as_matched(an):
     text = an.messages.create(model=MODEL, max_tokens=24, messages=HELLO, extra_body={"temperature": 0}).content[0].text
     stop = text[6:9]
     assert len(stop) == 3 and stop not in text[:6]
-    m = an.messages.create(model=MODEL, max_tokens=24, messages=HELLO, stop_sequences=["\x00never", stop],
-                           extra_body={"temperature": 0})
+    m = an.messages.create(
+        model=MODEL, max_tokens=24, messages=HELLO, stop_sequences=["\x00never", stop], extra_body={"temperature": 0}
+    )
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
     assert m.content[0].text == text[:6]
-    plain = an.messages.create(model=MODEL, max_tokens=24, messages=HELLO, stop_sequences=["\x00never"],
-                               extra_body={"temperature": 0})
+    plain = an.messages.create(
+        model=MODEL, max_tokens=24, messages=HELLO, stop_sequences=["\x00never"], extra_body={"temperature": 0}
+    )
     assert plain.stop_sequence is None
 
 
@@ -143,20 +207,34 @@ def test_message_start_carries_the_real_input_count_as_count_tokens_does(server,
 
 def test_a_prompt_that_cannot_run_is_an_http_error_before_the_first_byte(server):
     long = [{"role": "user", "content": "word " * 5000}]  # ~25,000 tokens of the byte-level vocabulary
-    for path, body in (("/v1/messages", {"max_tokens": 5, "messages": long, "stream": True}),
-                       ("/v1/chat/completions", {"messages": long, "stream": True}),
-                       ("/v1/responses", {"input": "word " * 5000, "stream": True})):
+    for path, body in (
+        ("/v1/messages", {"max_tokens": 5, "messages": long, "stream": True}),
+        ("/v1/chat/completions", {"messages": long, "stream": True}),
+        ("/v1/responses", {"input": "word " * 5000, "stream": True}),
+    ):
         with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as r:
             assert r.status_code == 400, path
             assert "longer than" in json.loads(r.read())["error"]["message"]
     # a tool schema the grammar cannot take, on the same real server
     bad = {"type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}}
-    for path, body in (("/v1/messages", {"max_tokens": 5, "messages": HELLO, "stream": True,
-                                         "tools": [{"name": "t", "input_schema": bad}]}),
-                       ("/v1/chat/completions", {"messages": HELLO, "stream": True, "tools": [
-                           {"type": "function", "function": {"name": "t", "parameters": bad}}]}),
-                       ("/v1/responses", {"input": "hi", "stream": True, "tools": [
-                           {"type": "function", "name": "t", "parameters": bad}]})):
+    for path, body in (
+        (
+            "/v1/messages",
+            {"max_tokens": 5, "messages": HELLO, "stream": True, "tools": [{"name": "t", "input_schema": bad}]},
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": HELLO,
+                "stream": True,
+                "tools": [{"type": "function", "function": {"name": "t", "parameters": bad}}],
+            },
+        ),
+        (
+            "/v1/responses",
+            {"input": "hi", "stream": True, "tools": [{"type": "function", "name": "t", "parameters": bad}]},
+        ),
+    ):
         with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as r:
             assert r.status_code == 400 and r.headers["content-type"] == "application/json", path
             assert "cannot build a grammar" in r.read().decode(), path
@@ -204,6 +282,7 @@ def test_keepalives_fill_a_quiet_stream():
 
 
 # -- the grammar's budget, driven by a 'model' that picks any allowed token -----------------------
+
 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory):

@@ -1,4 +1,5 @@
 """The expert store's slot pools: reads land in memory that is already there."""
+
 from __future__ import annotations
 
 import resource

@@ -4,6 +4,7 @@ Per architecture and precision; with every expert cached, with a cache of only w
 needs (`--expert-cache 0`), with a budget smaller than one layer's experts (either eviction
 policy), and in direct mode.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,9 @@ from flashmoe.engine.runtime.loader import load
 from tests.tiny_models import ARCHS, reference_model
 
 PROMPT = [3, 17, 250, 42, 9, 101, 77, 5, 64, 200, 13, 8]
-CASES = [(a, b) for a in ARCHS for b in (None, 4, 8)] + \
-        [(a, b) for a in ("qwen3_moe", "mixtral", "deepseek_v3") for b in (2, 3)]
+CASES = [(a, b) for a in ARCHS for b in (None, 4, 8)] + [
+    (a, b) for a in ("qwen3_moe", "mixtral", "deepseek_v3") for b in (2, 3)
+]
 
 
 def greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -127,8 +129,9 @@ def test_o_direct_reads_give_the_same_logits(model_factory, path_kind):
 
 
 @pytest.mark.parametrize("direct_io", [None, False])
-def test_reads_are_o_direct_by_default_and_buffered_where_the_file_system_refuses(model_factory, monkeypatch,
-                                                                                  direct_io):
+def test_reads_are_o_direct_by_default_and_buffered_where_the_file_system_refuses(
+    model_factory, monkeypatch, direct_io
+):
     """The default (None) opens the expert files with O_DIRECT; where a file system says EINVAL
     to it, the file is read through the page cache instead, with the same logits. --buffered-io
     (False) never asks; --direct-io (True) that cannot is one error naming the file."""
@@ -157,8 +160,9 @@ def test_reads_are_o_direct_by_default_and_buffered_where_the_file_system_refuse
 
 
 def _open_fds() -> list[str]:
-    return [os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd")
-            if os.path.exists(f"/proc/self/fd/{f}")]
+    return [
+        os.readlink(f"/proc/self/fd/{f}") for f in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{f}")
+    ]
 
 
 @pytest.mark.parametrize("path_kind", ["packed", "direct"])

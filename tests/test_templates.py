@@ -7,6 +7,7 @@ calls, DeepSeek-V3, SmolLM2), and GLM-4.6, Kimi-K2-Thinking and DeepSeek-V3.1 as
 llama.cpp's models/templates (tests/fixtures/templates, sources in SOURCES.md there). No Mistral
 template could be had offline (none ships in an installed package), so Mistral is not compared.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,13 +39,26 @@ CASES = {
 }
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Current weather <in °C> & wind",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                       "required": ["city"]}}},
-    {"type": "function", "function": {
-        "name": "read_file", "description": "Read a file", "parameters": {
-            "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather <in °C> & wind",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    },
 ]
 
 
@@ -107,33 +121,53 @@ def agent_messages(template: str, reply: str, calls: list[ToolCall], results: li
 
 
 def conversation(case: str, tok: Tokenizer) -> tuple[list[dict], list[dict] | None]:
-    calls = [ToolCall("get_weather", {"city": "Paris & <Île>", "days": 2}, raw=""),
-             ToolCall("read_file", {"path": "notes.txt"}, raw="")]
+    calls = [
+        ToolCall("get_weather", {"city": "Paris & <Île>", "days": 2}, raw=""),
+        ToolCall("read_file", {"path": "notes.txt"}, raw=""),
+    ]
     # the reply as the model wrote it, in its own format
     if case == "glm4.6":
         reply = "Let me check." + "".join(
-            f"<tool_call>{c.name}\n" + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n"
-                                               for k, v in c.arguments.items()) + "</tool_call>" for c in calls)
+            f"<tool_call>{c.name}\n"
+            + "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in c.arguments.items())
+            + "</tool_call>"
+            for c in calls
+        )
     elif case == "kimi_k2":
-        reply = "Let me check.<|tool_calls_section_begin|>" + "".join(
-            f"<|tool_call_begin|>functions.{c.name}:{i}<|tool_call_argument_begin|>"
-            f"{json.dumps(c.arguments, ensure_ascii=False)}<|tool_call_end|>" for i, c in enumerate(calls)) \
+        reply = (
+            "Let me check.<|tool_calls_section_begin|>"
+            + "".join(
+                f"<|tool_call_begin|>functions.{c.name}:{i}<|tool_call_argument_begin|>"
+                f"{json.dumps(c.arguments, ensure_ascii=False)}<|tool_call_end|>"
+                for i, c in enumerate(calls)
+            )
             + "<|tool_calls_section_end|>"
+        )
     elif case.startswith("deepseek_v3"):
-        reply = "Let me check.<｜tool▁calls▁begin｜>" + "\n".join(
-            f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{c.name}\n```json\n{json.dumps(c.arguments, ensure_ascii=False)}"
-            "\n```<｜tool▁call▁end｜>" for c in calls) + "<｜tool▁calls▁end｜>"
+        reply = (
+            "Let me check.<｜tool▁calls▁begin｜>"
+            + "\n".join(
+                f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{c.name}\n```json\n{json.dumps(c.arguments, ensure_ascii=False)}"
+                "\n```<｜tool▁call▁end｜>"
+                for c in calls
+            )
+            + "<｜tool▁calls▁end｜>"
+        )
     else:
         reply = "Let me check." + "".join(
             f"<tool_call>\n{json.dumps({'name': c.name, 'arguments': c.arguments}, ensure_ascii=False)}\n</tool_call>"
-            for c in calls)
-    recorded, native = agent_messages(tok.template_source, reply, calls,
-                                      ['{"temp_c": 18, "wind": "3 m/s"}', "hello <|im_end|> notes"])
-    messages = [{"role": "system", "content": "You are helpful."},
-                {"role": "user", "content": "Weather in Paris, and what is in notes.txt?"},
-                *recorded,
-                {"role": "assistant", "content": "It is 18 °C; the notes say hello."},
-                {"role": "user", "content": "Thanks. And Rome?"}]
+            for c in calls
+        )
+    recorded, native = agent_messages(
+        tok.template_source, reply, calls, ['{"temp_c": 18, "wind": "3 m/s"}', "hello <|im_end|> notes"]
+    )
+    messages = [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "Weather in Paris, and what is in notes.txt?"},
+        *recorded,
+        {"role": "assistant", "content": "It is 18 °C; the notes say hello."},
+        {"role": "user", "content": "Thanks. And Rome?"},
+    ]
     return messages, TOOLS if native else None
 
 
@@ -158,8 +192,12 @@ def test_rendering_ending_at_a_tool_result_equals_transformers(both):
 
 def test_rendering_without_tools_equals_transformers(both):
     case, ours, theirs = both
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
     want = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert ours.apply_chat_template(messages, add_generation_prompt=True) == want
 
@@ -194,7 +232,7 @@ def test_deepseek_system_prompt_and_parser_agree(tmp_path):
     assert "<tool_call>" not in instructions
     assert "get_weather" in instructions and "<tool_response>" not in instructions  # results come natively
     # and a call written the way the instructions say parses
-    example = instructions[instructions.index(parser.tool_call_start):].split("\n\n")[0]
+    example = instructions[instructions.index(parser.tool_call_start) :].split("\n\n")[0]
     written = example.replace("<function-name>", "get_weather").replace("<args-json-object>", '{"city": "Rome"}')
     [call] = parser.parse_tool_call(written)
     assert (call.name, call.arguments) == ("get_weather", {"city": "Rome"})

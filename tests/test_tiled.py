@@ -4,6 +4,7 @@ The products are held to test_kernels.py's two bounds (the brief's 1e-4 relative
 float32 summation bound against a float64 reference); dequantized rows must be mx.dequantize's
 bit for bit, since prefill multiplies them with sgemm and an embedding lookup returns them.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -46,7 +47,7 @@ def test_serial_and_parallel_give_the_same_numbers(monkeypatch):
         got[parallel] = t.matmul(x)
         assert (1 >= t._parallel_rows) == (5 >= t._parallel_rows) == parallel
         # one row at a time: the same sums as in passes of 4
-        assert np.array_equal(got[parallel], np.concatenate([t.matmul(x[i:i + 1]) for i in range(5)]))
+        assert np.array_equal(got[parallel], np.concatenate([t.matmul(x[i : i + 1]) for i in range(5)]))
     assert np.array_equal(got[False], got[True])
 
 
@@ -58,8 +59,9 @@ def test_dequantize_and_rows_are_mlx_bit_for_bit(bits, gs):
     ids = np.array([[36, 0, 5], [16, 16, 15]])
     got = t.rows(ids)
     assert got.shape == (2, 3, 2 * gs) and np.array_equal(got, dq[ids])
-    emb = mx.dequantize(mx.array(wq)[mx.array(ids)], mx.array(s)[mx.array(ids)], mx.array(b)[mx.array(ids)],
-                        group_size=gs, bits=bits)
+    emb = mx.dequantize(
+        mx.array(wq)[mx.array(ids)], mx.array(s)[mx.array(ids)], mx.array(b)[mx.array(ids)], group_size=gs, bits=bits
+    )
     assert np.array_equal(got, np.array(emb))
 
 
@@ -72,12 +74,14 @@ def test_stack_gives_each_part_and_views_that_stand_alone():
     out = whole.matmul(x)
     for (wq, _s, _b, _dq), view, start, tile in zip(parts, views, starts, tiles):
         n = wq.shape[0]
-        assert np.array_equal(out[:, start:start + n], tile.matmul(x))
+        assert np.array_equal(out[:, start : start + n], tile.matmul(x))
         assert np.array_equal(view.matmul(x), tile.matmul(x))
         assert np.shares_memory(view.wt, whole.wt)
     assert np.array_equal(whole.matmul(x)[:, 20:32], np.zeros((2, 12), np.float32))  # padding rows
     with pytest.raises(ValueError, match="differ"):
-        T.Tiled.stack([tiles[0], T.Tiled.from_mlx(*quantize(RNG.standard_normal((4, 64)).astype(np.float32), 4, 64)[:3], 4, 64)])
+        T.Tiled.stack(
+            [tiles[0], T.Tiled.from_mlx(*quantize(RNG.standard_normal((4, 64)).astype(np.float32), 4, 64)[:3], 4, 64)]
+        )
 
 
 def test_tiled_and_mlx_layout_kernels_agree():

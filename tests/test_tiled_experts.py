@@ -4,6 +4,7 @@ Each product is held to test_kernels.py's bounds against the expert's own mx.deq
 weights; the repack must leave exactly the tiles Tiled.from_mlx builds, happen once per fill of a
 slot, and happen again when the slot is given to another expert.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -44,12 +45,12 @@ def test_gather_matches_each_experts_dequantized_weights(bits, gs):
         for name, got in (("gate_proj", g), ("up_proj", u)):
             for i, slot in enumerate(slots):
                 w, s, b = as_read[name]
-                check(got[i:i + 1], x[i // k:i // k + 1], w[slot], s[slot], b[slot], dq[name][slot], bits, gs)
+                check(got[i : i + 1], x[i // k : i // k + 1], w[slot], s[slot], b[slot], dq[name][slot], bits, gs)
         h = RNG.standard_normal((slots.size, shapes["down_proj"][1])).astype(np.float32)
         (d,) = bank.gather(h, slots, 1, ("down_proj",))
         for i, slot in enumerate(slots):
             w, s, b = as_read["down_proj"]
-            check(d[i:i + 1], h[i:i + 1], w[slot], s[slot], b[slot], dq["down_proj"][slot], bits, gs)
+            check(d[i : i + 1], h[i : i + 1], w[slot], s[slot], b[slot], dq["down_proj"][slot], bits, gs)
     assert not raw[[0, 1, 2, 3, 4]].any()
 
 
@@ -60,12 +61,19 @@ def test_repack_is_in_place_once_per_fill_and_again_after_a_put():
     from flashmoe.engine.experts.layout import Part
     from flashmoe.engine.experts.store import SlotPool
 
-    experts = {n: quantize(RNG.standard_normal((3, 48, 128)).astype(np.float32), 4, 64)[:3] for n in ("gate_proj", "up_proj")}
-    layout = [Part(f"{n}.{a}", "U32" if a == "weight" else "F32", t.shape[1:])
-              for n, ts in experts.items() for a, t in zip(("weight", "scales", "biases"), ts)]
+    experts = {
+        n: quantize(RNG.standard_normal((3, 48, 128)).astype(np.float32), 4, 64)[:3] for n in ("gate_proj", "up_proj")
+    }
+    layout = [
+        Part(f"{n}.{a}", "U32" if a == "weight" else "F32", t.shape[1:])
+        for n, ts in experts.items()
+        for a, t in zip(("weight", "scales", "biases"), ts)
+    ]
     pool = SlotPool(layout, slots=2)
-    bank = TiledBank({n: (*(to_numpy(pool.arrays[f"{n}.{a}"]) for a in ("weight", "scales", "biases")), 4, 64)
-                      for n in experts}, pool.raw)
+    bank = TiledBank(
+        {n: (*(to_numpy(pool.arrays[f"{n}.{a}"]) for a in ("weight", "scales", "biases")), 4, 64) for n in experts},
+        pool.raw,
+    )
 
     def land(slot, e):  # what ExpertStore._read does: the on-disk bytes into the slot's views
         pool.put((0, e), slot, 0)
@@ -120,7 +128,7 @@ def test_int8_gather_is_the_int8_kernel_on_each_slots_tiles(bits):
         for i, slot in enumerate(slots):
             t = T.Tiled.from_mlx(*(a[slot] for a in as_read[name]), bits, 64)
             t.int8 = True
-            assert np.array_equal(got[i], t.matmul(x[i // 2:i // 2 + 1])[0])
+            assert np.array_equal(got[i], t.matmul(x[i // 2 : i // 2 + 1])[0])
             ref = x[i // 2] @ dq[name][slot].T
             assert np.abs(got[i] - ref).max() <= 1e-3 * (1 + np.abs(ref).max())
 
@@ -147,10 +155,11 @@ def test_a_prefill_entry_gets_what_it_gets_alone(int8, all_rows, monkeypatch):
     (d,) = bank.gather(h, idx, 1, ("down_proj",))
     bank.int8 = int8 and all_rows  # the kernels a decode step of what the prefill ran on would take
     for i in range(idx.size):
-        ag, au = bank.gather(x[i // k:i // k + 1], idx[i:i + 1], 1, ("gate_proj", "up_proj"))
+        ag, au = bank.gather(x[i // k : i // k + 1], idx[i : i + 1], 1, ("gate_proj", "up_proj"))
         assert np.array_equal(g[i], ag[0]) and np.array_equal(u[i], au[0])
-    assert np.array_equal(d, np.concatenate([bank.gather(h[i:i + 1], idx[i:i + 1], 1, ("down_proj",))[0]
-                                             for i in range(idx.size)]))
+    assert np.array_equal(
+        d, np.concatenate([bank.gather(h[i : i + 1], idx[i : i + 1], 1, ("down_proj",))[0] for i in range(idx.size)])
+    )
 
 
 @pytest.mark.parametrize("int8", [False, True])
@@ -171,13 +180,15 @@ def test_swiglu_in_one_call_is_the_three_gathers(int8):
         (want,) = bank.gather(silu_mul(g, u), slots, 1, ("down_proj",))
         assert got.shape == (slots.size, 128) and np.array_equal(got, want)
         for i in range(slots.size):  # and each entry is what it gives alone, on its token's row
-            assert np.array_equal(got[i], bank.swiglu(x[i // k:i // k + 1], slots[i:i + 1], 1)[0])
+            assert np.array_equal(got[i], bank.swiglu(x[i // k : i // k + 1], slots[i : i + 1], 1)[0])
     slots = np.array([5, 1, 0, 3])
     x = x[:1]
     mixed, *_ = bank_of(6, {"gate_proj": (64, 128), "up_proj": (64, 128)}, 8, 64)
     _, parts, *_ = bank_of(6, {"down_proj": (128, 64)}, 8, 32)  # down quantized otherwise
-    mixed = TiledBank({**{n: (*mixed._mlx[n], 8, 64) for n in ("gate_proj", "up_proj")},
-                       "down_proj": parts["down_proj"]}, np.ones(6, dtype=bool))
+    mixed = TiledBank(
+        {**{n: (*mixed._mlx[n], 8, 64) for n in ("gate_proj", "up_proj")}, "down_proj": parts["down_proj"]},
+        np.ones(6, dtype=bool),
+    )
     mixed.ready(slots)
     assert mixed.swiglu(x, slots, 4) is None
 
@@ -201,8 +212,10 @@ def test_swiglu_sum_is_swiglu_then_combine(int8):
     assert np.array_equal(bank.swiglu_sum(x, slots, scores, shared), combine(y, scores[None], shared))
     mixed, *_ = bank_of(6, {"gate_proj": (64, 128), "up_proj": (64, 128)}, 8, 64)
     _, parts, *_ = bank_of(6, {"down_proj": (128, 64)}, 8, 32)
-    mixed = TiledBank({**{n: (*mixed._mlx[n], 8, 64) for n in ("gate_proj", "up_proj")},
-                       "down_proj": parts["down_proj"]}, np.ones(6, dtype=bool))
+    mixed = TiledBank(
+        {**{n: (*mixed._mlx[n], 8, 64) for n in ("gate_proj", "up_proj")}, "down_proj": parts["down_proj"]},
+        np.ones(6, dtype=bool),
+    )
     assert mixed.swiglu_sum(x, slots, scores) is None
 
 
@@ -292,13 +305,17 @@ def test_bfloat16_scales_tile_into_half_their_bytes_for_the_same_floats(int8):
     for slots, rows in ((np.array([4, 1, 0]), 1), (np.array([4, 1, 0, 4, 2, 3]), 3)):
         k = slots.size // rows
         assert np.array_equal(half.swiglu(x[:rows], slots, k), full.swiglu(x[:rows], slots, k))
-        for a, b in zip(half.gather(x[:rows], slots, k, ("gate_proj", "up_proj")),
-                        full.gather(x[:rows], slots, k, ("gate_proj", "up_proj"))):
+        for a, b in zip(
+            half.gather(x[:rows], slots, k, ("gate_proj", "up_proj")),
+            full.gather(x[:rows], slots, k, ("gate_proj", "up_proj")),
+        ):
             assert np.array_equal(a, b)
     tokens = GEMM_ROWS // 2 + 3
     idx = np.concatenate([RNG.choice(S, 2, replace=False) for _ in range(tokens)]).astype(np.int64)
     xs = RNG.standard_normal((tokens, 128)).astype(np.float32)
-    for a, b in zip(half.gather(xs, idx, 2, ("gate_proj", "up_proj")), full.gather(xs, idx, 2, ("gate_proj", "up_proj"))):
+    for a, b in zip(
+        half.gather(xs, idx, 2, ("gate_proj", "up_proj")), full.gather(xs, idx, 2, ("gate_proj", "up_proj"))
+    ):
         assert np.array_equal(a, b)
     h = RNG.standard_normal((idx.size, 32)).astype(np.float32)
     assert np.array_equal(half.gather(h, idx, 1, ("down_proj",))[0], full.gather(h, idx, 1, ("down_proj",))[0])

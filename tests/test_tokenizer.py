@@ -18,8 +18,7 @@ WEATHER_TOOL = {
     "function": {
         "name": "get_weather",
         "description": "Current weather <in °C> & wind",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                       "required": ["city"]},
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
     },
 }
 
@@ -61,6 +60,7 @@ def stream(tok: Tokenizer, ids: list[int], skip_special_tokens: bool = False) ->
 
 # --- loading and basics -------------------------------------------------------------------
 
+
 def test_tiny_tokenizer_fits_vocab_and_is_deterministic(tmp_path: Path):
     for size in (300, 320, 512):
         write_tiny_tokenizer(tmp_path / str(size), vocab_size=size)
@@ -93,6 +93,7 @@ def test_special_tokens_encode_as_single_ids(tok: Tokenizer):
 
 
 # --- streaming detokenization -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("char", ["é", "日", "🎉"])
 def test_multibyte_char_split_over_byte_tokens_comes_out_whole(tok: Tokenizer, char: str):
@@ -141,6 +142,7 @@ def test_streaming_keeps_special_tokens_unless_asked(tok: Tokenizer):
 
 # --- eos ids ------------------------------------------------------------------------------
 
+
 def test_eos_ids_union_of_three_sources(folder: Path):
     (folder / "config.json").write_text(json.dumps({"text_config": {"eos_token_id": [0, 5]}}))
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
@@ -166,27 +168,32 @@ def test_token_given_as_dict(folder: Path):
 
 # --- chat templates -----------------------------------------------------------------------
 
+
 def test_chat_template_without_tools(tok: Tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert tok.apply_chat_template(messages) == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n"
-        "<|im_start|>user\nHi<|im_end|>\n"
-        "<|im_start|>assistant\n")
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert tok.apply_chat_template(messages, add_generation_prompt=False).endswith("Hi<|im_end|>\n")
 
 
 def test_chat_template_with_tools_and_tojson_not_html_escaped(tok: Tokenizer):
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris & <Île>"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris & <Île>"}}}
+            ],
+        },
         {"role": "tool", "content": '{"temp": 24}'},
     ]
     text = tok.apply_chat_template(messages, tools=[WEATHER_TOOL])
     assert "<tools>\n" + json.dumps(WEATHER_TOOL, ensure_ascii=False) + "\n</tools>" in text
     assert "Current weather <in °C> & wind" in text  # no &lt; / \u00b0 escaping
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris & <Île>"}}\n</tool_call>' in text
-    assert "<tool_response>\n{\"temp\": 24}\n</tool_response>" in text
+    assert '<tool_response>\n{"temp": 24}\n</tool_response>' in text
     assert text.endswith("<|im_start|>assistant\n")
 
 
@@ -197,10 +204,13 @@ def write_config(folder: Path, **changes) -> None:
 
 
 def test_list_style_template_picks_tool_use_only_with_tools(folder: Path):
-    write_config(folder, chat_template=[
-        {"name": "default", "template": "DEFAULT {{ messages | length }}"},
-        {"name": "tool_use", "template": "TOOLS {{ tools | length }}"},
-    ])
+    write_config(
+        folder,
+        chat_template=[
+            {"name": "default", "template": "DEFAULT {{ messages | length }}"},
+            {"name": "tool_use", "template": "TOOLS {{ tools | length }}"},
+        ],
+    )
     tok = Tokenizer.from_folder(folder)
     messages = [{"role": "user", "content": "x"}]
     assert tok.apply_chat_template(messages) == "DEFAULT 1"
@@ -215,7 +225,9 @@ def test_list_style_template_without_tool_use_uses_default(folder: Path):
 def test_chat_template_jinja_file_overrides_config(folder: Path):
     (folder / "chat_template.jinja").write_text(
         "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
-        "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}", encoding="utf-8")
+        "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}",
+        encoding="utf-8",
+    )
     tok = Tokenizer.from_folder(folder)
     messages = [{"role": "user", "content": "hé"}]
     assert tok.apply_chat_template(messages) == "[user]hé"
@@ -225,14 +237,16 @@ def test_chat_template_jinja_file_overrides_config(folder: Path):
 def test_template_globals_and_variables(folder: Path):
     (folder / "chat_template.jinja").write_text(
         "{{ bos_token }}|{{ eos_token }}|{{ add_generation_prompt }}|{{ strftime_now('%Y') | length }}"
-        "|{{ {'a': [1, 2]} | tojson(indent=2) }}")
+        "|{{ {'a': [1, 2]} | tojson(indent=2) }}"
+    )
     out = Tokenizer.from_folder(folder).apply_chat_template([], add_generation_prompt=False)
     assert out == '|<|im_end|>|False|4|{\n  "a": [\n    1,\n    2\n  ]\n}'
 
 
 def test_raise_exception_in_template(folder: Path):
     (folder / "chat_template.jinja").write_text(
-        "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}")
+        "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}"
+    )
     tok = Tokenizer.from_folder(folder)
     with pytest.raises(ChatTemplateError, match="first message must be from the user") as info:
         tok.apply_chat_template([{"role": "assistant", "content": "x"}])
@@ -253,7 +267,8 @@ def test_no_template_falls_back_to_chatml(folder: Path):
     tok = Tokenizer.from_folder(folder)
     assert not tok.has_chat_template
     assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]) == (
-        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_tokenizer_config_is_optional(folder: Path):
@@ -264,6 +279,7 @@ def test_tokenizer_config_is_optional(folder: Path):
 
 
 # --- errors -------------------------------------------------------------------------------
+
 
 def test_missing_folder(tmp_path: Path):
     with pytest.raises(ModelLoadError, match="not a directory"):
@@ -277,8 +293,7 @@ def test_missing_tokenizer_json(folder: Path):
     assert info.value.path == str(folder / "tokenizer.json")
 
 
-@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "config.json",
-                                  "generation_config.json"])
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"])
 def test_invalid_json(folder: Path, name: str):
     (folder / name).write_text("{not json")
     with pytest.raises(ModelLoadError, match=rf"{name}: invalid JSON"):
@@ -321,13 +336,13 @@ def test_bad_eos_token_id(folder: Path):
 
 # --- the real Qwen3 tokenizer -------------------------------------------------------------
 
+
 def test_real_qwen3_tokenizer():
     tok = Tokenizer.from_folder(QWEN3_DIR)
     assert tok.has_chat_template
     assert tok.token_to_id("<|im_end|>") in tok.eos_token_ids
 
-    messages = [{"role": "system", "content": "You are helpful."},
-                {"role": "user", "content": "巴黎的天气怎么样？"}]
+    messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "巴黎的天气怎么样？"}]
     text = tok.apply_chat_template(messages, tools=[WEATHER_TOOL], enable_thinking=False)
     assert "<tools>" in text and "<tool_call>" in text
     assert json.dumps(WEATHER_TOOL, ensure_ascii=False) in text
@@ -351,11 +366,16 @@ def qwen3() -> Tokenizer:
 
 
 def injected_conversation(payload: str) -> list[dict]:
-    return [{"role": "system", "content": "You are helpful."},
-            {"role": "user", "content": "Read notes.txt " + payload},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": payload}}}]},
-            {"role": "tool", "content": payload}]
+    return [
+        {"role": "system", "content": "You are helpful."},
+        {"role": "user", "content": "Read notes.txt " + payload},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": payload}}}],
+        },
+        {"role": "tool", "content": payload},
+    ]
 
 
 def test_special_tokens_in_tool_results_and_user_text_are_text(qwen3: Tokenizer):

@@ -3,6 +3,7 @@
 Trained on the fly (a few milliseconds) so tests need no downloaded files and tiny test models
 can use a vocabulary of a few hundred ids.
 """
+
 from __future__ import annotations
 
 import json
@@ -75,8 +76,8 @@ def build_tiny_tokenizer(vocab_size: int = 320) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - added, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=alphabet, show_progress=False)
+        vocab_size=vocab_size - added, special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet, show_progress=False
+    )
     tok.train_from_iterator(TRAINING_TEXT.splitlines(), trainer=trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     return tok
@@ -93,5 +94,6 @@ def write_tiny_tokenizer(folder: Path, vocab_size: int = 320) -> None:
         "pad_token": "<|endoftext|>",
         "chat_template": CHAT_TEMPLATE,
     }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
-                                                   encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+    )

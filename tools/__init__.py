@@ -12,14 +12,23 @@ UI- and engine-agnostic: nothing here imports textual, prompt_toolkit, rich or m
     tools.runner       run_command(), ToolResult
     tools.executor     ToolExecutor: validate -> policy -> approve -> run
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 _EXPORTS = {  # name -> the module of this package that defines it
-    "Tool": "registry", "ToolRegistry": "registry", "ToolCall": "calls", "ToolExecutor": "executor",
-    "ToolResult": "runner", "Policy": "policy", "NonInteractiveApprover": "policy", "TextState": "textstate",
-    "check_call": "validate", "parser_for_template": "parsers", "ToolError": "errors",
+    "Tool": "registry",
+    "ToolRegistry": "registry",
+    "ToolCall": "calls",
+    "ToolExecutor": "executor",
+    "ToolResult": "runner",
+    "Policy": "policy",
+    "NonInteractiveApprover": "policy",
+    "TextState": "textstate",
+    "check_call": "validate",
+    "parser_for_template": "parsers",
+    "ToolError": "errors",
 }
 
 

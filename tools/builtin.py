@@ -3,6 +3,7 @@
 They are bound to one workspace: every path argument is relative to its root and goes through the
 sandbox (the policy also checks it before the call is approved; this is the second line).
 """
+
 from __future__ import annotations
 
 import os
@@ -35,8 +36,13 @@ def _is_binary(data: bytes) -> bool:
 class Builtins:
     """Holds the workspace sandbox and runner the built-in tools use."""
 
-    def __init__(self, sandbox: Sandbox, runner: CommandRunner | None = None,
-                 max_output: int = DEFAULT_MAX_OUTPUT, time_limit: float = DEFAULT_TIME_LIMIT_S) -> None:
+    def __init__(
+        self,
+        sandbox: Sandbox,
+        runner: CommandRunner | None = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+        time_limit: float = DEFAULT_TIME_LIMIT_S,
+    ) -> None:
         self.sandbox = sandbox
         self.runner = runner or CommandRunner(cwd=sandbox.root)
         self.max_output = max_output
@@ -88,8 +94,9 @@ class Builtins:
             last = i + 1
         text = "".join(out)
         if last < len(lines) and (limit is None or last < end):
-            text += (f"\n[showing lines {offset}-{last} of {len(lines)}; call read_file with offset={last + 1} "
-                     "to read on]")
+            text += (
+                f"\n[showing lines {offset}-{last} of {len(lines)}; call read_file with offset={last + 1} to read on]"
+            )
         elif offset > 1 or last < len(lines):
             text += f"\n[lines {offset}-{last} of {len(lines)}]"
         return text
@@ -148,8 +155,9 @@ class Builtins:
                 dirnames[:] = sorted(n for n in dirnames if self.sandbox.denied_by(d / n) is None)
                 for fname in sorted(filenames):
                     if time.monotonic() > deadline:
-                        return finish(f"[stopped at the time limit of {self.time_limit:g} s; narrow the pattern, "
-                                      "path or glob]")
+                        return finish(
+                            f"[stopped at the time limit of {self.time_limit:g} s; narrow the pattern, path or glob]"
+                        )
                     f = Path(os.path.normpath(d / fname))
                     rel = self._rel(f)
                     if name_rx is not None and not (name_rx.match(rel) or name_rx.match(fname)):
@@ -162,8 +170,10 @@ class Builtins:
                             # concurrent: the GIL is let go while matching, so a signal is handled
                             found = rx.search(line, timeout=max(0.001, deadline - time.monotonic()), concurrent=True)
                         except TimeoutError:
-                            return finish(f"[stopped at the time limit of {self.time_limit:g} s in {rel}:{n}; the "
-                                          "pattern backtracks too much (nested repetition such as (a+)+); simplify it]")
+                            return finish(
+                                f"[stopped at the time limit of {self.time_limit:g} s in {rel}:{n}; the "
+                                "pattern backtracks too much (nested repetition such as (a+)+); simplify it]"
+                            )
                         if found:
                             shown = line if len(line) <= 300 else line[:300] + "…"
                             hits.append(f"{rel}:{n}: {shown}")
@@ -237,15 +247,21 @@ class Builtins:
                     raise ToolRunError(f"{path} is not UTF-8 text; edit_file cannot change it safely") from None
                 count = text.count(old_string)
                 if count == 0:
-                    raise ToolRunError(f"old_string was not found in {path}; read the file and copy the exact "
-                                       "text, whitespace included")
+                    raise ToolRunError(
+                        f"old_string was not found in {path}; read the file and copy the exact "
+                        "text, whitespace included"
+                    )
                 if count > 1 and not replace_all:
-                    raise ToolRunError(f"old_string occurs {count} times in {path}; include more surrounding "
-                                       "text to make it unique, or set replace_all to true")
+                    raise ToolRunError(
+                        f"old_string occurs {count} times in {path}; include more surrounding "
+                        "text to make it unique, or set replace_all to true"
+                    )
                 text = text.replace(old_string, new_string) if replace_all else text.replace(old_string, new_string, 1)
                 if safe_fs.read_fd(fd) != before:  # another program saved it meanwhile: its write would be lost
-                    raise ToolRunError(f"{path} changed while it was being edited (another program wrote it); read "
-                                       "it again and repeat the edit")
+                    raise ToolRunError(
+                        f"{path} changed while it was being edited (another program wrote it); read "
+                        "it again and repeat the edit"
+                    )
                 safe_fs.write_text(fd, text)
         except OSError as e:
             raise ToolRunError(f"cannot write {path}: {e.strerror or e}") from None
@@ -263,62 +279,151 @@ class Builtins:
         s: dict[str, Any] = {"type": "string"}
         path = {"type": "string", "description": "Path relative to the workspace root."}
         return [
-            Tool("read_file", "Read a text file from the workspace. Long files come in pieces: use offset "
-                 "and limit (line numbers, 1-based) to read further.",
-                 {"type": "object", "properties": {
-                     "path": path,
-                     "offset": {"type": "integer", "minimum": 1, "description": "First line to read (1-based)."},
-                     "limit": {"type": "integer", "minimum": 1, "description": "How many lines to read."}},
-                  "required": ["path"], "additionalProperties": False},
-                 self.read_file, "read", path_args=("path",), source="builtin"),
-            Tool("list_dir", "List the entries of a workspace directory (directories end with /).",
-                 {"type": "object", "properties": {
-                     "path": {"type": "string", "description": "Directory relative to the workspace root.",
-                              "default": "."}},
-                  "additionalProperties": False},
-                 self.list_dir, "read", primary="path", path_args=("path",), source="builtin"),
-            Tool("search_files", "Search the text files under a workspace directory for lines matching a "
-                 "regular expression (Python syntax); prints path:line: text.",
-                 {"type": "object", "properties": {
-                     "pattern": {"type": "string", "description": "Regular expression to look for."},
-                     "path": {"type": "string", "description": "Directory to search, relative to the workspace "
-                              "root.", "default": "."},
-                     "glob": {"type": "string", "description": "Only files whose path matches this glob, "
-                              "e.g. *.py or src/**/*.ts."},
-                     "max_results": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50}},
-                  "required": ["pattern"], "additionalProperties": False},
-                 self.search_files, "read", path_args=("path",), source="builtin"),
-            Tool("write_file", "Create or overwrite a text file in the workspace with the given content.",
-                 {"type": "object", "properties": {"path": path, "content": s},
-                  "required": ["path", "content"], "additionalProperties": False},
-                 self.write_file, "write", path_args=("path",), source="builtin"),
-            Tool("edit_file", "Replace an exact piece of text in a workspace file. old_string must occur "
-                 "exactly once unless replace_all is true; copy it from the file, whitespace included.",
-                 {"type": "object", "properties": {
-                     "path": path, "old_string": s, "new_string": s,
-                     "replace_all": {"type": "boolean", "default": False}},
-                  "required": ["path", "old_string", "new_string"], "additionalProperties": False},
-                 self.edit_file, "write", path_args=("path",), source="builtin"),
-            Tool("run_shell", "Run a shell command (/bin/sh -c) in the workspace root and return its "
-                 "output and exit code. Commands time out; background processes are killed at the end.",
-                 {"type": "object", "properties": {
-                     "command": {"type": "string", "description": "The command line."},
-                     "timeout": {"type": "integer", "minimum": 1, "maximum": self._max_timeout(),
-                                 "description": "Seconds before the command is killed."}},
-                  "required": ["command"], "additionalProperties": False},
-                 self.run_shell, "exec", source="builtin", self_limited=True),
+            Tool(
+                "read_file",
+                "Read a text file from the workspace. Long files come in pieces: use offset "
+                "and limit (line numbers, 1-based) to read further.",
+                {
+                    "type": "object",
+                    "properties": {
+                        "path": path,
+                        "offset": {"type": "integer", "minimum": 1, "description": "First line to read (1-based)."},
+                        "limit": {"type": "integer", "minimum": 1, "description": "How many lines to read."},
+                    },
+                    "required": ["path"],
+                    "additionalProperties": False,
+                },
+                self.read_file,
+                "read",
+                path_args=("path",),
+                source="builtin",
+            ),
+            Tool(
+                "list_dir",
+                "List the entries of a workspace directory (directories end with /).",
+                {
+                    "type": "object",
+                    "properties": {
+                        "path": {
+                            "type": "string",
+                            "description": "Directory relative to the workspace root.",
+                            "default": ".",
+                        }
+                    },
+                    "additionalProperties": False,
+                },
+                self.list_dir,
+                "read",
+                primary="path",
+                path_args=("path",),
+                source="builtin",
+            ),
+            Tool(
+                "search_files",
+                "Search the text files under a workspace directory for lines matching a "
+                "regular expression (Python syntax); prints path:line: text.",
+                {
+                    "type": "object",
+                    "properties": {
+                        "pattern": {"type": "string", "description": "Regular expression to look for."},
+                        "path": {
+                            "type": "string",
+                            "description": "Directory to search, relative to the workspace root.",
+                            "default": ".",
+                        },
+                        "glob": {
+                            "type": "string",
+                            "description": "Only files whose path matches this glob, e.g. *.py or src/**/*.ts.",
+                        },
+                        "max_results": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 50},
+                    },
+                    "required": ["pattern"],
+                    "additionalProperties": False,
+                },
+                self.search_files,
+                "read",
+                path_args=("path",),
+                source="builtin",
+            ),
+            Tool(
+                "write_file",
+                "Create or overwrite a text file in the workspace with the given content.",
+                {
+                    "type": "object",
+                    "properties": {"path": path, "content": s},
+                    "required": ["path", "content"],
+                    "additionalProperties": False,
+                },
+                self.write_file,
+                "write",
+                path_args=("path",),
+                source="builtin",
+            ),
+            Tool(
+                "edit_file",
+                "Replace an exact piece of text in a workspace file. old_string must occur "
+                "exactly once unless replace_all is true; copy it from the file, whitespace included.",
+                {
+                    "type": "object",
+                    "properties": {
+                        "path": path,
+                        "old_string": s,
+                        "new_string": s,
+                        "replace_all": {"type": "boolean", "default": False},
+                    },
+                    "required": ["path", "old_string", "new_string"],
+                    "additionalProperties": False,
+                },
+                self.edit_file,
+                "write",
+                path_args=("path",),
+                source="builtin",
+            ),
+            Tool(
+                "run_shell",
+                "Run a shell command (/bin/sh -c) in the workspace root and return its "
+                "output and exit code. Commands time out; background processes are killed at the end.",
+                {
+                    "type": "object",
+                    "properties": {
+                        "command": {"type": "string", "description": "The command line."},
+                        "timeout": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": self._max_timeout(),
+                            "description": "Seconds before the command is killed.",
+                        },
+                    },
+                    "required": ["command"],
+                    "additionalProperties": False,
+                },
+                self.run_shell,
+                "exec",
+                source="builtin",
+                self_limited=True,
+            ),
         ]
 
 
-def builtin_tools(workspace: Sandbox | Policy, runner: CommandRunner | None = None, *,
-                  max_output: int = DEFAULT_MAX_OUTPUT, time_limit: float = DEFAULT_TIME_LIMIT_S) -> list[Tool]:
+def builtin_tools(
+    workspace: Sandbox | Policy,
+    runner: CommandRunner | None = None,
+    *,
+    max_output: int = DEFAULT_MAX_OUTPUT,
+    time_limit: float = DEFAULT_TIME_LIMIT_S,
+) -> list[Tool]:
     """The built-in tools bound to a workspace (a Sandbox, or a Policy's sandbox)."""
     sandbox = workspace.sandbox if isinstance(workspace, Policy) else workspace
     return Builtins(sandbox, runner, max_output, time_limit).tools()
 
 
-def register_builtins(registry: ToolRegistry, workspace: Sandbox | Policy, runner: CommandRunner | None = None,
-                      *, only: list[str] | None = None) -> ToolRegistry:
+def register_builtins(
+    registry: ToolRegistry,
+    workspace: Sandbox | Policy,
+    runner: CommandRunner | None = None,
+    *,
+    only: list[str] | None = None,
+) -> ToolRegistry:
     for t in builtin_tools(workspace, runner):
         if only is None or t.name in only:
             registry.add(t)

@@ -1,4 +1,5 @@
 """The parsed form of one tool call, shared by parsers, validation, policy and the executor."""
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,9 @@ class ToolCall:
         if args is None:
             return cls(fn.get("name"), None, raw, arguments_text="", id=obj.get("id"))
         if not isinstance(args, str):
-            return cls(fn.get("name"), None, raw, error="arguments are neither an object nor a string",
-                       id=obj.get("id"))
+            return cls(
+                fn.get("name"), None, raw, error="arguments are neither an object nor a string", id=obj.get("id")
+            )
         return cls(fn.get("name"), None, raw, arguments_text=args, id=obj.get("id"))
 
     def to_openai(self, call_id: str | None = None, *, json_arguments: bool = False) -> dict[str, Any]:
@@ -111,8 +113,10 @@ def argument_problem(value: Any) -> str | None:
             try:
                 v.encode("utf-8")
             except UnicodeEncodeError as e:
-                return (f"{path} holds an unpaired UTF-16 surrogate ({v[e.start]!r} at character {e.start}); "
-                        "write the character itself or leave it out")
+                return (
+                    f"{path} holds an unpaired UTF-16 surrogate ({v[e.start]!r} at character {e.start}); "
+                    "write the character itself or leave it out"
+                )
         elif isinstance(v, bool) or v is None:
             continue
         elif isinstance(v, int):

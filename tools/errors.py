@@ -2,6 +2,7 @@
 
 Every message is one line, so front ends can print it as is and the agent can send it to the model.
 """
+
 from __future__ import annotations
 
 

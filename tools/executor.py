@@ -3,6 +3,7 @@
 Whatever happens, the caller gets a ToolResult whose `content` can go straight back to the model;
 refusals say why and what to do instead. Every call is recorded (CallRecord) for logging.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -54,10 +55,19 @@ class ToolExecutor:
     (the run's --timeout) no call runs past it: commands are killed there, other tools abandoned.
     """
 
-    def __init__(self, registry: ToolRegistry, policy: Policy, approver: Approver | None = None, *,
-                 max_repairs: int = 2, chain_limit: int | None = 5, max_output: int = DEFAULT_MAX_OUTPUT,
-                 accept_repaired: bool = True, on_record: Callable[[CallRecord], None] | None = None,
-                 time_limit: float = DEFAULT_TOOL_TIME_LIMIT_S) -> None:
+    def __init__(
+        self,
+        registry: ToolRegistry,
+        policy: Policy,
+        approver: Approver | None = None,
+        *,
+        max_repairs: int = 2,
+        chain_limit: int | None = 5,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+        accept_repaired: bool = True,
+        on_record: Callable[[CallRecord], None] | None = None,
+        time_limit: float = DEFAULT_TOOL_TIME_LIMIT_S,
+    ) -> None:
         self.time_limit = time_limit
         self.registry = registry
         self.policy = policy
@@ -120,10 +130,13 @@ class ToolExecutor:
         results = []
         for call in calls:
             if over:
-                msg = (f"refused: the chain limit is reached ({self._limit} rounds of tool calls for this "
-                       "message); answer the user with what you have")
-                res = ToolResult(False, msg, error="chain limit reached", status="chain-limit", stop=True,
-                                 name=call.name)
+                msg = (
+                    f"refused: the chain limit is reached ({self._limit} rounds of tool calls for this "
+                    "message); answer the user with what you have"
+                )
+                res = ToolResult(
+                    False, msg, error="chain limit reached", status="chain-limit", stop=True, name=call.name
+                )
                 self._record(call, None, None, res)
             else:
                 res = self._one(call)
@@ -155,12 +168,15 @@ class ToolExecutor:
         if not verdict.ok:
             if verdict.repaired and self.accept_repaired and verdict.arguments is not None:
                 self.repair.record(call, verdict.message, repaired=True)
-                note = (f"[note: {verdict.message}. The call was run with double quotes put back; "
-                        "write standard JSON next time.]\n")
+                note = (
+                    f"[note: {verdict.message}. The call was run with double quotes put back; "
+                    "write standard JSON next time.]\n"
+                )
             else:
                 msg = self.repair.reject(call, verdict, reply=(self.turn, self.rounds))
-                res = ToolResult(False, msg, error=verdict.message, status="invalid", stop=self.repair.exhausted,
-                                 name=call.name)
+                res = ToolResult(
+                    False, msg, error=verdict.message, status="invalid", stop=self.repair.exhausted, name=call.name
+                )
                 self._record(call, None, None, res)
                 return res
         assert verdict.arguments is not None
@@ -169,8 +185,9 @@ class ToolExecutor:
         decision = self.policy.decide(tool, arguments)
         label: str = decision.action
         if decision.action == "deny":
-            res = ToolResult(False, f"refused: {decision.reason}", error=decision.reason, status="denied",
-                             name=tool.name)
+            res = ToolResult(
+                False, f"refused: {decision.reason}", error=decision.reason, status="denied", name=tool.name
+            )
             self._record(call, arguments, label, res)
             return res
         if decision.action == "ask":
@@ -184,8 +201,9 @@ class ToolExecutor:
         self._record(call, arguments, label, res)
         return res
 
-    def _approve(self, tool: Tool, call: ToolCall, arguments: dict[str, Any],
-                 decision: Decision) -> tuple[ToolResult | None, str]:
+    def _approve(
+        self, tool: Tool, call: ToolCall, arguments: dict[str, Any], decision: Decision
+    ) -> tuple[ToolResult | None, str]:
         key = self._grant_key(tool, arguments)
         if key in self._grants:
             return None, "ask:granted"
@@ -206,11 +224,12 @@ class ToolExecutor:
         if answer == "yes":
             return None, "ask:yes"
         if not getattr(self.approver, "interactive", True):
-            msg = (f"refused: {decision.reason}, and this run is non-interactive, so nobody can approve it. "
-                   "Do not retry; continue without it or tell the user what needs approval.")
+            msg = (
+                f"refused: {decision.reason}, and this run is non-interactive, so nobody can approve it. "
+                "Do not retry; continue without it or tell the user what needs approval."
+            )
             return ToolResult(False, msg, error="approval needed", status="approval-needed", name=tool.name), "ask:no"
-        msg = (f"the user declined this call ({decision.reason}). Do not retry it; ask the user or try "
-               "another way.")
+        msg = f"the user declined this call ({decision.reason}). Do not retry it; ask the user or try another way."
         return ToolResult(False, msg, error="declined", status="declined", name=tool.name), "ask:no"
 
     def _call(self, tool: Tool, arguments: dict[str, Any]) -> Any:
@@ -225,8 +244,12 @@ class ToolExecutor:
         if self.deadline is not None:
             left = self.deadline - time.monotonic()
             if left <= 0:
-                return ToolResult(False, "[not run: the run's time limit (--timeout) is reached]",
-                                  error="the run's time limit is reached", status="timeout")
+                return ToolResult(
+                    False,
+                    "[not run: the run's time limit (--timeout) is reached]",
+                    error="the run's time limit is reached",
+                    status="timeout",
+                )
             if left < limit:
                 limit, why = left, "stopped at the run's time limit (--timeout)"
         if tool.self_limited:
@@ -241,8 +264,9 @@ class ToolExecutor:
             except BaseException as e:  # handed to the caller's thread below
                 box["error"] = e
 
-        worker = threading.Thread(target=contextvars.copy_context().run, args=(work,), name=f"tool-{tool.name}",
-                                  daemon=True)
+        worker = threading.Thread(
+            target=contextvars.copy_context().run, args=(work,), name=f"tool-{tool.name}", daemon=True
+        )
         worker.start()
         worker.join(limit)
         if worker.is_alive():
@@ -257,12 +281,14 @@ class ToolExecutor:
             value = self._call(tool, arguments)
         except ToolError as e:
             msg = str(e)
-            return ToolResult(False, msg, error=msg, status="error", duration_s=time.monotonic() - start,
-                              name=tool.name)
+            return ToolResult(
+                False, msg, error=msg, status="error", duration_s=time.monotonic() - start, name=tool.name
+            )
         except Exception as e:  # a bug in a user tool: the model hears the error, not a traceback
             msg = f"{tool.name} failed: {type(e).__name__}: {e}"
-            return ToolResult(False, msg, error=msg, status="error", duration_s=time.monotonic() - start,
-                              name=tool.name)
+            return ToolResult(
+                False, msg, error=msg, status="error", duration_s=time.monotonic() - start, name=tool.name
+            )
         duration = time.monotonic() - start
         if isinstance(value, ToolResult):
             res = dataclasses.replace(value, name=tool.name, duration_s=value.duration_s or duration)
@@ -271,16 +297,27 @@ class ToolExecutor:
         elif isinstance(value, str):
             res = ToolResult(True, value, duration_s=duration, name=tool.name)
         else:
-            res = ToolResult(True, json.dumps(value, ensure_ascii=False, default=str), duration_s=duration,
-                             name=tool.name)
+            res = ToolResult(
+                True, json.dumps(value, ensure_ascii=False, default=str), duration_s=duration, name=tool.name
+            )
         if not res.truncated:
             res.content, res.truncated = cap_text(res.content, self.max_output)
         return res
 
-    def _record(self, call: ToolCall, arguments: dict[str, Any] | None, decision: str | None,
-                res: ToolResult) -> None:
-        rec = CallRecord(self.turn, self.rounds, call.name, call.raw, arguments, decision, res.status,
-                         res.duration_s, res.exit_code, res.truncated, res.error or "")
+    def _record(self, call: ToolCall, arguments: dict[str, Any] | None, decision: str | None, res: ToolResult) -> None:
+        rec = CallRecord(
+            self.turn,
+            self.rounds,
+            call.name,
+            call.raw,
+            arguments,
+            decision,
+            res.status,
+            res.duration_s,
+            res.exit_code,
+            res.truncated,
+            res.error or "",
+        )
         self.records.append(rec)
         if self.on_record is not None:
             self.on_record(rec)

@@ -4,6 +4,7 @@ hooks, pagers). A model that could write one into the workspace could make an al
 run anything. The runner also neutralises config from the workspace (tools/runner.py); this is the
 check on writes.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,7 +61,9 @@ _PROGRAM_KEY = re.compile(
     r"|pager\..+|interactive\.difffilter|uploadpack\..+|protocol\..*allow"
     r"|remote\..+\.(?:uploadpack|receivepack|vcs|proxy)"
     r"|url\..+\.(?:insteadof|pushinsteadof)|ssh\.variant|http\..*proxy|difftool\..+|mergetool\..+|web\.browser"
-    r"|browser\..+\.(?:cmd|path)|sendemail\..+)$", re.IGNORECASE)
+    r"|browser\..+\.(?:cmd|path)|sendemail\..+)$",
+    re.IGNORECASE,
+)
 
 
 def program_keys(workspace: Path) -> list[str]:
@@ -71,8 +74,14 @@ def program_keys(workspace: Path) -> list[str]:
 
     env = guarded_env({k: v for k, v in os.environ.items() if not k.startswith("GIT_")})
     try:
-        out = subprocess.run(["git", "-C", str(workspace), "config", "--local", "--includes", "--name-only", "--list"],
-                             env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", str(workspace), "config", "--local", "--includes", "--name-only", "--list"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     if out.returncode != 0:

@@ -12,6 +12,7 @@ The language: `*` matches anything, slashes included; `?` one character; `[...]`
 literal); `**/` also matches no directory at all and a trailing `/**` matches the directory itself
 (so `**/.env*` covers `.env` and `.git/**` covers `.git`). Every other character is itself.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

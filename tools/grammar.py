@@ -61,6 +61,7 @@ at the first "</tool_call>" would then cut early); in "tools" mode a marker spel
 whose last token runs on into text that no call can continue is left unconstrained; "required"
 mode leaves no room for a <think> block, so use it with thinking off.
 """
+
 from __future__ import annotations
 
 import copy
@@ -78,8 +79,19 @@ FORMATS = ("json", "xml")
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 # Keys whose value is a schema, a list of schemas, or a map of name -> schema.
-_SCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
-                "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+_SCHEMA_KEYS = (
+    "items",
+    "additionalProperties",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "additionalItems",
+)
 _SCHEMA_LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMA_MAP_KEYS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
@@ -94,21 +106,42 @@ FINISH_WINDOW = 64
 COMMAND_BOUND = 4096
 COMMAND_NAMES = frozenset({"command", "cmd", "query", "url", "prompt", "description", "args", "arguments"})
 LONG_TEXT_BOUND = 65536
-LONG_TEXT_NAMES = frozenset({"content", "contents", "text", "body", "data", "code", "source", "patch", "diff",
-                             "old_string", "new_string", "old_text", "new_text", "old_str", "new_str",
-                             "replacement", "message", "input", "stdin", "script"})
+LONG_TEXT_NAMES = frozenset(
+    {
+        "content",
+        "contents",
+        "text",
+        "body",
+        "data",
+        "code",
+        "source",
+        "patch",
+        "diff",
+        "old_string",
+        "new_string",
+        "old_text",
+        "new_text",
+        "old_str",
+        "new_str",
+        "replacement",
+        "message",
+        "input",
+        "stdin",
+        "script",
+    }
+)
 
 
 def _llg():
     try:
         import llguidance
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise RuntimeError("constrained decoding needs the llguidance package "
-                           "(pip install llguidance)") from e
+        raise RuntimeError("constrained decoding needs the llguidance package (pip install llguidance)") from e
     return llguidance
 
 
 # -- schemas ------------------------------------------------------------------------------
+
 
 def _normalise_tools(tools: list[dict]) -> list[tuple[str, dict]]:
     """(name, parameters schema) for OpenAI-style definitions (or bare {"name", "parameters"})."""
@@ -151,12 +184,19 @@ def _prepare_schema(schema: dict, *, closed_objects: bool, max_string_length: in
         """`name`: the property this schema is the value of (items and alternatives inherit it)."""
         if not isinstance(node, dict):
             return
-        if (closed_objects and not in_allof and isinstance(node.get("properties"), dict)
-                and not any(k in node for k in _OPEN_KEYS)):
+        if (
+            closed_objects
+            and not in_allof
+            and isinstance(node.get("properties"), dict)
+            and not any(k in node for k in _OPEN_KEYS)
+        ):
             node["additionalProperties"] = False
         bound = _string_bound(max_string_length, name)
-        if (bound is not None and _is_string_schema(node)
-                and not any(k in node for k in ("maxLength", "enum", "const", "pattern"))):
+        if (
+            bound is not None
+            and _is_string_schema(node)
+            and not any(k in node for k in ("maxLength", "enum", "const", "pattern"))
+        ):
             node["maxLength"] = bound
         for key in _SCHEMA_KEYS:
             sub = node.get(key)
@@ -195,6 +235,7 @@ def _lit(text: str) -> str:
 
 
 # -- grammar ------------------------------------------------------------------------------
+
 
 def _resolve(node: Any, root: dict) -> Any:
     """Follow a local "$ref" ("#/$defs/x") one step, for deciding a parameter's type."""
@@ -261,18 +302,24 @@ def _marker(text: str, token_id: int | None) -> str:
     return f"(<[{token_id}]> | {_lit(text)})"
 
 
-def build_grammar(schemas: list[tuple[str, dict, bool]], *, fmt: str, start: str, end: str,
-                  with_start: bool, parallel: bool, start_id: int | None = None,
-                  end_id: int | None = None) -> str:
+def build_grammar(
+    schemas: list[tuple[str, dict, bool]],
+    *,
+    fmt: str,
+    start: str,
+    end: str,
+    with_start: bool,
+    parallel: bool,
+    start_id: int | None = None,
+    end_id: int | None = None,
+) -> str:
     """The lark grammar for a call to one of the tools, given as (name, parameters schema,
     lenient); with_start=False: what follows the start marker."""
     rules: list[str] = []
-    names = [_tool_rules(i, name, schema, fmt, lenient, rules)
-             for i, (name, schema, lenient) in enumerate(schemas)]
+    names = [_tool_rules(i, name, schema, fmt, lenient, rules) for i, (name, schema, lenient) in enumerate(schemas)]
     tail = f'"\\n" body "\\n" {_marker(end, end_id)}'
     if with_start:
-        top = ['start: call ("\\n" call)*' if parallel else "start: call",
-               f"call: {_marker(start, start_id)} {tail}"]
+        top = ['start: call ("\\n" call)*' if parallel else "start: call", f"call: {_marker(start, start_id)} {tail}"]
     else:
         top = [f"start: {tail}"]
     top.append(f"body: {' | '.join(names)}")
@@ -307,10 +354,20 @@ def _allowed(matcher, bits: np.ndarray, n: int, what: str) -> np.ndarray:
 class ToolCallConstraint:
     """The Constraint (engine/runtime/constrain.py) for one generation."""
 
-    def __init__(self, lt, matchers: dict[str, Any], mode: str, start: str, start_id: int | None,
-                 fmt: str = "json", closers: dict[str, list[list[int]]] | None = None,
-                 budget: int | None = None, eos: tuple[int, ...] = (), values: list[list[int]] | None = None,
-                 end_id: int | None = None):
+    def __init__(
+        self,
+        lt,
+        matchers: dict[str, Any],
+        mode: str,
+        start: str,
+        start_id: int | None,
+        fmt: str = "json",
+        closers: dict[str, list[list[int]]] | None = None,
+        budget: int | None = None,
+        eos: tuple[int, ...] = (),
+        values: list[list[int]] | None = None,
+        end_id: int | None = None,
+    ):
         self._lt = lt
         self._templates = matchers  # "call": whole call(s) (required), "body": after the start marker
         self._mode = mode
@@ -388,9 +445,11 @@ class ToolCallConstraint:
             order = self._closers.get("string" if self._in_json_string(call) else "json", [])
         else:  # a JSON value sits after the last "<parameter=KEY>\n"; a raw one closes with the first closer
             at = call.rfind(b"<parameter=")
-            value = call[call.find(b">\n", at) + 2:] if at >= 0 else b""
-            order = self._closers.get("xml", []) + self._closers.get(
-                "string" if self._in_json_string(value) else "json", [])[:3]
+            value = call[call.find(b">\n", at) + 2 :] if at >= 0 else b""
+            order = (
+                self._closers.get("xml", [])
+                + self._closers.get("string" if self._in_json_string(value) else "json", [])[:3]
+            )
         for ids in order:
             if ids and matcher.validate_tokens(ids) == len(ids):
                 return list(ids)
@@ -406,8 +465,12 @@ class ToolCallConstraint:
         while n < limit:
             if m.is_stopped() or (m.is_accepting() and self._mode == "required") or self._closed(m):
                 return n
-            ids = self._closer(m, call) or list(m.compute_ff_tokens()) or next(
-                (v for v in self._values if m.validate_tokens(v) == len(v)), None) or self._any_token(m)
+            ids = (
+                self._closer(m, call)
+                or list(m.compute_ff_tokens())
+                or next((v for v in self._values if m.validate_tokens(v) == len(v)), None)
+                or self._any_token(m)
+            )
             if not ids or not m.consume_tokens(ids) or m.is_error():
                 return limit
             call += self._lt.decode_bytes(ids)
@@ -459,8 +522,11 @@ class ToolCallConstraint:
 
     def allowed(self) -> np.ndarray | None:
         if self._budget is not None:
-            base = None if self._matcher is None else self._as_token(
-                _allowed(self._matcher, self._bits, self._n, "tool-call"))
+            base = (
+                None
+                if self._matcher is None
+                else self._as_token(_allowed(self._matcher, self._bits, self._n, "tool-call"))
+            )
             mask = self._budget_mask(base)
             if self._matcher is None:
                 return mask
@@ -487,8 +553,7 @@ class ToolCallConstraint:
         self._used += 1
         if self._matcher is not None:
             if not self._matcher.consume_token(token):
-                raise RuntimeError(f"tool-call constraint: token {token} not allowed: "
-                                   f"{self._matcher.get_error()}")
+                raise RuntimeError(f"tool-call constraint: token {token} not allowed: {self._matcher.get_error()}")
             if self._forced and self._forced[0] == token:
                 self._forced.pop(0)
             else:
@@ -516,10 +581,10 @@ class ToolCallConstraint:
         self._tail += self._lt.decode_bytes([token])
         at = self._tail.find(self._start)
         if at < 0:
-            self._tail = self._tail[-(len(self._start) - 1):] if len(self._start) > 1 else b""
+            self._tail = self._tail[-(len(self._start) - 1) :] if len(self._start) > 1 else b""
             return
         # The marker was spelled in pieces; the token may have run past its end.
-        rest = self._tail[at + len(self._start):]
+        rest = self._tail[at + len(self._start) :]
         self._tail = b""
         matcher = self._new_matcher("body")
         if rest and not matcher.consume_tokens(self._lt.tokenize_bytes(rest)):
@@ -547,18 +612,30 @@ class ToolCallConstraintFactory:
     names the marker tokens by id) is built on first use and cached.
     """
 
-    def __init__(self, tools: list[dict], mode: str = "required", fmt: str = "json",
-                 start: str = "<tool_call>", end: str = "</tool_call>", *, parallel: bool = False,
-                 closed_objects: bool = True, max_string_length: int | str | None = "auto",
-                 budget: int | None = None):
+    def __init__(
+        self,
+        tools: list[dict],
+        mode: str = "required",
+        fmt: str = "json",
+        start: str = "<tool_call>",
+        end: str = "</tool_call>",
+        *,
+        parallel: bool = False,
+        closed_objects: bool = True,
+        max_string_length: int | str | None = "auto",
+        budget: int | None = None,
+    ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if fmt not in FORMATS:
             raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, got {fmt!r}")
         if not start or not end:
             raise ValueError("the start and end markers must not be empty")
-        if max_string_length != "auto" and max_string_length is not None and (
-                not isinstance(max_string_length, int) or max_string_length < 0):
+        if (
+            max_string_length != "auto"
+            and max_string_length is not None
+            and (not isinstance(max_string_length, int) or max_string_length < 0)
+        ):
             raise ValueError(f"max_string_length must be 'auto', None or an int >= 0, got {max_string_length!r}")
         if budget is not None and (not isinstance(budget, int) or budget < 1):
             raise ValueError(f"budget must be a positive int or None, got {budget!r}")
@@ -568,13 +645,12 @@ class ToolCallConstraintFactory:
         self.schemas: list[tuple[str, dict, bool]] = []  # (name, parameters, lenient)
         llg = _llg()
         for name, params in _normalise_tools(tools):
-            schema = _prepare_schema(params, closed_objects=closed_objects,
-                                     max_string_length=max_string_length)
+            schema = _prepare_schema(params, closed_objects=closed_objects, max_string_length=max_string_length)
             for lenient in (False, True):
-                g = build_grammar([(name, schema, lenient)], fmt=fmt, start=start, end=end,
-                                  with_start=True, parallel=False)
-                is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
-                    llg.LLMatcher.grammar_from_lark(g))
+                g = build_grammar(
+                    [(name, schema, lenient)], fmt=fmt, start=start, end=end, with_start=True, parallel=False
+                )
+                is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(llg.LLMatcher.grammar_from_lark(g))
                 if not is_error:
                     if lenient:
                         self.warnings.append(f"tool {name!r}: unsupported schema keywords are ignored")
@@ -582,8 +658,10 @@ class ToolCallConstraintFactory:
                     self.schemas.append((name, schema, lenient))
                     break
                 if lenient:
-                    raise ValueError(f"tool {name!r}: cannot build a grammar for its parameters: "
-                                     f"{messages[0] if messages else 'unknown error'}")
+                    raise ValueError(
+                        f"tool {name!r}: cannot build a grammar for its parameters: "
+                        f"{messages[0] if messages else 'unknown error'}"
+                    )
         self._cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
@@ -598,8 +676,14 @@ class ToolCallConstraintFactory:
                 lt = ll_tokenizer(tokenizer)
                 start_id = self._marker_id(lt, tokenizer, self.start)
                 end_id = self._marker_id(lt, tokenizer, self.end)
-                kw = {"fmt": self.fmt, "start": self.start, "end": self.end,
-                      "parallel": self.parallel, "start_id": start_id, "end_id": end_id}
+                kw = {
+                    "fmt": self.fmt,
+                    "start": self.start,
+                    "end": self.end,
+                    "parallel": self.parallel,
+                    "start_id": start_id,
+                    "end_id": end_id,
+                }
                 llg = _llg()
                 matchers = {}
                 for which in ("call", "body"):
@@ -618,12 +702,22 @@ class ToolCallConstraintFactory:
         end = [end_id] if end_id is not None else lt.tokenize_bytes(self.end.encode("utf-8"))
         ids = lambda text: list(lt.tokenize_bytes(text.encode("utf-8")))  # noqa: E731
         close = [ids("\n") + end, end]
-        return {"string": [ids('"')],
-                "json": [ids("}"), ids("]"), ids(","), *close],
-                "xml": [ids("\n</parameter>\n"), ids("</function>"), *close],
-                # short values, for the closing simulation where a value must come
-                "values": [ids('""'), ids("0"), ids("false"), ids("null"), ids("[]"), ids("{}"), ids('"'),
-                           ids("0\n</parameter>\n")]}
+        return {
+            "string": [ids('"')],
+            "json": [ids("}"), ids("]"), ids(","), *close],
+            "xml": [ids("\n</parameter>\n"), ids("</function>"), *close],
+            # short values, for the closing simulation where a value must come
+            "values": [
+                ids('""'),
+                ids("0"),
+                ids("false"),
+                ids("null"),
+                ids("[]"),
+                ids("{}"),
+                ids('"'),
+                ids("0\n</parameter>\n"),
+            ],
+        }
 
     @staticmethod
     def _marker_id(lt, tokenizer, text: str) -> int | None:
@@ -646,14 +740,29 @@ class ToolCallConstraintFactory:
 
     def __call__(self, tokenizer) -> ToolCallConstraint:
         lt, matchers, start_id, closers, end_id = self.matchers(tokenizer)
-        return ToolCallConstraint(lt, matchers, self.mode, self.start, start_id, self.fmt, closers,
-                                  budget=self.budget, eos=tuple(sorted(tokenizer.eos_token_ids)),
-                                  values=closers.get("values"), end_id=end_id)
+        return ToolCallConstraint(
+            lt,
+            matchers,
+            self.mode,
+            self.start,
+            start_id,
+            self.fmt,
+            closers,
+            budget=self.budget,
+            eos=tuple(sorted(tokenizer.eos_token_ids)),
+            values=closers.get("values"),
+            end_id=end_id,
+        )
 
 
-def tool_call_constraint(tools: list[dict], mode: str = "required", fmt: str = "json",
-                         start: str = "<tool_call>", end: str = "</tool_call>", **options
-                         ) -> ToolCallConstraintFactory:
+def tool_call_constraint(
+    tools: list[dict],
+    mode: str = "required",
+    fmt: str = "json",
+    start: str = "<tool_call>",
+    end: str = "</tool_call>",
+    **options,
+) -> ToolCallConstraintFactory:
     """A ConstraintFactory for GenerationRequest.constraint (see the module docstring).
 
     options: parallel (bool, "required" mode: allow more than one call), closed_objects (bool),
@@ -663,6 +772,7 @@ def tool_call_constraint(tools: list[dict], mode: str = "required", fmt: str = "
 
 
 # -- a whole reply as JSON (the server's response_format) ------------------------------------
+
 
 class JsonConstraint:
     """The Constraint for a reply that must be one JSON value matching a schema: every token is
@@ -695,8 +805,9 @@ class JsonConstraintFactory:
     is checked here, once; strings without a bound get STRING_BOUND (as tool arguments do), so a
     model that never closes a string still ends with a value that validates."""
 
-    def __init__(self, schema: dict | None = None, *, closed_objects: bool = False,
-                 max_string_length: int | str | None = "auto"):
+    def __init__(
+        self, schema: dict | None = None, *, closed_objects: bool = False, max_string_length: int | str | None = "auto"
+    ):
         if schema is None:
             schema = {"type": "object"}
         if not isinstance(schema, dict):
@@ -704,7 +815,8 @@ class JsonConstraintFactory:
         self.schema = _prepare_schema(schema, closed_objects=closed_objects, max_string_length=max_string_length)
         llg = _llg()
         self._grammar = llg.LLMatcher.grammar_from_lark(
-            f"%llguidance {{}}\nstart: value\nvalue: {_json_grammar(self.schema, False)}\n")
+            f"%llguidance {{}}\nstart: value\nvalue: {_json_grammar(self.schema, False)}\n"
+        )
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(self._grammar)
         if is_error:
             raise ValueError(f"cannot build a grammar for the schema: {messages[0] if messages else 'unknown error'}")

@@ -10,6 +10,7 @@ Modes:
 Rules are checked deny first, then ask, then allow (a broad deny cannot be undone by an allow).
 The sandbox and its deny list apply in every mode, yolo included.
 """
+
 from __future__ import annotations
 
 import os
@@ -66,8 +67,13 @@ class Sandbox:
     both the path as written and the resolved path are checked against the deny list.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, extra_roots: Iterable[str | os.PathLike[str]] = (),
-                 deny: Iterable[str] = DEFAULT_DENY_PATHS) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        extra_roots: Iterable[str | os.PathLike[str]] = (),
+        deny: Iterable[str] = DEFAULT_DENY_PATHS,
+    ) -> None:
         self.root = Path(root).expanduser().resolve(strict=False)
         self.roots = [self.root, *(Path(r).expanduser().resolve(strict=False) for r in extra_roots)]
         # Case-insensitive: on macOS `.ENV` opens `.env`.
@@ -115,25 +121,32 @@ class Sandbox:
             raise PathRefused(f"path '{text}' cannot be resolved: {e}") from None
         if not self._inside(resolved):
             if self._inside(lexical):
-                raise PathRefused(f"path '{text}' resolves through a symlink to {resolved}, "
-                                  f"outside the workspace {self.root}")
+                raise PathRefused(
+                    f"path '{text}' resolves through a symlink to {resolved}, outside the workspace {self.root}"
+                )
             raise PathRefused(f"path '{text}' is outside the workspace {self.root}")
         pattern = self.denied_by(lexical, resolved)
         if pattern is not None:
-            raise PathRefused(f"path '{text}' is on the deny list ({pattern}); tools may never "
-                              f"{'write' if write else 'read'} it")
+            raise PathRefused(
+                f"path '{text}' is on the deny list ({pattern}); tools may never {'write' if write else 'read'} it"
+            )
         if write:
             gitdir = git_metadata_write(self.root_of(resolved), resolved)
             if gitdir is not None:
-                raise PathRefused(f"path '{text}' would make {self.relative(gitdir)} look like a git repository "
-                                  "(HEAD with objects/ or refs/); tools never write repository metadata, "
-                                  "since git would run what its config says")
+                raise PathRefused(
+                    f"path '{text}' would make {self.relative(gitdir)} look like a git repository "
+                    "(HEAD with objects/ or refs/); tools never write repository metadata, "
+                    "since git would run what its config says"
+                )
         return resolved
 
     def root_of(self, path: Path) -> Path:
         """The workspace root (or extra root) a resolved path lies in."""
-        return max((r for r in self.roots if path == r or path.is_relative_to(r)), key=lambda r: len(r.parts),
-                   default=self.root)
+        return max(
+            (r for r in self.roots if path == r or path.is_relative_to(r)),
+            key=lambda r: len(r.parts),
+            default=self.root,
+        )
 
     def argument_escapes(self, arg: str) -> bool:
         """Whether a command argument, read as a path from the workspace root, leaves the workspace
@@ -181,8 +194,10 @@ class Rule:
             raise PolicyError(f"rule action must be allow, ask or deny, not {action!r}")
         m = cls._RE.match(text) if isinstance(text, str) else None
         if not m:
-            raise PolicyError(f"bad {action} rule {text!r}: expected tool or tool(pattern), "
-                              "e.g. run_shell(git status*) or write_file(src/**)")
+            raise PolicyError(
+                f"bad {action} rule {text!r}: expected tool or tool(pattern), "
+                "e.g. run_shell(git status*) or write_file(src/**)"
+            )
         return cls(action, m.group(1), m.group(2), text.strip())
 
     def matches_tool(self, name: str) -> bool:
@@ -224,15 +239,25 @@ def _clip(s: str, n: int = 200) -> str:
 class Policy:
     """Decides allow / ask / deny for a tool call. See the module docstring for the modes."""
 
-    def __init__(self, workspace: str | os.PathLike[str], mode: str = "ask", *,
-                 allow: Iterable[str | Rule] = (), ask: Iterable[str | Rule] = (), deny: Iterable[str | Rule] = (),
-                 dangerously_skip_approvals: bool = False, deny_paths: Iterable[str] = DEFAULT_DENY_PATHS,
-                 extra_roots: Iterable[str | os.PathLike[str]] = ()) -> None:
+    def __init__(
+        self,
+        workspace: str | os.PathLike[str],
+        mode: str = "ask",
+        *,
+        allow: Iterable[str | Rule] = (),
+        ask: Iterable[str | Rule] = (),
+        deny: Iterable[str | Rule] = (),
+        dangerously_skip_approvals: bool = False,
+        deny_paths: Iterable[str] = DEFAULT_DENY_PATHS,
+        extra_roots: Iterable[str | os.PathLike[str]] = (),
+    ) -> None:
         if mode not in MODES:
             raise PolicyError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
         if mode == "yolo" and not dangerously_skip_approvals:
-            raise PolicyError("yolo mode runs every tool call without asking; it needs "
-                              "dangerously_skip_approvals=True (--dangerously-skip-approvals)")
+            raise PolicyError(
+                "yolo mode runs every tool call without asking; it needs "
+                "dangerously_skip_approvals=True (--dangerously-skip-approvals)"
+            )
         self.mode: str = mode
         self.sandbox = Sandbox(workspace, extra_roots=extra_roots, deny=deny_paths)
         self.rules: list[Rule] = []
@@ -334,8 +359,11 @@ class Policy:
             if hit:
                 return Decision("deny", f"{summary} is refused by the rule deny {r.text}{why}", r.text)
         if self.mode == "read-only" and tool.risk != "read":
-            return Decision("deny", f"{summary} is refused: read-only mode allows only tools that read "
-                                    f"({tool.name} has risk '{tool.risk}')")
+            return Decision(
+                "deny",
+                f"{summary} is refused: read-only mode allows only tools that read "
+                f"({tool.name} has risk '{tool.risk}')",
+            )
         explicit = tool.risk == "exec"
         for r in rules:
             hit, why = hits(r) if r.action == "ask" else (False, "")

@@ -23,6 +23,7 @@ command kills this process anyway, its orphans go to flashmoe, which sweeps them
 It passes the command's exit status on: the same exit code, or death by the same signal.
 Standard library only, since it runs without site-packages.
 """
+
 import ctypes
 import errno
 import os
@@ -58,7 +59,7 @@ def descendants(me):
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(b")") + 2:].split()
+        fields = stat[stat.rfind(b")") + 2 :].split()
         parent[int(name)] = int(fields[1])
     found = set()
     for pid in parent:

@@ -3,6 +3,7 @@
 A tool is an OpenAI-style function definition (name, description, JSON Schema parameters) plus the
 Python callable that runs it and a declared risk, which decides how the policy treats it.
 """
+
 from __future__ import annotations
 
 import re
@@ -56,21 +57,23 @@ class Tool:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
             raise ToolDefinitionError(f"invalid tool name {self.name!r}{where}: use letters, digits, _ . - (max 64)")
         if self.risk not in RISKS:
-            raise ToolDefinitionError(f"tool '{self.name}'{where}: risk must be one of {', '.join(RISKS)}, "
-                                      f"not {self.risk!r}")
+            raise ToolDefinitionError(
+                f"tool '{self.name}'{where}: risk must be one of {', '.join(RISKS)}, not {self.risk!r}"
+            )
         if not callable(self.fn):
             raise ToolDefinitionError(f"tool '{self.name}'{where}: fn is not callable")
         params = self.parameters if self.parameters else {"type": "object", "properties": {}}
         if not isinstance(params, dict):
             raise ToolDefinitionError(f"tool '{self.name}'{where}: parameters must be a JSON Schema object")
         if params.get("type", "object") != "object":
-            raise ToolDefinitionError(f"tool '{self.name}'{where}: parameters must have \"type\": \"object\"")
+            raise ToolDefinitionError(f'tool \'{self.name}\'{where}: parameters must have "type": "object"')
         try:
             check_schema(params)  # the metaschema, its patterns, its references (safe_schema.py)
         except SchemaProblem as e:
             raise ToolDefinitionError(
                 f"tool '{self.name}'{where}: invalid parameters schema{(' at ' + e.path) if e.path else ''}: "
-                f"{e.message}") from None
+                f"{e.message}"
+            ) from None
         props = params.get("properties") or {}
         for arg in (self.primary, *self.path_args):
             if arg is not None and arg not in props:
@@ -92,8 +95,10 @@ class Tool:
 
     def definition(self) -> dict[str, Any]:
         """The OpenAI tool dict passed to chat templates as `tools=`."""
-        return {"type": "function",
-                "function": {"name": self.name, "description": self.description, "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 class ToolRegistry:
@@ -148,6 +153,7 @@ class ToolRegistry:
         names = list(names)
         unknown = [n for n in names if n not in self._tools]
         if unknown:
-            raise ToolDefinitionError(f"unknown tool {', '.join(map(repr, unknown))}; "
-                                      f"available: {', '.join(self.names()) or '(none)'}")
+            raise ToolDefinitionError(
+                f"unknown tool {', '.join(map(repr, unknown))}; available: {', '.join(self.names()) or '(none)'}"
+            )
         return ToolRegistry(self._tools[n] for n in names)

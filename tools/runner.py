@@ -11,6 +11,7 @@ The environment is the user's without secrets (see scrub_env), with PATH limited
 directories outside the workspace (a program the model wrote is never found by name), and with
 git's configuration from the workspace neutralised (see GIT_GUARD).
 """
+
 from __future__ import annotations
 
 import codecs
@@ -59,21 +60,75 @@ class ToolResult:
 # by the upper-cased name: any that contains one of
 # SECRET_PARTS (`*TOKEN*`, ...), has one of SECRET_WORDS as a `_`-separated word (`*_KEY`, `KEY_*`,
 # `*_PAT`; a word, so KEYBOARD stays), starts with a cloud's prefix, or is a known credential.
-SECRET_PARTS: tuple[str, ...] = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "APIKEY",
-                                  "PRIVATEKEY", "WEBHOOK")
-SECRET_WORDS: frozenset[str] = frozenset({"KEY", "KEYS", "PAT", "PWD", "PASS", "AUTH", "COOKIE", "COOKIES",
-                                          "SESSION", "DSN", "OTP", "SALT"})
-SECRET_PREFIXES: tuple[str, ...] = ("AWS_", "AZURE_", "ARM_CLIENT_", "GOOGLE_", "GCLOUD_", "CLOUDSDK_", "GCP_",
-                                    "DIGITALOCEAN_", "HCLOUD_", "OS_PASSWORD", "VAULT_")
-SECRET_NAMES: frozenset[str] = frozenset({
-    "DATABASE_URL", "REDIS_URL", "MONGODB_URI", "MONGO_URL", "AMQP_URL", "SENTRY_DSN", "KUBECONFIG",
-    "DOCKER_CONFIG", "DOCKER_AUTH_CONFIG", "NETRC", "PGPASSFILE", "SSH_AUTH_SOCK", "GPG_AGENT_INFO",
-    "MYSQL_PWD", "TWINE_USERNAME", "XAUTHORITY", "DBUS_SESSION_BUS_ADDRESS",
-})
+SECRET_PARTS: tuple[str, ...] = (
+    "TOKEN",
+    "SECRET",
+    "PASSWORD",
+    "PASSWD",
+    "PASSPHRASE",
+    "CREDENTIAL",
+    "APIKEY",
+    "PRIVATEKEY",
+    "WEBHOOK",
+)
+SECRET_WORDS: frozenset[str] = frozenset(
+    {"KEY", "KEYS", "PAT", "PWD", "PASS", "AUTH", "COOKIE", "COOKIES", "SESSION", "DSN", "OTP", "SALT"}
+)
+SECRET_PREFIXES: tuple[str, ...] = (
+    "AWS_",
+    "AZURE_",
+    "ARM_CLIENT_",
+    "GOOGLE_",
+    "GCLOUD_",
+    "CLOUDSDK_",
+    "GCP_",
+    "DIGITALOCEAN_",
+    "HCLOUD_",
+    "OS_PASSWORD",
+    "VAULT_",
+)
+SECRET_NAMES: frozenset[str] = frozenset(
+    {
+        "DATABASE_URL",
+        "REDIS_URL",
+        "MONGODB_URI",
+        "MONGO_URL",
+        "AMQP_URL",
+        "SENTRY_DSN",
+        "KUBECONFIG",
+        "DOCKER_CONFIG",
+        "DOCKER_AUTH_CONFIG",
+        "NETRC",
+        "PGPASSFILE",
+        "SSH_AUTH_SOCK",
+        "GPG_AGENT_INFO",
+        "MYSQL_PWD",
+        "TWINE_USERNAME",
+        "XAUTHORITY",
+        "DBUS_SESSION_BUS_ADDRESS",
+    }
+)
 # Needed by ordinary commands and never secret, whatever the patterns say.
-ENV_ALLOW: frozenset[str] = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TERM",
-                                       "TZ", "TMPDIR", "PWD", "COLUMNS", "LINES", "TOKENIZERS_PARALLELISM",
-                                       "XDG_SESSION_TYPE", "PYTHONHASHSEED"})
+ENV_ALLOW: frozenset[str] = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "LANG",
+        "LANGUAGE",
+        "TERM",
+        "TZ",
+        "TMPDIR",
+        "PWD",
+        "COLUMNS",
+        "LINES",
+        "TOKENIZERS_PARALLELISM",
+        "XDG_SESSION_TYPE",
+        "PYTHONHASHSEED",
+    }
+)
 
 
 def is_secret_name(name: str) -> bool:
@@ -81,26 +136,35 @@ def is_secret_name(name: str) -> bool:
     if upper in ENV_ALLOW or upper.startswith("LC_"):
         return False
     words = set(re.split(r"[_\d]+", upper))
-    return (upper in SECRET_NAMES or upper.startswith(SECRET_PREFIXES) or bool(words & SECRET_WORDS)
-            or any(part in upper for part in SECRET_PARTS))
+    return (
+        upper in SECRET_NAMES
+        or upper.startswith(SECRET_PREFIXES)
+        or bool(words & SECRET_WORDS)
+        or any(part in upper for part in SECRET_PARTS)
+    )
 
 
 # Values that are secrets whatever the variable is called (CI systems and wrappers pass tokens
 # under names of their own): credentials in a URL, webhook URLs (the URL is the secret), JWTs,
 # private keys, the fixed prefixes of common providers' tokens, and query parameters that carry a
 # key or signature. From the providers' documented token formats.
-SECRET_VALUE = re.compile("|".join((
-    r"\b[a-z][a-z0-9+.-]*://[^/\s:@]*:[^/\s@]+@",  # scheme://user:password@host
-    r"hooks\.slack\.com/|discord(?:app)?\.com/api/webhooks/|webhook\.office\.com/|outlook\.office\.com/webhook|"
-    r"hooks\.zapier\.com/|api\.telegram\.org/bot|maker\.ifttt\.com/trigger/|chat\.googleapis\.com/v1/spaces/",
-    r"[?&](?:[a-z_]*key|[a-z_]*token|secret|sig|signature|password|x-amz-signature|x-goog-signature)=[^&\s]{8,}",
-    r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.",  # a JWT: two base64url JSON objects
-    r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----|AGE-SECRET-KEY-1",
-    r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_\w{20,}|glpat-[\w-]{20,}|glptt-\w{20,}|xox[abposre]-[\w-]{10,}"
-    r"|xapp-[\w-]{10,}|sk-[\w-]{20,}|[sr]k_(?:live|test)_\w{16,}|A[KS]IA[0-9A-Z]{16}|AIza[\w-]{35}|hf_[A-Za-z0-9]{30,}"
-    r"|npm_[A-Za-z0-9]{36}|pypi-AgE[\w-]{20,}|SG\.[\w-]{16,}\.[\w-]{16,}|dop_v1_[0-9a-f]{40,}|shp(?:at|ss|ca)_\w{20,}"
-    r"|ya29\.[\w-]{20,}|dapi[0-9a-f]{32}|glc_[A-Za-z0-9+/=_-]{20,}|sq0(?:atp|csp)-[\w-]{20,})",
-)), re.IGNORECASE)
+SECRET_VALUE = re.compile(
+    "|".join(
+        (
+            r"\b[a-z][a-z0-9+.-]*://[^/\s:@]*:[^/\s@]+@",  # scheme://user:password@host
+            r"hooks\.slack\.com/|discord(?:app)?\.com/api/webhooks/|webhook\.office\.com/|outlook\.office\.com/webhook|"
+            r"hooks\.zapier\.com/|api\.telegram\.org/bot|maker\.ifttt\.com/trigger/|chat\.googleapis\.com/v1/spaces/",
+            r"[?&](?:[a-z_]*key|[a-z_]*token|secret|sig|signature|password|x-amz-signature|x-goog-signature)=[^&\s]{8,}",
+            r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.",  # a JWT: two base64url JSON objects
+            r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----|AGE-SECRET-KEY-1",
+            r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_\w{20,}|glpat-[\w-]{20,}|glptt-\w{20,}|xox[abposre]-[\w-]{10,}"
+            r"|xapp-[\w-]{10,}|sk-[\w-]{20,}|[sr]k_(?:live|test)_\w{16,}|A[KS]IA[0-9A-Z]{16}|AIza[\w-]{35}|hf_[A-Za-z0-9]{30,}"
+            r"|npm_[A-Za-z0-9]{36}|pypi-AgE[\w-]{20,}|SG\.[\w-]{16,}\.[\w-]{16,}|dop_v1_[0-9a-f]{40,}|shp(?:at|ss|ca)_\w{20,}"
+            r"|ya29\.[\w-]{20,}|dapi[0-9a-f]{32}|glc_[A-Za-z0-9+/=_-]{20,}|sq0(?:atp|csp)-[\w-]{20,})",
+        )
+    ),
+    re.IGNORECASE,
+)
 _OPAQUE = re.compile(r"[A-Za-z0-9+/=_.-]{32,}")
 
 
@@ -142,8 +206,9 @@ def _safe_path(value: str, workspace: str | os.PathLike[str] | None) -> str:
     return os.pathsep.join(keep)
 
 
-def scrub_env(env: Mapping[str, str] | None = None, *, allow: Iterable[str] = (),
-              workspace: str | os.PathLike[str] | None = None) -> dict[str, str]:
+def scrub_env(
+    env: Mapping[str, str] | None = None, *, allow: Iterable[str] = (), workspace: str | os.PathLike[str] | None = None
+) -> dict[str, str]:
     """A copy of `env` (default os.environ) without variables that look like secrets, except the
     names in `allow` (the user's `pass_env`), and with PATH made safe (see _safe_path)."""
     source = os.environ if env is None else env
@@ -159,13 +224,30 @@ def scrub_env(env: Mapping[str, str] | None = None, *, allow: Iterable[str] = ()
 # `git status` run it, and a planted bare repository (HEAD, config, objects/, refs/ written into the
 # workspace) is refused outright: git runs only a repository it was pointed at or a real `.git`.
 GIT_GUARD: tuple[tuple[str, str], ...] = (
-    ("safe.bareRepository", "explicit"), ("core.fsmonitor", "false"), ("core.hooksPath", "/dev/null"),
-    ("core.pager", "cat"), ("core.editor", "false"), ("sequence.editor", "false"),
+    ("safe.bareRepository", "explicit"),
+    ("core.fsmonitor", "false"),
+    ("core.hooksPath", "/dev/null"),
+    ("core.pager", "cat"),
+    ("core.editor", "false"),
+    ("sequence.editor", "false"),
 )
 # Inherited variables that would point git at another repository, config or program.
-_GIT_VARIABLES = ("GIT_DIR", "GIT_WORK_TREE", "GIT_COMMON_DIR", "GIT_INDEX_FILE", "GIT_OBJECT_DIRECTORY",
-                  "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_NAMESPACE", "GIT_EXEC_PATH", "GIT_PAGER", "GIT_EDITOR",
-                  "GIT_SEQUENCE_EDITOR", "GIT_EXTERNAL_DIFF", "GIT_CEILING_DIRECTORIES", "GIT_DISCOVERY_ACROSS_FILESYSTEM")
+_GIT_VARIABLES = (
+    "GIT_DIR",
+    "GIT_WORK_TREE",
+    "GIT_COMMON_DIR",
+    "GIT_INDEX_FILE",
+    "GIT_OBJECT_DIRECTORY",
+    "GIT_ALTERNATE_OBJECT_DIRECTORIES",
+    "GIT_NAMESPACE",
+    "GIT_EXEC_PATH",
+    "GIT_PAGER",
+    "GIT_EDITOR",
+    "GIT_SEQUENCE_EDITOR",
+    "GIT_EXTERNAL_DIFF",
+    "GIT_CEILING_DIRECTORIES",
+    "GIT_DISCOVERY_ACROSS_FILESYSTEM",
+)
 
 
 def guarded_env(env: dict[str, str]) -> dict[str, str]:
@@ -215,8 +297,10 @@ def _wipe_initial_environ() -> None:
 
 
 def clip_note(omitted: int) -> str:
-    return (f"\n<response clipped: {omitted} characters omitted from the middle; "
-            "narrow the command (grep, head, tail) to see the part you need>\n")
+    return (
+        f"\n<response clipped: {omitted} characters omitted from the middle; "
+        "narrow the command (grep, head, tail) to see the part you need>\n"
+    )
 
 
 def cap_text(text: str, limit: int = DEFAULT_MAX_OUTPUT) -> tuple[str, bool]:
@@ -253,7 +337,7 @@ class _Collector:
             self.head_len += min(room, len(s))
             s = s[room:]
         if s:
-            self.tail = (self.tail + s)[-(self.limit - half):]
+            self.tail = (self.tail + s)[-(self.limit - half) :]
 
     def _run(self) -> None:
         fd = self._stream.fileno()
@@ -389,10 +473,16 @@ def _cut(timeout: float | None) -> tuple[float | None, bool]:
     return (left, True) if timeout is None or left < timeout else (timeout, False)
 
 
-def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str] | None = None,
-                timeout: float | None = DEFAULT_TIMEOUT_S, max_output: int = DEFAULT_MAX_OUTPUT,
-                env: Mapping[str, str] | None = None, scrub: bool = True,
-                pass_env: Iterable[str] = ()) -> ToolResult:
+def run_command(
+    argv: Sequence[str],
+    *,
+    cwd: str | os.PathLike[str] | None = None,
+    timeout: float | None = DEFAULT_TIMEOUT_S,
+    max_output: int = DEFAULT_MAX_OUTPUT,
+    env: Mapping[str, str] | None = None,
+    scrub: bool = True,
+    pass_env: Iterable[str] = (),
+) -> ToolResult:
     """Run argv (no shell unless argv asks for one) and return its merged, capped output.
 
     On timeout the command gets SIGTERM, and everything it started SIGKILL half a second later.
@@ -409,15 +499,22 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str] | None = Non
     isolate = isolated()
     if _USE_REAPER and not isolate:
         _adopt_orphans()
-    launch = [sys.executable, "-I", "-S", REAPER, str(os.getpid()), "1" if isolate else "0", *argv] \
-        if _USE_REAPER else argv
+    launch = (
+        [sys.executable, "-I", "-S", REAPER, str(os.getpid()), "1" if isolate else "0", *argv] if _USE_REAPER else argv
+    )
     try:
-        proc = subprocess.Popen(launch, cwd=cwd, env=full_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            launch,
+            cwd=cwd,
+            env=full_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     except OSError as e:
         msg = f"cannot run {argv[0]!r}: {e.strerror or e}"
-        return ToolResult(False, msg, exit_code=None, duration_s=time.monotonic() - start, error=msg,
-                          status="error")
+        return ToolResult(False, msg, exit_code=None, duration_s=time.monotonic() - start, error=msg, status="error")
     since = _start_ticks(proc.pid) if _USE_REAPER else None
     collector = _Collector(proc.stdout, max_output)
     timed_out = False
@@ -446,19 +543,35 @@ def run_command(argv: Sequence[str], *, cwd: str | os.PathLike[str] | None = Non
     text, truncated = collector.text()
     code = proc.returncode
     if timed_out:
-        note = (f"[timed out after {timeout:g} s; the command and its child processes were killed]" if not by_deadline
-                else f"[stopped after {timeout:g} s at the run's time limit (--timeout); the command and its child "
-                     "processes were killed]")
+        note = (
+            f"[timed out after {timeout:g} s; the command and its child processes were killed]"
+            if not by_deadline
+            else f"[stopped after {timeout:g} s at the run's time limit (--timeout); the command and its child "
+            "processes were killed]"
+        )
         content = (text.rstrip("\n") + "\n" + note) if text else note
-        return ToolResult(False, content, exit_code=code, truncated=truncated, duration_s=duration,
-                          error=f"timed out after {timeout:g} s", status="timeout")
+        return ToolResult(
+            False,
+            content,
+            exit_code=code,
+            truncated=truncated,
+            duration_s=duration,
+            error=f"timed out after {timeout:g} s",
+            status="timeout",
+        )
     if code != 0:
         note = f"[exit code {code}]" if code >= 0 else f"[killed by signal {-code}]"
         content = (text.rstrip("\n") + "\n" + note) if text else note
-        return ToolResult(False, content, exit_code=code, truncated=truncated, duration_s=duration,
-                          error=note.strip("[]"), status="error")
-    return ToolResult(True, text if text else "(no output)", exit_code=0, truncated=truncated,
-                      duration_s=duration)
+        return ToolResult(
+            False,
+            content,
+            exit_code=code,
+            truncated=truncated,
+            duration_s=duration,
+            error=note.strip("[]"),
+            status="error",
+        )
+    return ToolResult(True, text if text else "(no output)", exit_code=0, truncated=truncated, duration_s=duration)
 
 
 @dataclass
@@ -472,8 +585,14 @@ class CommandRunner:
     pass_env: tuple[str, ...] = ()  # secret-looking variables the user lets commands see
 
     def run(self, argv: Sequence[str], *, timeout: float | None = None) -> ToolResult:
-        return run_command(argv, cwd=Path(self.cwd), timeout=self.timeout if timeout is None else timeout,
-                           max_output=self.max_output, env=self.env, pass_env=self.pass_env)
+        return run_command(
+            argv,
+            cwd=Path(self.cwd),
+            timeout=self.timeout if timeout is None else timeout,
+            max_output=self.max_output,
+            env=self.env,
+            pass_env=self.pass_env,
+        )
 
     def shell(self, command: str, *, timeout: float | None = None) -> ToolResult:
         return self.run(["/bin/sh", "-c", command], timeout=timeout)

@@ -6,6 +6,7 @@ leading out. So the file is opened by walking the *resolved* path from a descrip
 one component at a time with O_NOFOLLOW: the resolved path has no symlinks in it, so meeting one
 means it changed after the check, and the open is refused.
 """
+
 from __future__ import annotations
 
 import errno
@@ -22,12 +23,15 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
 
 def _changed(shown: str) -> PathRefused:
-    return PathRefused(f"path '{shown}' changed after it was checked (a component is now a symlink or is "
-                       "no longer a directory); not followed")
+    return PathRefused(
+        f"path '{shown}' changed after it was checked (a component is now a symlink or is "
+        "no longer a directory); not followed"
+    )
 
 
-def open_beneath(root: Path, resolved: Path, flags: int, *, shown: str, mode: int = 0o666,
-                 make_dirs: bool = False) -> int:
+def open_beneath(
+    root: Path, resolved: Path, flags: int, *, shown: str, mode: int = 0o666, make_dirs: bool = False
+) -> int:
     """A descriptor for `resolved` (inside `root`) opened with `flags`, walking from root with no
     symlink followed at any component. Non-blocking, so a FIFO or device never hangs the open."""
     parts = resolved.relative_to(root).parts
@@ -105,8 +109,14 @@ def read_bytes(root: Path, resolved: Path, shown: str, limit: int | None = None)
 
 
 @contextmanager
-def open_for_write(roots: list[Path], root: Path, resolved: Path, shown: str, *, create: bool,
-                   ) -> Iterator[int]:
+def open_for_write(
+    roots: list[Path],
+    root: Path,
+    resolved: Path,
+    shown: str,
+    *,
+    create: bool,
+) -> Iterator[int]:
     """A descriptor to rewrite `resolved`: no symlink followed, a regular file, and not a hard link
     to a file outside the workspace (writing it would change that file). Parent directories are
     made when `create`. The file is truncated only after those checks."""
@@ -122,9 +132,11 @@ def open_for_write(roots: list[Path], root: Path, resolved: Path, shown: str, *,
         if st.st_nlink > 1:
             inside = links_inside(roots, st)
             if inside < st.st_nlink:
-                raise PathRefused(f"{shown} is a hard link to a file with {st.st_nlink} names, "
-                                  f"{st.st_nlink - inside} of them outside the workspace; tools do not write "
-                                  "through it")
+                raise PathRefused(
+                    f"{shown} is a hard link to a file with {st.st_nlink} names, "
+                    f"{st.st_nlink - inside} of them outside the workspace; tools do not write "
+                    "through it"
+                )
         yield fd
     finally:
         os.close(fd)

@@ -13,6 +13,7 @@ metaschema (its patterns compiled by `regex`: a pattern Python's `re` cannot eve
 JSON pointers to a schema, and no loop of references that never descends into the value (a
 self-referencing `$ref` recursed until Python's stack ran out).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +30,19 @@ SEARCH_S = 0.1  # one pattern on one value
 BUDGET_S = 1.0  # every pattern of one validation together
 
 # Keys whose value is a schema, a list of schemas, or a map of name -> schema (Draft 2020-12).
-SCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
-               "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+SCHEMA_KEYS = (
+    "items",
+    "additionalProperties",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "additionalItems",
+)
 SCHEMA_LIST_KEYS = ("anyOf", "oneOf", "allOf", "prefixItems")
 SCHEMA_MAP_KEYS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 # Of those, the ones that apply to the same value (not to a part of it): a loop through these
@@ -112,6 +124,7 @@ def _verdict(pattern: str, text: str) -> bool | str:
 
 # -- the keywords that match (Draft 2020-12's meaning, this module's matching) -------------------
 
+
 def _pattern(validator, pattern, instance, schema):
     if not validator.is_type(instance, "string"):
         return
@@ -159,11 +172,13 @@ def _additional_properties(validator, extra_schema, instance, schema):
         names = ", ".join(repr(k) for k in sorted(extras, key=str))
         if patterns:
             verb = "does" if len(extras) == 1 else "do"
-            yield ValidationError(f"{names} {verb} not match any of the regexes: "
-                                  f"{', '.join(repr(p) for p in sorted(patterns))}")
+            yield ValidationError(
+                f"{names} {verb} not match any of the regexes: {', '.join(repr(p) for p in sorted(patterns))}"
+            )
         else:
-            yield ValidationError(f"Additional properties are not allowed ({names} "
-                                  f"{'was' if len(extras) == 1 else 'were'} unexpected)")
+            yield ValidationError(
+                f"Additional properties are not allowed ({names} {'was' if len(extras) == 1 else 'were'} unexpected)"
+            )
 
 
 def _format_regex(instance) -> bool:
@@ -173,12 +188,15 @@ def _format_regex(instance) -> bool:
 
 
 FORMAT_CHECKER = FormatChecker()
-FORMAT_CHECKER.checkers = {name: check for name, check in Draft202012Validator.FORMAT_CHECKER.checkers.items()
-                           if name != "regex"}
+FORMAT_CHECKER.checkers = {
+    name: check for name, check in Draft202012Validator.FORMAT_CHECKER.checkers.items() if name != "regex"
+}
 FORMAT_CHECKER.checks("regex", raises=PatternError)(_format_regex)
 
-Validator = validators.extend(Draft202012Validator, {
-    "pattern": _pattern, "patternProperties": _pattern_properties, "additionalProperties": _additional_properties})
+Validator = validators.extend(
+    Draft202012Validator,
+    {"pattern": _pattern, "patternProperties": _pattern_properties, "additionalProperties": _additional_properties},
+)
 
 
 def validator(schema: dict) -> Any:
@@ -210,17 +228,19 @@ def is_valid(schema: dict, instance) -> bool:
 
 def _short(text: str, limit: int = 400) -> str:
     """A message that quotes a client's or a model's text, cut to a readable length."""
-    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-(limit // 2 - 3):]}"  # (its end says what)
+    return text if len(text) <= limit else f"{text[: limit // 2]}...{text[-(limit // 2 - 3) :]}"  # (its end says what)
 
 
 # -- the schema itself --------------------------------------------------------------------------
+
 
 def check_schema(schema: dict) -> None:
     """Raise SchemaProblem unless `schema` is a Draft 2020-12 schema this module can use (see the
     module docstring)."""
     try:
-        error = best_match(Draft202012Validator(Draft202012Validator.META_SCHEMA,
-                                                format_checker=FORMAT_CHECKER).iter_errors(schema))
+        error = best_match(
+            Draft202012Validator(Draft202012Validator.META_SCHEMA, format_checker=FORMAT_CHECKER).iter_errors(schema)
+        )
     except RecursionError:
         raise SchemaProblem("it nests too deeply") from None
     if error is not None:
@@ -277,8 +297,9 @@ def _check_references(schema: dict) -> None:
             if ref is None:
                 continue
             if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-                raise SchemaProblem(f"{key} {str(ref)[:80]!r}: only references inside the schema (\"#/...\") are "
-                                    "taken", where)
+                raise SchemaProblem(
+                    f'{key} {str(ref)[:80]!r}: only references inside the schema ("#/...") are taken', where
+                )
             target = _normalise(ref)
             if target not in nodes:
                 raise SchemaProblem(f"{key} {ref[:80]!r} does not point to a schema in this document", where)
@@ -312,8 +333,9 @@ def _refuse_loops(edges: dict[str, list[str]]) -> None:
             node, children = stack[-1]
             for child in children:
                 if state.get(child) == 1:
-                    raise SchemaProblem("its references loop without descending into the value "
-                                        f"({child} refers back to itself)", child)
+                    raise SchemaProblem(
+                        f"its references loop without descending into the value ({child} refers back to itself)", child
+                    )
                 if not state.get(child):
                     state[child] = 1
                     stack.append((child, iter(edges.get(child, ()))))
@@ -323,5 +345,15 @@ def _refuse_loops(edges: dict[str, list[str]]) -> None:
                 stack.pop()
 
 
-__all__ = ["SchemaProblem", "PatternError", "SlowPattern", "budget", "check_schema",
-           "compile_pattern", "first_error", "is_valid", "search", "validator"]
+__all__ = [
+    "SchemaProblem",
+    "PatternError",
+    "SlowPattern",
+    "budget",
+    "check_schema",
+    "compile_pattern",
+    "first_error",
+    "is_valid",
+    "search",
+    "validator",
+]

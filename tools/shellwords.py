@@ -14,6 +14,7 @@ substitution; a shell that reads its commands from a pipe, a here-string or a fi
 `bash script.sh`, `. ./x`); an alias. Deny rules stay a convenience, not a sandbox: a program that
 runs another by its own means (`python -c`, `make`, `git` aliases) is matched as itself.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,49 +61,92 @@ def _w(values: str = "", long_values: str = "", words: int = 0, line: str = "", 
 # From each program's manual page. A wrapper missing here is matched as itself (its command is
 # not seen), so the table errs on the long side.
 WRAPPERS: dict[str, Wrapper] = {
-    "command": _w(), "builtin": _w(), "exec": _w("a"), "nohup": _w(), "setsid": _w(), "unbuffer": _w(),
+    "command": _w(),
+    "builtin": _w(),
+    "exec": _w("a"),
+    "nohup": _w(),
+    "setsid": _w(),
+    "unbuffer": _w(),
     "env": _w("uCS", "--unset --chdir --split-string", line="-S --split-string"),
-    "nice": _w("n", "--adjustment"), "time": _w("fo", "--format --output"),
-    "timeout": _w("sk", "--signal --kill-after", words=1), "stdbuf": _w("ioe", "--input --output --error"),
-    "sudo": _w("ugCDhprtUT", "--user --group --chdir --close-from --host --prompt --role --type --other-user "
-                              "--command-timeout"),
-    "doas": _w("uC"), "run0": _w("", "--user --group --unit --property --description --slice --chdir --setenv"),
-    "xargs": _w("InLPsdEa", "--max-args --max-procs --delimiter --arg-file --max-lines --max-chars --eof "
-                            "--process-slot-var"),
-    "busybox": _w(), "toybox": _w(), "chroot": _w("", "--userspec --groups", words=1),
-    "ionice": _w("cnpPu", "--class --classdata --pid --pgid --uid"), "chrt": _w("", words=1),
-    "taskset": _w("", words=1), "numactl": _w("CNmipP", "--cpunodebind --physcpubind --membind --interleave "
-                                                        "--preferred"),
-    "watch": _w("nqd", "--interval --differences"), "flock": _w("wEc", "--timeout --conflict-exit-code --command",
-                                                                words=1, line="-c --command"),
-    "strace": _w("eopsuaEIbOSXP", "--output --attach --string-limit --user --env --signal --trace --status "
-                                  "--decode-fds --columns"),
+    "nice": _w("n", "--adjustment"),
+    "time": _w("fo", "--format --output"),
+    "timeout": _w("sk", "--signal --kill-after", words=1),
+    "stdbuf": _w("ioe", "--input --output --error"),
+    "sudo": _w(
+        "ugCDhprtUT", "--user --group --chdir --close-from --host --prompt --role --type --other-user --command-timeout"
+    ),
+    "doas": _w("uC"),
+    "run0": _w("", "--user --group --unit --property --description --slice --chdir --setenv"),
+    "xargs": _w(
+        "InLPsdEa", "--max-args --max-procs --delimiter --arg-file --max-lines --max-chars --eof --process-slot-var"
+    ),
+    "busybox": _w(),
+    "toybox": _w(),
+    "chroot": _w("", "--userspec --groups", words=1),
+    "ionice": _w("cnpPu", "--class --classdata --pid --pgid --uid"),
+    "chrt": _w("", words=1),
+    "taskset": _w("", words=1),
+    "numactl": _w("CNmipP", "--cpunodebind --physcpubind --membind --interleave --preferred"),
+    "watch": _w("nqd", "--interval --differences"),
+    "flock": _w("wEc", "--timeout --conflict-exit-code --command", words=1, line="-c --command"),
+    "strace": _w(
+        "eopsuaEIbOSXP",
+        "--output --attach --string-limit --user --env --signal --trace --status --decode-fds --columns",
+    ),
     "ltrace": _w("aeEnoPpsSuxXFAD", "--output --align --indent --library --user"),
-    "valgrind": _w(), "perf": _w("eopCGtrcFjIm", "--event --output --pid --cpu --cgroup --tid --repeat", words=1),
-    "gdb": _w(after="--args"), "lldb": _w(after="--"), "catchsegv": _w(), "nocache": _w(), "eatmydata": _w(),
+    "valgrind": _w(),
+    "perf": _w("eopCGtrcFjIm", "--event --output --pid --cpu --cgroup --tid --repeat", words=1),
+    "gdb": _w(after="--args"),
+    "lldb": _w(after="--"),
+    "catchsegv": _w(),
+    "nocache": _w(),
+    "eatmydata": _w(),
     "su": _w("csg", "--command --shell --group --supp-group --whitelist-environment", line="-c --command"),
-    "runuser": _w("ugGcs", "--user --group --supp-group --command --shell --whitelist-environment",
-                  line="-c --command"),
+    "runuser": _w(
+        "ugGcs", "--user --group --supp-group --command --shell --whitelist-environment", line="-c --command"
+    ),
     "sg": _w("c", line="-c", words=1),
-    "setpriv": _w("", "--reuid --regid --groups --inh-caps --ambient-caps --bounding-set --securebits --pdeathsig "
-                      "--selinux-label --apparmor-profile --landlock-access --landlock-rule --seccomp-filter "
-                      "--ruid --euid --rgid --egid"),
-    "unshare": _w("SGRwC", "--map-user --map-group --map-users --map-groups --root --wd --setuid --setgid "
-                          "--propagation --kill-child --monotonic --boottime"),
+    "setpriv": _w(
+        "",
+        "--reuid --regid --groups --inh-caps --ambient-caps --bounding-set --securebits --pdeathsig "
+        "--selinux-label --apparmor-profile --landlock-access --landlock-rule --seccomp-filter "
+        "--ruid --euid --rgid --egid",
+    ),
+    "unshare": _w(
+        "SGRwC",
+        "--map-user --map-group --map-users --map-groups --root --wd --setuid --setgid "
+        "--propagation --kill-child --monotonic --boottime",
+    ),
     "nsenter": _w("tSGrwe", "--target --setuid --setgid --root --wd --env"),
-    "systemd-run": _w("pEuMHdt", "--property --setenv --unit --description --slice --uid --gid --machine --host "
-                                 "--working-directory --on-calendar --on-active --timer-property --path-property "
-                                 "--socket-property --nice --expand-environment"),
-    "script": _w("cEIOBTm", "--command --echo --log-in --log-out --log-io --log-timing --logging-format",
-                 line="-c --command"),
+    "systemd-run": _w(
+        "pEuMHdt",
+        "--property --setenv --unit --description --slice --uid --gid --machine --host "
+        "--working-directory --on-calendar --on-active --timer-property --path-property "
+        "--socket-property --nice --expand-environment",
+    ),
+    "script": _w(
+        "cEIOBTm", "--command --echo --log-in --log-out --log-io --log-timing --logging-format", line="-c --command"
+    ),
     "parallel": _w("jSPnN", "--jobs --sshlogin --max-args --delay --timeout --joblog --results --tmpdir"),
-    "fakeroot": _w("sil", "--lib --faked"), "xvfb-run": _w("nsfpe", "--server-num --server-args --auth-file "
-                                                                    "--xauth-protocol --error-file"),
-    "firejail": _w(), "bwrap": _w("", "--chdir --unsetenv --uid --gid --hostname --dev --proc --tmpfs --dir "
-                                      "--remount-ro --exec-label --file-label --cap-add --cap-drop --info-fd"),
-    "proxychains": _w("f"), "proxychains4": _w("f"), "torsocks": _w("uapP"), "cpulimit": _w("lpe", "--limit --pid"),
-    "caffeinate": _w("tw"), "dbus-run-session": _w("", "--config-file --dbus-daemon"), "dbus-launch": _w(),
-    "ssh-agent": _w("aEPt"), "with-lock-ex": _w(words=1), "tsp": _w("LND"), "expect": _w("cf", line="-c"),
+    "fakeroot": _w("sil", "--lib --faked"),
+    "xvfb-run": _w("nsfpe", "--server-num --server-args --auth-file --xauth-protocol --error-file"),
+    "firejail": _w(),
+    "bwrap": _w(
+        "",
+        "--chdir --unsetenv --uid --gid --hostname --dev --proc --tmpfs --dir "
+        "--remount-ro --exec-label --file-label --cap-add --cap-drop --info-fd",
+    ),
+    "proxychains": _w("f"),
+    "proxychains4": _w("f"),
+    "torsocks": _w("uapP"),
+    "cpulimit": _w("lpe", "--limit --pid"),
+    "caffeinate": _w("tw"),
+    "dbus-run-session": _w("", "--config-file --dbus-daemon"),
+    "dbus-launch": _w(),
+    "ssh-agent": _w("aEPt"),
+    "with-lock-ex": _w(words=1),
+    "tsp": _w("LND"),
+    "expect": _w("cf", line="-c"),
 }
 # Behind a wrapper, how many of its words are tried as the program (its options and their values
 # come first; a word further on is an argument of whatever runs), and how many words each keeps.
@@ -181,7 +225,7 @@ def _wrapper_options(spec: Wrapper, words: list[str]) -> tuple[int, list[str]]:
             i += 1
             for k, letter in enumerate(w[1:], 1):
                 if letter in spec.values:
-                    value = w[k + 1:]
+                    value = w[k + 1 :]
                     if not value and i < len(words):
                         value = words[i]
                         i += 1
@@ -274,7 +318,7 @@ def commands(line: str, _depth: int = 0) -> list[SimpleCommand] | None:
                 if not w.startswith("-") and not _ASSIGNMENT.match(w) and w not in ("--", ":::"):
                     if re.search(r"\s", w):
                         follow(w, guess=True)
-                    out.append(SimpleCommand(tuple(tail[k:k + _GUESS_WORDS]), os.path.basename(w), True, guess=True))
+                    out.append(SimpleCommand(tuple(tail[k : k + _GUESS_WORDS]), os.path.basename(w), True, guess=True))
             if wrapper == "watch" and words:  # watch runs its arguments through sh -c
                 follow(" ".join(words), guess=True)
         if not words:
@@ -299,7 +343,7 @@ def commands(line: str, _depth: int = 0) -> list[SimpleCommand] | None:
             actions = _FIND_EXEC if name == "find" else _FD_EXEC
             for i, w in enumerate(words):
                 if w in actions:
-                    rest = words[i + 1:]
+                    rest = words[i + 1 :]
                     end = next((j for j, x in enumerate(rest) if x in (";", "+", "\\;")), len(rest))
                     inner = " ".join(shlex.quote(x) for x in rest[:end])
                     if not follow(inner):

@@ -6,27 +6,92 @@ The table is data, from each program's manual page (git-diff(1), git(1), find(1)
 rg(1), rsync(1), curl(1), wget(1), zip(1), sed(1), ssh(1)); a program not listed here is matched by
 its allow rule alone, and docs/security.md says so.
 """
+
 from __future__ import annotations
 
 import os
 
 SIDE_EFFECT_OPTIONS: dict[str, frozenset[str]] = {
     # git: write files, run programs, or point git at another repository or config
-    "git": frozenset({"--output", "--output-directory", "-o", "--ext-diff", "--exec", "-x", "--upload-pack",
-                      "--receive-pack", "--config-env", "-c", "-C", "--git-dir", "--work-tree", "--exec-path",
-                      "--namespace", "--no-index", "--open-files-in-pager", "-O", "--extcmd", "--tool", "-t",
-                      "--template", "--separate-git-dir", "--run", "--pager"}),
+    "git": frozenset(
+        {
+            "--output",
+            "--output-directory",
+            "-o",
+            "--ext-diff",
+            "--exec",
+            "-x",
+            "--upload-pack",
+            "--receive-pack",
+            "--config-env",
+            "-c",
+            "-C",
+            "--git-dir",
+            "--work-tree",
+            "--exec-path",
+            "--namespace",
+            "--no-index",
+            "--open-files-in-pager",
+            "-O",
+            "--extcmd",
+            "--tool",
+            "-t",
+            "--template",
+            "--separate-git-dir",
+            "--run",
+            "--pager",
+        }
+    ),
     "find": frozenset({"-exec", "-execdir", "-ok", "-okdir", "-delete", "-fprint", "-fprint0", "-fprintf", "-fls"}),
     "sort": frozenset({"-o", "--output", "--compress-program"}),
     "sed": frozenset({"-i", "--in-place"}),
-    "tar": frozenset({"--to-command", "--checkpoint-action", "--use-compress-program", "-I", "--info-script", "-F",
-                      "--new-volume-script", "--rsh-command", "--rmt-command"}),
+    "tar": frozenset(
+        {
+            "--to-command",
+            "--checkpoint-action",
+            "--use-compress-program",
+            "-I",
+            "--info-script",
+            "-F",
+            "--new-volume-script",
+            "--rsh-command",
+            "--rmt-command",
+        }
+    ),
     "rg": frozenset({"--pre"}),
     "rsync": frozenset({"-e", "--rsh", "--rsync-path"}),
-    "curl": frozenset({"-o", "--output", "-O", "--remote-name", "--remote-name-all", "-K", "--config", "-T",
-                       "--upload-file", "--output-dir", "-D", "--dump-header", "-c", "--cookie-jar"}),
-    "wget": frozenset({"-O", "--output-document", "-o", "--output-file", "-P", "--directory-prefix", "-i",
-                       "--input-file", "-a", "--append-output"}),
+    "curl": frozenset(
+        {
+            "-o",
+            "--output",
+            "-O",
+            "--remote-name",
+            "--remote-name-all",
+            "-K",
+            "--config",
+            "-T",
+            "--upload-file",
+            "--output-dir",
+            "-D",
+            "--dump-header",
+            "-c",
+            "--cookie-jar",
+        }
+    ),
+    "wget": frozenset(
+        {
+            "-O",
+            "--output-document",
+            "-o",
+            "--output-file",
+            "-P",
+            "--directory-prefix",
+            "-i",
+            "--input-file",
+            "-a",
+            "--append-output",
+        }
+    ),
     "zip": frozenset({"-T", "--test", "-TT", "--unzip-command"}),
     "ssh": frozenset({"-o", "-F"}),
     "less": frozenset({"-o", "--log-file", "-O", "--LOG-FILE"}),

@@ -48,6 +48,7 @@ or after it (a call shown as an example), several objects, an unknown tool, argu
 the schema, or no tools to check against. Such a reply is held back like plain_json's while it
 may still be one.
 """
+
 from __future__ import annotations
 
 import json
@@ -101,7 +102,7 @@ def _maybe_bare_call(s: str) -> bool:
         return True
     m = _FENCE_OPEN.match(s)
     if m:
-        s = s[m.end():].lstrip(" \t\r\n")
+        s = s[m.end() :].lstrip(" \t\r\n")
         if not s:
             return True
     if s[0] == "[":
@@ -132,7 +133,7 @@ def _maybe_bare_calls(s: str, several: bool = True) -> bool:
     body = s
     m = _FENCE_OPEN.match(body)
     if m:
-        body = body[m.end():].lstrip(" \t\r\n")
+        body = body[m.end() :].lstrip(" \t\r\n")
     while True:
         try:
             _, end = _DECODER.raw_decode(body)
@@ -194,10 +195,18 @@ class TextState:
     one pair first). `tools` is only used to decide held-back bare JSON replies (plain_json).
     """
 
-    def __init__(self, parser: ModuleType | None = None, *, tool_call_start: str | None = None,
-                 tool_call_end: str | None = None, think_start: str | None = THINK_START,
-                 think_end: str | None = THINK_END, in_reasoning: bool | str = False, tools: Any = None,
-                 think_pairs: tuple[tuple[str, str], ...] | None = None) -> None:
+    def __init__(
+        self,
+        parser: ModuleType | None = None,
+        *,
+        tool_call_start: str | None = None,
+        tool_call_end: str | None = None,
+        think_start: str | None = THINK_START,
+        think_end: str | None = THINK_END,
+        in_reasoning: bool | str = False,
+        tools: Any = None,
+        think_pairs: tuple[tuple[str, str], ...] | None = None,
+    ) -> None:
         self.parser = parser
         if tool_call_start is not None:
             starts: tuple[str, ...] = (tool_call_start,)
@@ -207,8 +216,9 @@ class TextState:
         self.tool_start = self.tool_starts[0] if self.tool_starts else ""
         self.tool_end = tool_call_end if tool_call_end is not None else getattr(parser, "tool_call_end", "")
         # Where the parser finds a call's end by its structure (only with the parser's own markers).
-        self._find_end = (getattr(parser, "find_call_end", None)
-                          if tool_call_start is None and tool_call_end is None else None)
+        self._find_end = (
+            getattr(parser, "find_call_end", None) if tool_call_start is None and tool_call_end is None else None
+        )
         self._end_tags = tuple(getattr(parser, "call_end_tags", ()) or (self.tool_end or ">",))
         pairs = list(think_pairs if think_pairs is not None else REASONING_MARKERS)
         if think_start and think_end:
@@ -367,8 +377,8 @@ class TextState:
             if m.end() == len(buf) and not self.finished:
                 return False  # the run may still grow
             if len(m.group()) == n:
-                self._buf, self._inline = buf[m.end():], ""
-                self._emit_text(buf[:m.end()], out)
+                self._buf, self._inline = buf[m.end() :], ""
+                self._emit_text(buf[: m.end()], out)
                 return True
         if nl >= 0 or self.finished:
             self._inline = ""  # never closed on its line: the backticks were text
@@ -420,8 +430,7 @@ class TextState:
         if not self.finished:
             lo = max(0, seen - max(map(len, self._end_tags)) + 1)
             tail = self._body[:seen].rstrip()
-            if not (any(t in self._body[lo:] for t in self._end_tags)
-                    or any(tail.endswith(t) for t in self._end_tags)):
+            if not (any(t in self._body[lo:] for t in self._end_tags) or any(tail.endswith(t) for t in self._end_tags)):
                 return False
         end = self._find_end(self._body, self._opener)
         if end < 0 and self.finished:
@@ -496,11 +505,11 @@ class TextState:
                         break
                     continue
                 if self.state == _TEXT and m in (_COMMENT_OPEN, _COMMENT_CLOSE):
-                    self._buf = self._buf[len(m):]
+                    self._buf = self._buf[len(m) :]
                     self._emit_text(m, out)
                     self._comment = m == _COMMENT_OPEN
                     continue
-                self._buf = self._buf[len(m):]
+                self._buf = self._buf[len(m) :]
                 self._transition(m, out)
                 continue
             if self.finished:
@@ -508,8 +517,8 @@ class TextState:
                 self._buf = ""
                 break
             keep = self._held_suffix(self._buf, markers)
-            self._emit(self._buf[:len(self._buf) - keep], out)
-            self._buf = self._buf[len(self._buf) - keep:]
+            self._emit(self._buf[: len(self._buf) - keep], out)
+            self._buf = self._buf[len(self._buf) - keep :]
             break
 
     def finish(self) -> list[Segment]:

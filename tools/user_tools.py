@@ -31,6 +31,7 @@ Google-style "Args:" section the parameter descriptions. A function declares its
 `Risk: read` line in its docstring, or a `risk` attribute; one that declares none is "exec", the
 safe default (it always asks), and the approval question says how to declare it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -62,13 +63,15 @@ def _parse_template(path: str, tool: str, item: str) -> list[str | tuple[str]]:
     pos = 0
     for m in _PLACEHOLDER.finditer(item):
         if m.start() > pos:
-            parts.append(item[pos:m.start()])
+            parts.append(item[pos : m.start()])
         tok = m.group(0)
         if tok in ("{{", "}}"):
             parts.append(tok[0])
         elif tok in ("{", "}"):
-            raise ToolFileError(path, f"tool '{tool}': unbalanced brace in command item {item!r} "
-                                      "(write {{ or }} for a literal brace)")
+            raise ToolFileError(
+                path,
+                f"tool '{tool}': unbalanced brace in command item {item!r} (write {{{{ or }}}} for a literal brace)",
+            )
         else:
             name = (m.group(1) or "").strip()
             if not re.match(r"^[A-Za-z_][A-Za-z0-9_-]*$", name):
@@ -92,8 +95,9 @@ def _arg_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def fill_command(template: list[list[str | tuple[str]]], arguments: dict[str, Any],
-                 defaults: dict[str, Any]) -> list[str]:
+def fill_command(
+    template: list[list[str | tuple[str]]], arguments: dict[str, Any], defaults: dict[str, Any]
+) -> list[str]:
     """The argv for one call: placeholders replaced by argument text, items with absent args dropped."""
     argv: list[str] = []
     for parts in template:
@@ -116,8 +120,9 @@ def fill_command(template: list[list[str | tuple[str]]], arguments: dict[str, An
     return argv
 
 
-def _filled_item(parts: list[str | tuple[str]], arguments: dict[str, Any],
-                 defaults: dict[str, Any]) -> tuple[str, str | None]:
+def _filled_item(
+    parts: list[str | tuple[str]], arguments: dict[str, Any], defaults: dict[str, Any]
+) -> tuple[str, str | None]:
     """An argv item as it will be filled, and the argument its first character comes from (None
     when it comes from the definition itself: a literal or a default)."""
     text, source = "", None
@@ -133,8 +138,13 @@ def _filled_item(parts: list[str | tuple[str]], arguments: dict[str, Any],
     return text, source
 
 
-def option_injection(template: list[list[str | tuple[str]]], arguments: dict[str, Any],
-                     defaults: dict[str, Any], *, allow_leading_at: bool = False) -> str | None:
+def option_injection(
+    template: list[list[str | tuple[str]]],
+    arguments: dict[str, Any],
+    defaults: dict[str, Any],
+    *,
+    allow_leading_at: bool = False,
+) -> str | None:
     """A refusal when an argv item, filled, would start with a '-' or an '@' that a model's value
     put there: the program would read it as an option (`sort {file}` given `-o/elsewhere` writes
     there; `{dir}{name}` with dir empty is the same) or as a response file (gcc, clang, binutils,
@@ -152,12 +162,16 @@ def option_injection(template: list[list[str | tuple[str]]], arguments: dict[str
             continue
         shown = text if len(text) <= 60 else text[:59] + "…"
         if text.startswith("-") and not operands:
-            return (f"the value {shown!r} of '{source}' would be read as an option by {_literal(template[0])}; "
-                    "give a value that does not start with '-' (for a file, write ./ in front of its name)")
+            return (
+                f"the value {shown!r} of '{source}' would be read as an option by {_literal(template[0])}; "
+                "give a value that does not start with '-' (for a file, write ./ in front of its name)"
+            )
         if text.startswith("@") and not allow_leading_at:
-            return (f"the value {shown!r} of '{source}' would make {_literal(template[0])} read its options from "
-                    "a file (a response file, @FILE); give a value that does not start with '@' (for a file, "
-                    "write ./ in front of its name)")
+            return (
+                f"the value {shown!r} of '{source}' would make {_literal(template[0])} read its options from "
+                "a file (a response file, @FILE); give a value that does not start with '@' (for a file, "
+                "write ./ in front of its name)"
+            )
     return None
 
 
@@ -169,14 +183,20 @@ def option_injection(template: list[list[str | tuple[str]]], arguments: dict[str
 # long ones, whether the first operand is the code unless an option gave it or named a file,
 # options naming a code file, other short options that take a value)}.
 _INTERPRETERS: dict[str, tuple[str, frozenset[str], bool, str, str]] = {
-    "python": ("c", frozenset(), False, "", "WXmQ"), "pypy": ("c", frozenset(), False, "", "WXm"),
-    "perl": ("eE", frozenset(), False, "", "IMmx"), "ruby": ("e", frozenset(), False, "", "IrCEFx"),
+    "python": ("c", frozenset(), False, "", "WXmQ"),
+    "pypy": ("c", frozenset(), False, "", "WXm"),
+    "perl": ("eE", frozenset(), False, "", "IMmx"),
+    "ruby": ("e", frozenset(), False, "", "IrCEFx"),
     "node": ("ep", frozenset({"--eval", "--print"}), False, "", "r"),
     "bun": ("e", frozenset({"--eval"}), False, "", ""),
-    "php": ("rBRE", frozenset(), False, "", "cdz"), "lua": ("e", frozenset(), False, "", "l"),
-    "luajit": ("e", frozenset(), False, "", "lj"), "rscript": ("e", frozenset(), False, "", ""),
-    "osascript": ("e", frozenset(), False, "", "sl"), "tclsh": ("", frozenset(), False, "", ""),
-    "awk": ("e", frozenset({"--source"}), True, "f", "Fvi"), "sed": ("e", frozenset({"--expression"}), True, "f", "l"),
+    "php": ("rBRE", frozenset(), False, "", "cdz"),
+    "lua": ("e", frozenset(), False, "", "l"),
+    "luajit": ("e", frozenset(), False, "", "lj"),
+    "rscript": ("e", frozenset(), False, "", ""),
+    "osascript": ("e", frozenset(), False, "", "sl"),
+    "tclsh": ("", frozenset(), False, "", ""),
+    "awk": ("e", frozenset({"--source"}), True, "f", "Fvi"),
+    "sed": ("e", frozenset({"--expression"}), True, "f", "l"),
 }
 _ALIASES = {"nodejs": "node", "gawk": "awk", "mawk": "awk", "nawk": "awk", "gsed": "sed", "perl5": "perl"}
 
@@ -221,10 +241,10 @@ def _code_items(words: list[str]) -> list[int]:
         for k, letter in enumerate(w[1:], 1):
             if letter in short or letter in files or letter in values:
                 if letter in short:
-                    found.append(offset + (i - 1 if w[k + 1:] else i))
+                    found.append(offset + (i - 1 if w[k + 1 :] else i))
                 if letter in files:
                     first_operand = False
-                if not w[k + 1:]:
+                if not w[k + 1 :]:
                     i += 1
                 break
     if first_operand and not found and i < len(rest):
@@ -244,9 +264,11 @@ def script_problem(template: list[list[str | tuple[str]]], raw: list[str]) -> st
     for i in [*_code_items(raw), *(j for j, w in enumerate(raw) if w in lines)]:
         if placeholders[i]:
             program = os.path.basename(rest[0]) if rest else raw[0]
-            return (f"command item {raw[i]!r} is a script that {program} runs, and a placeholder in it would let the "
-                    "model write code; pass the value as a positional argument instead (e.g. [\"sh\", \"-c\", "
-                    "'wc -l \"$1\"', \"sh\", \"{file}\"]), or to a script file")
+            return (
+                f"command item {raw[i]!r} is a script that {program} runs, and a placeholder in it would let the "
+                'model write code; pass the value as a positional argument instead (e.g. ["sh", "-c", '
+                '\'wc -l "$1"\', "sh", "{file}"]), or to a script file'
+            )
     return None
 
 
@@ -260,7 +282,7 @@ def _command_tool(path: str, obj: Any, index: int, runner: CommandRunner) -> Too
         raise ToolFileError(path, f"{where} is a {type(obj).__name__}, expected an object")
     fn = obj.get("function") if obj.get("type", "function") == "function" and "function" in obj else obj
     if not isinstance(fn, dict):
-        raise ToolFileError(path, f"{where}: \"function\" must be an object")
+        raise ToolFileError(path, f'{where}: "function" must be an object')
     name = fn.get("name")
     if not isinstance(name, str) or not name:
         raise ToolFileError(path, f"{where} has no name")
@@ -270,10 +292,12 @@ def _command_tool(path: str, obj: Any, index: int, runner: CommandRunner) -> Too
         raise ToolFileError(path, f"{where}: parameters must be a JSON Schema object")
     props = params.get("properties") or {}
     command = obj.get("command", fn.get("command"))
-    if (not isinstance(command, list) or not command
-            or not all(isinstance(c, (str, int, float)) and not isinstance(c, bool) for c in command)):
-        raise ToolFileError(path, f"{where}: \"command\" must be a non-empty list of strings (an argv, "
-                                  "not a shell line)")
+    if (
+        not isinstance(command, list)
+        or not command
+        or not all(isinstance(c, (str, int, float)) and not isinstance(c, bool) for c in command)
+    ):
+        raise ToolFileError(path, f'{where}: "command" must be a non-empty list of strings (an argv, not a shell line)')
     template = [_parse_template(path, name, str(c)) for c in command]
     if any(isinstance(p, tuple) for p in template[0]):
         raise ToolFileError(path, f"{where}: the program (command[0]) must be fixed, not a placeholder")
@@ -282,19 +306,20 @@ def _command_tool(path: str, obj: Any, index: int, runner: CommandRunner) -> Too
         raise ToolFileError(path, f"{where}: {problem}")
     allow_at = obj.get("allow_leading_at", False)
     if not isinstance(allow_at, bool):
-        raise ToolFileError(path, f"{where}: \"allow_leading_at\" must be true or false")
+        raise ToolFileError(path, f'{where}: "allow_leading_at" must be true or false')
     for parts in template:
         for p in parts:
             if isinstance(p, tuple) and p[0] not in props:
-                raise ToolFileError(path, f"{where}: placeholder {{{p[0]}}} is not one of its parameters "
-                                          f"({', '.join(props) or 'none'})")
+                raise ToolFileError(
+                    path, f"{where}: placeholder {{{p[0]}}} is not one of its parameters ({', '.join(props) or 'none'})"
+                )
     defaults = {k: v["default"] for k, v in props.items() if isinstance(v, dict) and "default" in v}
     paths = obj.get("paths", [])
     if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-        raise ToolFileError(path, f"{where}: \"paths\" must be a list of parameter names")
+        raise ToolFileError(path, f'{where}: "paths" must be a list of parameter names')
     timeout = obj.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ToolFileError(path, f"{where}: \"timeout\" must be a positive number of seconds")
+        raise ToolFileError(path, f'{where}: "timeout" must be a positive number of seconds')
 
     def run(**arguments: Any) -> ToolResult:
         return runner.run(fill_command(template, arguments, defaults), timeout=timeout)
@@ -303,8 +328,18 @@ def _command_tool(path: str, obj: Any, index: int, runner: CommandRunner) -> Too
         return option_injection(template, arguments, defaults, allow_leading_at=allow_at)
 
     try:
-        return Tool(name, str(fn.get("description", "")), params, run, "exec", path_args=tuple(paths), source=path,
-                    check=check, self_limited=True, resolved_paths=True)
+        return Tool(
+            name,
+            str(fn.get("description", "")),
+            params,
+            run,
+            "exec",
+            path_args=tuple(paths),
+            source=path,
+            check=check,
+            self_limited=True,
+            resolved_paths=True,
+        )
     except ToolDefinitionError as e:
         raise ToolFileError(path, str(e).replace(f" ({path})", "")) from None
 
@@ -318,7 +353,9 @@ def load_tool_file(path: str | os.PathLike[str], runner: CommandRunner | None = 
     except FileNotFoundError:
         raise ToolFileError(shown, "no such file") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ToolFileError(shown, f"cannot read: {e.strerror if isinstance(e, OSError) and e.strerror else e}") from None
+        raise ToolFileError(
+            shown, f"cannot read: {e.strerror if isinstance(e, OSError) and e.strerror else e}"
+        ) from None
     try:
         return _tools_from_text(p, shown, text, runner)
     except RecursionError:
@@ -364,7 +401,7 @@ def _tools_from_text(p: Path, shown: str, text: str, runner: CommandRunner | Non
     if isinstance(data, dict) and "tools" in data:
         data = data["tools"]
     if not isinstance(data, list):
-        raise ToolFileError(shown, "expected a list of tool objects (or {\"tools\": [...]})")
+        raise ToolFileError(shown, 'expected a list of tool objects (or {"tools": [...]})')
     runner = runner or CommandRunner()
     tools = [_command_tool(shown, obj, i, runner) for i, obj in enumerate(data)]
     names = [t.name for t in tools]
@@ -406,8 +443,20 @@ def schema_for_type(hint: Any) -> dict[str, Any]:
         if not all(isinstance(v, (str, int, float, bool)) or v is None for v in values):
             raise TypeError(f"Literal values must be str, int, float, bool or None: {hint!r}")
         schema: dict[str, Any] = {"enum": values}
-        kinds = {("boolean" if isinstance(v, bool) else "integer" if isinstance(v, int) else
-                  "number" if isinstance(v, float) else "null" if v is None else "string") for v in values}
+        kinds = {
+            (
+                "boolean"
+                if isinstance(v, bool)
+                else "integer"
+                if isinstance(v, int)
+                else "number"
+                if isinstance(v, float)
+                else "null"
+                if v is None
+                else "string"
+            )
+            for v in values
+        }
         if len(kinds) == 1:
             schema = {"type": kinds.pop(), "enum": values}
         return schema
@@ -436,8 +485,10 @@ def schema_for_type(hint: Any) -> dict[str, Any]:
     raise TypeError(f"unsupported type hint {shown}")
 
 
-_SECTION = re.compile(r"^(Args|Arguments|Parameters|Params|Returns|Return|Yields|Raises|Examples?|Notes?|"
-                      r"Attributes|See Also|Warnings?|Todo)\s*:\s*$")
+_SECTION = re.compile(
+    r"^(Args|Arguments|Parameters|Params|Returns|Return|Yields|Raises|Examples?|Notes?|"
+    r"Attributes|See Also|Warnings?|Todo)\s*:\s*$"
+)
 _ARG_LINE = re.compile(r"^\*{0,2}([A-Za-z_][A-Za-z0-9_]*)\s*(?:\(([^)]*)\))?\s*:\s*(.*)$")
 
 
@@ -481,9 +532,11 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
 _RISK_LINE = re.compile(r"^[ \t]*Risk[ \t]*:[ \t]*(\S*)[ \t]*$\n?", re.MULTILINE | re.IGNORECASE)
 
 # Where the approval question tells the user how to declare a risk (tools/executor.py).
-DECLARE_RISK_HINT = ('it declares no risk, so it is treated as one that runs commands; if it only reads, '
-                     'declare it with @risk("read") (from tools.user_tools import risk) or a "Risk: read" '
-                     'line in its docstring (or "write")')
+DECLARE_RISK_HINT = (
+    "it declares no risk, so it is treated as one that runs commands; if it only reads, "
+    'declare it with @risk("read") (from tools.user_tools import risk) or a "Risk: read" '
+    'line in its docstring (or "write")'
+)
 
 
 def risk(level: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -506,7 +559,7 @@ def _docstring_risk(doc: str | None) -> tuple[str | None, str | None]:
     m = _RISK_LINE.search(doc)
     if m is None:
         return doc, None
-    return doc[:m.start()] + doc[m.end():], m.group(1).strip().lower()
+    return doc[: m.start()] + doc[m.end() :], m.group(1).strip().lower()
 
 
 def tool_from_function(fn: Callable[..., Any], *, risk: str | None = None, source: str = "") -> Tool:
@@ -590,8 +643,11 @@ def load_python_tools(path: str | os.PathLike[str], *, risk: str | None = None) 
             verb = "is" if len(missing) == 1 else "are"
             raise ToolFileError(shown, f"__all__ names {', '.join(missing)}, which {verb} not a function")
     else:
-        names = [n for n, v in vars(module).items()
-                 if inspect.isfunction(v) and v.__module__ == modname and not n.startswith("_")]
+        names = [
+            n
+            for n, v in vars(module).items()
+            if inspect.isfunction(v) and v.__module__ == modname and not n.startswith("_")
+        ]
     if not names:
         raise ToolFileError(shown, "defines no public top-level functions")
     tools: list[Tool] = []

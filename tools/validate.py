@@ -2,6 +2,7 @@
 
 Every message here is written for the model: one line saying what is wrong and where.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,7 @@ from flashmoe.tools import safe_schema
 from flashmoe.tools.calls import MAX_ARGUMENT_CHARS, ToolCall, argument_problem
 from flashmoe.tools.registry import Tool, ToolRegistry
 
-BACKSLASH_QUOTES = ("the arguments use backslashes where JSON needs double quotes "
-                    "(a known low-bit quantization failure)")
+BACKSLASH_QUOTES = "the arguments use backslashes where JSON needs double quotes (a known low-bit quantization failure)"
 
 _validators: weakref.WeakKeyDictionary[Tool, Any] = weakref.WeakKeyDictionary()
 
@@ -84,8 +84,14 @@ def _decode(text: str) -> tuple[Any, str | None, bool]:
 
 
 def _kind_of(value: Any) -> str:
-    return {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
-            type(None): "null"}.get(type(value), type(value).__name__)
+    return {
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        int: "a number",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
 
 
 def check_call(call: ToolCall, registry: ToolRegistry) -> Verdict:
@@ -104,18 +110,24 @@ def check_call(call: ToolCall, registry: ToolRegistry) -> Verdict:
         if backslash:
             return _backslash_verdict(tool, call.arguments_text)
         if err is not None:
-            return Verdict(False, None, f"malformed JSON in the arguments for '{tool.name}': {err}",
-                           kind="malformed-json")
+            return Verdict(
+                False, None, f"malformed JSON in the arguments for '{tool.name}': {err}", kind="malformed-json"
+            )
         if call.error is not None and looks_backslash_quoted(call.raw):
             # The envelope used backslashes for quotes and the parser salvaged the name and
             # arguments: still the low-bit failure, so name it (the call may run repaired).
             return _backslash_verdict(tool, repair_backslash_quotes(call.arguments_text) or "{}")
     else:
-        return Verdict(False, None, f"could not parse the tool call to '{tool.name}': "
-                                    f"{call.error or 'no arguments'}", kind="parse")
+        return Verdict(
+            False, None, f"could not parse the tool call to '{tool.name}': {call.error or 'no arguments'}", kind="parse"
+        )
     if not isinstance(value, dict):
-        return Verdict(False, None, f"the arguments for '{tool.name}' must be a JSON object, not {_kind_of(value)}",
-                       kind="not-object")
+        return Verdict(
+            False,
+            None,
+            f"the arguments for '{tool.name}' must be a JSON object, not {_kind_of(value)}",
+            kind="not-object",
+        )
     junk = argument_problem(value)
     if junk is not None:
         return Verdict(False, None, f"unusable arguments for '{tool.name}': {junk}", kind="junk")
@@ -136,8 +148,12 @@ def _backslash_verdict(tool: Tool, text: str) -> Verdict:
         return Verdict(False, None, base, kind="backslash-quotes")
     problem = schema_error(tool, value)
     if problem is not None:
-        return Verdict(False, None, f"{base}; with double quotes instead they are still invalid: {problem}",
-                       kind="backslash-quotes")
+        return Verdict(
+            False,
+            None,
+            f"{base}; with double quotes instead they are still invalid: {problem}",
+            kind="backslash-quotes",
+        )
     return Verdict(False, value, base, repaired=True, kind="backslash-quotes")
 
 
@@ -190,5 +206,7 @@ class RepairLoop:
         self._last_reply = reply
         if self.rounds <= self.max_repairs:
             return f"{message}\nFix the call and try again (repair {self.rounds} of {self.max_repairs})."
-        return (f"{message}\nThe repair limit ({self.max_repairs}) is reached for this turn: "
-                "stop calling tools and answer with what you have.")
+        return (
+            f"{message}\nThe repair limit ({self.max_repairs}) is reached for this turn: "
+            "stop calling tools and answer with what you have."
+        )

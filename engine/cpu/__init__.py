@@ -6,6 +6,7 @@
 CPU kernel is a scalar single-thread loop. It needs numba; `cpu_qmm_available()` says whether it
 can be imported without importing it (importing numba costs ~0.3 s).
 """
+
 from __future__ import annotations
 
 import importlib.util

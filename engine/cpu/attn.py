@@ -6,6 +6,7 @@ than the arithmetic; here they run on numpy views of the same buffers with no sy
 float32 arithmetic as MLX's ops (no fastmath: no reassociation, no FMA contraction), so results
 agree to float32 rounding. Reductions keep 16 explicit partial sums so LLVM can vectorise them.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -42,8 +43,9 @@ def _dot(a, b, n):
         t15 += a[i + 15] * b[i + 15]
     for i in range(m, n):
         t0 += a[i] * b[i]
-    return (((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))) + \
-        (((t8 + t9) + (t10 + t11)) + ((t12 + t13) + (t14 + t15)))
+    return (((t0 + t1) + (t2 + t3)) + ((t4 + t5) + (t6 + t7))) + (
+        ((t8 + t9) + (t10 + t11)) + ((t12 + t13) + (t14 + t15))
+    )
 
 
 @njit(cache=True, fastmath=False, nogil=True)
@@ -56,8 +58,9 @@ def _sum(a, n):
             t[j] += a[i + j]
     for i in range(m, n):
         t[0] += a[i]
-    return (((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]))) + \
-        (((t[8] + t[9]) + (t[10] + t[11])) + ((t[12] + t[13]) + (t[14] + t[15])))
+    return (((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]))) + (
+        ((t[8] + t[9]) + (t[10] + t[11])) + ((t[12] + t[13]) + (t[14] + t[15]))
+    )
 
 
 @njit(cache=True, fastmath=False, nogil=True)
@@ -119,16 +122,15 @@ def _scores(qs, K, T, out):
 
 
 @njit(cache=True, fastmath=False, nogil=True)
-def decode_qs(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_head,
-              a, b, partner, K, V, pos, scale):
+def decode_qs(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_head, a, b, partner, K, V, pos, scale):
     """Everything of one decode step's attention between the fused q/k/v projection and the
     scores, in one call: q, k, v from `row` (the projection's output, bias added) at columns q0,
     k0, v0; the q and k RMS norms (empty weights: none; per head, or over all heads); the rotary
     embedding (a, b: this position's table row); this position's k and v written into K, V
     [Hk, capacity, hd] at `pos`; returns q * scale as [Hk, H // Hk, hd] (for `attend_qs` over
     positions 0 .. pos). The arithmetic of the separate steps (attend's), op for op."""
-    q = row[q0:q0 + H * hd].copy().reshape(H, hd)
-    k = row[k0:k0 + Hk * hd].copy().reshape(Hk, hd)
+    q = row[q0 : q0 + H * hd].copy().reshape(H, hd)
+    k = row[k0 : k0 + Hk * hd].copy().reshape(Hk, hd)
     if qn.shape[0]:
         rms_norm_rows(q if q_per_head else q.reshape(1, H * hd), qn, qeps)
     if kn.shape[0]:
@@ -146,8 +148,10 @@ def decode_qs(row, q0, k0, v0, H, Hk, hd, qn, qeps, q_per_head, kn, keps, k_per_
 @intrinsic
 def _float_from_bits(typingctx, bits):
     """The float32 whose bits are the int32 `bits` (LLVM bitcast: vectorises with the loop)."""
+
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
+
     return types.float32(types.int32), codegen
 
 
@@ -236,7 +240,7 @@ def _values(s, V, h, T, out):
     """out[h * g + j] = sum over t < T of s[h, j, t] * V[h, t] (the softmaxed scores of kv head h's
     g query heads times its values, as `_attend_block` sums them)."""
     g = s.shape[1]
-    _weighted(s[h], V, h, 0, T, out[h * g:(h + 1) * g])
+    _weighted(s[h], V, h, 0, T, out[h * g : (h + 1) * g])
 
 
 @njit(cache=True, nogil=True)
@@ -295,7 +299,9 @@ def _attend_blocks(qs, K, V, T):
     V once, in one pass; the sums are in another order than the softmax-then-matmul path's."""
     Hk, g, D = qs.shape
     nb = (T + ATTEND_BLOCK - 1) // ATTEND_BLOCK
-    if (Hk * nb) % 2:  # blocks of one size (a multiple of 16), an even count where it comes out so: two cores get as much
+    if (
+        Hk * nb
+    ) % 2:  # blocks of one size (a multiple of 16), an even count where it comes out so: two cores get as much
         nb += 1
     size = ((T + nb - 1) // nb + LANES - 1) // LANES * LANES
     nb = (T + size - 1) // size
@@ -363,7 +369,7 @@ def attend_causal(q: np.ndarray, K: np.ndarray, V: np.ndarray, scale) -> np.ndar
         t1 = min(T, t0 + QUERY_TILE)
         first, seen = S - T + t0, S - T + t1  # absolute positions of the tile's first row, and past its last
         s = np.empty((Hk, g, t1 - t0, seen), np.float32)
-        by_rows(t1 - t0, lambda a, b: np.matmul(qs[:, :, t0 + a:t0 + b], Kt[..., :seen], out=s[:, :, a:b]))
+        by_rows(t1 - t0, lambda a, b: np.matmul(qs[:, :, t0 + a : t0 + b], Kt[..., :seen], out=s[:, :, a:b]))
         softmax_causal(s.reshape(-1, t1 - t0, seen), first)
         o = np.empty((Hk, g, t1 - t0, D), np.float32)
         by_rows(t1 - t0, lambda a, b: np.matmul(s[:, :, a:b], V[:, None, :seen], out=o[:, :, a:b]))

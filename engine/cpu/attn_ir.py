@@ -10,6 +10,7 @@ heads, float16, one core: scores 2.75 -> 1.96 us, the weighted sum of V's rows 2
 - `wsum`: the weighted sum of V's rows, its sums held in registers across the rows (numba kept
   them in memory: it cannot show LLVM that its scratch array aliases nothing).
 """
+
 from __future__ import annotations
 
 from llvmlite import ir
@@ -28,8 +29,10 @@ def kv_f32(typingctx, x):
     if x == types.float32:
         return types.float32(x), lambda context, builder, signature, args: args[0]
     if x == types.uint16:
+
         def codegen(context, builder, signature, args):
             return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
         return types.float32(x), codegen
     return None
 
@@ -41,8 +44,10 @@ def kv_pack(typingctx, x, like):
     if like == types.float32:
         return types.float32(x, like), lambda context, builder, signature, args: args[0]
     if like == types.uint16:
+
         def codegen(context, builder, signature, args):
             return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
         return types.uint16(x, like), codegen
     return None
 
@@ -50,8 +55,10 @@ def kv_pack(typingctx, x, like):
 @intrinsic
 def half_rows(typingctx, a):
     """Whether the cache array a holds float16 bits (uint16): a constant where it is compiled."""
+
     def codegen(context, builder, signature, args):
         return context.get_constant(types.boolean, a.dtype == types.uint16)
+
     return types.boolean(a), codegen
 
 
@@ -76,9 +83,13 @@ def _lane_sums(b, vs: list):
         half = width // 2
         lo = [i for block in range(0, 2 * LANES, width) for i in range(block, block + half)]
         hi = [i + half for i in lo]
-        vs = [b.fadd(b.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, LANES), lo)),
-                     b.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, LANES), hi)))
-              for x, y in zip(vs[0::2], vs[1::2])]
+        vs = [
+            b.fadd(
+                b.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, LANES), lo)),
+                b.shuffle_vector(x, y, ir.Constant(ir.VectorType(I32, LANES), hi)),
+            )
+            for x, y in zip(vs[0::2], vs[1::2])
+        ]
         width = half
     return vs[0]
 

@@ -8,6 +8,7 @@ prompt chunk, another cache type, layer timing, extra arguments) calls the origi
 is kept only where a probe at load time gives what the original gives, so a model whose inner
 module does more (scaled embeddings, extra inputs) keeps its own.
 """
+
 from __future__ import annotations
 
 import mlx.core as mx
@@ -43,10 +44,14 @@ class CpuModelStep(_Wraps):
 
     def fast(self, inputs, cache, args, kwargs) -> bool:
         layers = self._orig.module["layers"]
-        return (all(v is None for v in (*args, *kwargs.values())) and inputs.shape == (1, 1)
-                and isinstance(cache, list) and len(cache) == len(layers)
-                and all(type(l) is CpuDecoderLayer for l in layers)
-                and all(CpuAttention.fast(inputs, None, c, {}) for c in cache))
+        return (
+            all(v is None for v in (*args, *kwargs.values()))
+            and inputs.shape == (1, 1)
+            and isinstance(cache, list)
+            and len(cache) == len(layers)
+            and all(type(l) is CpuDecoderLayer for l in layers)
+            and all(CpuAttention.fast(inputs, None, c, {}) for c in cache)
+        )
 
     def __call__(self, inputs, cache=None, *args, **kwargs):
         if not self.fast(inputs, cache, args, kwargs):

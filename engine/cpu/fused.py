@@ -22,6 +22,7 @@ the replacement reproduces the original on a probe input at load time (the origi
 everything else); otherwise it is left alone. The rotary table is read off the model's own rope
 module (it is applied to the identity), so any rope variant that rotates pairs of dimensions works.
 """
+
 from __future__ import annotations
 
 import mlx.core as mx
@@ -45,8 +46,9 @@ class Fused:
         self.sizes = [l.out_features for l in linears]
         self.bias = None
         if any(l._bias is not None for l in linears):
-            self.bias = np.concatenate([l._bias if l._bias is not None else np.zeros(n, np.float32)
-                                        for l, n in zip(linears, self.sizes)])
+            self.bias = np.concatenate(
+                [l._bias if l._bias is not None else np.zeros(n, np.float32) for l, n in zip(linears, self.sizes)]
+            )
         if all(l.tiled is not None for l in linears):
             from flashmoe.engine.cpu.tiled import Tiled
 
@@ -56,7 +58,7 @@ class Fused:
             if self.bias is not None:  # laid out as the stacked output is: parts start on a tile
                 bias = np.zeros(self.tiled.n, np.float32)
                 for start, n, part in zip(self.starts, self.sizes, np.split(self.bias, np.cumsum(self.sizes)[:-1])):
-                    bias[start:start + n] = part
+                    bias[start : start + n] = part
                 self.bias = bias
             return
         self.tiled = None
@@ -65,12 +67,14 @@ class Fused:
         self.b = np.concatenate([l._b for l in linears])
         self.starts = [int(v) for v in np.cumsum([0] + self.sizes[:-1])]
         for l, start, n in zip(linears, self.starts, self.sizes):
-            l.rebind(self.w[start:start + n], self.s[start:start + n], self.b[start:start + n])
+            l.rebind(self.w[start : start + n], self.s[start : start + n], self.b[start : start + n])
 
     @staticmethod
     def compatible(linears) -> bool:
-        return (all(isinstance(l, CpuQuantizedLinear) for l in linears)
-                and len({(l._bits, l._gs, l.in_features) for l in linears}) == 1)
+        return (
+            all(isinstance(l, CpuQuantizedLinear) for l in linears)
+            and len({(l._bits, l._gs, l.in_features) for l in linears}) == 1
+        )
 
     def stacked(self, x2: np.ndarray) -> np.ndarray:
         """x2 [R, in] -> [R, width]: every part's output, part i from column starts[i]."""
@@ -84,7 +88,7 @@ class Fused:
 
     def __call__(self, x2: np.ndarray) -> list[np.ndarray]:
         out = self.stacked(x2)
-        return [out[:, start:start + n] for start, n in zip(self.starts, self.sizes)]
+        return [out[:, start : start + n] for start, n in zip(self.starts, self.sizes)]
 
 
 def _linear_np(lin: CpuQuantizedLinear, x2: np.ndarray) -> np.ndarray:
@@ -140,12 +144,15 @@ class RopeTable:
         if self.batches and self.partner is not None and n > 1:
             try:
                 a, b = self._rows(pos, n)
-                self.batches = all(np.array_equal(r, one[0]) for i in (0, n // 2, n - 1)
-                                   for r, one in zip((a[i], b[i]), self._rows(pos + i, 1)))
+                self.batches = all(
+                    np.array_equal(r, one[0])
+                    for i in (0, n // 2, n - 1)
+                    for r, one in zip((a[i], b[i]), self._rows(pos + i, 1))
+                )
             except (ValueError, TypeError):  # no array of offsets
                 self.batches = False
             if self.batches:
-                self.a[pos:pos + n], self.b[pos:pos + n], self.known[pos:pos + n] = a, b, True
+                self.a[pos : pos + n], self.b[pos : pos + n], self.known[pos : pos + n] = a, b, True
                 return
         (a,), (b,) = self._rows(pos, 1)
         self.a[pos], self.b[pos], self.known[pos] = a, b, True
@@ -267,18 +274,29 @@ class CpuAttention(_Wraps):
         (block_np and decode_np make it or grow it, _position). (The CPU kernels compute in float32.)"""
         from mlx_lm.models.cache import KVCache
 
-        return not (kwargs or type(cache) is not KVCache or x.shape[0] != 1 or x.shape[1] != 1
-                    or (cache.keys is not None and cache.keys.dtype not in KV_DTYPES)
-                    or not (mask is None or isinstance(mask, str)))
+        return not (
+            kwargs
+            or type(cache) is not KVCache
+            or x.shape[0] != 1
+            or x.shape[1] != 1
+            or (cache.keys is not None and cache.keys.dtype not in KV_DTYPES)
+            or not (mask is None or isinstance(mask, str))
+        )
 
     @staticmethod
     def prefill_fits(x, mask, cache, kwargs) -> bool:
         """Whether this call is a causal prefill chunk (several tokens) on a plain KVCache of KV_DTYPES."""
         from mlx_lm.models.cache import KVCache
 
-        return not (kwargs or type(cache) is not KVCache or x.shape[0] != 1 or x.shape[1] < 2
-                    or x.dtype != mx.float32 or (cache.keys is not None and cache.keys.dtype not in KV_DTYPES)
-                    or not (isinstance(mask, str) and mask == "causal"))
+        return not (
+            kwargs
+            or type(cache) is not KVCache
+            or x.shape[0] != 1
+            or x.shape[1] < 2
+            or x.dtype != mx.float32
+            or (cache.keys is not None and cache.keys.dtype not in KV_DTYPES)
+            or not (isinstance(mask, str) and mask == "causal")
+        )
 
     def __call__(self, x, mask=None, cache=None, **kwargs):
         if self.fast(x, mask, cache, kwargs):
@@ -287,8 +305,10 @@ class CpuAttention(_Wraps):
             return self.prefill(x, cache)
         if getattr(cache, "keys", None) is not None and cache.keys.dtype == mx.float16 and x.dtype == mx.float32:
             # MLX's attention would write float32 rows into it and grow it as float32
-            raise ValueError("a float16 KV cache (--kv-cache float16) is kept by the CPU kernels' attention only, "
-                             "and this call is not one of theirs")
+            raise ValueError(
+                "a float16 KV cache (--kv-cache float16) is kept by the CPU kernels' attention only, "
+                "and this call is not one of theirs"
+            )
         return self._orig.module(x, mask, cache, **kwargs)
 
     def _room(self, cache, n: int) -> None:
@@ -301,8 +321,10 @@ class CpuAttention(_Wraps):
         if cache.keys is None:
             cache.keys, cache.values = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
         else:
-            cache.keys, cache.values = (mx.concatenate([c[..., :cache.offset, :], mx.zeros(shape, dtype)], axis=2)
-                                        for c in (cache.keys, cache.values))
+            cache.keys, cache.values = (
+                mx.concatenate([c[..., : cache.offset, :], mx.zeros(shape, dtype)], axis=2)
+                for c in (cache.keys, cache.values)
+            )
         mx.eval(cache.keys, cache.values)
 
     def prefill(self, x, cache) -> mx.array:
@@ -324,11 +346,13 @@ class CpuAttention(_Wraps):
         queries = rope(mx.array(q).reshape(1, T, H, hd).transpose(0, 2, 1, 3), offset=cache.offset)
         keys = rope(mx.array(k).reshape(1, T, Hk, hd).transpose(0, 2, 1, 3), offset=cache.offset)
         dtype = cache.keys.dtype  # (a float16 cache: its rounded rows are what later steps read)
-        keys, values = cache.update_and_fetch(keys.astype(dtype),
-                                              mx.array(v).reshape(1, T, Hk, hd).transpose(0, 2, 1, 3).astype(dtype))
+        keys, values = cache.update_and_fetch(
+            keys.astype(dtype), mx.array(v).reshape(1, T, Hk, hd).transpose(0, 2, 1, 3).astype(dtype)
+        )
         mx.eval(queries, keys, values)
-        o = attend_causal(np.array(queries[0]), np.array(keys[0], np.float32), np.array(values[0], np.float32),
-                          self.scale)
+        o = attend_causal(
+            np.array(queries[0]), np.array(keys[0], np.float32), np.array(values[0], np.float32), self.scale
+        )
         return _mx(_linear_np(self._o, o.reshape(T, H * hd)).reshape(1, T, -1))
 
     def block_np(self, x2: np.ndarray, cache, norms) -> tuple[np.ndarray, np.ndarray] | None:
@@ -362,26 +386,56 @@ class CpuAttention(_Wraps):
             return None, (), (), ()
         none = np.zeros(0, np.float32)
         bias_o = none if self._o._bias is None else np.ascontiguousarray(self._o._bias, dtype=np.float32)
-        return (qkv.entry("attn_half"),
-                (qkv.wt, qkv.st, qkv.bt, none if self._qkv.bias is None else self._qkv.bias, *self._qkv.starts,
-                 self.H, self.Hk, self.hd, *self._norm_args),
-                (self.scale, o.wt, o.st, o.bt, bias_o), (qkv.one_row_parallel, o.one_row_parallel))
+        return (
+            qkv.entry("attn_half"),
+            (
+                qkv.wt,
+                qkv.st,
+                qkv.bt,
+                none if self._qkv.bias is None else self._qkv.bias,
+                *self._qkv.starts,
+                self.H,
+                self.Hk,
+                self.hd,
+                *self._norm_args,
+            ),
+            (self.scale, o.wt, o.st, o.bt, bias_o),
+            (qkv.one_row_parallel, o.one_row_parallel),
+        )
 
     def _position(self, cache) -> tuple:
         """This step's rope row (a, b, partner), the cache's keys and values as numpy [Hk,
         capacity, hd] (written in place; float16 as its bits, uint16; room made for this
         position) and the position."""
         self._room(cache, 1)
-        return (*self._rope.row(cache.offset), self._rope.partner, _kv_view(cache.keys), _kv_view(cache.values),
-                cache.offset)
+        return (
+            *self._rope.row(cache.offset),
+            self._rope.partner,
+            _kv_view(cache.keys),
+            _kv_view(cache.values),
+            cache.offset,
+        )
 
     def decode_np(self, x2: np.ndarray, cache) -> np.ndarray:
         """x2 [1, D] -> [1, D_out]; writes this position's keys and values into the cache."""
         from flashmoe.engine.cpu.attn import attend_qs, decode_qs
 
         a, b, partner, K, V, pos = self._position(cache)
-        qs = decode_qs(self._qkv.stacked(x2)[0], *self._qkv.starts, self.H, self.Hk, self.hd, *self._norm_args,
-                       a, b, partner, K, V, pos, self.scale)
+        qs = decode_qs(
+            self._qkv.stacked(x2)[0],
+            *self._qkv.starts,
+            self.H,
+            self.Hk,
+            self.hd,
+            *self._norm_args,
+            a,
+            b,
+            partner,
+            K,
+            V,
+            pos,
+            self.scale,
+        )
         cache.offset = pos + 1
         return _linear_np(self._o, attend_qs(qs, K, V, pos + 1).reshape(1, -1))
 
@@ -487,8 +541,12 @@ class CpuDecoderLayer(_Wraps):
             cache.offset += 1
             return out
         k = ffn.k
-        ids, scores, slots, times = (np.empty((1, k), np.int64), np.empty((1, k), np.float32), np.empty(k, np.int64),
-                                     np.zeros(3))
+        ids, scores, slots, times = (
+            np.empty((1, k), np.int64),
+            np.empty((1, k), np.float32),
+            np.empty(k, np.int64),
+            np.zeros(3),
+        )
         out, n2, hit = fn(*head, *args, ids, scores, slots, times)
         cache.offset += 1
         ffn._switch.fused_done(ids, slots if hit else None, times, n2=n2)
@@ -529,21 +587,37 @@ class CpuDecoderLayer(_Wraps):
         swiglu_sum, tiles, parallel = bank.sum_args(ffn.k, attn._qkv.tiled.k)
         bias = ffn._gate._bias
         bias = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
-        args = (router.wt, router.st, router.bt, bias, router.n, ffn.k, MODES[ffn.routing],
-                *ffn._switch.slot_args(), *tiles, parallel)
+        args = (
+            router.wt,
+            router.st,
+            router.bt,
+            bias,
+            router.n,
+            ffn.k,
+            MODES[ffn.routing],
+            *ffn._switch.slot_args(),
+            *tiles,
+            parallel,
+        )
         if not ffn._shared:
             return "moe", layer_step.moe_kernel(attn_half, swiglu_sum, router.run_kernel()), args
         shared = ffn.shared_mlp()
         gate = ffn._orig.module.get("shared_expert_gate")
         mlp = _mlp_args(shared) if isinstance(shared, CpuMLP) else None
-        if mlp is None or (gate is not None and not (isinstance(gate, CpuQuantizedLinear) and gate.tiled is not None
-                                                     and gate._bias is None)):
+        if mlp is None or (
+            gate is not None
+            and not (isinstance(gate, CpuQuantizedLinear) and gate.tiled is not None and gate._bias is None)
+        ):
             return None, None, ()
         (gate_up_run, down_run), shared_args = mlp
         g = gate.tiled if gate is not None else shared.tiled_parts()[0]  # (ungated: a stand-in, never read)
-        return "moe", layer_step.shared_moe_kernel(attn_half, swiglu_sum, router.run_kernel(), gate_up_run, down_run,
-                                                   g.run_kernel()), (*args, *shared_args, g.wt, g.st, g.bt,
-                                                                     gate is not None)
+        return (
+            "moe",
+            layer_step.shared_moe_kernel(
+                attn_half, swiglu_sum, router.run_kernel(), gate_up_run, down_run, g.run_kernel()
+            ),
+            (*args, *shared_args, g.wt, g.st, g.bt, gate is not None),
+        )
 
 
 def _mlp_args(mlp: "CpuMLP") -> tuple | None:
@@ -554,8 +628,17 @@ def _mlp_args(mlp: "CpuMLP") -> tuple | None:
     if gate_up is None or down is None or fused.starts[0] != 0 or len(set(fused.sizes)) != 1:
         return None
     return (gate_up.run_kernel(), down.run_kernel()), (
-        gate_up.wt, gate_up.st, gate_up.bt, fused.starts[1], fused.sizes[0], gate_up.one_row_parallel,
-        down.wt, down.st, down.bt, down.one_row_parallel)
+        gate_up.wt,
+        gate_up.st,
+        gate_up.bt,
+        fused.starts[1],
+        fused.sizes[0],
+        gate_up.one_row_parallel,
+        down.wt,
+        down.st,
+        down.bt,
+        down.one_row_parallel,
+    )
 
 
 class _StubFFN(nn.Module):
@@ -646,8 +729,10 @@ class CpuMoE(_Wraps):
             raise ValueError("experts are not streamed on the CPU kernels")
         if "shared_mlp" in block or ("shared_expert" in block and "shared_experts" in block):
             raise ValueError("shared experts of an unknown kind")
-        self.k = next((getattr(block, n) for n in ("top_k", "num_experts_per_tok")
-                       if isinstance(getattr(block, n, None), int)), None)
+        self.k = next(
+            (getattr(block, n) for n in ("top_k", "num_experts_per_tok") if isinstance(getattr(block, n, None), int)),
+            None,
+        )
         if self.k is None:
             raise ValueError("no top_k")
         self._router = _linear_fn(getattr(block, "gate", None))
@@ -770,8 +855,7 @@ def _probe_moe(block: nn.Module) -> str | None:
 
 def _close(got: mx.array, want: mx.array) -> bool:
     got, want = np.array(got), np.array(want)
-    return got.shape == want.shape and bool(
-        np.abs(got - want).max() <= PROBE_TOL * max(1.0, float(np.abs(want).max())))
+    return got.shape == want.shape and bool(np.abs(got - want).max() <= PROBE_TOL * max(1.0, float(np.abs(want).max())))
 
 
 def _probe_attention(new: CpuAttention, attn: nn.Module, dim: int) -> bool:
@@ -787,17 +871,23 @@ def _probe_attention(new: CpuAttention, attn: nn.Module, dim: int) -> bool:
     b.keys, b.values, b.offset = mx.array(np.array(a.keys)), mx.array(np.array(a.values)), a.offset
     want = attn(x[:, 3:], None, a)
     got = new(x[:, 3:], None, b)
-    decode_ok = (b.offset == a.offset and _close(got, want)
-                 and _close(b.keys[..., :b.offset, :], a.keys[..., :a.offset, :])
-                 and _close(b.values[..., :b.offset, :], a.values[..., :a.offset, :]))
+    decode_ok = (
+        b.offset == a.offset
+        and _close(got, want)
+        and _close(b.keys[..., : b.offset, :], a.keys[..., : a.offset, :])
+        and _close(b.values[..., : b.offset, :], a.values[..., : a.offset, :])
+    )
     # a causal chunk of 5 after one of 3, each way
     x = mx.array(rng.standard_normal((1, 8, dim)).astype(np.float32))
     a, b = KVCache(), KVCache()
     want = [attn(x[:, :3], "causal", a), attn(x[:, 3:], "causal", a)]
     try:
         got = [new(x[:, :3], "causal", b), new(x[:, 3:], "causal", b)]
-        new.prefill_ok = (b.offset == a.offset and all(_close(g, w) for g, w in zip(got, want))
-                          and _close(b.keys[..., :b.offset, :], a.keys[..., :a.offset, :]))
+        new.prefill_ok = (
+            b.offset == a.offset
+            and all(_close(g, w) for g, w in zip(got, want))
+            and _close(b.keys[..., : b.offset, :], a.keys[..., : a.offset, :])
+        )
     except (ValueError, TypeError, AttributeError):
         new.prefill_ok = False
     return decode_ok
@@ -832,8 +922,10 @@ def use_kv_cache(model: nn.Module, dtype) -> None:
     for i, layer in enumerate(layers):
         attn = layer.get("self_attn") if isinstance(layer, nn.Module) else None
         if not isinstance(attn, CpuAttention) or not attn.prefill_ok:
-            raise OptionError(f"{name}: layer {i}'s attention does not run on the CPU kernels "
-                              f"({'its prefill did not pass their probe' if isinstance(attn, CpuAttention) else 'not fused'})")
+            raise OptionError(
+                f"{name}: layer {i}'s attention does not run on the CPU kernels "
+                f"({'its prefill did not pass their probe' if isinstance(attn, CpuAttention) else 'not fused'})"
+            )
     for layer in layers:
         layer["self_attn"].kv_dtype = dtype
 
@@ -859,12 +951,17 @@ def install(model: nn.Module) -> dict:
                 replacements.append((name, CpuMoE(m, routing)))
                 counts["moe"] += 1
             continue
-        kind = ("attention" if all(isinstance(getattr(m, n, None), CpuQuantizedLinear)
-                                   for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-                and hasattr(m, "rope") and hasattr(m, "scale")
-                else "mlp" if all(isinstance(getattr(m, n, None), CpuQuantizedLinear)
-                                  for n in ("gate_proj", "up_proj", "down_proj"))
-                else None)
+        kind = (
+            "attention"
+            if all(
+                isinstance(getattr(m, n, None), CpuQuantizedLinear) for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+            )
+            and hasattr(m, "rope")
+            and hasattr(m, "scale")
+            else "mlp"
+            if all(isinstance(getattr(m, n, None), CpuQuantizedLinear) for n in ("gate_proj", "up_proj", "down_proj"))
+            else None
+        )
         if kind is None:
             continue
         counts[f"{kind}_tried"] += 1

@@ -16,6 +16,7 @@ processes, it held a whole core beside numba's kernel threads, through the MoE k
 follow each layer's attention and the decode after the prompt (the upcycled demo's 1k-token
 prefill: 130 instead of 170 tok/s, process by process; benchmarks/RESULTS.md).
 """
+
 from __future__ import annotations
 
 import os
@@ -65,8 +66,9 @@ def _dequantize_stream(w, s, b, bits, group_size, out):
             out[o, i] = float32(v & mask) * s[o, g] + b[o, g]
 
 
-def dequantize(w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, group_size: int,
-               out: np.ndarray | None = None) -> np.ndarray:
+def dequantize(
+    w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, group_size: int, out: np.ndarray | None = None
+) -> np.ndarray:
     """w uint32 [O, in*bits/32], scales / biases float32 [O, in/group_size] -> float32 [O, in],
     equal to mx.dequantize's values."""
     n = w.shape[1] * 32 // bits
@@ -80,7 +82,7 @@ def _buffer(rows: int, cols: int) -> np.ndarray:
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.size < rows * cols:
         buf = _scratch.buf = np.empty(rows * cols, np.float32)
-    return buf[:rows * cols].reshape(rows, cols)
+    return buf[: rows * cols].reshape(rows, cols)
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -121,8 +123,9 @@ def matmul_t(x2: np.ndarray, w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: 
     return matmul_rows(x2, wf.T)
 
 
-def gather_grouped(x2: np.ndarray, idx: np.ndarray, k: int, sizes: list[int], n_in: int, dequant,
-                   kernel) -> list[np.ndarray] | None:
+def gather_grouped(
+    x2: np.ndarray, idx: np.ndarray, k: int, sizes: list[int], n_in: int, dequant, kernel
+) -> list[np.ndarray] | None:
     """A gather matmul against stacked experts (one or more weight sets of `sizes` outputs each,
     `n_in` inputs: a SwiGLU's gate and up), with every expert that GEMM_ROWS or more entries of
     idx chose computed as one sgemm over its rows; `dequant(j, e, out)` writes expert e of set j
@@ -139,12 +142,12 @@ def gather_grouped(x2: np.ndarray, idx: np.ndarray, k: int, sizes: list[int], n_
         wf = _buffer(sum(sizes), n_in)
         start = 0
         for j, n in enumerate(sizes):
-            dequant(j, e, wf[start:start + n])
+            dequant(j, e, wf[start : start + n])
             start += n
         y = matmul_rows(x2[entries // k], wf.T)
         start = 0
         for out, n in zip(outs, sizes):
-            out[entries] = y[:, start:start + n]
+            out[entries] = y[:, start : start + n]
             start += n
     rest = np.nonzero(~np.isin(idx, big))[0]
     if rest.size:

@@ -5,6 +5,7 @@ Each replaced module evaluates its input (a sync: the kernel runs outside MLX's 
 weights through zero-copy numpy views, and hands the result back as an MLX array. Whole attention,
 MLP and MoE blocks are then fused on top of these (engine/cpu/fused.py), one sync per block.
 """
+
 from __future__ import annotations
 
 import threading

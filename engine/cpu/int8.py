@@ -41,6 +41,7 @@ integers allow:
   stores after the x words (layout()).
 The "plain" kernel is generated from plain vector IR (widen, multiply, add each lane's 4
 products): the same integers, the reference the others are tested against."""
+
 from __future__ import annotations
 
 import functools
@@ -131,14 +132,19 @@ def _dot_lanes(builder, acc, pairs, dot: str, bits: int):
         return _dot_lanes_avx2(builder, acc, pairs, bits)
     for w, x in pairs:
         if dot == "vnni":
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16, [_V16, _V16, _V16]),
-                                                "llvm.x86.avx512.vpdpbusd.512")
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_V16, [_V16, _V16, _V16]), "llvm.x86.avx512.vpdpbusd.512"
+            )
             acc = builder.call(fn, [acc, w, x])
             continue
         v64i8, v64i32 = ir.VectorType(ir.IntType(8), 64), ir.VectorType(_I32, 64)
-        prod = builder.mul(builder.zext(builder.bitcast(w, v64i8), v64i32), builder.sext(builder.bitcast(x, v64i8), v64i32))
+        prod = builder.mul(
+            builder.zext(builder.bitcast(w, v64i8), v64i32), builder.sext(builder.bitcast(x, v64i8), v64i32)
+        )
         for k in range(4):
-            part = builder.shuffle_vector(prod, ir.Constant(v64i32, None), ir.Constant(_V16, [4 * l + k for l in range(16)]))
+            part = builder.shuffle_vector(
+                prod, ir.Constant(v64i32, None), ir.Constant(_V16, [4 * l + k for l in range(16)])
+            )
             acc = builder.add(acc, part)
     return acc
 
@@ -167,8 +173,9 @@ def _dot_lanes_avx2(builder, acc, pairs, bits: int):
             part = builder.call(ubsw, [wb, xb])
             sums = part if sums is None else builder.add(sums, part)
         ones = ir.Constant(v16i16, [1] * 16)
-        halves.append(builder.add(builder.shuffle_vector(acc, ir.Constant(_V16, None), lanes),
-                                  builder.call(wd, [sums, ones])))
+        halves.append(
+            builder.add(builder.shuffle_vector(acc, ir.Constant(_V16, None), lanes), builder.call(wd, [sums, ones]))
+        )
     return builder.shuffle_vector(halves[0], halves[1], ir.Constant(_V16, list(range(16))))
 
 
@@ -178,9 +185,13 @@ def _dot_lanes_wd(builder, acc, pairs):
     the intrinsic, and it runs on any CPU)."""
     v32i16, v32i32 = ir.VectorType(ir.IntType(16), 32), ir.VectorType(_I32, 32)
     for w, x in pairs:
-        prod = builder.mul(builder.sext(builder.bitcast(w, v32i16), v32i32), builder.sext(builder.bitcast(x, v32i16), v32i32))
-        lo, hi = (builder.shuffle_vector(prod, ir.Constant(v32i32, None), ir.Constant(_V16, [2 * l + h for l in range(16)]))
-                  for h in range(2))
+        prod = builder.mul(
+            builder.sext(builder.bitcast(w, v32i16), v32i32), builder.sext(builder.bitcast(x, v32i16), v32i32)
+        )
+        lo, hi = (
+            builder.shuffle_vector(prod, ir.Constant(v32i32, None), ir.Constant(_V16, [2 * l + h for l in range(16)]))
+            for h in range(2)
+        )
         acc = builder.add(acc, builder.add(lo, hi))
     return acc
 
@@ -211,8 +222,10 @@ def _tile_out(bits: int, xq: str, dot: str | None, rows: int):
 
     def setup(rows_):  # where each row's x words and steps start
         e, b = rows_.e, rows_.e.b
-        return [(b.mul(m, b.mul(rows_.nw, e.const(terms * lay))), b.mul(m, b.mul(rows_.ng, e.const(terms))))
-                for m in rows_.xm]
+        return [
+            (b.mul(m, b.mul(rows_.nw, e.const(terms * lay))), b.mul(m, b.mul(rows_.ng, e.const(terms))))
+            for m in rows_.xm
+        ]
 
     def weights(b, w):  # what x words multiply: the word itself, its nibbles, or its values paired in int16
         if xq == "int16":  # values p and p + lay of each lane's word in its two int16 halves
@@ -220,19 +233,30 @@ def _tile_out(bits: int, xq: str, dot: str | None, rows: int):
             return [b.and_(b.lshr(w, ir.Constant(vir.V16, [bits * p] * 16)) if p else w, mask) for p in range(lay)]
         if offset:
             return [b.xor(w, ir.Constant(vir.V16, [0x80808080] * 16))]
-        return [w] if bits == 8 else [b.and_(b.lshr(w, ir.Constant(vir.V16, [4 * p] * 16)),
-                                             ir.Constant(vir.V16, [0x0F0F0F0F] * 16)) for p in range(2)]
+        return (
+            [w]
+            if bits == 8
+            else [
+                b.and_(b.lshr(w, ir.Constant(vir.V16, [4 * p] * 16)), ir.Constant(vir.V16, [0x0F0F0F0F] * 16))
+                for p in range(2)
+            ]
+        )
 
     def word(rows_, j, w, dots):
         e, b = rows_.e, rows_.e.b
         ws = weights(b, w)
         for r, (xrow, _) in enumerate(rows_.state):
             for t in range(terms):
-                xs = [e.splat(e.load(rows_.xdata, b.add(e.at(xrow, (rows_.nw, t * lay + p)), j)), vir.V16)
-                      for p in range(len(ws))]
+                xs = [
+                    e.splat(e.load(rows_.xdata, b.add(e.at(xrow, (rows_.nw, t * lay + p)), j)), vir.V16)
+                    for p in range(len(ws))
+                ]
                 pairs = list(zip(ws, xs))
-                dots[r][t] = (_dot_lanes_wd(b, dots[r][t], pairs) if xq == "int16"
-                              else _dot_lanes(b, dots[r][t], pairs, dot, bits))
+                dots[r][t] = (
+                    _dot_lanes_wd(b, dots[r][t], pairs)
+                    if xq == "int16"
+                    else _dot_lanes(b, dots[r][t], pairs, dot, bits)
+                )
         return dots
 
     def group(rows_, r, g, dots, scale, bias, xsum, total):
@@ -307,8 +331,11 @@ def _quantize_row(x, m, gs, terms, top, xw, dx, xs, q, r):
 @njit(cache=True, nogil=True)
 def _quantized(M, K, bits, gs, terms, lay):
     nw = K * bits // 32
-    return (np.empty((M, terms, lay, nw), np.int32), np.empty((M, terms, K // gs), np.float32),
-            np.empty((M, K // gs), np.float32))
+    return (
+        np.empty((M, terms, lay, nw), np.int32),
+        np.empty((M, terms, K // gs), np.float32),
+        np.empty((M, K // gs), np.float32),
+    )
 
 
 @njit(cache=True, nogil=True)
@@ -372,9 +399,16 @@ def kernel(bits: int, gs: int, xq: str | None = None, dot: str | None = None):
     key = (bits, gs, xq, dot)
     fn = _compiled.get(key)
     if fn is None:
-        ns = dict(globals(), tile_out1=_tile_out(bits, xq, dot, 1), tile_outs=_tile_out(bits, xq, dot, ROWS),
-                  BITS=bits, GS=gs, TERMS=_X_TERMS[xq], TOP=32767 if xq == "int16" else 127,
-                  LAYOUT=layout(bits, xq, dot))
+        ns = dict(
+            globals(),
+            tile_out1=_tile_out(bits, xq, dot, 1),
+            tile_outs=_tile_out(bits, xq, dot, ROWS),
+            BITS=bits,
+            GS=gs,
+            TERMS=_X_TERMS[xq],
+            TOP=32767 if xq == "int16" else 127,
+            LAYOUT=layout(bits, xq, dot),
+        )
         fns = tiled.instantiate(_PREPARE, f"{bits}_{gs}_{xq}_{dot}", ns, __file__)
         fn = _compiled[key] = fns["run"]
         for what in tiled.ENTRIES[1:]:
@@ -405,8 +439,11 @@ def use_int8(model) -> int:
     switched, seen, todo = set(), set(), [model]
     while todo:
         obj = todo.pop()
-        if (id(obj) in seen or isinstance(obj, (np.ndarray, mx.array, str, bytes, int, float, type(None)))
-                or type(obj).__module__.startswith("numba.")):  # (a compiled kernel held for later calls)
+        if (
+            id(obj) in seen
+            or isinstance(obj, (np.ndarray, mx.array, str, bytes, int, float, type(None)))
+            or type(obj).__module__.startswith("numba.")
+        ):  # (a compiled kernel held for later calls)
             continue
         seen.add(id(obj))
         if isinstance(obj, Tiled):

@@ -7,6 +7,7 @@ Each chains kernels that exist already, each of its own kernel set: the attentio
 (`_attn_half`), the experts (`_swiglu_sum`) and the matmuls (`_run`) of their formats (mlx-lm
 quantizes MoE routers to 8 bits where the rest may be 4). So each is compiled per tuple of
 kernels, its name tagged with theirs (numba caches a function by its qualified name)."""
+
 from __future__ import annotations
 
 import re
@@ -54,8 +55,10 @@ def _moe_layer(x, w1, eps1, wq, sq, bq, bias_q, q0, k0, v0, H, Hk, hd, qn, qeps,
 # MOE's shared expert: none, or Qwen2-MoE's (`shared(...)`, below), computed with the experts, in
 # their seconds, and handed to them as the separate calls hand it
 NO_SHARED = dict(SHARED_ARGS="", SHARED_CODE="np.empty((0, n2.shape[1]), np.float32)")
-WITH_SHARED = dict(SHARED_ARGS="wgu, sgu, bgu, u0, n, par_gu, wsd, ssd, bsd, par_sd, wg, sg, bg, gated,",
-                   SHARED_CODE="shared(n2, wgu, sgu, bgu, u0, n, par_gu, wsd, ssd, bsd, par_sd, wg, sg, bg, gated)")
+WITH_SHARED = dict(
+    SHARED_ARGS="wgu, sgu, bgu, u0, n, par_gu, wsd, ssd, bsd, par_sd, wg, sg, bg, gated,",
+    SHARED_CODE="shared(n2, wgu, sgu, bgu, u0, n, par_gu, wsd, ssd, bsd, par_sd, wg, sg, bg, gated)",
+)
 SHARED = """
 @njit(cache=True, nogil=True)
 def shared(n2, wgu, sgu, bgu, u0, n, par_gu, wsd, ssd, bsd, par_sd, wg, sg, bg, gated):
@@ -93,8 +96,16 @@ def _instantiate(template: str, name: str, kernels: dict):
     key = (name, *(f.__name__ for f in kernels.values()))
     if key not in _compiled:
         tag = re.sub(r"\W", "_", "__".join(key[1:]))
-        ns = dict(__name__=__name__, np=np, njit=njit, monotonic=monotonic, route_slots=route_slots,
-                  gate_rows=gate_rows, silu_mul=silu_mul, **kernels)
+        ns = dict(
+            __name__=__name__,
+            np=np,
+            njit=njit,
+            monotonic=monotonic,
+            route_slots=route_slots,
+            gate_rows=gate_rows,
+            silu_mul=silu_mul,
+            **kernels,
+        )
         for defined in re.findall(r"^def (\w+)\(", template, flags=re.M):
             template = re.sub(rf"\b{defined}\(", f"{defined}{tag}(", template)
         exec(compile(template, __file__, "exec"), ns)  # noqa: S102 - our own template
@@ -109,15 +120,25 @@ def _moe(fill: dict) -> str:
 
 def moe_kernel(attn_half, swiglu_sum, router_run):
     """A MoE layer's step (MOE, no shared expert) over these kernels."""
-    return _instantiate(_moe(NO_SHARED), "_moe_layer",
-                        dict(attn_half=attn_half, swiglu_sum=swiglu_sum, router_run=router_run))
+    return _instantiate(
+        _moe(NO_SHARED), "_moe_layer", dict(attn_half=attn_half, swiglu_sum=swiglu_sum, router_run=router_run)
+    )
 
 
 def shared_moe_kernel(attn_half, swiglu_sum, router_run, shared_gate_up_run, shared_down_run, shared_gate_run):
     """A MoE layer's step with a shared expert (MOE with SHARED) over these kernels."""
-    return _instantiate(SHARED + _moe(WITH_SHARED), "_moe_layer", dict(
-        attn_half=attn_half, swiglu_sum=swiglu_sum, router_run=router_run, shared_gate_up_run=shared_gate_up_run,
-        shared_down_run=shared_down_run, shared_gate_run=shared_gate_run))
+    return _instantiate(
+        SHARED + _moe(WITH_SHARED),
+        "_moe_layer",
+        dict(
+            attn_half=attn_half,
+            swiglu_sum=swiglu_sum,
+            router_run=router_run,
+            shared_gate_up_run=shared_gate_up_run,
+            shared_down_run=shared_down_run,
+            shared_gate_run=shared_gate_run,
+        ),
+    )
 
 
 def mlp_kernel(attn_half, gate_up_run, down_run):

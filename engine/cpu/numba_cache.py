@@ -17,6 +17,7 @@ Every module here that defines a cached kernel imports this one first.
 
 tests/test_kernel_cache.py runs both cases in fresh processes.
 """
+
 from __future__ import annotations
 
 import ctypes

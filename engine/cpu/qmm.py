@@ -65,6 +65,7 @@ SERIAL_BELOW run on one thread either way. Set SERIAL_BELOW_WITHOUT_TBB = SERIAL
 OpenMP's pool anyway (fine on an otherwise idle machine). Calls from several Python threads at
 once are safe with TBB and OpenMP, not with numba's "workqueue" fallback.
 """
+
 from __future__ import annotations
 
 import numba
@@ -169,25 +170,32 @@ def _rows_source(bits: int, rows: int) -> str:
     past the row's chunks, which loops 2-3 never read. Only the very last row of the array
     (n >= nsafe) would read past its end, and it takes the short loop. One x row only: with the
     same bound the two-row variant stopped vectorising (prefill ran 6x slower)."""
-    L = ["@njit(cache=True, fastmath=KERNEL_FASTMATH)",
-         f"def _rows{bits}_{rows}(wt, st, bt, xq, xs, p, n0, n1, nsafe, cpg, pb, gt, out, dst):",
-         f"    nc = wt.shape[1] // {bits}",
-         "    ncb = (nc + 15) // 16",
-         "    ng = st.shape[1]",
-         "    ngb = ng // 16"]
-    L += ["    for n in range(n0, n1):",
-          "        for cb in range(ncb):",
-          "            nl = 16 if cb < ncb - 1 or n < nsafe else nc - cb * 16" if rows == 1 else
-          "            nl = min(16, nc - cb * 16)",
-          "            for l in range(nl):"]
+    L = [
+        "@njit(cache=True, fastmath=KERNEL_FASTMATH)",
+        f"def _rows{bits}_{rows}(wt, st, bt, xq, xs, p, n0, n1, nsafe, cpg, pb, gt, out, dst):",
+        f"    nc = wt.shape[1] // {bits}",
+        "    ncb = (nc + 15) // 16",
+        "    ng = st.shape[1]",
+        "    ngb = ng // 16",
+    ]
+    L += [
+        "    for n in range(n0, n1):",
+        "        for cb in range(ncb):",
+        "            nl = 16 if cb < ncb - 1 or n < nsafe else nc - cb * 16"
+        if rows == 1
+        else "            nl = min(16, nc - cb * 16)",
+        "            for l in range(nl):",
+    ]
     L += [f"                w{i} = wt[n, cb * {16 * bits} + l * {bits} + {i}]" for i in range(bits)]
     A = ACCUMULATORS
     L += [f"                a{r}_{i} = float32(0.0)" for r in range(rows) for i in range(A)]
     for j in range(32):
         L.append(f"                q = float32(np.int32({_value_expr(bits, j)}))")
         L += [f"                a{r}_{j % A} += q * xq[p + {r}, cb * 512 + {j * 16} + l]" for r in range(rows)]
-    L += [f"                pb[{r} * MAX_CHUNKS + cb * 16 + l] = {_sum_tree([f'a{r}_{i}' for i in range(A)])}"
-          for r in range(rows)]
+    L += [
+        f"                pb[{r} * MAX_CHUNKS + cb * 16 + l] = {_sum_tree([f'a{r}_{i}' for i in range(A)])}"
+        for r in range(rows)
+    ]
     for cpg, kw in ((1, "if"), (2, "elif"), (4, "else")):
         L.append(f"        {kw} cpg == {cpg}:" if cpg != 4 else "        else:")
         L.append("            for g in range(ng):")
@@ -214,26 +222,30 @@ def _vrows_source(bits: int) -> str:
     are contiguous in wt, so indexing past row v reads rows v+1..v+rv-1; xt holds x tiled rv
     times in the chunk layout (see _prep_tiled), and pb the rv rows' chunk dots one after the
     other. Loops 2-3 are those of _rows_source, once per real row."""
-    L = ["@njit(cache=True, fastmath=KERNEL_FASTMATH)",
-         f"def _vrows{bits}(wt, st, bt, xt, xs, p, n0, n1, rv, cpg, pb, gt, out, dst):",
-         f"    nc = wt.shape[1] // {bits}",
-         "    ncb = rv * nc // 16",
-         "    ng = st.shape[1]",
-         "    ngb = ng // 16",
-         "    lanes = min(16, ncb * 16)  # 16, left to run time as in _rows_source",
-         "    for v in range(n0, n1, rv):",
-         "        for cb in range(ncb):",
-         "            for l in range(lanes):"]
+    L = [
+        "@njit(cache=True, fastmath=KERNEL_FASTMATH)",
+        f"def _vrows{bits}(wt, st, bt, xt, xs, p, n0, n1, rv, cpg, pb, gt, out, dst):",
+        f"    nc = wt.shape[1] // {bits}",
+        "    ncb = rv * nc // 16",
+        "    ng = st.shape[1]",
+        "    ngb = ng // 16",
+        "    lanes = min(16, ncb * 16)  # 16, left to run time as in _rows_source",
+        "    for v in range(n0, n1, rv):",
+        "        for cb in range(ncb):",
+        "            for l in range(lanes):",
+    ]
     L += [f"                w{i} = wt[v, cb * {16 * bits} + l * {bits} + {i}]" for i in range(bits)]
     A = ACCUMULATORS
     L += [f"                a0_{i} = float32(0.0)" for i in range(A)]
     for j in range(32):
         L.append(f"                q = float32(np.int32({_value_expr(bits, j)}))")
         L.append(f"                a0_{j % A} += q * xt[p, cb * 512 + {j * 16} + l]")
-    L += [f"                pb[cb * 16 + l] = {_sum_tree([f'a0_{i}' for i in range(A)])}",
-          "        for k in range(rv):",
-          "            n = v + k",
-          "            base = k * nc"]
+    L += [
+        f"                pb[cb * 16 + l] = {_sum_tree([f'a0_{i}' for i in range(A)])}",
+        "        for k in range(rv):",
+        "            n = v + k",
+        "            base = k * nc",
+    ]
     for cpg, kw in ((1, "if"), (2, "elif"), (4, "else")):
         L.append(f"            {kw} cpg == {cpg}:" if cpg != 4 else "            else:")
         L.append("                for g in range(ng):")
@@ -331,8 +343,14 @@ def _run2{B}(x, idx, k, w3a, s3a, b3a, w3b, s3b, b3b, group_size, parallel):
 
 def _kernel_source(bits: int) -> str:
     """The numba source of the kernels for one bit width (what `_kernel(bits)` compiles)."""
-    return (_rows_source(bits, 1) + "\n" + _rows_source(bits, 2) + "\n" + _vrows_source(bits)
-            + _ITEM_TEMPLATE.replace("{B}", str(bits)))
+    return (
+        _rows_source(bits, 1)
+        + "\n"
+        + _rows_source(bits, 2)
+        + "\n"
+        + _vrows_source(bits)
+        + _ITEM_TEMPLATE.replace("{B}", str(bits))
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -479,8 +497,10 @@ def _check(x, w, scales, biases, bits, group_size, expert_dims):
     if K > 32 * MAX_CHUNKS:
         raise ValueError(f"in = {K} features is more than the kernels support ({32 * MAX_CHUNKS})")
     if K % group_size or w.shape[-1] * 32 != K * bits or scales.shape[-1] * group_size != K:
-        raise ValueError(f"x has {K} features but w {w.shape} / scales {scales.shape} are for "
-                         f"{w.shape[-1] * 32 // bits} at {bits} bits, group size {group_size}")
+        raise ValueError(
+            f"x has {K} features but w {w.shape} / scales {scales.shape} are for "
+            f"{w.shape[-1] * 32 // bits} at {bits} bits, group size {group_size}"
+        )
     if w.dtype != np.uint32:
         if w.dtype.itemsize != 4 or w.dtype.kind not in "iu":
             raise TypeError(f"packed weights must be uint32, got {w.dtype}")
@@ -538,9 +558,15 @@ def gather_qmm(x, w, scales, biases, indices, bits: int = 4, group_size: int = 6
     if idx.min() < 0 or idx.max() >= E:
         raise IndexError(f"expert index out of range 0..{E - 1}")
     k = indices.size // R
-    grouped = gather_grouped(x2, idx, k, [w.shape[1]], x2.shape[1],
-                             lambda j, e, out: dequantize(w[e], scales[e], biases[e], bits, group_size, out),
-                             lambda xr, ir, kr: _call(bits, xr, ir, kr, w, scales, biases, group_size))
+    grouped = gather_grouped(
+        x2,
+        idx,
+        k,
+        [w.shape[1]],
+        x2.shape[1],
+        lambda j, e, out: dequantize(w[e], scales[e], biases[e], bits, group_size, out),
+        lambda xr, ir, kr: _call(bits, xr, ir, kr, w, scales, biases, group_size),
+    )
     out = grouped[0] if grouped is not None else _call(bits, x2, idx, k, w, scales, biases, group_size)
     return out.reshape(*indices.shape, w.shape[1])
 
@@ -570,8 +596,15 @@ def gather_qmm_pair(x, a, b, indices, bits: int = 4, group_size: int = 64):
 
     k = indices.size // R
     sets = ((wa, sa, ba), (wb, sb, bb))
-    grouped = gather_grouped(x2, idx, k, [wa.shape[1]] * 2, x2.shape[1],
-                             lambda j, e, out: dequantize(*(t[e] for t in sets[j]), bits, group_size, out), kernel)
+    grouped = gather_grouped(
+        x2,
+        idx,
+        k,
+        [wa.shape[1]] * 2,
+        x2.shape[1],
+        lambda j, e, out: dequantize(*(t[e] for t in sets[j]), bits, group_size, out),
+        kernel,
+    )
     oa, ob = grouped if grouped is not None else kernel(x2, idx, k)
     shape = (*indices.shape, wa.shape[1])
     return oa.reshape(shape), ob.reshape(shape)
@@ -606,13 +639,14 @@ def gather_qmm_mx(x, w, scales, biases, indices, bits: int = 4, group_size: int 
     """`gather_qmm` on mx.arrays, returning an mx.array."""
     import mlx.core as mx
 
-    return mx.array(gather_qmm(to_numpy(x), to_numpy(w), to_numpy(scales), to_numpy(biases),
-                               to_numpy(indices), bits, group_size))
+    return mx.array(
+        gather_qmm(to_numpy(x), to_numpy(w), to_numpy(scales), to_numpy(biases), to_numpy(indices), bits, group_size)
+    )
 
 
 def warmup(bits=BITS) -> None:
     """Compile (first run) or load from the disk cache the kernels for these bit widths."""
-    for b in (bits if isinstance(bits, (tuple, list)) else (bits,)):
+    for b in bits if isinstance(bits, (tuple, list)) else (bits,):
         x = np.zeros((1, 32), np.float32)
         s = np.zeros((1, 1, 1), np.float32)
         _kernel(b)(x, np.zeros(1, np.int64), 1, np.zeros((1, 1, b), np.uint32), s, s, 32, False)

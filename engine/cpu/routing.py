@@ -7,6 +7,7 @@ numpy's, the scores agree to float32 rounding (its exp is libm's, numpy's its ow
 `combine` adds the weighted expert outputs in the order numpy's sum over the k axis does, so its
 result is numpy's bit for bit.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -127,6 +128,10 @@ def combine(y: np.ndarray, scores: np.ndarray, shared: np.ndarray | None = None)
     R, _, D = y.shape
     out = np.empty((R, D), np.float32)
     none = np.zeros((0, D), np.float32)
-    combine_rows(np.ascontiguousarray(y, dtype=np.float32), np.ascontiguousarray(scores, dtype=np.float32),
-             none if shared is None else np.ascontiguousarray(shared, dtype=np.float32), out)
+    combine_rows(
+        np.ascontiguousarray(y, dtype=np.float32),
+        np.ascontiguousarray(scores, dtype=np.float32),
+        none if shared is None else np.ascontiguousarray(shared, dtype=np.float32),
+        out,
+    )
     return out

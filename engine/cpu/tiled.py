@@ -34,6 +34,7 @@ so the results are the same floats, from 6-11% fewer bytes a matrix (4-bit and 8
 qmm.py's kernels. A resident matrix's many-row products (prefill) dequantize it and use sgemm
 (gemm.py); a prefill's streamed experts run here, grouped by expert (`_grouped`).
 """
+
 from __future__ import annotations
 
 import re
@@ -89,8 +90,11 @@ def _tile_out(bits: int, rows: int):
         q = []
         for k in range(vpw):  # value k of each lane's word, times 2**_shift (exact)
             sh = k * bits
-            v = (b.and_(w, ir.Constant(vir.V16, [((1 << bits) - 1) << sh] * 16)) if sh + bits < 32
-                 else b.lshr(w, ir.Constant(vir.V16, [sh] * 16)))
+            v = (
+                b.and_(w, ir.Constant(vir.V16, [((1 << bits) - 1) << sh] * 16))
+                if sh + bits < 32
+                else b.lshr(w, ir.Constant(vir.V16, [sh] * 16))
+            )
             q.append(b.sitofp(v, vir.VF16))
         for r, xrow in enumerate(rows_.state):
             xv = [e.splat(e.load(rows_.xdata, b.add(e.at(xrow, (rows_.nw, k)), j)), vir.VF16) for k in range(vpw)]
@@ -297,8 +301,14 @@ def instantiate(prepare: str, tag: str, ns: dict, filename: str) -> dict:
     """Compile SLOT_LOOPS after a kernel set's `_prepare` source, every name tagged, in ns (which
     holds the intrinsics and constants): the entry points ENTRIES."""
     # what the loops call besides their own
-    ns.update(silu_mul=silu_mul, combine_rows=combine_rows, rms_norm_rows=rms_norm_rows, decode_qs=decode_qs,
-              attend_steps=attend_steps, arange=arange)
+    ns.update(
+        silu_mul=silu_mul,
+        combine_rows=combine_rows,
+        rms_norm_rows=rms_norm_rows,
+        decode_qs=decode_qs,
+        attend_steps=attend_steps,
+        arange=arange,
+    )
     exec(compile(tagged(prepare + SLOT_LOOPS, tag), filename, "exec"), ns)  # noqa: S102 - our own template
     return {what: ns[f"_{what}{tag}"] for what in ENTRIES}
 
@@ -314,8 +324,14 @@ _compiled: dict = {}
 def _kernel(bits: int, gs: int):
     fn = _compiled.get((bits, gs))
     if fn is None:
-        ns = dict(globals(), tile_out1=_tile_out(bits, 1), tile_outs=_tile_out(bits, ROWS), VPW=32 // bits, GS=gs,
-                  XSCALE=np.array([2.0 ** -_shift(bits, k) for k in range(32 // bits)], np.float32))
+        ns = dict(
+            globals(),
+            tile_out1=_tile_out(bits, 1),
+            tile_outs=_tile_out(bits, ROWS),
+            VPW=32 // bits,
+            GS=gs,
+            XSCALE=np.array([2.0 ** -_shift(bits, k) for k in range(32 // bits)], np.float32),
+        )
         fns = instantiate(_PREPARE, f"{bits}_{gs}", ns, __file__)
         fn = _compiled[(bits, gs)] = fns["run"]
         for what in ENTRIES[1:]:
@@ -394,8 +410,9 @@ class Tiled:
         self.int8 = False  # rows on int8 activations (int8.py, --kernels cpu-int8)
 
     @classmethod
-    def from_mlx(cls, w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, gs: int,
-                 bf16: bool | None = None) -> "Tiled":
+    def from_mlx(
+        cls, w: np.ndarray, s: np.ndarray, b: np.ndarray, bits: int, gs: int, bf16: bool | None = None
+    ) -> "Tiled":
         """w uint32 [N, K*bits/32], s / b float32 [N, K/gs]: MLX's packed weights, scales, biases.
         Scales and biases are kept as bfloat16 bits when every one is a bfloat16 value (`bf16`
         None), or when `bf16` says so (they must then be)."""
@@ -422,8 +439,10 @@ class Tiled:
         if any((p.k, p.bits, p.gs) != (first.k, first.bits, first.gs) for p in parts):
             raise ValueError("parts differ in width or format")
         same = len({p.st.dtype for p in parts}) == 1  # (else every part's scales as float32)
-        wt, st, bt = (np.concatenate([getattr(p, a) if same or a == "wt" else widened(getattr(p, a)) for p in parts])
-                      for a in ("wt", "st", "bt"))
+        wt, st, bt = (
+            np.concatenate([getattr(p, a) if same or a == "wt" else widened(getattr(p, a)) for p in parts])
+            for a in ("wt", "st", "bt")
+        )
         whole = cls(wt, st, bt, wt.shape[0] * TILE, first.bits, first.gs)
         views, starts, t0 = [], [], 0
         for p in parts:
@@ -445,7 +464,7 @@ class Tiled:
         if x2.shape[0] >= GEMM_ROWS and not self._all_rows:
             return matmul_rows(x2, self.dequantize(out=_buffer(self.n, self.k)).T)
         out = self._fn(self.wt, self.st, self.bt, x2, x2.shape[0] >= self._parallel_rows)
-        return out if out.shape[1] == self.n else out[:, :self.n]
+        return out if out.shape[1] == self.n else out[:, : self.n]
 
     def _setup(self) -> None:
         if self._fn is None:  # once: the kernel, and from how many x rows a call uses every core
@@ -501,6 +520,11 @@ class Tiled:
 def warmup(pairs=((4, 64), (8, 64))) -> None:
     """Compile (first run) or load from numba's disk cache."""
     for bits, gs in pairs:
-        t = Tiled.from_mlx(np.zeros((1, gs * bits // 32), np.uint32), np.zeros((1, 1), np.float32),
-                           np.zeros((1, 1), np.float32), bits, gs)
+        t = Tiled.from_mlx(
+            np.zeros((1, gs * bits // 32), np.uint32),
+            np.zeros((1, 1), np.float32),
+            np.zeros((1, 1), np.float32),
+            bits,
+            gs,
+        )
         t.matmul(np.zeros((1, gs), np.float32))

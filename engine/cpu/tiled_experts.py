@@ -15,6 +15,7 @@ float32) are tiled back into bfloat16 bits, in the first half of the slot's own 
 kernels then read half as many scale and bias bytes (the synthetic 4-bit model: 10% fewer bytes
 a step) for the same floats.
 """
+
 from __future__ import annotations
 
 import threading
@@ -62,10 +63,15 @@ class TiledBank:
     def supports(parts: dict[str, tuple]) -> bool:
         """Every part in a tiled format, N a multiple of 16, the arrays contiguous, weights uint32,
         scales and biases float32 (or uint16: bfloat16 bits)."""
-        return all(tiled.supports(bits, gs) and w.shape[1] % 16 == 0
-                   and all(a.flags.c_contiguous for a in (w, s, b))
-                   and w.dtype == np.uint32 and s.dtype == b.dtype and s.dtype in (np.float32, np.uint16)
-                   for w, s, b, bits, gs in parts.values())
+        return all(
+            tiled.supports(bits, gs)
+            and w.shape[1] % 16 == 0
+            and all(a.flags.c_contiguous for a in (w, s, b))
+            and w.dtype == np.uint32
+            and s.dtype == b.dtype
+            and s.dtype in (np.float32, np.uint16)
+            for w, s, b, bits, gs in parts.values()
+        )
 
     def ready(self, slots: np.ndarray) -> None:
         """Repack the slots among these that still hold their bytes as read (a reader thread
@@ -90,7 +96,9 @@ class TiledBank:
             np.copyto(cw, w[slot])
             if self.bf16 and not self.native16:  # float32 values that are bfloat16: their top halves
                 nb = wt.shape[1]
-                tiled._repack(cw, tiled.to_bf16(s[slot]), tiled.to_bf16(b[slot]), wt[slot], st[slot, :nb], bt[slot, :nb])
+                tiled._repack(
+                    cw, tiled.to_bf16(s[slot]), tiled.to_bf16(b[slot]), wt[slot], st[slot, :nb], bt[slot, :nb]
+                )
             else:
                 np.copyto(cs, s[slot])
                 np.copyto(cb, b[slot])
@@ -115,11 +123,17 @@ class TiledBank:
         names = ("gate_proj", "up_proj", "down_proj")
         fn, serial_below = self._fn(*self.formats["down_proj"], "swiglu")
         work = idx.size * (2 * self.n[names[0]] * x2.shape[1] + self.n[names[2]] * self.k[names[2]])
-        return fn(*(t for n in names for t in self.tiles[n]), np.ascontiguousarray(x2), _entry_rows(idx, k),
-                  np.ascontiguousarray(idx, dtype=np.int64), parallel and work >= serial_below)
+        return fn(
+            *(t for n in names for t in self.tiles[n]),
+            np.ascontiguousarray(x2),
+            _entry_rows(idx, k),
+            np.ascontiguousarray(idx, dtype=np.int64),
+            parallel and work >= serial_below,
+        )
 
-    def swiglu_sum(self, x2: np.ndarray, slots: np.ndarray, scores: np.ndarray,
-                   shared: np.ndarray | None = None) -> np.ndarray | None:
+    def swiglu_sum(
+        self, x2: np.ndarray, slots: np.ndarray, scores: np.ndarray, shared: np.ndarray | None = None
+    ) -> np.ndarray | None:
         """One token's experts, weighted and summed: x2 [1, D] through each of its k slots
         (ready), times scores [k], summed as routing.combine sums (plus `shared` [1, D]) in one
         kernel call, where the Python between `swiglu` and `combine` cost as much as the call.
@@ -127,8 +141,14 @@ class TiledBank:
         if not self.one_call:
             return None
         fn, tiles, parallel = self.sum_args(slots.size, x2.shape[1])
-        return fn(*tiles, np.ascontiguousarray(x2), slots, np.ascontiguousarray(scores, dtype=np.float32).reshape(-1),
-                  _NO_SHARED if shared is None else np.ascontiguousarray(shared, dtype=np.float32), parallel)
+        return fn(
+            *tiles,
+            np.ascontiguousarray(x2),
+            slots,
+            np.ascontiguousarray(scores, dtype=np.float32).reshape(-1),
+            _NO_SHARED if shared is None else np.ascontiguousarray(shared, dtype=np.float32),
+            parallel,
+        )
 
     def sum_args(self, k: int, width: int) -> tuple:
         """(swiglu_sum's kernel, its nine tile arrays, its parallel flag) for k experts of x rows
@@ -137,8 +157,11 @@ class TiledBank:
         if key not in self._sums:
             fn, serial_below = self._fn(*self.formats["down_proj"], "swiglu_sum")
             work = k * (2 * self.n["gate_proj"] * width + self.n["down_proj"] * self.k["down_proj"])
-            self._sums[key] = (fn, tuple(t for n in ("gate_proj", "up_proj", "down_proj") for t in self.tiles[n]),
-                               work >= serial_below)
+            self._sums[key] = (
+                fn,
+                tuple(t for n in ("gate_proj", "up_proj", "down_proj") for t in self.tiles[n]),
+                work >= serial_below,
+            )
         return self._sums[key]
 
     def _fn(self, bits: int, gs: int, what: str):
@@ -176,9 +199,16 @@ class TiledBank:
         order = np.argsort(idx, kind="stable")
         slots, starts = np.unique(idx[order], return_index=True)
         fn, _ = self._fn(*self.formats[names[0]], "grouped")
-        got = fn(*self._banks(names), np.ascontiguousarray(x2), order // k, order, slots.astype(np.int64),
-                 np.append(starts, idx.size).astype(np.int64), True)
-        return got[:len(names)]
+        got = fn(
+            *self._banks(names),
+            np.ascontiguousarray(x2),
+            order // k,
+            order,
+            slots.astype(np.int64),
+            np.append(starts, idx.size).astype(np.int64),
+            True,
+        )
+        return got[: len(names)]
 
 
 def _entry_rows(idx: np.ndarray, k: int) -> np.ndarray:

@@ -3,6 +3,7 @@
 Those kernels keep a tile's 16 sums in vector registers for a whole row of groups. Written as
 numba loops over 16 lanes, the sums went through memory at every group (numba cannot show LLVM
 that a scratch array aliases nothing), which cost 1.3-2.5x (benchmarks/RESULTS.md)."""
+
 from __future__ import annotations
 
 from llvmlite import ir
@@ -33,6 +34,7 @@ def _bf16_bits(t) -> bool:
 def as_f32(typingctx, v):
     """A scale or bias as float32: a float32 as it is, a uint16 as the bfloat16 it holds (the top
     half of a float32, so widening is exact)."""
+
     def codegen(context, builder, signature, args):
         if not _bf16_bits(signature.args[0]):
             return args[0]
@@ -81,17 +83,26 @@ class Emitter:
     def prefetch(self, ptr, index):
         """Ask for the line of ptr[index] (past the array's end is harmless: a prefetch never faults)."""
         i8p = ir.IntType(8).as_pointer()
-        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]),
-                                            "llvm.prefetch.p0i8")
+        fn = cgutils.get_or_insert_function(
+            self.b.module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]), "llvm.prefetch.p0i8"
+        )
         # read, keep in every cache level, data
-        self.b.call(fn, [self.b.bitcast(self.b.gep(ptr, [index]), i8p), ir.Constant(I32, 0), ir.Constant(I32, 3),
-                         ir.Constant(I32, 1)])
+        self.b.call(
+            fn,
+            [
+                self.b.bitcast(self.b.gep(ptr, [index]), i8p),
+                ir.Constant(I32, 0),
+                ir.Constant(I32, 3),
+                ir.Constant(I32, 1),
+            ],
+        )
 
     def splat(self, v, vt):
         """A scalar in all 16 lanes."""
         undef = ir.Constant(vt, None)
-        return self.b.shuffle_vector(self.b.insert_element(undef, v, ir.Constant(I32, 0)), undef,
-                                     ir.Constant(V16, [0] * 16))
+        return self.b.shuffle_vector(
+            self.b.insert_element(undef, v, ir.Constant(I32, 0)), undef, ir.Constant(V16, [0] * 16)
+        )
 
 
 def array_data(context, builder, signature, args, i):
@@ -130,7 +141,8 @@ def tile_intrinsic(rows: int, dot_type, dots_per_row: int, setup, word, group):
         def codegen(context, builder, signature, args):
             e = Emitter(builder)
             wdata, xdata, dxdata, xsdata, xrdata, ordata, stdata, btdata, odata = (
-                array_data(context, builder, signature, args, i) for i in (0, 4, 5, 6, 7, 8, 10, 11, 13))
+                array_data(context, builder, signature, args, i) for i in (0, 4, 5, 6, 7, 8, 10, 11, 13)
+            )
             w0_, nw_, ng_, r0_, sb0_, col_, ostride_ = (e.i64(args[i]) for i in (1, 2, 3, 9, 12, 14, 15))
             wpg = builder.sdiv(nw_, ng_)
             xm = [e.i64(e.load(xrdata, builder.add(r0_, e.const(r)))) for r in range(rows)]
@@ -159,8 +171,9 @@ def tile_intrinsic(rows: int, dot_type, dots_per_row: int, setup, word, group):
                 scale, bias = e.vload_scales(stdata, at, bf16), e.vload_scales(btdata, at, bf16)
                 for r in range(rows):
                     xsum = e.splat(e.load(xsdata, builder.add(srow[r], g)), VF16)
-                    total = group(rows_, r, g, [builder.load(d) for d in dots[r]], scale, bias, xsum,
-                                  builder.load(totals[r]))
+                    total = group(
+                        rows_, r, g, [builder.load(d) for d in dots[r]], scale, bias, xsum, builder.load(totals[r])
+                    )
                     builder.store(total, totals[r])
             for r in range(rows):
                 e.vstore(builder.load(totals[r]), odata, orow_[r])

@@ -8,6 +8,7 @@ once, the families split over two processes, and `flashmoe demo` runs it after b
 demo. Each call below is shaped like the engine's own calls, so the disk cache holds the
 specialisations the engine asks for.
 """
+
 from __future__ import annotations
 
 import sys
@@ -18,10 +19,12 @@ import numpy as np
 # (what, bits, group size): qmm = MLX's layout (other widths), tiled = resident matrices and the
 # streamed experts' slot banks (decode SwiGLU, grouped prefill), tiled-bf16 the same with
 # bfloat16 scales (real MLX checkpoints': their usual formats)
-JOBS = ([("qmm", b, 64) for b in (8, 4, 3, 2)]
-        + [("tiled", b, g) for b, g in ((8, 64), (4, 64), (2, 64), (4, 32), (8, 128), (2, 32))]
-        + [("tiled-bf16", b, 64) for b in (4, 8)]
-        + [("small", 0, 0)])
+JOBS = (
+    [("qmm", b, 64) for b in (8, 4, 3, 2)]
+    + [("tiled", b, g) for b, g in ((8, 64), (4, 64), (2, 64), (4, 32), (8, 128), (2, 32))]
+    + [("tiled-bf16", b, 64) for b in (4, 8)]
+    + [("small", 0, 0)]
+)
 
 
 def jobs_for(bits: int, group_size: int = 64) -> list:
@@ -47,8 +50,14 @@ def _run(job) -> None:
         from flashmoe.engine.cpu.tiled import Tiled
 
         bf16 = what == "tiled-bf16"
-        t = Tiled.from_mlx(np.zeros((20, gs * bits // 32), np.uint32), np.zeros((20, 1), np.float32),
-                           np.zeros((20, 1), np.float32), bits, gs, bf16=bf16)
+        t = Tiled.from_mlx(
+            np.zeros((20, gs * bits // 32), np.uint32),
+            np.zeros((20, 1), np.float32),
+            np.zeros((20, 1), np.float32),
+            bits,
+            gs,
+            bf16=bf16,
+        )
         for rows in (1, 2, 7):
             t.matmul(np.zeros((rows, gs), np.float32))
         t.rows(np.zeros((1, 1), np.int64))
@@ -63,8 +72,9 @@ def _run(job) -> None:
             routing.route(np.zeros((1, 4), np.float32), 2, mode)
         routing.combine(np.zeros((1, 2, 4), np.float32), np.zeros((1, 2), np.float32))
         for bits in (8, 4, 3, 2):
-            gemm.dequantize(np.zeros((1, 2 * bits), np.uint32), np.zeros((1, 1), np.float32),
-                            np.zeros((1, 1), np.float32), bits, 64)
+            gemm.dequantize(
+                np.zeros((1, 2 * bits), np.uint32), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32), bits, 64
+            )
 
 
 def _bank_calls(bits: int, gs: int, bf16: bool = False) -> None:
@@ -76,11 +86,19 @@ def _bank_calls(bits: int, gs: int, bf16: bool = False) -> None:
     S, inter, hidden = 2, gs, 2 * gs
 
     def part(n, k):
-        return (np.zeros((S, n, k * bits // 32), np.uint32), np.zeros((S, n, k // gs), np.float32),
-                np.zeros((S, n, k // gs), np.float32), bits, gs)
+        return (
+            np.zeros((S, n, k * bits // 32), np.uint32),
+            np.zeros((S, n, k // gs), np.float32),
+            np.zeros((S, n, k // gs), np.float32),
+            bits,
+            gs,
+        )
 
-    bank = TiledBank({"gate_proj": part(inter, hidden), "up_proj": part(inter, hidden),
-                      "down_proj": part(hidden, inter)}, np.zeros(S, dtype=bool), bf16)
+    bank = TiledBank(
+        {"gate_proj": part(inter, hidden), "up_proj": part(inter, hidden), "down_proj": part(hidden, inter)},
+        np.zeros(S, dtype=bool),
+        bf16,
+    )
     bank.swiglu(np.zeros((1, hidden), np.float32), np.array([0, 1]), 2)
     bank.swiglu_sum(np.zeros((1, hidden), np.float32), np.array([0, 1]), np.zeros(2, np.float32))
     idx = np.zeros(GEMM_ROWS, np.int64)
@@ -98,18 +116,48 @@ def _attention_block(bits: int, gs: int, bf16: bool = False, kv=np.float32) -> N
     D = 2 * gs
 
     def tiles(n, k):
-        t = Tiled.from_mlx(np.zeros((n, k * bits // 32), np.uint32), np.zeros((n, k // gs), np.float32),
-                           np.zeros((n, k // gs), np.float32), bits, gs, bf16=bf16)
+        t = Tiled.from_mlx(
+            np.zeros((n, k * bits // 32), np.uint32),
+            np.zeros((n, k // gs), np.float32),
+            np.zeros((n, k // gs), np.float32),
+            bits,
+            gs,
+            bf16=bf16,
+        )
         return t.wt, t.st, t.bt
 
     norm = (np.ones(hd, np.float32), np.float32(1e-6), True)
     rope = np.zeros((2, hd), np.float32)
     K, V = np.zeros((Hk, 4, hd), kv), np.zeros((Hk, 4, hd), kv)
     fn = Tiled(*tiles(D, D), D, bits, gs).entry("attn_half")
-    fn(np.zeros((1, D), np.float32), np.ones(D, np.float32), np.float32(1e-6), *tiles((H + 2 * Hk) * hd, D),
-       np.zeros(0, np.float32), 0, H * hd, (H + Hk) * hd, H, Hk, hd, *norm, *norm, rope[1], rope[1],
-       np.arange(hd, dtype=np.int64), K, V, 0, np.float32(1.0), *tiles(D, H * hd), np.zeros(0, np.float32),
-       np.ones(D, np.float32), np.float32(1e-6), True, True)
+    fn(
+        np.zeros((1, D), np.float32),
+        np.ones(D, np.float32),
+        np.float32(1e-6),
+        *tiles((H + 2 * Hk) * hd, D),
+        np.zeros(0, np.float32),
+        0,
+        H * hd,
+        (H + Hk) * hd,
+        H,
+        Hk,
+        hd,
+        *norm,
+        *norm,
+        rope[1],
+        rope[1],
+        np.arange(hd, dtype=np.int64),
+        K,
+        V,
+        0,
+        np.float32(1.0),
+        *tiles(D, H * hd),
+        np.zeros(0, np.float32),
+        np.ones(D, np.float32),
+        np.float32(1e-6),
+        True,
+        True,
+    )
 
 
 def _run_all(jobs) -> None:

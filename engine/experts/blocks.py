@@ -6,6 +6,7 @@ Their attribute name varies (`switch_mlp`, `experts`, `experts.switch_glu`, ...)
 found by its class, never by its name. Each block's parameters are stacked [E, ...] over experts:
 that is what the store streams.
 """
+
 from __future__ import annotations
 
 import re
@@ -70,7 +71,7 @@ def expert_tensor_of(name: str, blocks: dict) -> str | None:
     b = block_of(name, blocks)
     if b is None:
         return None
-    return b if name[len(b) + 1:].split(".")[0] in expert_children(blocks[b]) else None
+    return b if name[len(b) + 1 :].split(".")[0] in expert_children(blocks[b]) else None
 
 
 def kind(module: nn.Module) -> str:
@@ -102,8 +103,9 @@ def resident_expert_modules(model: nn.Module, num_experts: int) -> list[str]:
         if name in blocks or block_of(name, blocks):
             continue
         own = [p for k, p in tree_flatten(m.parameters()) if "." not in k]  # m's own, not its children's
-        if any(p.ndim == 3 and p.shape[0] == num_experts for p in own) and \
-                (_has_router(m, num_experts) or _has_router(modules.get(name.rpartition(".")[0]), num_experts)):
+        if any(p.ndim == 3 and p.shape[0] == num_experts for p in own) and (
+            _has_router(m, num_experts) or _has_router(modules.get(name.rpartition(".")[0]), num_experts)
+        ):
             out.append(f"{name} ({type(m).__name__})")
     return out
 
@@ -111,7 +113,9 @@ def resident_expert_modules(model: nn.Module, num_experts: int) -> list[str]:
 def _has_router(m, num_experts: int) -> bool:
     return isinstance(m, nn.Module) and any(
         isinstance(c, (nn.Linear, nn.QuantizedLinear)) and c.weight.shape[0] == num_experts
-        for c in m.children().values() if isinstance(c, nn.Module))
+        for c in m.children().values()
+        if isinstance(c, nn.Module)
+    )
 
 
 def no_blocks_reason(model: nn.Module, config: dict) -> str | None:
@@ -123,10 +127,14 @@ def no_blocks_reason(model: nn.Module, config: dict) -> str | None:
     others = resident_expert_modules(model, n)
     mtype = config.get("model_type")
     if others:
-        return (f"{mtype}: its config declares {n} experts, but they are computed by {others[0]}, "
-                "not by one of mlx-lm's switch layers (SwitchGLU, SwitchMLP), so they cannot stream")
-    return (f"{mtype}: its config declares {n} experts, but the model mlx-lm builds has no "
-            "switch-layer expert block (SwitchGLU, SwitchMLP) to stream")
+        return (
+            f"{mtype}: its config declares {n} experts, but they are computed by {others[0]}, "
+            "not by one of mlx-lm's switch layers (SwitchGLU, SwitchMLP), so they cannot stream"
+        )
+    return (
+        f"{mtype}: its config declares {n} experts, but the model mlx-lm builds has no "
+        "switch-layer expert block (SwitchGLU, SwitchMLP) to stream"
+    )
 
 
 def cpu_kernels_reason(module: nn.Module, quantized: bool) -> str | None:

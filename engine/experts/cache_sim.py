@@ -9,6 +9,7 @@ again farthest in the future, which no policy can beat: the exchange argument fo
 holds unchanged when each request is a set that must be resident at once, because both the
 optimal and the farthest-first schedule evict only from outside the current set.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
@@ -138,10 +139,14 @@ def routing_stats(trace: Trace, experts: int, guessed: dict[int, tuple[int, ...]
             for e in chosen:
                 load[e] += 1
         total = sum(load)
-        row = {"tokens": len(steps), "k": k,
-               "reuse": sum(reuse) / len(reuse) if reuse else float("nan"),
-               "hot_share": sum(sorted(load, reverse=True)[:hot]) / total,
-               "hot_experts": hot, "max_over_mean": max(load) / (total / experts)}
+        row = {
+            "tokens": len(steps),
+            "k": k,
+            "reuse": sum(reuse) / len(reuse) if reuse else float("nan"),
+            "hot_share": sum(sorted(load, reverse=True)[:hot]) / total,
+            "hot_experts": hot,
+            "max_over_mean": max(load) / (total / experts),
+        }
         if guessed is not None:
             right = [len(set(guessed[i]) & set(trace[i][1])) / k for i in idx if i in guessed]
             row["lookahead"] = sum(right) / len(right) if right else float("nan")

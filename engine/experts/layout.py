@@ -8,6 +8,7 @@ Both the packed format and direct mode (reading out of an unconverted checkpoint
 expert the same way, as a list of `Part`s and where each part's bytes are (`Extent`s); the
 store does not care which it is streaming from.
 """
+
 from __future__ import annotations
 
 import json
@@ -106,8 +107,15 @@ def stride_for(expert_bytes: int) -> int:
     return -(-expert_bytes // ALIGNMENT) * ALIGNMENT
 
 
-def write_layer(folder: Path, layer: int, module: str, tensors: dict[str, mx.array],
-                part_names: list[str], quantization: dict | None = None, layout: str = "mlx") -> LayerExperts:
+def write_layer(
+    folder: Path,
+    layer: int,
+    module: str,
+    tensors: dict[str, mx.array],
+    part_names: list[str],
+    quantization: dict | None = None,
+    layout: str = "mlx",
+) -> LayerExperts:
     """Pack one layer's stacked expert tensors ([E, ...] each) into experts/layer_NNN.bin, each
     part in `layout` (LayerExperts.layout: "tiles" reorders every part's rows in tiles of 16).
 
@@ -124,8 +132,12 @@ def write_layer(folder: Path, layer: int, module: str, tensors: dict[str, mx.arr
     pad = b"\0" * (stride - expert_bytes)
     views = [array_bytes(tensors[n]) for n in part_names]
     if layout == "tiles":  # the same bytes in tile order (as unsigned ints of the element's size)
-        views = [memoryview(to_tiles(np.frombuffer(v, f"u{p.nbytes // _elements(p)}").reshape(num_experts, *p.shape))).cast("B")
-                 for v, p in zip(views, parts)]
+        views = [
+            memoryview(to_tiles(np.frombuffer(v, f"u{p.nbytes // _elements(p)}").reshape(num_experts, *p.shape))).cast(
+                "B"
+            )
+            for v, p in zip(views, parts)
+        ]
     checksums = []
     name = layer_file_name(layer)
     tmp = folder / (name + ".partial")
@@ -133,7 +145,7 @@ def write_layer(folder: Path, layer: int, module: str, tensors: dict[str, mx.arr
         for e in range(num_experts):
             crc = 0
             for p, v in zip(parts, views):
-                chunk = v[e * p.nbytes:(e + 1) * p.nbytes]
+                chunk = v[e * p.nbytes : (e + 1) * p.nbytes]
                 f.write(chunk)
                 crc = crc32(chunk, crc)
             f.write(pad)
@@ -141,8 +153,17 @@ def write_layer(folder: Path, layer: int, module: str, tensors: dict[str, mx.arr
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, folder / name)
-    return LayerExperts(layer, module, num_experts, parts, file=name, stride=stride, checksums=checksums,
-                        quantization=quantization, layout=layout)
+    return LayerExperts(
+        layer,
+        module,
+        num_experts,
+        parts,
+        file=name,
+        stride=stride,
+        checksums=checksums,
+        quantization=quantization,
+        layout=layout,
+    )
 
 
 def _elements(p: Part) -> int:
@@ -198,8 +219,10 @@ def read_manifest(folder: Path) -> list[LayerExperts]:
     if doc.get("format") != FORMAT:
         raise ModelLoadError(path, f"not a flashmoe expert manifest (format {doc.get('format')!r})")
     if doc.get("version") not in (VERSION, TILED_VERSION):
-        raise ModelLoadError(path, f"format version {doc.get('version')} is not supported (this flashmoe reads "
-                             f"{VERSION} and {TILED_VERSION})")
+        raise ModelLoadError(
+            path,
+            f"format version {doc.get('version')} is not supported (this flashmoe reads {VERSION} and {TILED_VERSION})",
+        )
     if not isinstance(doc.get("layers"), list):
         raise ModelLoadError(path, "malformed manifest (layers must be a list)")
     layers = []
@@ -253,9 +276,17 @@ def _layer_entry(d) -> LayerExperts:
     layout = d.get("layout", "mlx")
     if layout not in LAYOUTS or (layout == "tiles" and any(len(p.shape) != 2 or p.shape[0] % 16 for p in parts)):
         raise ValueError(f"layout {layout!r} (one of {', '.join(LAYOUTS)}; tiles need parts of [16n, x])")
-    return LayerExperts(_count(d["layer"]), d["module"], _count(d["num_experts"], 1), tuple(parts), file=file,
-                        stride=_count(d["stride"], 1), checksums=checksums, quantization=d.get("quantization"),
-                        layout=layout)
+    return LayerExperts(
+        _count(d["layer"]),
+        d["module"],
+        _count(d["num_experts"], 1),
+        tuple(parts),
+        file=file,
+        stride=_count(d["stride"], 1),
+        checksums=checksums,
+        quantization=d.get("quantization"),
+        layout=layout,
+    )
 
 
 def verify(folder: Path, layers: list[LayerExperts], progress=None) -> list[tuple[int, int, str]]:

@@ -6,6 +6,7 @@ the slot's memory (MLX CPU arrays expose a writable buffer). Slots are shared by
 same shape, and a miss reuses the slot its policy gives up (CACHE_POLICIES), so the byte budget
 is a hard limit.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -68,7 +69,7 @@ def pieces(job, size: int) -> list:
         pos = 0
         while pos < len(view):
             n = min(len(view) - pos, size - filled)
-            cur.append(view[pos:pos + n])
+            cur.append(view[pos : pos + n])
             pos, filled = pos + n, filled + n
             if filled == size:
                 out.append((Extent(ext.path, start, filled, ext.first, ext.last), cur, [None] * len(cur)))
@@ -105,8 +106,9 @@ class Readers:
     def __init__(self, threads: int, name: str):
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
-                         for i in range(max(1, threads))]
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(max(1, threads))
+        ]
         for t in self._threads:
             t.start()
 
@@ -192,7 +194,7 @@ def _page_aligned_zeros(shape: tuple, dtype) -> mx.array:
     flat = mx.zeros((n + PAGE // dtype.size,), dtype=dtype)
     mx.eval(flat)
     skip = (-_address(memoryview(flat).cast("B")) % PAGE) // dtype.size
-    out = flat[skip:skip + n].reshape(shape)
+    out = flat[skip : skip + n].reshape(shape)
     mx.eval(out)
     return out
 
@@ -201,8 +203,10 @@ def held_parts(parts, upcast: bool, keep_bf16: bool = False) -> list[Part]:
     """The parts as the slots hold them: 16-bit floats widened to float32 when upcasting, except
     bfloat16 with `keep_bf16` (kernels that take bfloat16 scales as they are: no bytes widened
     on read, and the cache holds more experts)."""
-    return [Part(p.name, "F32", p.shape) if upcast and p.dtype in _HALF and not (keep_bf16 and p.dtype == "BF16")
-            else p for p in parts]
+    return [
+        Part(p.name, "F32", p.shape) if upcast and p.dtype in _HALF and not (keep_bf16 and p.dtype == "BF16") else p
+        for p in parts
+    ]
 
 
 class SlotPool:
@@ -269,11 +273,15 @@ class SlotPool:
         (bfloat16 as its uint16 bits)."""
         i = next(i for i, p in enumerate(self.held) if p.name == name)
         dtype = {"F32": np.float32, "U32": np.uint32, "BF16": np.uint16, "F16": np.float16}.get(self.held[i].dtype)
-        return np.frombuffer(self._views[i], dtype if dtype is not None else np.uint8).reshape(self.slots, *self.held[i].shape)
+        return np.frombuffer(self._views[i], dtype if dtype is not None else np.uint8).reshape(
+            self.slots, *self.held[i].shape
+        )
 
     def slot_views(self, slot: int, first: int, last: int) -> list[memoryview]:
-        return [self._views[i][slot * p.nbytes:(slot + 1) * p.nbytes]
-                for i, p in enumerate(self.held[first:last], start=first)]
+        return [
+            self._views[i][slot * p.nbytes : (slot + 1) * p.nbytes]
+            for i, p in enumerate(self.held[first:last], start=first)
+        ]
 
     def conversions(self, first: int, last: int) -> list[str | None]:
         """Per part: the on-disk dtype to convert from, or None when it is read as is."""
@@ -291,10 +299,20 @@ class SlotPool:
 class ExpertStore:
     """Owns the slot pools, the open files and the reader threads."""
 
-    def __init__(self, root: Path, layers: list[LayerExperts], top_k: int,
-                 budget_bytes: int, io_threads: int = IO_THREADS, direct_io: bool | None = None,
-                 upcast: bool = False, cpu_kernels: bool = False, policy: str = "lfu",
-                 verify_reads: bool = True, keep_bf16=None):
+    def __init__(
+        self,
+        root: Path,
+        layers: list[LayerExperts],
+        top_k: int,
+        budget_bytes: int,
+        io_threads: int = IO_THREADS,
+        direct_io: bool | None = None,
+        upcast: bool = False,
+        cpu_kernels: bool = False,
+        policy: str = "lfu",
+        verify_reads: bool = True,
+        keep_bf16=None,
+    ):
         """keep_bf16(layer experts) -> whether their pool keeps bfloat16 parts as stored when
         upcasting (the CPU kernels' tiles take them so); None: never."""
         if policy not in CACHE_POLICIES:
@@ -352,8 +370,9 @@ class ExpertStore:
         # time this process reads it (direct mode has no checksums): a flipped bit on the disk is
         # an error naming layer and expert, not garbage output. One flag per (layer, expert).
         self.verify_reads = verify_reads
-        self._verified = {l.layer: np.zeros(l.num_experts, dtype=bool)
-                          for l in layers if l.file is not None and l.checksums}
+        self._verified = {
+            l.layer: np.zeros(l.num_experts, dtype=bool) for l in layers if l.file is not None and l.checksums
+        }
         self._verify_lock = threading.Lock()
         self.verify_s = 0.0  # seconds the reader threads spent computing checksums, in total
         self.land_s = 0.0  # ... and in the pools' landing steps (the CPU kernels' repack into tiles)
@@ -509,16 +528,25 @@ class ExpertStore:
         self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
         return lut
 
-    def _pieces(self, info: LayerExperts, pool: SlotPool, expert: int, slot: int,
-                whole: bool = False) -> tuple[_Landing, list]:
+    def _pieces(
+        self, info: LayerExperts, pool: SlotPool, expert: int, slot: int, whole: bool = False
+    ) -> tuple[_Landing, list]:
         """The read jobs (extent, slot views, conversions) that bring `expert` into `slot`, in
         pieces of at most READ_PIECE (or `whole`: one read per extent, for one reader thread),
         and the _Landing that counts them."""
-        jobs = [(ext, pool.slot_views(slot, ext.first, ext.last), pool.conversions(ext.first, ext.last))
-                for ext in info.extents(self.root, expert)]
+        jobs = [
+            (ext, pool.slot_views(slot, ext.first, ext.last), pool.conversions(ext.first, ext.last))
+            for ext in info.extents(self.root, expert)
+        ]
         split = jobs if whole else [p for job in jobs for p in pieces(job, READ_PIECE)]
-        landing = _Landing(info.layer, expert, pool, slot, self._check_for(info, expert),
-                           str(self.root / info.file) if info.file else str(self.root))
+        landing = _Landing(
+            info.layer,
+            expert,
+            pool,
+            slot,
+            self._check_for(info, expert),
+            str(self.root / info.file) if info.file else str(self.root),
+        )
         landing.left = len(split)
         return landing, split
 
@@ -566,8 +594,11 @@ class ExpertStore:
                 self.verify_s += took
                 self.verified_bytes += n
             if crc != landing.check:
-                raise ModelLoadError(landing.path, f"layer {landing.layer} expert {landing.expert}: checksum "
-                                     "mismatch, the file is corrupted (`flashmoe verify` checks every expert)")
+                raise ModelLoadError(
+                    landing.path,
+                    f"layer {landing.layer} expert {landing.expert}: checksum "
+                    "mismatch, the file is corrupted (`flashmoe verify` checks every expert)",
+                )
             self._verified[landing.layer][landing.expert] = True
         if pool.land is not None:
             t0 = perf_counter()
@@ -611,7 +642,7 @@ class ExpertStore:
             return taken + [pool.table.pop(key) for key in victims]
         # lfu: the least often asked-for experts, the least recently used among equals. The
         # clock counts fetches, far below 2**32, so one float64 key orders both.
-        score = self.freq[pool.layer_of, pool.expert_of] * 2.0 ** 32 + pool.used_at
+        score = self.freq[pool.layer_of, pool.expert_of] * 2.0**32 + pool.used_at
         keep = taken + [pool.table[k] for k in [*((layer, e) for e in wanted), *self._inflight] if k in pool.table]
         score[keep] = np.inf
         # a slot with no expert is one an earlier call took for a read not yet put (fetch asks
@@ -640,8 +671,9 @@ class ExpertStore:
                 return
             slot = slots[0]
             pool.put(key, slot, self._tick)
-            self._inflight[key] = self._exec.submit(self._read_all, *self._pieces(info, pool, key[1], slot, whole=True)[::-1],
-                                                    priority=AHEAD)
+            self._inflight[key] = self._exec.submit(
+                self._read_all, *self._pieces(info, pool, key[1], slot, whole=True)[::-1], priority=AHEAD
+            )
             stats = self.stats[layer]
             stats.prefetched += 1
             stats.bytes_read += info.expert_bytes
@@ -732,8 +764,9 @@ class ExpertStore:
                 continue  # this pool is full; another may not be
             slot = pool.free.pop()
             pool.put((layer, e), slot, self._tick)
-            self._inflight[(layer, e)] = self._preload_exec.submit(self._read_all,
-                                                                   *self._pieces(info, pool, e, slot, whole=True)[::-1])
+            self._inflight[(layer, e)] = self._preload_exec.submit(
+                self._read_all, *self._pieces(info, pool, e, slot, whole=True)[::-1]
+            )
             started += 1
             self.preloaded_bytes += info.expert_bytes
         self.preloaded += started
@@ -769,8 +802,9 @@ class ExpertStore:
                     self._direct_fds.add(fd)
                 except OSError as e:  # a file system without O_DIRECT says EINVAL
                     if self.direct_io or e.errno != errno.EINVAL:
-                        raise ModelLoadError(path, f"cannot open{' with O_DIRECT' if self.direct_io else ''}: "
-                                             f"{e.strerror or e}") from None
+                        raise ModelLoadError(
+                            path, f"cannot open{' with O_DIRECT' if self.direct_io else ''}: {e.strerror or e}"
+                        ) from None
             if fd is None:
                 try:
                     fd = os.open(path, flags)
@@ -792,7 +826,7 @@ class ExpertStore:
             views, pos = [], 0
             for v, c in zip(targets, conversions):
                 if c:
-                    views.append(stage[pos:pos + len(v) // 2])
+                    views.append(stage[pos : pos + len(v) // 2])
                     pos += len(v) // 2
                 else:
                     views.append(v)
@@ -827,11 +861,11 @@ class ExpertStore:
         mv = memoryview(buf)[: end - start]
         skip = ext.offset - start
         got = max(0, min(os.preadv(fd, [mv], start) - skip, ext.nbytes))
-        data = mv[skip:skip + got]
+        data = mv[skip : skip + got]
         pos = 0
         for v in views:
             n = max(0, min(len(v), got - pos))
-            v[:n] = data[pos:pos + n]
+            v[:n] = data[pos : pos + n]
             pos += len(v)
         return got
 

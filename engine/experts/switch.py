@@ -5,6 +5,7 @@ It keeps mlx-lm's own (quantized) block as the compute, with its stacked [E, ...
 replaced by the store's slot bank [S, ...]; only the expert ids change, mapped to slot ids. The
 arithmetic is the resident model's, which is why the streamed logits match it exactly.
 """
+
 from __future__ import annotations
 
 from time import perf_counter
@@ -114,8 +115,10 @@ class StreamingSwitchGLU(nn.Module):
         wanted = np.unique(ids)
         landed = None
         if store.routers and ids.size == ids.shape[-1]:  # decoding one token: once this layer's reads
+
             def landed():  # have landed (the drive is idle), read the next layer's likely experts
                 self._read_ahead(x2, set(int(e) for e in wanted))
+
         t1 = perf_counter()
         y = self._cpu(x2, ids, wanted, store.pool(layer).slots, store, layer, during, landed)
         stats.compute_s += perf_counter() - t1 - (stats.io_wait_s - self._cpu.wait_before)
@@ -128,7 +131,9 @@ class StreamingSwitchGLU(nn.Module):
         from flashmoe.engine.cpu.routing import route_slots
 
         ids, scores, slots = np.empty((1, k), np.int64), np.empty((1, k), np.float32), np.empty(k, np.int64)
-        hit = route_slots(np.ascontiguousarray(logits, dtype=np.float32), k, mode, *self.slot_args(), ids, scores, slots)
+        hit = route_slots(
+            np.ascontiguousarray(logits, dtype=np.float32), k, mode, *self.slot_args(), ids, scores, slots
+        )
         return ids, scores, (slots if hit else None)
 
     def slot_args(self) -> tuple:
@@ -157,8 +162,9 @@ class StreamingSwitchGLU(nn.Module):
             if self._store.routers and n2 is not None:
                 self._read_ahead(n2, set(ids.reshape(-1).tolist()))
 
-    def decode_slots(self, x2: np.ndarray, ids: np.ndarray, slots: np.ndarray, scores: np.ndarray,
-                     shared=None) -> np.ndarray:
+    def decode_slots(
+        self, x2: np.ndarray, ids: np.ndarray, slots: np.ndarray, scores: np.ndarray, shared=None
+    ) -> np.ndarray:
         """decode_cached for experts route_cached found in their slots: the cache's bookkeeping of
         those hits (store.note_hits, as fetch keeps it) without fetch's lookups."""
         store, layer = self._store, self._layer
@@ -225,7 +231,7 @@ class StreamingSwitchGLU(nn.Module):
         x_flat = x.reshape(-1, x.shape[-1])
         y = None
         for start in range(0, len(wanted), slots):
-            group = wanted[start:start + slots]
+            group = wanted[start : start + slots]
             lut = store.fetch(self._layer, group)
             pairs = np.nonzero(np.isin(flat_ids, group))[0]
             rows = x_flat[mx.array(pairs // k)]
@@ -250,8 +256,10 @@ class _CpuExperts:
         from mlx_lm.models.switch_layers import SwiGLU
 
         projs = [getattr(inner, p, None) for p in _CpuExperts.PROJS]
-        return (type(getattr(inner, "activation", None)) is SwiGLU  # not a clamped or scaled variant
-                and all(getattr(p, "mode", None) == "affine" and "bias" not in p and "biases" in p for p in projs))
+        return (
+            type(getattr(inner, "activation", None)) is SwiGLU  # not a clamped or scaled variant
+            and all(getattr(p, "mode", None) == "affine" and "bias" not in p and "biases" in p for p in projs)
+        )
 
     @staticmethod
     def supports(inner, pool) -> bool:
@@ -269,10 +277,13 @@ class _CpuExperts:
         names = {f"{n}.{a}" for n in _CpuExperts.PROJS for a in ("weight", "scales", "biases")}
         if not _CpuExperts._computes(inner) or set(parts) != names:
             return False
-        return all(tiled.supports(getattr(inner, n).bits, getattr(inner, n).group_size)
-                   and parts[f"{n}.weight"].shape[0] % 16 == 0 and parts[f"{n}.weight"].dtype == "U32"
-                   and parts[f"{n}.scales"].dtype == parts[f"{n}.biases"].dtype in ("F32", "BF16")
-                   for n in _CpuExperts.PROJS)
+        return all(
+            tiled.supports(getattr(inner, n).bits, getattr(inner, n).group_size)
+            and parts[f"{n}.weight"].shape[0] % 16 == 0
+            and parts[f"{n}.weight"].dtype == "U32"
+            and parts[f"{n}.scales"].dtype == parts[f"{n}.biases"].dtype in ("F32", "BF16")
+            for n in _CpuExperts.PROJS
+        )
 
     @staticmethod
     def keeps_bf16(inner, layer) -> bool:
@@ -280,7 +291,8 @@ class _CpuExperts:
         as stored: their tiles (tiled_experts.py) take the bits as they are, so nothing is widened
         on read and the cache holds 10-15% more experts."""
         return _CpuExperts.tileable(inner, layer.parts) and all(
-            p.dtype == "BF16" for p in layer.parts if p.name.endswith((".scales", ".biases")))
+            p.dtype == "BF16" for p in layer.parts if p.name.endswith((".scales", ".biases"))
+        )
 
     def __init__(self, inner, pool):
         from flashmoe.engine.cpu.tiled_experts import TiledBank
@@ -288,8 +300,13 @@ class _CpuExperts:
         self.w = {}
         for n in self.PROJS:
             proj = getattr(inner, n)
-            self.w[n] = (pool.numpy(f"{n}.weight"), pool.numpy(f"{n}.scales"), pool.numpy(f"{n}.biases"),
-                         proj.bits, proj.group_size)
+            self.w[n] = (
+                pool.numpy(f"{n}.weight"),
+                pool.numpy(f"{n}.scales"),
+                pool.numpy(f"{n}.biases"),
+                proj.bits,
+                proj.group_size,
+            )
         # Where the format allows, slots are repacked into tiles as they land (tiled_experts.py),
         # by the reader thread that landed them. Scales and biases stored as bfloat16 stay so in
         # the tiles, for half their bytes (held so, or widened on read and narrowed back).
@@ -359,5 +376,5 @@ class _CpuExperts:
 
         for start in range(0, len(wanted), slots):  # more distinct experts than slots: in groups
             calls[0], arrived[:] = 0, []  # (a group's slots are the next group's: each computes in its own fetch)
-            store.fetch(layer, wanted[start:start + slots], ready=ready, during=during if start == 0 else None)
+            store.fetch(layer, wanted[start : start + slots], ready=ready, during=during if start == 0 else None)
         return out.reshape(*ids.shape, -1)

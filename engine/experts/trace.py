@@ -1,4 +1,5 @@
 """Recording which experts a model routes to, token by token, for `flashmoe bench cache`."""
+
 from __future__ import annotations
 
 

@@ -14,6 +14,7 @@ written, FLASHMOE_HOME/usage/<name>-<hash of the folder's path>.json. It holds c
 (MoE layer, expert) and how many tokens they cover; older runs weigh less (their counts halve
 every HALF_LIFE_TOKENS tokens of newer runs). Writes go to a temporary name, then rename.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,9 +74,11 @@ def read_usage(path: Path, shape: tuple[int, int]) -> tuple[np.ndarray, int] | N
     except (KeyError, TypeError, ValueError) as e:
         raise UsageError(f"{path}: bad counts or tokens ({e})") from None
     if counts.shape != shape:
-        raise UsageError(f"{path}: counts for {counts.shape[0] if counts.ndim else 0} layers x "
-                         f"{counts.shape[1] if counts.ndim == 2 else 0} experts, this model has "
-                         f"{shape[0]} x {shape[1]}")
+        raise UsageError(
+            f"{path}: counts for {counts.shape[0] if counts.ndim else 0} layers x "
+            f"{counts.shape[1] if counts.ndim == 2 else 0} experts, this model has "
+            f"{shape[0]} x {shape[1]}"
+        )
     if tokens < 0 or not np.all(np.isfinite(counts)) or np.any(counts < 0):
         raise UsageError(f"{path}: counts must be finite and at least 0")
     return counts, tokens
@@ -97,8 +100,10 @@ def write_usage(path: Path, counts: np.ndarray, tokens: int) -> None:
         old = None
     total, n = merged(old, counts, tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"format": FORMAT, "tokens": n,
-                       "counts": [[round(float(c), 3) for c in row] for row in total]}, separators=(",", ":"))
+    text = json.dumps(
+        {"format": FORMAT, "tokens": n, "counts": [[round(float(c), 3) for c in row] for row in total]},
+        separators=(",", ":"),
+    )
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -139,7 +144,7 @@ class Usage:
             return 0, None
         counts, tokens = found
         full = np.zeros_like(self.store.freq)
-        full[self.layers, :counts.shape[1]] = counts
+        full[self.layers, : counts.shape[1]] = counts
         return self.store.preload(hottest(counts, self.layers), full, tokens), None
 
     def save(self) -> str | None:
@@ -148,7 +153,7 @@ class Usage:
         steps = self.store.asked_steps - self._written_steps
         if steps <= 0:
             return None
-        asked = self.store.asked[self.layers, :self.shape[1]]
+        asked = self.store.asked[self.layers, : self.shape[1]]
         try:
             write_usage(self.path, asked - self._written, steps)
         except OSError as e:

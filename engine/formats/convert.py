@@ -7,6 +7,7 @@ result and drop it. Peak memory is about one layer's experts plus one resident t
 The output is built in OUT.partial and renamed to OUT at the end, so OUT either is complete or
 does not exist. Finished layers survive an interruption and are not redone.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,8 +26,20 @@ from mlx.utils import tree_flatten, tree_map
 from flashmoe.engine.errors import ConvertError, ModelLoadError
 from flashmoe.engine.experts.layout import MANIFEST, LayerExperts, Part, layer_file_name, write_layer, write_manifest
 from flashmoe.engine.experts.blocks import declared_experts, expert_tensor_of, no_blocks_reason, resident_expert_modules
-from flashmoe.engine.runtime.loader import (EXPERTS_DIR, RESIDENT, _mx_load, _safetensors_files, build_model, check_expert_counts,
-                     direct_headers, layer_index, quantize_like_checkpoint, read_config, switch_modules, text_config)
+from flashmoe.engine.runtime.loader import (
+    EXPERTS_DIR,
+    RESIDENT,
+    _mx_load,
+    _safetensors_files,
+    build_model,
+    check_expert_counts,
+    direct_headers,
+    layer_index,
+    quantize_like_checkpoint,
+    read_config,
+    switch_modules,
+    text_config,
+)
 from flashmoe.engine.runtime.jsonfile import read_json
 from flashmoe.engine.formats.safetensors_io import write_streaming
 
@@ -39,8 +52,7 @@ Progress = Callable[[str, int, int], None]
 
 
 def is_converted(path: Path) -> bool:
-    return (path / "config.json").exists() and (path / RESIDENT).exists() and \
-        (path / EXPERTS_DIR / MANIFEST).exists()
+    return (path / "config.json").exists() and (path / RESIDENT).exists() and (path / EXPERTS_DIR / MANIFEST).exists()
 
 
 @dataclass(frozen=True)
@@ -89,7 +101,9 @@ def parse_layer_bits(specs: list[str], num_layers: int) -> tuple[tuple[int, int]
             else:
                 layers = [int(where)]
         except ValueError:
-            raise ValueError(f"--layer-bits {spec!r}: expected LAYERS=BITS with LAYERS like 7, 3-5, first:2 or last:2") from None
+            raise ValueError(
+                f"--layer-bits {spec!r}: expected LAYERS=BITS with LAYERS like 7, 3-5, first:2 or last:2"
+            ) from None
         for l in layers:
             if not 0 <= l < num_layers:
                 raise ValueError(f"--layer-bits {spec!r}: layer {l} does not exist (the model has {num_layers})")
@@ -97,10 +111,19 @@ def parse_layer_bits(specs: list[str], num_layers: int) -> tuple[tuple[int, int]
     return tuple(sorted(out.items()))
 
 
-def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_size: int = 64,
-            expert_bits: int | None = None, layer_bits=(),
-            dtype: str | None = None, progress: Progress | None = None, expert_layout: str = "auto",
-            _fail_after_layers: int | None = None) -> Path:
+def convert(
+    src: str | Path,
+    out: str | Path,
+    *,
+    bits: int | None = None,
+    group_size: int = 64,
+    expert_bits: int | None = None,
+    layer_bits=(),
+    dtype: str | None = None,
+    progress: Progress | None = None,
+    expert_layout: str = "auto",
+    _fail_after_layers: int | None = None,
+) -> Path:
     """Convert `src` (an mlx-lm / Hugging Face folder, or a .gguf file) into a flashmoe folder at
     `out`; returns `out`. Does nothing if `out` is already complete.
 
@@ -127,14 +150,17 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise ConvertError(src, f"dtype {dtype!r} is not supported (use {', '.join(FLOAT_DTYPES)})")
     if src.is_file() and src.suffix == ".gguf":
-        return _convert_gguf(src, out, plan=plan, layer_bits=layer_bits, dtype=dtype, progress=progress,
-                             expert_layout=expert_layout)
+        return _convert_gguf(
+            src, out, plan=plan, layer_bits=layer_bits, dtype=dtype, progress=progress, expert_layout=expert_layout
+        )
 
     config = read_config(src)
     specs = [l for l in layer_bits if isinstance(l, str)]
     if specs:
         try:
-            plan = QuantPlan(bits, group_size, expert_bits, parse_layer_bits(specs, text_config(config)["num_hidden_layers"]))
+            plan = QuantPlan(
+                bits, group_size, expert_bits, parse_layer_bits(specs, text_config(config)["num_hidden_layers"])
+            )
         except ValueError as e:
             raise ConvertError(src, str(e)) from None
         plan.check(src)
@@ -165,16 +191,23 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
     if dtype is not None:
         # Cast float tensors (weights of unquantized layers, scales and biases) before quantizing.
         target = FLOAT_DTYPES[dtype]
-        model.update(tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p,
-                              model.parameters()))
+        model.update(
+            tree_map(lambda p: p.astype(target) if mx.issubdtype(p.dtype, mx.floating) else p, model.parameters())
+        )
     if plan.active:
         if source_quant:
-            if (source_quant.get("bits"), source_quant.get("group_size")) == (bits, group_size) and \
-                    expert_bits is None and not layer_bits:
+            if (
+                (source_quant.get("bits"), source_quant.get("group_size")) == (bits, group_size)
+                and expert_bits is None
+                and not layer_bits
+            ):
                 plan = QuantPlan()  # already what was asked for
             else:
-                raise ConvertError(src, f"already quantized ({source_quant.get('bits')}-bit); convert it "
-                                   "without --bits/--expert-bits, or start from the float checkpoint")
+                raise ConvertError(
+                    src,
+                    f"already quantized ({source_quant.get('bits')}-bit); convert it "
+                    "without --bits/--expert-bits, or start from the float checkpoint",
+                )
     if plan.active:
         model, config = _quantize(model, config, plan)
 
@@ -192,12 +225,19 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
         if module is None:
             resident.append((name, a))
         else:
-            by_module[module].append((name[len(module) + 1:], a))
+            by_module[module].append((name[len(module) + 1 :], a))
     del params
 
     work = out.with_name(out.name + ".partial")
-    options = {"source": str(src.resolve()), "bits": bits, "group_size": group_size, "expert_bits": expert_bits,
-               "layer_bits": [list(x) for x in layer_bits], "dtype": dtype, "expert_layout": expert_layout}
+    options = {
+        "source": str(src.resolve()),
+        "bits": bits,
+        "group_size": group_size,
+        "expert_bits": expert_bits,
+        "layer_bits": [list(x) for x in layer_bits],
+        "dtype": dtype,
+        "expert_layout": expert_layout,
+    }
     with _writing(work, work):
         _prepare_workdir(work, options)
         (work / EXPERTS_DIR).mkdir(exist_ok=True)
@@ -219,8 +259,15 @@ def convert(src: str | Path, out: str | Path, *, bits: int | None = None, group_
             mx.eval(list(tensors.values()))
             layout = _layout_for(expert_layout, experts[module], module, tensors, src)
             with _writing(work / EXPERTS_DIR / layer_file_name(layer), work):
-                l = write_layer(work / EXPERTS_DIR, layer, module, tensors, [n for n, _ in parts],
-                                quantization=module_quantization(config, module), layout=layout)
+                l = write_layer(
+                    work / EXPERTS_DIR,
+                    layer,
+                    module,
+                    tensors,
+                    [n for n, _ in parts],
+                    quantization=module_quantization(config, module),
+                    layout=layout,
+                )
                 del tensors
                 _write_json(done, _layer_to_json(l))
             layers.append(l)
@@ -266,8 +313,11 @@ def _writing(path: Path, work: Path):
         yield
     except OSError as e:
         fix = "free some space" if e.errno in _NO_ROOM else "fix that"
-        raise ConvertError(path, f"cannot write: {e.strerror or e}; finished layers are kept in {work}: "
-                           f"{fix} and run the same command again") from None
+        raise ConvertError(
+            path,
+            f"cannot write: {e.strerror or e}; finished layers are kept in {work}: "
+            f"{fix} and run the same command again",
+        ) from None
 
 
 def _prepare_workdir(work: Path, options: dict) -> None:
@@ -275,8 +325,11 @@ def _prepare_workdir(work: Path, options: dict) -> None:
     folder of that name that a conversion did not make."""
     if work.exists() or work.is_symlink():
         if work.is_symlink() or not (work / OWN_MARKER).is_file():
-            raise ConvertError(work, "exists and was not made by flashmoe convert (it lacks "
-                               f"{OWN_MARKER}); move it away or pick another OUT")
+            raise ConvertError(
+                work,
+                "exists and was not made by flashmoe convert (it lacks "
+                f"{OWN_MARKER}); move it away or pick another OUT",
+            )
         try:
             same = read_json(work / "options.json") == options
         except ModelLoadError:
@@ -323,22 +376,41 @@ def _layout_for(choice: str, block, module: str, tensors: dict, src: Path) -> st
     if _CpuExperts.tileable(block, parts):
         return "tiles"
     if choice == "tiles":
-        raise ConvertError(src, f"--expert-layout tiles: the experts of {module} do not run on the CPU kernels' "
-                           "tiles (a SwiGLU of 2-, 4- or 8-bit affine projections, rows a multiple of 16)")
+        raise ConvertError(
+            src,
+            f"--expert-layout tiles: the experts of {module} do not run on the CPU kernels' "
+            "tiles (a SwiGLU of 2-, 4- or 8-bit affine projections, rows a multiple of 16)",
+        )
     return "mlx"
 
 
 def _layer_to_json(l: LayerExperts) -> dict:
-    return {"layer": l.layer, "module": l.module, "num_experts": l.num_experts, "file": l.file,
-            "stride": l.stride, "checksums": l.checksums, "quantization": l.quantization,
-            "parts": [[p.name, p.dtype, list(p.shape)] for p in l.parts], "layout": l.layout}
+    return {
+        "layer": l.layer,
+        "module": l.module,
+        "num_experts": l.num_experts,
+        "file": l.file,
+        "stride": l.stride,
+        "checksums": l.checksums,
+        "quantization": l.quantization,
+        "parts": [[p.name, p.dtype, list(p.shape)] for p in l.parts],
+        "layout": l.layout,
+    }
 
 
 def _layer_from_json(d: dict) -> LayerExperts:
     parts = tuple(Part(n, dt, tuple(s)) for n, dt, s in d["parts"])
-    return LayerExperts(d["layer"], d["module"], d["num_experts"], parts, file=d["file"],
-                        stride=d["stride"], checksums=d["checksums"], quantization=d.get("quantization"),
-                        layout=d.get("layout", "mlx"))
+    return LayerExperts(
+        d["layer"],
+        d["module"],
+        d["num_experts"],
+        parts,
+        file=d["file"],
+        stride=d["stride"],
+        checksums=d["checksums"],
+        quantization=d.get("quantization"),
+        layout=d.get("layout", "mlx"),
+    )
 
 
 FLOAT_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -386,8 +458,10 @@ def _convert_gguf(src: Path, out: Path, *, plan: QuantPlan, layer_bits, dtype, p
 
     stage = out.with_name(out.name + ".gguf-src")
     if (stage.exists() or stage.is_symlink()) and not (stage / OWN_MARKER).is_file():
-        raise ConvertError(stage, f"exists and was not made by flashmoe convert (it lacks {OWN_MARKER}); "
-                           "move it away or pick another OUT")
+        raise ConvertError(
+            stage,
+            f"exists and was not made by flashmoe convert (it lacks {OWN_MARKER}); move it away or pick another OUT",
+        )
     if not (stage / "config.json").exists():
         progress("reading the GGUF", 0, 1)
         with _writing(stage, stage):
@@ -399,7 +473,16 @@ def _convert_gguf(src: Path, out: Path, *, plan: QuantPlan, layer_bits, dtype, p
         except ValueError as e:
             shutil.rmtree(stage, ignore_errors=True)
             raise ConvertError(src, str(e)) from None
-    result = convert(stage, out, bits=plan.bits, group_size=plan.group_size, expert_bits=plan.expert_bits,
-                     layer_bits=layer_bits, dtype=dtype, progress=progress, expert_layout=expert_layout)
+    result = convert(
+        stage,
+        out,
+        bits=plan.bits,
+        group_size=plan.group_size,
+        expert_bits=plan.expert_bits,
+        layer_bits=layer_bits,
+        dtype=dtype,
+        progress=progress,
+        expert_layout=expert_layout,
+    )
     shutil.rmtree(stage, ignore_errors=True)
     return result

@@ -11,6 +11,7 @@ The older upcycled build (8 identical copies of the dense FFN behind a random ro
 routing gives the dense model's answer) stays available as `build_upcycled` for benchmarks that
 compare engines on a model llama.cpp also runs.
 """
+
 from __future__ import annotations
 
 import os
@@ -67,8 +68,7 @@ def is_current(out: Path) -> bool:
     return is_converted(out) and stamp.is_file() and stamp.read_text().strip() == _fit_digest()
 
 
-def ensure_demo(progress=None, home: Path | None = None, compile_kernels: bool = True,
-                rebuild: bool = False) -> Path:
+def ensure_demo(progress=None, home: Path | None = None, compile_kernels: bool = True, rebuild: bool = False) -> Path:
     """The demo model's folder (under `home`, default FLASHMOE_HOME), building it first if it is
     not there yet, was built from another fit, or `rebuild`; a build also compiles the CPU kernels
     it needs, unless told not to. The new folder is built beside the old one and takes its place
@@ -105,13 +105,18 @@ def _build(gguf: Path, tmp: Path, progress) -> Path:
 
     progress("reading the dense model from the GGUF", 1, 5)
     dense = gguf_to_hf_folder(gguf, tmp / "dense")
-    progress(f"carving each layer's FFN into a 512-neuron shared slice + {DEMO_EXPERTS} "
-             f"experts of 64, with the fitted routers", 2, 5)
+    progress(
+        f"carving each layer's FFN into a 512-neuron shared slice + {DEMO_EXPERTS} "
+        f"experts of 64, with the fitted routers",
+        2,
+        5,
+    )
     src = carve_dense(dense, tmp / "carved", experts_per_token=DEMO_TOP_K)
     shutil.rmtree(dense)
     progress(f"quantizing to {DEMO_BITS}-bit and packing the experts", 3, 5)
-    convert(src, tmp / "demo", bits=DEMO_BITS, group_size=64,
-            progress=lambda what, d, t: progress(f"packing: {what}", 3, 5))
+    convert(
+        src, tmp / "demo", bits=DEMO_BITS, group_size=64, progress=lambda what, d, t: progress(f"packing: {what}", 3, 5)
+    )
     shutil.rmtree(src)
     return tmp / "demo"
 
@@ -127,8 +132,9 @@ def build_upcycled(out: Path) -> Path:
     from flashmoe.engine.formats.gguf_import import gguf_to_hf_folder
 
     if not (out / "config.json").exists():
-        gguf_to_hf_folder(_gguf(lambda *a: None), out, upcycle_experts=UPCYCLED_EXPERTS,
-                          experts_per_token=UPCYCLED_TOP_K)
+        gguf_to_hf_folder(
+            _gguf(lambda *a: None), out, upcycle_experts=UPCYCLED_EXPERTS, experts_per_token=UPCYCLED_TOP_K
+        )
     return out
 
 
@@ -151,6 +157,5 @@ def carved_reference(folder: Path, experts_per_token: int = DEMO_TOP_K, dense: P
             carve_dense(dense, folder, experts_per_token=experts_per_token)
             return folder
         with tempfile.TemporaryDirectory(dir=folder.parent, prefix=".dense-") as tmp:
-            carve_dense(dense_reference(Path(tmp) / "dense"), folder,
-                        experts_per_token=experts_per_token)
+            carve_dense(dense_reference(Path(tmp) / "dense"), folder, experts_per_token=experts_per_token)
     return folder

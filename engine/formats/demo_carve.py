@@ -15,6 +15,7 @@ How qwen2_moe's combine rule reproduces "shared slice + sum of the chosen expert
 With the correction left out and a tiny router scale (`correction=False, spread=...`), choosing all
 E experts gives the dense model back up to the softmax's spread: the golden test of the carve.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,9 +37,15 @@ def load_routing(path: Path = ROUTING) -> dict:
     return routing
 
 
-def carve_dense(dense: Path, out: Path, *, routing: dict | None = None,
-                experts_per_token: int | None = None, correction: bool = True,
-                spread: float | None = None) -> Path:
+def carve_dense(
+    dense: Path,
+    out: Path,
+    *,
+    routing: dict | None = None,
+    experts_per_token: int | None = None,
+    correction: bool = True,
+    spread: float | None = None,
+) -> Path:
     """Write the qwen2_moe folder `out` (float32 safetensors) from the dense SmolLM2 folder."""
     routing = routing or load_routing()
     meta = routing["meta"]
@@ -47,8 +54,7 @@ def carve_dense(dense: Path, out: Path, *, routing: dict | None = None,
     expert_of = routing["expert_of"].astype(np.int64)
     experts = int(expert_of.max()) + 1
     if expert_of.shape != (layers, ffn):
-        raise ValueError(f"{ROUTING.name} was fitted for {expert_of.shape} neurons; "
-                         f"{dense} has {(layers, ffn)}")
+        raise ValueError(f"{ROUTING.name} was fitted for {expert_of.shape} neurons; {dense} has {(layers, ffn)}")
     shared = int((expert_of[0] < 0).sum())
     per_expert = (ffn - shared) // experts
     gates = routing["gate"].astype(np.float32)
@@ -58,8 +64,9 @@ def carve_dense(dense: Path, out: Path, *, routing: dict | None = None,
     items: list[tuple[str, mx.array]] = []
     for name in ("model.embed_tokens.weight", "model.norm.weight"):
         items.append((name, weights[name].astype(mx.float32)))
-    items.append(("lm_head.weight", weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-                  .astype(mx.float32)))
+    items.append(
+        ("lm_head.weight", weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).astype(mx.float32))
+    )
     for i in range(layers):
         p = f"model.layers.{i}"
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -77,8 +84,7 @@ def carve_dense(dense: Path, out: Path, *, routing: dict | None = None,
             v = mx.array(routing["v"][i].astype(np.float32))
             down = down + (u @ v).T
         groups = [("shared_expert", np.nonzero(expert_of[i] < 0)[0], 2.0)]
-        groups += [(f"experts.{e}", np.nonzero(expert_of[i] == e)[0], float(experts))
-                   for e in range(experts)]
+        groups += [(f"experts.{e}", np.nonzero(expert_of[i] == e)[0], float(experts)) for e in range(experts)]
         for prefix, ids, scale in groups:
             idx = mx.array(ids.astype(np.int32))
             items.append((f"{p}.mlp.{prefix}.gate_proj.weight", gate_proj[idx]))
@@ -93,19 +99,29 @@ def carve_dense(dense: Path, out: Path, *, routing: dict | None = None,
         if (dense / name).exists():
             shutil.copyfile(dense / name, out / name)
     moe_config = {
-        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
-        "hidden_size": hidden, "num_hidden_layers": layers,
-        "intermediate_size": ffn, "moe_intermediate_size": per_expert,
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": ffn,
+        "moe_intermediate_size": per_expert,
         "shared_expert_intermediate_size": shared,
-        "num_experts": experts, "num_experts_per_tok": experts_per_token or int(meta["top_k"]),
-        "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "num_experts": experts,
+        "num_experts_per_tok": experts_per_token or int(meta["top_k"]),
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
         "num_attention_heads": config["num_attention_heads"],
         "num_key_value_heads": config["num_key_value_heads"],
-        "rms_norm_eps": config["rms_norm_eps"], "rope_theta": config["rope_theta"],
+        "rms_norm_eps": config["rms_norm_eps"],
+        "rope_theta": config["rope_theta"],
         "max_position_embeddings": config["max_position_embeddings"],
-        "vocab_size": config["vocab_size"], "tie_word_embeddings": False,
-        "hidden_act": "silu", "bos_token_id": config.get("bos_token_id"),
-        "eos_token_id": config.get("eos_token_id"), "torch_dtype": "float32",
+        "vocab_size": config["vocab_size"],
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": config.get("bos_token_id"),
+        "eos_token_id": config.get("eos_token_id"),
+        "torch_dtype": "float32",
     }
     (out / "config.json").write_text(json.dumps(moe_config, indent=2) + "\n")
     return out

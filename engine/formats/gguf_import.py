@@ -24,6 +24,7 @@ Tensors are dequantized one at a time (a stacked expert tensor one expert at a t
 written as soon as they are ready, so memory stays bounded by the largest single matrix.
 Everything is rebuilt from the GGUF alone; nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import functools
@@ -45,8 +46,22 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 # naming the tensor and its type.
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[name]
-    for name in ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+    for name in (
+        "F32",
+        "F16",
+        "BF16",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q8_0",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "MXFP4",
+    )
 )
 
 # GGUF general.architecture -> the mlx-lm model_type(s) it becomes.
@@ -87,9 +102,13 @@ _O200K_PATTERN = (
 # tokenizer.ggml.pre -> the regex splits before byte-level BPE (llama-vocab.cpp: "glm4" is
 # LLAMA_VOCAB_PRE_TYPE_CHATGLM4, whose regex is Llama 3's).
 _PRE_PATTERNS = {
-    "llama-bpe": (_LLAMA3_PATTERN,), "llama3": (_LLAMA3_PATTERN,), "glm4": (_LLAMA3_PATTERN,),
-    "qwen2": (_QWEN2_PATTERN,), "deepseek-v3": _DEEPSEEK3_PATTERNS,
-    "gpt-4o": (_O200K_PATTERN,), "llama4": (_O200K_PATTERN,),
+    "llama-bpe": (_LLAMA3_PATTERN,),
+    "llama3": (_LLAMA3_PATTERN,),
+    "glm4": (_LLAMA3_PATTERN,),
+    "qwen2": (_QWEN2_PATTERN,),
+    "deepseek-v3": _DEEPSEEK3_PATTERNS,
+    "gpt-4o": (_O200K_PATTERN,),
+    "llama4": (_O200K_PATTERN,),
 }
 
 # llama.cpp's expert gating functions (gguf.ExpertGatingFuncType).
@@ -145,7 +164,7 @@ def check_structure(path: Path) -> None:
             if n > size - pos or (limit is not None and n > limit):
                 raise ValueError(f"GGUF {what} is {n:,} bytes long, past the end of the file or its limit")
             pos += n
-            return data[pos - n:pos]
+            return data[pos - n : pos]
 
         def value(kind: int, key: str, depth: int) -> None:
             nonlocal pos
@@ -216,8 +235,9 @@ def check_structure(path: Path) -> None:
         start = pos + (-pos % alignment)
         for name, offset, nbytes in table:
             if start + offset + nbytes > size:
-                raise ValueError(f"GGUF tensor {name!r} lies past the end of the file ({start + offset + nbytes:,} "
-                                 f"> {size:,} bytes)")
+                raise ValueError(
+                    f"GGUF tensor {name!r} lies past the end of the file ({start + offset + nbytes:,} > {size:,} bytes)"
+                )
 
 
 def _open_reader(path: Path) -> GGUFReader:
@@ -229,8 +249,9 @@ def _open_reader(path: Path) -> GGUFReader:
         raise ValueError(f"GGUF file cannot be read: {e}") from None
 
 
-def gguf_to_hf_folder(gguf_path, out_dir, *, upcycle_experts: int = 0,
-                      experts_per_token: int = 2, seed: int = 0) -> Path:
+def gguf_to_hf_folder(
+    gguf_path, out_dir, *, upcycle_experts: int = 0, experts_per_token: int = 2, seed: int = 0
+) -> Path:
     """Convert `gguf_path` into a float32 model folder at `out_dir` and return its path.
 
     upcycle_experts=E > 0 (dense llama files only) writes a Mixtral model with E copies of each
@@ -243,14 +264,15 @@ def gguf_to_hf_folder(gguf_path, out_dir, *, upcycle_experts: int = 0,
     if upcycle_experts < 0:
         raise ValueError(f"upcycle_experts must be >= 0, got {upcycle_experts}")
     if upcycle_experts and not 1 <= experts_per_token <= upcycle_experts:
-        raise ValueError(f"experts_per_token must be between 1 and {upcycle_experts}, "
-                         f"got {experts_per_token}")
+        raise ValueError(f"experts_per_token must be between 1 and {upcycle_experts}, got {experts_per_token}")
 
     reader = _open_reader(gguf_path)
     arch = _meta(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(repr(a) for a in SUPPORTED_ARCHITECTURES)})")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(repr(a) for a in SUPPORTED_ARCHITECTURES)})"
+        )
     if upcycle_experts and arch != "llama":
         raise ValueError(f"upcycle_experts needs a dense llama GGUF; this one is {arch!r}")
     tokens = _meta(reader, "tokenizer.ggml.tokens")
@@ -262,17 +284,22 @@ def gguf_to_hf_folder(gguf_path, out_dir, *, upcycle_experts: int = 0,
     # The embedding may be padded past the token list; HF's vocab_size counts its rows.
     vocab_size = _numpy_shape(tensors["token_embd.weight"])[0]
     if len(tokens) > vocab_size:
-        raise ValueError(f"GGUF lists {len(tokens)} tokens but token_embd.weight has only "
-                         f"{vocab_size} rows")
+        raise ValueError(f"GGUF lists {len(tokens)} tokens but token_embd.weight has only {vocab_size} rows")
 
     m = _Meta(reader, arch)
     plan = _Planner(tensors)
     if arch == "llama":
         config = _llama(m, plan, vocab_size, gguf_path.name, upcycle_experts, experts_per_token, seed)
     else:
-        config = {"qwen2moe": _qwen2moe, "qwen3moe": _qwen3moe, "olmoe": _olmoe,
-                  "deepseek2": _deepseek2, "gpt-oss": _gpt_oss, "glm4moe": _glm4moe,
-                  "llama4": _llama4}[arch](m, plan, vocab_size)
+        config = {
+            "qwen2moe": _qwen2moe,
+            "qwen3moe": _qwen3moe,
+            "olmoe": _olmoe,
+            "deepseek2": _deepseek2,
+            "gpt-oss": _gpt_oss,
+            "glm4moe": _glm4moe,
+            "llama4": _llama4,
+        }[arch](m, plan, vocab_size)
     entries = plan.finish()
 
     tokenizer, special = _build_tokenizer(reader, tokens)
@@ -283,14 +310,14 @@ def gguf_to_hf_folder(gguf_path, out_dir, *, upcycle_experts: int = 0,
     config["torch_dtype"] = "float32"
     max_length = config.get("max_position_embeddings") or config["text_config"]["max_position_embeddings"]
     tok_config = _tokenizer_config(reader, tokens, special, max_length)
-    gen_config = {k: v for k, v in (("bos_token_id", special.get("bos")),
-                                    ("eos_token_id", _eos_ids(special))) if v is not None}
+    gen_config = {
+        k: v for k, v in (("bos_token_id", special.get("bos")), ("eos_token_id", _eos_ids(special))) if v is not None
+    }
 
     out_dir.mkdir(parents=True, exist_ok=True)
     # Everything goes to temporary names first; config.json is renamed last, so a folder with
     # a config.json is complete even if a conversion was interrupted.
-    names = ["model.safetensors", "tokenizer.json", "tokenizer_config.json",
-             "generation_config.json", "config.json"]
+    names = ["model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json"]
     temps = {n: out_dir / f".{n}.partial" for n in names}
     try:
         _write_safetensors(temps["model.safetensors"], entries)
@@ -316,9 +343,7 @@ def undo_rope_permutation(w: np.ndarray, n_heads: int) -> np.ndarray:
     """
     rows = w.shape[0]
     head_dim = rows // n_heads
-    return (w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:])
-            .swapaxes(1, 2)
-            .reshape(w.shape))
+    return w.reshape(n_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def dequantize_tensor(t: ReaderTensor) -> np.ndarray:
@@ -342,12 +367,14 @@ def _check_type(t: ReaderTensor) -> GGMLQuantizationType:
     qtype = GGMLQuantizationType(t.tensor_type)
     if qtype not in SUPPORTED_TYPES:
         supported = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
-        raise ValueError(f"tensor {t.name!r} has GGML type {qtype.name}, which cannot be "
-                         f"dequantized (supported: {supported})")
+        raise ValueError(
+            f"tensor {t.name!r} has GGML type {qtype.name}, which cannot be dequantized (supported: {supported})"
+        )
     return qtype
 
 
 # --- metadata -------------------------------------------------------------------------------
+
 
 def _meta(reader: GGUFReader, key: str, default: Any = _MISSING) -> Any:
     field = reader.get_field(key)
@@ -428,11 +455,15 @@ def _rope_scaling(m: _Meta, model_type: str, allowed: tuple[str, ...] = ()) -> d
     # float32 rounding of the stored product (0.0707 -> 0.707, not 0.70699996).
     log_mul = float(np.float32(m.float("rope.scaling.yarn_log_multiplier", 0.0)))
     mscale = float(f"{log_mul * 10:.6g}")
-    return {"type": "yarn", "factor": factor,
-            "original_max_position_embeddings": m.int("rope.scaling.original_context_length"),
-            "beta_fast": m.float("rope.scaling.yarn_beta_fast", 32.0),
-            "beta_slow": m.float("rope.scaling.yarn_beta_slow", 1.0),
-            "mscale": mscale, "mscale_all_dim": mscale}
+    return {
+        "type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": m.int("rope.scaling.original_context_length"),
+        "beta_fast": m.float("rope.scaling.yarn_beta_fast", 32.0),
+        "beta_slow": m.float("rope.scaling.yarn_beta_slow", 1.0),
+        "mscale": mscale,
+        "mscale_all_dim": mscale,
+    }
 
 
 def _moe_hparams(m: _Meta, plan: "_Planner", first_moe_layer: int = 0) -> dict:
@@ -442,10 +473,13 @@ def _moe_hparams(m: _Meta, plan: "_Planner", first_moe_layer: int = 0) -> dict:
         raise ValueError(f"GGUF {m.arch} file has no experts ({m.arch}.expert_count)")
     gating = m.int("expert_gating_func", _GATING_SOFTMAX)
     if m.arch != "deepseek2" and gating != _GATING_SOFTMAX:
-        raise ValueError(f"GGUF expert gating function {gating} is not supported for {m.arch} "
-                         "(only softmax)")
-    return {"experts": experts, "used": m.int("expert_used_count"),
-            "ff": _expert_ff(m, plan, first_moe_layer), "gating": gating}
+        raise ValueError(f"GGUF expert gating function {gating} is not supported for {m.arch} (only softmax)")
+    return {
+        "experts": experts,
+        "used": m.int("expert_used_count"),
+        "ff": _expert_ff(m, plan, first_moe_layer),
+        "gating": gating,
+    }
 
 
 def _expert_ff(m: _Meta, plan: "_Planner", layer: int) -> int:
@@ -457,6 +491,7 @@ def _expert_ff(m: _Meta, plan: "_Planner", layer: int) -> int:
 
 
 # --- tensors --------------------------------------------------------------------------------
+
 
 @dataclass
 class _Entry:
@@ -499,9 +534,14 @@ class _Planner:
         self.used.add(gname)
         return t
 
-    def add(self, hf_name: str, gname: str, shape: tuple[int, ...],
-            fix: Callable[[np.ndarray], np.ndarray] | None = None,
-            also: tuple[tuple[int, ...], ...] = ()) -> None:
+    def add(
+        self,
+        hf_name: str,
+        gname: str,
+        shape: tuple[int, ...],
+        fix: Callable[[np.ndarray], np.ndarray] | None = None,
+        also: tuple[tuple[int, ...], ...] = (),
+    ) -> None:
         """HF tensor `hf_name` is GGUF tensor `gname` (of `shape`, or one of `also` that `fix`
         turns into `shape`)."""
         self.take(gname, shape, *also)
@@ -517,9 +557,14 @@ class _Planner:
         for e in range(experts):
             self.entries.append(_Entry(hf_pattern.format(e=e), shape, functools.partial(dequantize_expert, t, e)))
 
-    def add_stacked(self, hf_name: str, gname: str, gshape: tuple[int, ...],
-                    pick: Callable[[np.ndarray], np.ndarray] | None = None,
-                    shape: tuple[int, ...] | None = None) -> None:
+    def add_stacked(
+        self,
+        hf_name: str,
+        gname: str,
+        gshape: tuple[int, ...],
+        pick: Callable[[np.ndarray], np.ndarray] | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:
         """A stacked [experts, ...] GGUF tensor as one stacked HF tensor (models whose checkpoints
         keep experts stacked: gpt-oss, Llama 4), still dequantized and written one expert at a
         time. `pick` takes each expert's part (e.g. the gate half of a fused gate/up tensor)."""
@@ -545,8 +590,10 @@ class _Planner:
         extra = sorted(set(self.tensors) - self.used)
         if extra:
             # e.g. rope_freqs.weight (Llama 3.1 rope scaling): dropping them would give a wrong model.
-            raise ValueError(f"GGUF has tensors this importer does not understand: {', '.join(extra[:5])}"
-                             + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
+            raise ValueError(
+                f"GGUF has tensors this importer does not understand: {', '.join(extra[:5])}"
+                + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+            )
         return self.entries
 
 
@@ -567,9 +614,18 @@ def _add_head(plan: _Planner, vocab: int, hidden: int, *, always_lm_head: bool, 
     return True
 
 
-def _add_attention(plan: _Planner, i: int, hp: dict, *, permuted: bool, bias: bool = False,
-                   qk_norm: str | None = None, post_norm: str = "ffn_norm", out_bias: bool = False,
-                   prefix: str = "") -> None:
+def _add_attention(
+    plan: _Planner,
+    i: int,
+    hp: dict,
+    *,
+    permuted: bool,
+    bias: bool = False,
+    qk_norm: str | None = None,
+    post_norm: str = "ffn_norm",
+    out_bias: bool = False,
+    prefix: str = "",
+) -> None:
     """Norms and q/k/v/o of layer i. qk_norm: None, "head" (per head, Qwen3) or "full" (OLMoE).
     post_norm: the GGUF name of the norm before the FFN (ffn_norm, or post_attention_norm in
     gpt-oss and GLM-4.5); prefix: before HF's "model." (Llama 4's "language_model.")."""
@@ -612,8 +668,7 @@ def _add_dense_mlp(plan: _Planner, blk: str, prefix: str, ff: int, hidden: int, 
         plan.add(f"{prefix}.{proj}.weight", f"{blk}.ffn_{g}{suffix}.weight", _mlp_shape(g, ff, hidden))
 
 
-def _add_routed_experts(plan: _Planner, i: int, prefix: str, moe: dict, hidden: int,
-                        mixtral: bool = False) -> None:
+def _add_routed_experts(plan: _Planner, i: int, prefix: str, moe: dict, hidden: int, mixtral: bool = False) -> None:
     """Router and experts of layer i as {prefix}.gate.weight and {prefix}.experts.{e}.*."""
     blk, experts, ff = f"blk.{i}", moe["experts"], moe["ff"]
     plan.add(f"{prefix}.gate.weight", f"{blk}.ffn_gate_inp.weight", (experts, hidden))
@@ -630,29 +685,33 @@ def _add_routed_experts(plan: _Planner, i: int, prefix: str, moe: dict, hidden: 
 
 # --- llama (dense, upcycled or Mixtral) -------------------------------------------------------
 
+
 def _llama_hparams(m: _Meta, plan: _Planner) -> dict:
     hp = _attention_hparams(m, eps_default=1e-5)
     hp = {"hidden_size": hp.pop("hidden_size"), "intermediate_size": m.int("feed_forward_length"), **hp}
-    scaling = _llama3_scaling(plan, m, hp["head_dim"], hp["rope_theta"]) or \
-        _rope_scaling(m, "llama", allowed=("linear",))
+    scaling = _llama3_scaling(plan, m, hp["head_dim"], hp["rope_theta"]) or _rope_scaling(
+        m, "llama", allowed=("linear",)
+    )
     if scaling:
         hp["rope_scaling"] = scaling
     return hp
 
 
-def _llama(m: _Meta, plan: _Planner, vocab: int, name: str, upcycle: int, per_token: int,
-           seed: int) -> dict:
+def _llama(m: _Meta, plan: _Planner, vocab: int, name: str, upcycle: int, per_token: int, seed: int) -> dict:
     hp = _llama_hparams(m, plan)
     hp["vocab_size"] = vocab
     moe = _moe_hparams(m, plan) if m.int("expert_count", 0) > 0 else None
     if moe and upcycle:
-        raise ValueError(f"{name}: upcycle_experts needs a dense llama GGUF; this one already "
-                         f"has {moe['experts']} experts")
+        raise ValueError(
+            f"{name}: upcycle_experts needs a dense llama GGUF; this one already has {moe['experts']} experts"
+        )
     experts, per_token = (moe["experts"], moe["used"]) if moe else (upcycle, per_token)
     if experts and hp["head_dim"] * hp["num_attention_heads"] != hp["hidden_size"]:
         # mlx-lm's Mixtral derives head_dim from hidden_size / heads.
-        raise ValueError(f"{name}: head_dim {hp['head_dim']} x {hp['num_attention_heads']} heads "
-                         f"!= hidden size {hp['hidden_size']}; mixtral cannot express this model")
+        raise ValueError(
+            f"{name}: head_dim {hp['head_dim']} x {hp['num_attention_heads']} heads "
+            f"!= hidden size {hp['hidden_size']}; mixtral cannot express this model"
+        )
     if experts and hp.get("rope_scaling"):
         raise ValueError(f"{name}: rope scaling is not supported by mlx-lm's mixtral")
     if moe:
@@ -674,8 +733,7 @@ def _llama(m: _Meta, plan: _Planner, vocab: int, name: str, upcycle: int, per_to
             plan.add_array(f"{sparse}.gate.weight", lambda r=router: r, router.shape)
             for g, _, w in _MLP:
                 for e in range(experts):
-                    plan.add(f"{sparse}.experts.{e}.{w}.weight", f"{blk}.ffn_{g}.weight",
-                             _mlp_shape(g, inter, hidden))
+                    plan.add(f"{sparse}.experts.{e}.{w}.weight", f"{blk}.ffn_{g}.weight", _mlp_shape(g, inter, hidden))
     hp["tie_word_embeddings"] = _add_head(plan, vocab, hidden, always_lm_head=False)
     return _model_config(hp, experts, per_token)
 
@@ -697,6 +755,7 @@ def _model_config(hp: dict, experts: int, experts_per_token: int) -> dict:
 
 # --- Qwen2-MoE, Qwen3-MoE, OLMoE -------------------------------------------------------------
 
+
 def _qwen3moe(m: _Meta, plan: _Planner, vocab: int) -> dict:
     hp = _attention_hparams(m, eps_default=1e-6)
     _rope_scaling(m, "qwen3_moe")  # mlx-lm's qwen3_moe has plain RoPE only
@@ -707,21 +766,33 @@ def _qwen3moe(m: _Meta, plan: _Planner, vocab: int) -> dict:
         _add_attention(plan, i, hp, permuted=False, qk_norm="head")
         _add_routed_experts(plan, i, f"model.layers.{i}.mlp", moe, hidden)
     tied = _add_head(plan, vocab, hidden, always_lm_head=False)
-    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **hp,
-            "vocab_size": vocab, "intermediate_size": m.int("feed_forward_length", moe["ff"]),
-            "moe_intermediate_size": moe["ff"], "num_experts": moe["experts"],
-            "num_experts_per_tok": moe["used"], "decoder_sparse_step": 1, "mlp_only_layers": [],
-            # llama.cpp always renormalises the chosen Qwen3-MoE expert weights.
-            "norm_topk_prob": m.flag("expert_weights_norm", True),
-            "tie_word_embeddings": tied, "hidden_act": "silu", "attention_bias": False}
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        **hp,
+        "vocab_size": vocab,
+        "intermediate_size": m.int("feed_forward_length", moe["ff"]),
+        "moe_intermediate_size": moe["ff"],
+        "num_experts": moe["experts"],
+        "num_experts_per_tok": moe["used"],
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        # llama.cpp always renormalises the chosen Qwen3-MoE expert weights.
+        "norm_topk_prob": m.flag("expert_weights_norm", True),
+        "tie_word_embeddings": tied,
+        "hidden_act": "silu",
+        "attention_bias": False,
+    }
 
 
 def _qwen2moe(m: _Meta, plan: _Planner, vocab: int) -> dict:
     hp = _attention_hparams(m, eps_default=1e-6)
     _rope_scaling(m, "qwen2_moe")
     if hp["head_dim"] * hp["num_attention_heads"] != hp["hidden_size"]:
-        raise ValueError(f"GGUF head_dim {hp['head_dim']} x {hp['num_attention_heads']} heads != "
-                         f"hidden size {hp['hidden_size']}; mlx-lm's qwen2_moe cannot express this")
+        raise ValueError(
+            f"GGUF head_dim {hp['head_dim']} x {hp['num_attention_heads']} heads != "
+            f"hidden size {hp['hidden_size']}; mlx-lm's qwen2_moe cannot express this"
+        )
     if m.flag("expert_weights_norm", False):
         raise ValueError("GGUF renormalises the chosen expert weights; mlx-lm's qwen2_moe does not")
     moe = _moe_hparams(m, plan)
@@ -738,15 +809,30 @@ def _qwen2moe(m: _Meta, plan: _Planner, vocab: int) -> dict:
         _add_routed_experts(plan, i, prefix, moe, hidden)
         _add_dense_mlp(plan, blk, f"{prefix}.shared_expert", shared_ff, hidden, suffix="_shexp")
         # HF [1, hidden]; older converters squeezed it to [hidden].
-        plan.add(f"{prefix}.shared_expert_gate.weight", f"{blk}.ffn_gate_inp_shexp.weight", (1, hidden),
-                 lambda w: w.reshape(1, hidden), also=((hidden,),))
+        plan.add(
+            f"{prefix}.shared_expert_gate.weight",
+            f"{blk}.ffn_gate_inp_shexp.weight",
+            (1, hidden),
+            lambda w: w.reshape(1, hidden),
+            also=((hidden,),),
+        )
     _add_head(plan, vocab, hidden, always_lm_head=True)
-    return {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", **hp,
-            "vocab_size": vocab, "intermediate_size": m.int("feed_forward_length", moe["ff"]),
-            "moe_intermediate_size": moe["ff"], "shared_expert_intermediate_size": shared_ff,
-            "num_experts": moe["experts"], "num_experts_per_tok": moe["used"],
-            "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": False,
-            "tie_word_embeddings": False, "hidden_act": "silu"}
+    return {
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "model_type": "qwen2_moe",
+        **hp,
+        "vocab_size": vocab,
+        "intermediate_size": m.int("feed_forward_length", moe["ff"]),
+        "moe_intermediate_size": moe["ff"],
+        "shared_expert_intermediate_size": shared_ff,
+        "num_experts": moe["experts"],
+        "num_experts_per_tok": moe["used"],
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": False,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
 
 
 def _olmoe(m: _Meta, plan: _Planner, vocab: int) -> dict:
@@ -759,14 +845,25 @@ def _olmoe(m: _Meta, plan: _Planner, vocab: int) -> dict:
         _add_attention(plan, i, hp, permuted=False, qk_norm="full")
         _add_routed_experts(plan, i, f"model.layers.{i}.mlp", moe, hidden)
     tied = _add_head(plan, vocab, hidden, always_lm_head=False)
-    return {"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", **hp,
-            "vocab_size": vocab, "intermediate_size": moe["ff"], "num_experts": moe["experts"],
-            "num_experts_per_tok": moe["used"], "norm_topk_prob": m.flag("expert_weights_norm", False),
-            "rope_scaling": scaling, "tie_word_embeddings": tied, "attention_bias": False,
-            "clip_qkv": None, "hidden_act": "silu"}
+    return {
+        "architectures": ["OlmoeForCausalLM"],
+        "model_type": "olmoe",
+        **hp,
+        "vocab_size": vocab,
+        "intermediate_size": moe["ff"],
+        "num_experts": moe["experts"],
+        "num_experts_per_tok": moe["used"],
+        "norm_topk_prob": m.flag("expert_weights_norm", False),
+        "rope_scaling": scaling,
+        "tie_word_embeddings": tied,
+        "attention_bias": False,
+        "clip_qkv": None,
+        "hidden_act": "silu",
+    }
 
 
 # --- DeepSeek V2 / V3 (MLA attention) ----------------------------------------------------------
+
 
 def _deepseek2(m: _Meta, plan: _Planner, vocab: int) -> dict:
     hidden = m.int("embedding_length")
@@ -800,14 +897,16 @@ def _deepseek2(m: _Meta, plan: _Planner, vocab: int) -> dict:
         elif moe["gating"] == _GATING_SOFTMAX:
             model_type = "deepseek_v2"
             if has_bias:
-                raise ValueError("GGUF deepseek2 has an exp_probs_b correction bias with softmax "
-                                 "routing; neither deepseek_v2 nor deepseek_v3 in mlx-lm does that")
+                raise ValueError(
+                    "GGUF deepseek2 has an exp_probs_b correction bias with softmax "
+                    "routing; neither deepseek_v2 nor deepseek_v3 in mlx-lm does that"
+                )
             if norm:
-                raise ValueError("GGUF deepseek2 renormalises softmax expert weights; mlx-lm's "
-                                 "deepseek_v2 does not")
+                raise ValueError("GGUF deepseek2 renormalises softmax expert weights; mlx-lm's deepseek_v2 does not")
         else:
-            raise ValueError(f"GGUF expert gating function {moe['gating']} is not supported for "
-                             "deepseek2 (softmax or sigmoid)")
+            raise ValueError(
+                f"GGUF expert gating function {moe['gating']} is not supported for deepseek2 (softmax or sigmoid)"
+            )
     else:
         model_type = "deepseek_v2"
     scaling = _rope_scaling(m, model_type, allowed=("yarn",))
@@ -825,8 +924,7 @@ def _deepseek2(m: _Meta, plan: _Planner, vocab: int) -> dict:
             plan.add(f"{attn}.q_b_proj.weight", f"{blk}.attn_q_b.weight", (heads * q_head, q_lora))
         else:
             plan.add(f"{attn}.q_proj.weight", f"{blk}.attn_q.weight", (heads * q_head, hidden))
-        plan.add(f"{attn}.kv_a_proj_with_mqa.weight", f"{blk}.attn_kv_a_mqa.weight",
-                 (kv_lora + rope_dim, hidden))
+        plan.add(f"{attn}.kv_a_proj_with_mqa.weight", f"{blk}.attn_kv_a_mqa.weight", (kv_lora + rope_dim, hidden))
         plan.add(f"{attn}.kv_a_layernorm.weight", f"{blk}.attn_kv_a_norm.weight", (kv_lora,))
         _add_kv_b(plan, blk, f"{attn}.kv_b_proj.weight", heads, nope, v_head, kv_lora)
         plan.add(f"{attn}.o_proj.weight", f"{blk}.attn_output.weight", (hidden, heads * v_head))
@@ -845,34 +943,56 @@ def _deepseek2(m: _Meta, plan: _Planner, vocab: int) -> dict:
             _add_dense_mlp(plan, blk, f"{hf}.mlp.shared_experts", moe["ff"] * shared, hidden, "_shexp")
     _add_head(plan, vocab, hidden, always_lm_head=True)
 
-    config = {"architectures": ["DeepseekV3ForCausalLM" if model_type == "deepseek_v3"
-                                else "DeepseekV2ForCausalLM"],
-              "model_type": model_type, "vocab_size": vocab, "hidden_size": hidden,
-              "intermediate_size": ff, "moe_intermediate_size": moe["ff"] if moe else ff,
-              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": heads,
-              "n_shared_experts": (shared or None) if moe else None,
-              "n_routed_experts": experts or None,
-              "routed_scaling_factor": m.float("expert_weights_scale", 1.0),
-              "kv_lora_rank": kv_lora, "q_lora_rank": q_lora, "qk_rope_head_dim": rope_dim,
-              "v_head_dim": v_head, "qk_nope_head_dim": nope,
-              "num_experts_per_tok": moe["used"] if moe else None,
-              "moe_layer_freq": 1, "first_k_dense_replace": dense_layers,
-              "max_position_embeddings": m.int("context_length", 4096), "rms_norm_eps": eps,
-              "rope_theta": m.float("rope.freq_base", 10000.0), "rope_scaling": scaling,
-              "attention_bias": False, "tie_word_embeddings": False, "hidden_act": "silu"}
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM" if model_type == "deepseek_v3" else "DeepseekV2ForCausalLM"],
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": ff,
+        "moe_intermediate_size": moe["ff"] if moe else ff,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "n_shared_experts": (shared or None) if moe else None,
+        "n_routed_experts": experts or None,
+        "routed_scaling_factor": m.float("expert_weights_scale", 1.0),
+        "kv_lora_rank": kv_lora,
+        "q_lora_rank": q_lora,
+        "qk_rope_head_dim": rope_dim,
+        "v_head_dim": v_head,
+        "qk_nope_head_dim": nope,
+        "num_experts_per_tok": moe["used"] if moe else None,
+        "moe_layer_freq": 1,
+        "first_k_dense_replace": dense_layers,
+        "max_position_embeddings": m.int("context_length", 4096),
+        "rms_norm_eps": eps,
+        "rope_theta": m.float("rope.freq_base", 10000.0),
+        "rope_scaling": scaling,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
     if moe:
         if model_type == "deepseek_v3":
-            config.update(topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=norm,
-                          n_group=groups, topk_group=groups_used)
+            config.update(
+                topk_method="noaux_tc",
+                scoring_func="sigmoid",
+                norm_topk_prob=norm,
+                n_group=groups,
+                topk_group=groups_used,
+            )
         else:
-            config.update(topk_method="group_limited_greedy" if groups > 1 else "greedy",
-                          scoring_func="softmax", norm_topk_prob=False,
-                          n_group=groups, topk_group=groups_used)
+            config.update(
+                topk_method="group_limited_greedy" if groups > 1 else "greedy",
+                scoring_func="softmax",
+                norm_topk_prob=False,
+                n_group=groups,
+                topk_group=groups_used,
+            )
     return config
 
 
-def _add_kv_b(plan: _Planner, blk: str, hf_name: str, heads: int, nope: int, v_head: int,
-              kv_lora: int) -> None:
+def _add_kv_b(plan: _Planner, blk: str, hf_name: str, heads: int, nope: int, v_head: int, kv_lora: int) -> None:
     """kv_b_proj [heads * (nope + v), kv_lora]: the file's attn_kv_b, or rebuilt from the
     attn_k_b [heads, kv_lora, nope] and attn_v_b [heads, v, kv_lora] that llama.cpp splits it into."""
     shape = (heads * (nope + v_head), kv_lora)
@@ -895,6 +1015,7 @@ def _add_kv_b(plan: _Planner, blk: str, hf_name: str, heads: int, nope: int, v_h
 
 
 # --- Llama 3 rope scaling, stored by llama.cpp as rope_freqs.weight --------------------------------
+
 
 def _llama3_scaling(plan: _Planner, m: _Meta, head_dim: int, base: float) -> dict | None:
     """The "llama3" rope_scaling that rope_freqs.weight came from, or None without one.
@@ -921,7 +1042,7 @@ def _llama3_scaling(plan: _Planner, m: _Meta, head_dim: int, base: float) -> dic
     mid = ~(short | long)
     n_short, n_mid = int(short.sum()), int(mid.sum())
     # Wavelengths grow with the pair index: short pairs first, then the blend, then long ones.
-    if not (short[:n_short].all() and mid[n_short:n_short + n_mid].all()):
+    if not (short[:n_short].all() and mid[n_short : n_short + n_mid].all()):
         raise ValueError("GGUF rope_freqs.weight does not follow Llama 3 rope scaling")
     blend = (1 / f[mid] - 1 / factor) / (1 - 1 / factor)  # s of the blended pairs
     # In x = original_context / wavelength (falling with the pair index) the thresholds are
@@ -944,9 +1065,13 @@ def _llama3_scaling(plan: _Planner, m: _Meta, head_dim: int, base: float) -> dic
                 break
             low = (low + xm) / 2
     for digits in (6, 17):  # round trips like 1.0000001 -> 1.0 when that still fits
-        scaling = {"rope_type": "llama3", "factor": float(f"{factor:.{digits}g}"),
-                   "low_freq_factor": float(f"{low:.{digits}g}"), "high_freq_factor": float(f"{high:.{digits}g}"),
-                   "original_max_position_embeddings": old}
+        scaling = {
+            "rope_type": "llama3",
+            "factor": float(f"{factor:.{digits}g}"),
+            "low_freq_factor": float(f"{low:.{digits}g}"),
+            "high_freq_factor": float(f"{high:.{digits}g}"),
+            "original_max_position_embeddings": old,
+        }
         if np.allclose(_llama3_factors(scaling, wavelen), f, rtol=1e-5, atol=0):
             return scaling
     raise ValueError("GGUF rope_freqs.weight does not follow Llama 3 rope scaling")
@@ -991,8 +1116,9 @@ def _gpt_oss(m: _Meta, plan: _Planner, vocab: int) -> dict:
         raise ValueError("GGUF gpt-oss file has no experts (gpt-oss.expert_count)")
     gating = m.int("expert_gating_func", _GATING_SOFTMAX_WEIGHT)
     if gating != _GATING_SOFTMAX_WEIGHT:
-        raise ValueError(f"GGUF expert gating function {gating} is not supported for gpt-oss "
-                         "(only softmax over the chosen experts)")
+        raise ValueError(
+            f"GGUF expert gating function {gating} is not supported for gpt-oss (only softmax over the chosen experts)"
+        )
     clamp = m.get("swiglu_clamp_exp", None)
     if clamp is not None and any(abs(float(c) - 7.0) > 1e-6 for c in np.atleast_1d(clamp) if c):
         raise ValueError("GGUF gpt-oss clamps its SwiGLU at other than 7.0; mlx-lm's gpt_oss uses 7.0")
@@ -1010,13 +1136,23 @@ def _gpt_oss(m: _Meta, plan: _Planner, vocab: int) -> dict:
         plan.add(f"{hf}.mlp.router.bias", f"{blk}.ffn_gate_inp.bias", (experts,))
         _add_stacked_experts(plan, blk, f"{hf}.mlp.experts", experts, ff, hidden, bias=True)
     _add_head(plan, vocab, hidden, always_lm_head=True)
-    return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **hp, "vocab_size": vocab,
-            "intermediate_size": ff, "num_local_experts": experts,
-            "num_experts_per_tok": m.int("expert_used_count"), "experts_per_token": m.int("expert_used_count"),
-            "sliding_window": window,
-            "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-            "rope_scaling": scaling, "tie_word_embeddings": False, "attention_bias": True,
-            "swiglu_limit": 7.0, "hidden_act": "silu"}
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        **hp,
+        "vocab_size": vocab,
+        "intermediate_size": ff,
+        "num_local_experts": experts,
+        "num_experts_per_tok": m.int("expert_used_count"),
+        "experts_per_token": m.int("expert_used_count"),
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "rope_scaling": scaling,
+        "tie_word_embeddings": False,
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "hidden_act": "silu",
+    }
 
 
 def _gpt_oss_rope_scaling(m: _Meta) -> dict | None:
@@ -1029,25 +1165,32 @@ def _gpt_oss_rope_scaling(m: _Meta) -> dict | None:
         if m.get(key, None) is not None:
             raise ValueError(f"GGUF sets {m.arch}.{key}; mlx-lm's YaRN RoPE has no such setting")
     # HF's gpt-oss config also says "truncate": false; llama.cpp keeps no such key.
-    return {"rope_type": "yarn", "factor": m.float("rope.scaling.factor"),
-            "original_max_position_embeddings": m.int("rope.scaling.original_context_length"),
-            "beta_fast": m.float("rope.scaling.yarn_beta_fast", 32.0),
-            "beta_slow": m.float("rope.scaling.yarn_beta_slow", 1.0), "truncate": False}
+    return {
+        "rope_type": "yarn",
+        "factor": m.float("rope.scaling.factor"),
+        "original_max_position_embeddings": m.int("rope.scaling.original_context_length"),
+        "beta_fast": m.float("rope.scaling.yarn_beta_fast", 32.0),
+        "beta_slow": m.float("rope.scaling.yarn_beta_slow", 1.0),
+        "truncate": False,
+    }
 
 
-def _add_stacked_experts(plan: _Planner, blk: str, prefix: str, experts: int, ff: int, hidden: int,
-                         bias: bool = False) -> None:
+def _add_stacked_experts(
+    plan: _Planner, blk: str, prefix: str, experts: int, ff: int, hidden: int, bias: bool = False
+) -> None:
     """{prefix}.{gate,up,down}_proj.weight (and .bias) stacked over experts, from the GGUF's
     ffn_{gate,up,down}_exps, or from a fused ffn_gate_up_exps (gate rows, then up rows)."""
     kinds = ("weight", "bias") if bias else ("weight",)
     fused = f"{blk}.ffn_gate_up_exps.weight"
     for kind in kinds:
+
         def gshape(g: str) -> tuple[int, ...]:
             shape = (experts, *_mlp_shape(g, ff, hidden))
             return shape if kind == "weight" else shape[:2]
+
         if plan.has(fused):
             both = f"{blk}.ffn_gate_up_exps.{kind}"
-            full = (experts, 2 * ff, hidden)[:3 if kind == "weight" else 2]
+            full = (experts, 2 * ff, hidden)[: 3 if kind == "weight" else 2]
             plan.add_stacked(f"{prefix}.gate_proj.{kind}", both, full, lambda a: a[:ff], gshape("gate"))
             plan.add_stacked(f"{prefix}.up_proj.{kind}", both, full, lambda a: a[ff:], gshape("up"))
         else:
@@ -1057,6 +1200,7 @@ def _add_stacked_experts(plan: _Planner, blk: str, prefix: str, experts: int, ff
 
 
 # --- GLM-4.5 (glm4moe) -------------------------------------------------------------------------------
+
 
 def _glm4moe(m: _Meta, plan: _Planner, vocab: int) -> dict:
     """GLM-4.5 / 4.6 (llama.cpp arch "glm4moe") -> mlx-lm glm4_moe.
@@ -1079,8 +1223,13 @@ def _glm4moe(m: _Meta, plan: _Planner, vocab: int) -> dict:
     if not 0 < rope_dim <= head_dim or rope_dim % 2:
         raise ValueError(f"GGUF glm4moe rotates {rope_dim} of {head_dim} head dims")
     _rope_scaling(m, "glm4_moe")  # mlx-lm's glm4_moe has plain RoPE only
-    hp = {"hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
-          "num_key_value_heads": m.int("attention.head_count_kv", heads), "head_dim": head_dim}
+    hp = {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": m.int("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+    }
     experts = m.int("expert_count", 0)
     if experts <= 0:
         raise ValueError("GGUF glm4moe file has no experts (glm4moe.expert_count)")
@@ -1096,8 +1245,9 @@ def _glm4moe(m: _Meta, plan: _Planner, vocab: int) -> dict:
     _add_embeddings(plan, vocab, hidden)
     for i in range(layers):
         blk, hf = f"blk.{i}", f"model.layers.{i}"
-        _add_attention(plan, i, hp, permuted=False, bias=bias, qk_norm="head" if qk_norm else None,
-                       post_norm="post_attention_norm")
+        _add_attention(
+            plan, i, hp, permuted=False, bias=bias, qk_norm="head" if qk_norm else None, post_norm="post_attention_norm"
+        )
         if i < dense:
             _add_dense_mlp(plan, blk, f"{hf}.mlp", ff, hidden)
             continue
@@ -1112,22 +1262,38 @@ def _glm4moe(m: _Meta, plan: _Planner, vocab: int) -> dict:
     for i in range(layers, total):
         plan.skip(f"blk.{i}.", "multi-token-prediction layer: mlx-lm's glm4_moe drops it")
     _add_head(plan, vocab, hidden, always_lm_head=True)
-    return {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", **hp, "vocab_size": vocab,
-            "intermediate_size": ff, "moe_intermediate_size": moe["ff"],
-            "max_position_embeddings": m.int("context_length", 4096),
-            "rms_norm_eps": m.float("attention.layer_norm_rms_epsilon", 1e-5),
-            "rope_theta": m.float("rope.freq_base", 10000.0), "rope_scaling": None,
-            "partial_rotary_factor": rope_dim / head_dim, "use_qk_norm": qk_norm, "attention_bias": bias,
-            "n_routed_experts": experts, "n_shared_experts": shared or None,
-            "num_experts_per_tok": moe["used"], "first_k_dense_replace": dense,
-            "norm_topk_prob": m.flag("expert_weights_norm", False),
-            "routed_scaling_factor": m.float("expert_weights_scale", 1.0),
-            "n_group": m.int("expert_group_count", 1), "topk_group": m.int("expert_group_used_count", 1),
-            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "num_nextn_predict_layers": nextn,
-            "tie_word_embeddings": False, "hidden_act": "silu"}
+    return {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        **hp,
+        "vocab_size": vocab,
+        "intermediate_size": ff,
+        "moe_intermediate_size": moe["ff"],
+        "max_position_embeddings": m.int("context_length", 4096),
+        "rms_norm_eps": m.float("attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": m.float("rope.freq_base", 10000.0),
+        "rope_scaling": None,
+        "partial_rotary_factor": rope_dim / head_dim,
+        "use_qk_norm": qk_norm,
+        "attention_bias": bias,
+        "n_routed_experts": experts,
+        "n_shared_experts": shared or None,
+        "num_experts_per_tok": moe["used"],
+        "first_k_dense_replace": dense,
+        "norm_topk_prob": m.flag("expert_weights_norm", False),
+        "routed_scaling_factor": m.float("expert_weights_scale", 1.0),
+        "n_group": m.int("expert_group_count", 1),
+        "topk_group": m.int("expert_group_used_count", 1),
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "num_nextn_predict_layers": nextn,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
 
 
 # --- Llama 4 -------------------------------------------------------------------------------------------
+
 
 def _llama4(m: _Meta, plan: _Planner, vocab: int) -> dict:
     """Llama 4 Scout / Maverick (llama.cpp arch "llama4") -> mlx-lm llama4.
@@ -1156,8 +1322,9 @@ def _llama4(m: _Meta, plan: _Planner, vocab: int) -> dict:
     step = m.int("interleave_moe_layer_step", 1)
     ff_moe = _expert_ff(m, plan, step - 1)
     ff = m.int("feed_forward_length")
-    scaling = _llama3_scaling(plan, m, hp["head_dim"], hp["rope_theta"]) or \
-        _rope_scaling(m, "llama4", allowed=("linear",))
+    scaling = _llama3_scaling(plan, m, hp["head_dim"], hp["rope_theta"]) or _rope_scaling(
+        m, "llama4", allowed=("linear",)
+    )
     bias = plan.has("blk.0.attn_q.bias")
     lm = "language_model."
     _add_embeddings(plan, vocab, hidden, prefix=lm)
@@ -1171,14 +1338,32 @@ def _llama4(m: _Meta, plan: _Planner, vocab: int) -> dict:
         _add_stacked_experts(plan, blk, f"{hf}.experts", experts, ff_moe, hidden)
         _add_dense_mlp(plan, blk, f"{hf}.shared_expert", ff_moe, hidden, "_shexp")
     _add_head(plan, vocab, hidden, always_lm_head=True, prefix=lm)
-    text = {"model_type": "llama4_text", **hp, "vocab_size": vocab, "intermediate_size": ff_moe,
-            "intermediate_size_mlp": ff, "num_local_experts": experts, "num_experts_per_tok": used,
-            "interleave_moe_layer_step": step, "attention_chunk_size": 8192, "attention_bias": bias,
-            "use_qk_norm": experts != 128, "attn_temperature_tuning": True, "floor_scale": 8192,
-            "attn_scale": 0.1, "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(layers)],
-            "rope_scaling": scaling, "tie_word_embeddings": False, "hidden_act": "silu"}
-    return {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
-            "text_config": text, "tie_word_embeddings": False}
+    text = {
+        "model_type": "llama4_text",
+        **hp,
+        "vocab_size": vocab,
+        "intermediate_size": ff_moe,
+        "intermediate_size_mlp": ff,
+        "num_local_experts": experts,
+        "num_experts_per_tok": used,
+        "interleave_moe_layer_step": step,
+        "attention_chunk_size": 8192,
+        "attention_bias": bias,
+        "use_qk_norm": experts != 128,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+        "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(layers)],
+        "rope_scaling": scaling,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    }
+    return {
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "text_config": text,
+        "tie_word_embeddings": False,
+    }
 
 
 def _write_safetensors(path: Path, entries: list[_Entry]) -> None:
@@ -1211,6 +1396,7 @@ def _write_safetensors(path: Path, entries: list[_Entry]) -> None:
 
 # --- tokenizer ------------------------------------------------------------------------------
 
+
 def _pre_tokenizer(pre: str):
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("gpt2", "olmo"):  # llama.cpp splits OLMo text with the GPT-2 pattern
@@ -1220,11 +1406,14 @@ def _pre_tokenizer(pre: str):
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     patterns = _PRE_PATTERNS.get(pre)
     if patterns is None:
-        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported "
-                         f"(supported: {', '.join(repr(p) for p in ('gpt2', 'olmo', 'smollm', *_PRE_PATTERNS))})")
+        raise ValueError(
+            f"GGUF pre-tokenizer {pre!r} is not supported "
+            f"(supported: {', '.join(repr(p) for p in ('gpt2', 'olmo', 'smollm', *_PRE_PATTERNS))})"
+        )
     return pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in patterns]
-        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
 
 
 def _build_tokenizer(reader: GGUFReader, tokens: list[str]) -> tuple[Tokenizer, dict]:
@@ -1252,8 +1441,9 @@ def _build_tokenizer(reader: GGUFReader, tokens: list[str]) -> tuple[Tokenizer, 
                 special[name] = default
         tokenizer = _spm_tokenizer(reader, tokens, types, special.get("unknown"))
     else:
-        raise ValueError(f"GGUF tokenizer model {model!r} is not supported "
-                         "(supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)")
+        raise ValueError(
+            f"GGUF tokenizer model {model!r} is not supported (supported: 'gpt2' byte-level BPE, 'llama' SentencePiece)"
+        )
 
     # Control/unknown tokens are special (skipped when decoding); user-defined ones are plain
     # added tokens. Both match as whole strings before the model runs.
@@ -1271,12 +1461,16 @@ def _build_tokenizer(reader: GGUFReader, tokens: list[str]) -> tuple[Tokenizer, 
     bos = [special["bos"]] if add_bos and "bos" in special else []
     eos = [special["eos"]] if _meta(reader, "tokenizer.ggml.add_eos_token", False) and "eos" in special else []
     if bos or eos:
+
         def piece(ids: list[int], seq: int) -> list[str]:
             return [f"{tokens[i]}:{seq}" for i in ids]
+
         single = piece(bos, 0) + ["$A:0"] + piece(eos, 0)
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=single, pair=single + piece(bos, 1) + ["$B:1"] + piece(eos, 1),
-            special_tokens=[(tokens[i], i) for i in dict.fromkeys(bos + eos)])
+            single=single,
+            pair=single + piece(bos, 1) + ["$B:1"] + piece(eos, 1),
+            special_tokens=[(tokens[i], i) for i in dict.fromkeys(bos + eos)],
+        )
     special["add_bos"], special["add_eos"] = bool(bos), bool(eos)
     return tokenizer, special
 
@@ -1292,8 +1486,16 @@ def _bpe_tokenizer(reader: GGUFReader, tokens: list[str], pre: str) -> Tokenizer
     """GPT-2 style byte-level BPE: the GGUF's merges, split first by the named pre-tokenizer."""
     pre_tokenizer = _pre_tokenizer(pre)
     merges = [tuple(m.split(" ", 1)) for m in _meta(reader, "tokenizer.ggml.merges")]
-    tokenizer = Tokenizer(models.BPE(vocab=_vocab(tokens), merges=merges, unk_token=None, fuse_unk=False,
-                                     byte_fallback=False, ignore_merges=pre in ("llama-bpe", "llama3")))
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=_vocab(tokens),
+            merges=merges,
+            unk_token=None,
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=pre in ("llama-bpe", "llama3"),
+        )
+    )
     if pre == "qwen2":
         tokenizer.normalizer = normalizers.NFC()  # as in Qwen's own tokenizer.json
     tokenizer.pre_tokenizer = pre_tokenizer
@@ -1322,8 +1524,9 @@ def _spm_tokenizer(reader: GGUFReader, tokens: list[str], types: list[int], unk:
     # Pieces a merge may produce or use: ordinary ones (llama.cpp also merges into unused ones).
     # Control, unknown and byte tokens never come out of merging characters, and user-defined
     # tokens are matched as whole strings before the model runs.
-    mergeable = {t: i for i, t in enumerate(tokens)
-                 if types[i] in (TokenType.NORMAL, TokenType.UNUSED) and vocab[t] == i}
+    mergeable = {
+        t: i for i, t in enumerate(tokens) if types[i] in (TokenType.NORMAL, TokenType.UNUSED) and vocab[t] == i
+    }
     ranked = []
     for piece, i in mergeable.items():
         for cut in range(1, len(piece)):
@@ -1331,13 +1534,18 @@ def _spm_tokenizer(reader: GGUFReader, tokens: list[str], types: list[int], unk:
             if left in mergeable and right in mergeable:
                 ranked.append((-float(scores[i]), i, mergeable[left], mergeable[right], left, right))
     ranked.sort()
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[(l, r) for *_, l, r in ranked],
-                                     unk_token=tokens[unk] if unk is not None else None,
-                                     fuse_unk=True, byte_fallback=True))
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(l, r) for *_, l, r in ranked],
+            unk_token=tokens[unk] if unk is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
     space_prefix = bool(_meta(reader, "tokenizer.ggml.add_space_prefix", True))
     replace = normalizers.Replace(" ", "\u2581")
-    tokenizer.normalizer = (normalizers.Sequence([normalizers.Prepend("\u2581"), replace])
-                            if space_prefix else replace)
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if space_prefix else replace
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if space_prefix:
         steps.append(decoders.Strip(" ", 1, 0))  # the "▁" added in front of the text
@@ -1347,8 +1555,7 @@ def _spm_tokenizer(reader: GGUFReader, tokens: list[str], types: list[int], unk:
 
 def _tokenizer_config(reader: GGUFReader, tokens: list[str], special: dict, max_length: int) -> dict:
     config: dict = {"tokenizer_class": "PreTrainedTokenizerFast"}
-    for key, name in (("bos_token", "bos"), ("eos_token", "eos"),
-                      ("unk_token", "unknown"), ("pad_token", "padding")):
+    for key, name in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
         if name in special:
             config[key] = tokens[special[name]]
     config["add_bos_token"] = special["add_bos"]

@@ -16,6 +16,7 @@ at import), and without importing huggingface_hub or MLX, so the CLI can call it
 Nothing here touches the network: a model that is not on disk is one ModelNotFoundError line
 that says how to get it (`flashmoe pull`).
 """
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,10 @@ def hub_cache_dir(environ=None) -> Path:
     def expand(p: str) -> str:
         return os.path.expandvars(os.path.expanduser(p))
 
-    home = expand(env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or
-                                                     os.path.join(os.path.expanduser("~"), ".cache"), "huggingface"))
+    home = expand(
+        env.get("HF_HOME")
+        or os.path.join(env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface")
+    )
     legacy = env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
     return Path(expand(env.get("HF_HUB_CACHE") or legacy))
 
@@ -74,8 +77,12 @@ def split_spec(spec: str) -> tuple[str, str | None] | None:
 def _safe_revision(revision: str) -> bool:
     """A branch, tag or commit that stays inside refs/ or snapshots/ when joined to them."""
     parts = revision.split("/")
-    return bool(revision) and "\\" not in revision and "\0" not in revision and \
-        all(p and p not in (".", "..") for p in parts)
+    return (
+        bool(revision)
+        and "\\" not in revision
+        and "\0" not in revision
+        and all(p and p not in (".", "..") for p in parts)
+    )
 
 
 def resolve(spec: str, environ=None) -> str:
@@ -99,22 +106,29 @@ def snapshot_path(repo_id: str, revision: str | None = None, *, cache: Path | No
     pull = f"flashmoe pull {spec}"
     repo = cache / repo_folder_name(repo_id)
     if not repo.is_dir():
-        raise ModelNotFoundError(spec, f"not a folder and not in the Hugging Face cache ({cache}); "
-                                       f"download it with: {pull}")
+        raise ModelNotFoundError(
+            spec, f"not a folder and not in the Hugging Face cache ({cache}); download it with: {pull}"
+        )
     snaps = _snapshots(repo)
     refs = _refs(repo)
     if not snaps:
         held = ", ".join(sorted(p.name + ("/" if p.is_dir() else "") for p in _entries(repo))) or "nothing"
-        raise ModelNotFoundError(spec, f"in the Hugging Face cache ({repo}) but with no snapshot "
-                                       f"(the folder holds: {held}); download it with: {pull}")
+        raise ModelNotFoundError(
+            spec,
+            f"in the Hugging Face cache ({repo}) but with no snapshot "
+            f"(the folder holds: {held}); download it with: {pull}",
+        )
     there = _what_is_there(refs, snaps)
     name = revision or DEFAULT_REVISION
     if name in refs:
         commit = refs[name]
         if commit in snaps:
             return repo / "snapshots" / commit
-        raise ModelNotFoundError(spec, f"refs/{name} in the Hugging Face cache ({repo}) names commit "
-                                       f"{commit[:SHORT]}, which has no snapshot ({there}); download it with: {pull}")
+        raise ModelNotFoundError(
+            spec,
+            f"refs/{name} in the Hugging Face cache ({repo}) names commit "
+            f"{commit[:SHORT]}, which has no snapshot ({there}); download it with: {pull}",
+        )
     if revision is None:
         return repo / "snapshots" / max(snaps, key=lambda s: _mtime(repo / "snapshots" / s))
     if revision in snaps:
@@ -124,10 +138,14 @@ def snapshot_path(repo_id: str, revision: str | None = None, *, cache: Path | No
         if len(matches) == 1:
             return repo / "snapshots" / matches[0]
         if matches:
-            raise ModelNotFoundError(spec, f"revision {revision!r} is the start of {len(matches)} cached commits "
-                                           f"({', '.join(m[:SHORT] for m in matches)}); give more of the hash")
-    raise ModelNotFoundError(spec, f"no revision {revision!r} in the Hugging Face cache ({repo}: {there}); "
-                                   f"download it with: {pull}")
+            raise ModelNotFoundError(
+                spec,
+                f"revision {revision!r} is the start of {len(matches)} cached commits "
+                f"({', '.join(m[:SHORT] for m in matches)}); give more of the hash",
+            )
+    raise ModelNotFoundError(
+        spec, f"no revision {revision!r} in the Hugging Face cache ({repo}: {there}); download it with: {pull}"
+    )
 
 
 def _entries(folder: Path) -> list[Path]:

@@ -4,6 +4,7 @@ We read headers ourselves (not the whole file) to know where each tensor's bytes
 what direct mode streams from; and we write tensor by tensor so a conversion never holds the
 whole model in memory.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,18 @@ DTYPES = {
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ITEM_SIZES = {
-    "F32": 4, "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "U16": 2, "I16": 2,
-    "U8": 1, "I8": 1, "BOOL": 1, "I64": 8, "U64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "U16": 2,
+    "I16": 2,
+    "U8": 1,
+    "I8": 1,
+    "BOOL": 1,
+    "I64": 8,
+    "U64": 8,
 }
 MAX_HEADER = 100 * 1024 * 1024
 
@@ -97,8 +108,7 @@ def array_bytes(a: mx.array) -> memoryview:
     return view.cast("B")
 
 
-def write_streaming(path: str | Path, items: list[tuple[str, mx.array]],
-                    metadata: dict | None = None) -> None:
+def write_streaming(path: str | Path, items: list[tuple[str, mx.array]], metadata: dict | None = None) -> None:
     """Write safetensors from (name, lazy array) pairs, evaluating one tensor at a time.
 
     The header needs every shape first; shapes of lazy arrays are known without evaluation,
@@ -112,8 +122,11 @@ def write_streaming(path: str | Path, items: list[tuple[str, mx.array]],
     offset = 0
     for name, a in reversed(items):
         nbytes = a.nbytes
-        header[name] = {"dtype": DTYPE_NAMES[a.dtype], "shape": list(a.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": DTYPE_NAMES[a.dtype],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keep data 8-byte aligned, as the format recommends

@@ -1,6 +1,7 @@
 """Which code computes each block of a loaded model: the choice load() made, read back from the
 modules themselves (engine/cpu/install.py swaps the matmuls, engine/cpu/fused.py the blocks
 that pass their probe), so what `flashmoe info --load` prints is what runs."""
+
 from __future__ import annotations
 
 from flashmoe.engine.experts.blocks import layer_index
@@ -33,8 +34,11 @@ def compute_paths(loaded) -> dict[str, list[int]]:
         from flashmoe.engine.cpu.int8 import dot_name, many_rows, x_name
 
         activations = x_name()
-        int8 = (f"resident matmuls on {activations} ({dot_name()} dot products, approximate"
-                + ("" if many_rows() else "; prompt chunks on the float kernels") + ")")
+        int8 = (
+            f"resident matmuls on {activations} ({dot_name()} dot products, approximate"
+            + ("" if many_rows() else "; prompt chunks on the float kernels")
+            + ")"
+        )
     by_layer: dict[int, list] = {}
     for path, switch in loaded.switches.items():  # the fused blocks hold them out of the module tree
         by_layer.setdefault(layer_index(path), []).append(switch)
@@ -45,11 +49,18 @@ def compute_paths(loaded) -> dict[str, list[int]]:
             say("one-token steps on numpy from embedding to final norm (one sync per token)", i)
         for kind in ("decoder layer", "attention", "MLP", "MoE"):
             if kind in fused:
-                say(f"{kind} as one fused CPU block" if kind != "decoder layer"
-                    else "decoder layer fused whole (one sync per layer)", i)
+                say(
+                    f"{kind} as one fused CPU block"
+                    if kind != "decoder layer"
+                    else "decoder layer fused whole (one sync per layer)",
+                    i,
+                )
         one_call = layer.one_call() if "decoder layer" in fused else None
         if one_call:
-            say("decode steps one kernel call a layer" + (" while its experts are cached" if one_call == "moe" else ""), i)
+            say(
+                "decode steps one kernel call a layer" + (" while its experts are cached" if one_call == "moe" else ""),
+                i,
+            )
         if cpu_attention is not None and any(isinstance(m, cpu_attention) and m.prefill_ok for m in modules):
             say("prompt chunks' attention on numpy's BLAS", i)
         if "attention" not in fused:
@@ -63,9 +74,11 @@ def compute_paths(loaded) -> dict[str, list[int]]:
                 say("streamed experts on MLX", i)
             elif all(s.tiled_bank is not None for s in switches):
                 bank_int8 = all(s.tiled_bank.int8 for s in switches)
-                say("streamed experts on the CPU kernels, repacked into tiles as they land"
-                    + (f", on {activations} (approximate)" if bank_int8 else ""), i)
+                say(
+                    "streamed experts on the CPU kernels, repacked into tiles as they land"
+                    + (f", on {activations} (approximate)" if bank_int8 else ""),
+                    i,
+                )
             else:
                 say("streamed experts on the CPU kernels (in the layout read)", i)
     return out
-

@@ -6,6 +6,7 @@ of the first token. We check the sizes' types and ranges first (check_values), t
 against the tensors the files actually hold (check_against_weights), so such a folder fails in
 milliseconds with one line naming the key.
 """
+
 from __future__ import annotations
 
 import re
@@ -16,13 +17,36 @@ from flashmoe.engine.errors import ModelLoadError
 # Keys that are sizes or counts wherever they appear (top level or text_config): an integer,
 # at least 1 (or 0 where it counts optional things), or null where the model allows "unset".
 POSITIVE = (
-    "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
-    "head_dim", "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
-    "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_top_k",
-    "max_position_embeddings", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim",
-    "v_head_dim", "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim",
-    "linear_value_head_dim", "linear_conv_kernel_dim", "n_group", "topk_group",
-    "full_attention_interval", "decoder_sparse_step", "moe_layer_freq",
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "head_dim",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_top_k",
+    "max_position_embeddings",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "linear_num_value_heads",
+    "linear_num_key_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "n_group",
+    "topk_group",
+    "full_attention_interval",
+    "decoder_sparse_step",
+    "moe_layer_freq",
 )
 NON_NEGATIVE = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers")
 MAX_DIM = 2**31 - 1  # MLX shapes are 32-bit
@@ -98,7 +122,9 @@ def check_against_weights(config: dict, cfg: Path, shapes: dict[str, tuple], exp
     counts = set(expert_counts.values())
     e_key = next((k for k in EXPERT_COUNT_KEYS if _is_int(c.get(k))), None)
     if e_key is not None and counts and counts != {c[e_key]}:
-        raise ModelLoadError(cfg, f"{e_key} = {c[e_key]} but the expert files hold {_listing(counts)} experts per layer")
+        raise ModelLoadError(
+            cfg, f"{e_key} = {c[e_key]} but the expert files hold {_listing(counts)} experts per layer"
+        )
     k_key = next((k for k in TOP_K_KEYS if _is_int(c.get(k))), None)
     if k_key is not None and counts and c[k_key] > min(counts):
         raise ModelLoadError(cfg, f"{k_key} = {c[k_key]} is more than the {min(counts)} experts the files hold")

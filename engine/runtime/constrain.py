@@ -5,6 +5,7 @@ it does not restrict this step), is told which token was chosen, and says when t
 constrains is complete. Requests carry a factory, `make(tokenizer) -> Constraint`, so that the
 stateful object is built on the engine thread for each generation.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Protocol

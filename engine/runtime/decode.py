@@ -4,6 +4,7 @@ Like mlx-lm's generate_step it knows nothing of text, stop strings or timing (ge
 those on top). Both layers are plain generators: a consumer that stops iterating has run no
 forward pass past the last token it took, so the session's cache holds exactly the sequence.
 """
+
 from __future__ import annotations
 
 import threading
@@ -22,7 +23,7 @@ def prefill(model, session, ids: list[int], step: int, cancel: threading.Event) 
 
     done = 0
     while done < len(ids) and not cancel.is_set():
-        chunk = ids[done:done + step]
+        chunk = ids[done : done + step]
         with last_logits_only():
             logits = model(mx.array([chunk]), cache=session.cache)[0, -1]
         mx.eval(logits, [c.state for c in session.cache if c.state is not None])

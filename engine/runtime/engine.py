@@ -4,6 +4,7 @@ MLX streams belong to the thread that made them (mlx-lm #1181), so the model is 
 on one thread only. Callers submit a request and iterate its events from a queue; `cancel()` is
 checked between tokens.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,13 +58,29 @@ class Handle:
 
 
 class Engine:
-    def __init__(self, model_path, *, expert_cache: int | None = None, io_threads: int = IO_THREADS,
-                 direct_io: bool | None = None, dtype: str | None = None, kernels: str = "mlx", kv_cache: str = "float32",
-                 prefetch: bool | str = False, cache_policy: str = "lfu", verify_reads: bool = True,
-                 truncate_prompt: str = "off", allow_resident_experts: bool = False,
-                 prompt_cache_bytes: int = 2 << 30, prompt_cache_dir=None, prompt_cache_disk_bytes: int = 8 << 30,
-                 experts_per_token: int | None = None, expert_usage: bool = False, usage_file=None,
-                 ctx_size: int | None = None):
+    def __init__(
+        self,
+        model_path,
+        *,
+        expert_cache: int | None = None,
+        io_threads: int = IO_THREADS,
+        direct_io: bool | None = None,
+        dtype: str | None = None,
+        kernels: str = "mlx",
+        kv_cache: str = "float32",
+        prefetch: bool | str = False,
+        cache_policy: str = "lfu",
+        verify_reads: bool = True,
+        truncate_prompt: str = "off",
+        allow_resident_experts: bool = False,
+        prompt_cache_bytes: int = 2 << 30,
+        prompt_cache_dir=None,
+        prompt_cache_disk_bytes: int = 8 << 30,
+        experts_per_token: int | None = None,
+        expert_usage: bool = False,
+        usage_file=None,
+        ctx_size: int | None = None,
+    ):
         """truncate_prompt: for requests that do not say, what to do with a prompt longer than the
         model's context (generate.TRUNCATE_MODES). expert_usage: learn which experts this model's
         runs use in a file kept across runs, and preload the hottest at start (experts/usage.py);
@@ -73,11 +90,21 @@ class Engine:
             raise ValueError(f"truncate_prompt must be one of {', '.join(TRUNCATE_MODES)}, got {truncate_prompt!r}")
         self.model_path = model_path
         self.truncate_prompt = truncate_prompt
-        self._load_args = dict(expert_cache=expert_cache, io_threads=io_threads, direct_io=direct_io, dtype=dtype,
-                               kernels=kernels, kv_cache=kv_cache, prefetch=prefetch, cache_policy=cache_policy,
-                               verify_reads=verify_reads, allow_resident_experts=allow_resident_experts,
-                               experts_per_token=experts_per_token, ctx_size=ctx_size,
-                               prompt_cache=prompt_cache_bytes)
+        self._load_args = dict(
+            expert_cache=expert_cache,
+            io_threads=io_threads,
+            direct_io=direct_io,
+            dtype=dtype,
+            kernels=kernels,
+            kv_cache=kv_cache,
+            prefetch=prefetch,
+            cache_policy=cache_policy,
+            verify_reads=verify_reads,
+            allow_resident_experts=allow_resident_experts,
+            experts_per_token=experts_per_token,
+            ctx_size=ctx_size,
+            prompt_cache=prompt_cache_bytes,
+        )
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loaded_event = threading.Event()
         self._stopped = threading.Event()
@@ -133,14 +160,24 @@ class Engine:
             self.loaded = load(self.model_path, **self._load_args)
             lm = self.loaded
             self.loaded_info = ModelLoaded(
-                model=str(lm.path), model_type=lm.config["model_type"], mode=lm.mode,
-                layers=lm.num_layers, moe_layers=len(lm.layers),
-                experts=lm.layers[0].num_experts if lm.layers else 0, top_k=lm.top_k,
-                bits=model_bits(lm.config), cache_bytes=lm.store.capacity_bytes if lm.store else 0,
-                load_s=perf_counter() - t0, chat_template=lm.tokenizer.template_source if lm.tokenizer else "",
-                kernels="cpu-int8" if lm.int8_matrices else lm.kernels, kv_cache=lm.kv_cache, cache_policy=lm.store.policy if lm.store else "",
-                context=lm.context, resident_experts=lm.resident_experts,
-                trained_top_k=lm.trained_top_k)
+                model=str(lm.path),
+                model_type=lm.config["model_type"],
+                mode=lm.mode,
+                layers=lm.num_layers,
+                moe_layers=len(lm.layers),
+                experts=lm.layers[0].num_experts if lm.layers else 0,
+                top_k=lm.top_k,
+                bits=model_bits(lm.config),
+                cache_bytes=lm.store.capacity_bytes if lm.store else 0,
+                load_s=perf_counter() - t0,
+                chat_template=lm.tokenizer.template_source if lm.tokenizer else "",
+                kernels="cpu-int8" if lm.int8_matrices else lm.kernels,
+                kv_cache=lm.kv_cache,
+                cache_policy=lm.store.policy if lm.store else "",
+                context=lm.context,
+                resident_experts=lm.resident_experts,
+                trained_top_k=lm.trained_top_k,
+            )
             if self._expert_usage and lm.store is not None:
                 self.loaded_info = self._start_usage(lm)
         except BaseException as e:  # reported to the caller by wait_loaded
@@ -193,8 +230,12 @@ class Engine:
         if warning:
             _warn(warning)
         self._usage_saved_at = perf_counter()
-        return dataclasses.replace(self.loaded_info, preloading=started, preloading_bytes=lm.store.preloaded_bytes,
-                                   usage_file=str(self.usage.path))
+        return dataclasses.replace(
+            self.loaded_info,
+            preloading=started,
+            preloading_bytes=lm.store.preloaded_bytes,
+            usage_file=str(self.usage.path),
+        )
 
     def _save_usage(self, every_s: float = 0.0) -> None:
         """Add this process's expert counts to the usage file (at most every `every_s` seconds)."""
@@ -227,8 +268,7 @@ class Engine:
             handle.events.put(EngineFailed(str(e), type(e).__name__, getattr(e, "exit_code", 1)))
         except Exception as e:  # a bug: keep the traceback for the log
             session.reset()
-            handle.events.put(EngineFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}",
-                                           type(e).__name__, 1))
+            handle.events.put(EngineFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}", type(e).__name__, 1))
         finally:
             self._current = None
             if handle.session is None:

@@ -6,6 +6,7 @@ them into text and events, and decides when a reply ends. No threads here (the E
 directly. A Session keeps the KV / recurrent cache of one conversation so that the next turn only
 runs the tokens that are new.
 """
+
 from __future__ import annotations
 
 import logging
@@ -58,7 +59,9 @@ class GenerationRequest:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.truncate_prompt not in (None, *TRUNCATE_MODES):
-            raise ValueError(f"truncate_prompt must be one of {', '.join(TRUNCATE_MODES)}, got {self.truncate_prompt!r}")
+            raise ValueError(
+                f"truncate_prompt must be one of {', '.join(TRUNCATE_MODES)}, got {self.truncate_prompt!r}"
+            )
 
 
 class Session:
@@ -134,23 +137,26 @@ def render_prompt_text(loaded, request: GenerationRequest) -> tuple[list[int], s
         return tok.encode(request.prompt, add_special_tokens=True), open_reasoning(request.prompt)
     # Control-token text inside messages (a tool result saying "<|im_end|><|im_start|>system")
     # is encoded as text; only the template's own markers are control tokens.
-    ids, text = tok.render_chat(request.messages, tools=request.tools, add_generation_prompt=True,
-                                **request.template_kwargs)
+    ids, text = tok.render_chat(
+        request.messages, tools=request.tools, add_generation_prompt=True, **request.template_kwargs
+    )
     return ids, template_reasoning(tok, request, text)
 
 
 def template_reasoning(tok, request: GenerationRequest, text: str) -> str:
     """Whether the generation prompt the template added opened a reasoning block (engine/runtime/reasoning.py)."""
     try:
-        bare = tok.apply_chat_template(request.messages, tools=request.tools, add_generation_prompt=False,
-                                       **request.template_kwargs)
+        bare = tok.apply_chat_template(
+            request.messages, tools=request.tools, add_generation_prompt=False, **request.template_kwargs
+        )
     except Exception:  # noqa: BLE001  (a template that insists on the generation prompt: look at all of it)
         bare = None
     return prompt_reasoning(text, bare)
 
 
-def fit_context(ids: list[int], context: int | None, mode: str, max_tokens: int,
-                what: str | None = None) -> tuple[list[int], int]:
+def fit_context(
+    ids: list[int], context: int | None, mode: str, max_tokens: int, what: str | None = None
+) -> tuple[list[int], int]:
     """The prompt ids the model will run, and how many of the oldest were dropped.
 
     "off" refuses a prompt longer than the context (it would run past the positions the model was
@@ -164,7 +170,8 @@ def fit_context(ids: list[int], context: int | None, mode: str, max_tokens: int,
             what = what or f"the model's context of {context} tokens (max_position_embeddings in config.json)"
             raise ContextLengthError(
                 f"the prompt is {len(ids)} tokens, longer than {what}; shorten it, or pass --truncate-prompt left "
-                "to drop the oldest tokens")
+                "to drop the oldest tokens"
+            )
         return ids, 0
     keep = context - min(max_tokens, context // 2)
     if len(ids) <= keep:
@@ -179,8 +186,10 @@ def context_of(loaded) -> tuple[int | None, str | None]:
     context = getattr(loaded, "context", model)
     if context is None or model is None or context >= model:
         return model if context is None else min(context, model) if model else context, None
-    return context, (f"the context of {context} tokens the memory budget leaves room for (the model's is {model}; "
-                     "--ctx-size sets it, at the expert cache's cost)")
+    return context, (
+        f"the context of {context} tokens the memory budget leaves room for (the model's is {model}; "
+        "--ctx-size sets it, at the expert cache's cost)"
+    )
 
 
 class DecodeFigures:
@@ -198,12 +207,15 @@ class DecodeFigures:
         self.io_wait_s += sum(s.io_wait_s for s in stats.values())
         self.prefetched += sum(s.prefetched for s in stats.values())
         self.prefetch_used += sum(s.prefetch_used for s in stats.values())
-        self.bytes_read, self.hits, self.lookups = self.bytes_read + s_bytes, self.hits + s_hits, self.lookups + s_hits + s_miss
+        self.bytes_read, self.hits, self.lookups = (
+            self.bytes_read + s_bytes,
+            self.hits + s_hits,
+            self.lookups + s_hits + s_miss,
+        )
         return s_bytes, s_hits, s_miss
 
 
-def generate(loaded, session: Session, request: GenerationRequest,
-             cancel: threading.Event | None = None) -> Iterator:
+def generate(loaded, session: Session, request: GenerationRequest, cancel: threading.Event | None = None) -> Iterator:
     """Yield PrefillProgress, TokenGenerated, StepFinished, LayerTimings and GenerationFinished.
 
     The event layer over the token loop (engine/runtime/decode.py): the chat template and the
@@ -226,9 +238,13 @@ def generate(loaded, session: Session, request: GenerationRequest,
     context, what = context_of(loaded)
     ids, dropped = fit_context(ids, context, request.truncate_prompt or "off", request.max_tokens, what)
     if dropped:
-        log.warning("flashmoe: warning: prompt truncated: dropped its oldest %d tokens, kept the newest %d, "
-                    "to fit %s (--truncate-prompt left)", dropped, len(ids),
-                    what or f"the model's context of {context} tokens")
+        log.warning(
+            "flashmoe: warning: prompt truncated: dropped its oldest %d tokens, kept the newest %d, "
+            "to fit %s (--truncate-prompt left)",
+            dropped,
+            len(ids),
+            what or f"the model's context of {context} tokens",
+        )
     reused = session.prepare(ids)
     todo = ids[reused:]
 
@@ -253,8 +269,11 @@ def generate(loaded, session: Session, request: GenerationRequest,
     reason = "cancelled" if logits is None else "length"
     steps = 0
     figures = DecodeFigures()
-    tokens = decode(model, session, logits, Sampler(request.sampling), processors_for(request.sampling, mask)) \
-        if logits is not None else iter(())
+    tokens = (
+        decode(model, session, logits, Sampler(request.sampling), processors_for(request.sampling, mask))
+        if logits is not None
+        else iter(())
+    )
     t_first = step_start = perf_counter()
     for token in tokens:  # each after the first comes with the forward pass on the one before
         if steps:
@@ -288,8 +307,11 @@ def generate(loaded, session: Session, request: GenerationRequest,
             reason = "context"  # the next token would sit past the last position the model knows
             break
     if steps > request.max_tokens:
-        log.info("flashmoe: a tool call open at max_tokens (%d) was finished under its grammar, %d tokens "
-                 "past it", request.max_tokens, steps - request.max_tokens)
+        log.info(
+            "flashmoe: a tool call open at max_tokens (%d) was finished under its grammar, %d tokens past it",
+            request.max_tokens,
+            steps - request.max_tokens,
+        )
     # The first token comes from the prefill's logits: decode speed counts the forward passes
     # after it, over the time they took.
     fed = max(0, steps - 1)
@@ -299,16 +321,25 @@ def generate(loaded, session: Session, request: GenerationRequest,
     tail += detok.flush() if reason != "stop" else ""
     text = "".join(text_out) + tail
     yield GenerationFinished(
-        reason=reason, prompt_tokens=len(ids), reused_prompt_tokens=reused, generation_tokens=steps,
+        reason=reason,
+        prompt_tokens=len(ids),
+        reused_prompt_tokens=reused,
+        generation_tokens=steps,
         prompt_tps=len(todo) / prefill_s if prefill_s > 0 else 0.0,
         generation_tps=fed / decode_s if decode_s > 0 else 0.0,
-        prefill_s=prefill_s, decode_s=decode_s, io_wait_s=figures.io_wait_s,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        io_wait_s=figures.io_wait_s,
         bytes_per_token=figures.bytes_read / fed if fed else 0.0,
         hit_rate=figures.hits / figures.lookups if figures.lookups else 0.0,
-        top_k=loaded.top_k, bits=model_bits(loaded.config), cache_state="cold" if cold else "preloaded" if preloaded else "warm",
-        text=text, tail=tail,
+        top_k=loaded.top_k,
+        bits=model_bits(loaded.config),
+        cache_state="cold" if cold else "preloaded" if preloaded else "warm",
+        text=text,
+        tail=tail,
         prefetch_hit_rate=figures.prefetch_used / figures.prefetched if figures.prefetched else 0.0,
-        truncated_prompt_tokens=dropped)
+        truncated_prompt_tokens=dropped,
+    )
 
 
 def _finish_call(constraint, past: int, max_tokens: int) -> bool:
@@ -320,8 +351,11 @@ def _finish_call(constraint, past: int, max_tokens: int) -> bool:
     if finish is None or not getattr(constraint, "in_call", False):
         return False
     if past >= FINISH_CALL_TOKENS:
-        log.warning("flashmoe: warning: a tool call open at max_tokens (%d) did not close within %d more "
-                    "tokens; it is cut", max_tokens, FINISH_CALL_TOKENS)
+        log.warning(
+            "flashmoe: warning: a tool call open at max_tokens (%d) did not close within %d more tokens; it is cut",
+            max_tokens,
+            FINISH_CALL_TOKENS,
+        )
         return False
     if past == 0:
         finish()

@@ -1,15 +1,34 @@
 """What a model folder holds, read from its config, manifest and safetensors headers only."""
+
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
 
 from flashmoe.engine.experts.layout import read_manifest
-from flashmoe.engine.experts.blocks import cpu_kernels_reason, expert_blocks, expert_tensor_of, kind, layer_index, no_blocks_reason
-from flashmoe.engine.runtime.loader import EXPERTS_DIR, RESIDENT, _direct_layers, _safetensors_files, build_model, \
-    memory_plan, read_config, resident_bytes, text_config, top_k_of
+from flashmoe.engine.experts.blocks import (
+    cpu_kernels_reason,
+    expert_blocks,
+    expert_tensor_of,
+    kind,
+    layer_index,
+    no_blocks_reason,
+)
+from flashmoe.engine.runtime.loader import (
+    EXPERTS_DIR,
+    RESIDENT,
+    _direct_layers,
+    _safetensors_files,
+    build_model,
+    memory_plan,
+    read_config,
+    resident_bytes,
+    text_config,
+    top_k_of,
+)
 from flashmoe.engine.runtime.memory import MemoryTooSmall
 from flashmoe.engine.formats.safetensors_io import read_header
+
 
 def describe(path: str | Path, upcast: bool = True, ctx_size: int | None = None) -> dict:
     """`upcast`: 16-bit floats widened to float32 as loaded (the CPU default), for the memory plan."""
@@ -57,9 +76,14 @@ def describe(path: str | Path, upcast: bool = True, ctx_size: int | None = None)
     expert_total = sum(e * b for _, e, b in layers)
     try:
         memory = memory_plan(config, manifest, resident_bytes(tensors, upcast), upcast=upcast, ctx_size=ctx_size)
-        memory = {"rows": [list(r) for r in memory.lines()], "expert_cache_bytes": memory.expert_cache,
-                  "available_bytes": memory.limit.available, "context": memory.context,
-                  "notes": list(memory.notes), "other_limits": list(memory.limit.others)}
+        memory = {
+            "rows": [list(r) for r in memory.lines()],
+            "expert_cache_bytes": memory.expert_cache,
+            "available_bytes": memory.limit.available,
+            "context": memory.context,
+            "notes": list(memory.notes),
+            "other_limits": list(memory.limit.others),
+        }
     except MemoryTooSmall as e:
         memory = {"refused": str(e)}
     return {

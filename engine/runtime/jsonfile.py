@@ -3,6 +3,7 @@
 A FIFO (or a device) in place of config.json would block a plain open() forever, and JSON nested
 100,000 deep makes json.loads raise RecursionError; both become one ModelLoadError naming the file.
 """
+
 from __future__ import annotations
 
 import json
@@ -58,5 +59,6 @@ def read_json(path: Path, expect: type | None = dict):
 
 
 def _kind(doc) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "true/false",
-            type(None): "null"}.get(type(doc), "a number")
+    return {dict: "an object", list: "an array", str: "a string", bool: "true/false", type(None): "null"}.get(
+        type(doc), "a number"
+    )

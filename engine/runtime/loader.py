@@ -5,6 +5,7 @@ Two kinds of folder load the same way:
 - direct: an unconverted mlx-lm folder; experts are read out of the stacked `switch_mlp`
   tensors of its safetensors files at the offsets their headers give, with no repack.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,14 +18,28 @@ import mlx.nn as nn
 
 from flashmoe.engine.runtime.config_check import check_values, check_against_weights, context_length
 from flashmoe.engine.errors import ModelLoadError, OptionError
-from flashmoe.engine.experts.blocks import declared_experts, expert_blocks, expert_params, expert_tensor_of, kind, layer_index, \
-    no_blocks_reason, resident_expert_modules
+from flashmoe.engine.experts.blocks import (
+    declared_experts,
+    expert_blocks,
+    expert_params,
+    expert_tensor_of,
+    kind,
+    layer_index,
+    no_blocks_reason,
+    resident_expert_modules,
+)
 from flashmoe.engine.experts.layout import LayerExperts, Part, read_manifest
 from flashmoe.engine.experts.store import ExpertStore
 from flashmoe.engine.experts.switch import StreamingSwitchGLU, _CpuExperts
 from flashmoe.engine.runtime.jsonfile import read_json
-from flashmoe.engine.runtime.memory import MemoryPlan, MemoryTooSmall, kv_bytes_per_token, plan, read_limit, \
-    working_bytes
+from flashmoe.engine.runtime.memory import (
+    MemoryPlan,
+    MemoryTooSmall,
+    kv_bytes_per_token,
+    plan,
+    read_limit,
+    working_bytes,
+)
 from flashmoe.engine.options import IO_THREADS, KV_CACHES, PREFETCH_MODES
 from flashmoe.engine.telemetry import Telemetry
 from flashmoe.engine.formats.safetensors_io import read_header
@@ -115,8 +130,9 @@ def with_experts_per_token(config: dict, k: int, where: Path) -> dict:
                 d[key] = k
                 found = True
     if not found:
-        raise OptionError(f"--experts-per-token: {where / 'config.json'} names no experts-per-token setting "
-                         f"({', '.join(TOP_K_KEYS)})")
+        raise OptionError(
+            f"--experts-per-token: {where / 'config.json'} names no experts-per-token setting ({', '.join(TOP_K_KEYS)})"
+        )
     if not 1 <= k <= (experts or k):
         raise OptionError(f"--experts-per-token {k}: this model has {experts} experts per layer")
     return out
@@ -226,8 +242,10 @@ def model_classes(config: dict, cfg_path: Path):
     except ValueError:
         import mlx_lm
 
-        raise ModelLoadError(cfg_path, f"unknown model_type {config['model_type']!r} "
-                             f"(mlx-lm {mlx_lm.__version__} has no such architecture)") from None
+        raise ModelLoadError(
+            cfg_path,
+            f"unknown model_type {config['model_type']!r} (mlx-lm {mlx_lm.__version__} has no such architecture)",
+        ) from None
 
 
 def build_model(config: dict, path: Path) -> nn.Module:
@@ -236,7 +254,9 @@ def build_model(config: dict, path: Path) -> nn.Module:
         return model_class(args_class.from_dict(config))
     except (TypeError, KeyError, ValueError, ArithmeticError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(path / "config.json", f"does not describe a valid {config['model_type']} model ({first})") from None
+        raise ModelLoadError(
+            path / "config.json", f"does not describe a valid {config['model_type']} model ({first})"
+        ) from None
 
 
 def switch_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -263,8 +283,13 @@ def quantize_like_checkpoint(model: nn.Module, config: dict, shapes: dict) -> No
             return False
         return infer_quant_config(p, m, shapes)
 
-    nn.quantize(model, group_size=quantization.get("group_size", 64), bits=quantization["bits"],
-                mode=quantization.get("mode", "affine"), class_predicate=predicate)
+    nn.quantize(
+        model,
+        group_size=quantization.get("group_size", 64),
+        bits=quantization["bits"],
+        mode=quantization.get("mode", "affine"),
+        class_predicate=predicate,
+    )
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -294,8 +319,13 @@ def _mx_load(f: Path) -> dict:
 
 # Hugging Face names of one expert's projections in per-expert checkpoints: mlx-lm's name first,
 # then what the originals call it (Mixtral w1/w3/w2; nemotron_h's up/down for fc1/fc2).
-_EXPERT_ALIASES = {"gate_proj": ("gate_proj", "w1"), "up_proj": ("up_proj", "w3"), "down_proj": ("down_proj", "w2"),
-                   "fc1": ("fc1", "up_proj"), "fc2": ("fc2", "down_proj")}
+_EXPERT_ALIASES = {
+    "gate_proj": ("gate_proj", "w1"),
+    "up_proj": ("up_proj", "w3"),
+    "down_proj": ("down_proj", "w2"),
+    "fc1": ("fc1", "up_proj"),
+    "fc2": ("fc2", "down_proj"),
+}
 # Where the originals keep expert e beside the block: `experts.e` (most), `mlp.e` (phixtral).
 _EXPERT_LISTS = ("experts", "mlp")
 
@@ -309,8 +339,12 @@ def _original_bases(module: str) -> set[str]:
 def _per_expert_keys(module: str, part: str, expert: int) -> list[str]:
     """Candidate names of one expert's tensor in an unsanitized (per-expert) checkpoint."""
     proj, _, leaf = part.partition(".")
-    return [f"{b}.{lst}.{expert}.{alias}.{leaf}" for b in _original_bases(module) for lst in _EXPERT_LISTS
-            for alias in _EXPERT_ALIASES.get(proj, (proj,))]
+    return [
+        f"{b}.{lst}.{expert}.{alias}.{leaf}"
+        for b in _original_bases(module)
+        for lst in _EXPERT_LISTS
+        for alias in _EXPERT_ALIASES.get(proj, (proj,))
+    ]
 
 
 # Model types whose originals fuse gate and up as gate_up_proj [E, 2I, H] (granitemoe's
@@ -318,10 +352,19 @@ def _per_expert_keys(module: str, part: str, expert: int) -> list[str]:
 # [E, H, I] (output_linear.weight): each half of an expert is contiguous, so it streams in
 # place. Others fuse differently (gpt_oss interleaves the rows, llama4 and qwen3_vl_moe store
 # them transposed): those go through `flashmoe convert`.
-FUSED_IN_PLACE = ("qwen3_5_moe", "qwen3_5_moe_text", "mistral4", "gemma4", "gemma4_text",
-                  "granitemoe", "granitemoehybrid")
-_FUSED_NAMES = {"granitemoe": ("input_linear.weight", "output_linear.weight"),
-                "granitemoehybrid": ("input_linear.weight", "output_linear.weight")}
+FUSED_IN_PLACE = (
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "mistral4",
+    "gemma4",
+    "gemma4_text",
+    "granitemoe",
+    "granitemoehybrid",
+)
+_FUSED_NAMES = {
+    "granitemoe": ("input_linear.weight", "output_linear.weight"),
+    "granitemoehybrid": ("input_linear.weight", "output_linear.weight"),
+}
 
 
 def _fused_slices(module: str, part: str, num_experts: int, headers: dict, model_type: str):
@@ -337,12 +380,16 @@ def _fused_slices(module: str, part: str, num_experts: int, headers: dict, model
             continue
         per = t.nbytes // num_experts
         if proj == "down_proj":
-            return Part(part, t.dtype, tuple(t.shape[1:])), [(str(t.path), t.offset + e * per) for e in range(num_experts)]
+            return Part(part, t.dtype, tuple(t.shape[1:])), [
+                (str(t.path), t.offset + e * per) for e in range(num_experts)
+            ]
         rows = t.shape[1] // 2
         half = per // 2
         skip = half if proj == "up_proj" else 0
-        return (Part(part, t.dtype, (rows, *t.shape[2:])),
-                [(str(t.path), t.offset + e * per + skip) for e in range(num_experts)])
+        return (
+            Part(part, t.dtype, (rows, *t.shape[2:])),
+            [(str(t.path), t.offset + e * per + skip) for e in range(num_experts)],
+        )
     return None
 
 
@@ -356,8 +403,15 @@ def router_weights(model: nn.Module, layers: list[LayerExperts]) -> dict:
     for l in layers:
         parent = l.module.rpartition(".")[0]
         near = [parent, parent.rpartition(".")[0]]
-        gate = next((modules[k] for p in near for k in (f"{p}.gate", f"{p}.router", f"{p}.router.proj")
-                     if isinstance(modules.get(k), nn.Linear) or "weight" in modules.get(k, {})), None)
+        gate = next(
+            (
+                modules[k]
+                for p in near
+                for k in (f"{p}.gate", f"{p}.router", f"{p}.router.proj")
+                if isinstance(modules.get(k), nn.Linear) or "weight" in modules.get(k, {})
+            ),
+            None,
+        )
         if gate is None or "weight" not in gate:
             continue
         w = gate["weight"]
@@ -389,8 +443,14 @@ def check_expert_counts(config: dict, path: Path, headers: dict, blocks) -> None
     block is `mlp.experts`) are one expert each: their first axis is a width, not a count."""
     counts = {}
     for b in blocks:
-        t = next((t for k, t in headers.items()
-                  if k.startswith(b + ".") and t.shape and not k[len(b) + 1:].split(".")[0].isdigit()), None)
+        t = next(
+            (
+                t
+                for k, t in headers.items()
+                if k.startswith(b + ".") and t.shape and not k[len(b) + 1 :].split(".")[0].isdigit()
+            ),
+            None,
+        )
         if t is not None:
             counts[b] = t.shape[0]
     if counts:
@@ -409,7 +469,9 @@ def _direct_layers(path: Path, blocks: dict, headers: dict, model_type: str) -> 
             info = headers.get(key)
             if info is not None:
                 if info.shape[0] != num_experts or info.nbytes % num_experts:
-                    raise ModelLoadError(info.path, f"{key} has shape {list(info.shape)}, expected {num_experts} experts")
+                    raise ModelLoadError(
+                        info.path, f"{key} has shape {list(info.shape)}, expected {num_experts} experts"
+                    )
                 per = info.nbytes // num_experts
                 parts.append(Part(name, info.dtype, tuple(info.shape[1:])))
                 sources.append([(str(info.path), info.offset + e * per) for e in range(num_experts)])
@@ -436,20 +498,29 @@ def _direct_layers(path: Path, blocks: dict, headers: dict, model_type: str) -> 
 
 def _stacked_name(k: str, module: str) -> bool:
     """k is one of the block's own stacked tensors as mlx-lm names them (module.gate_proj.weight)."""
-    rest = k[len(module) + 1:].split(".") if k.startswith(module + ".") else []
+    rest = k[len(module) + 1 :].split(".") if k.startswith(module + ".") else []
     return len(rest) == 2 and rest[0] in _EXPERT_ALIASES
 
 
 def _no_expert_tensor(module: str, key: str, expert: int, headers: dict, model_type: str) -> str:
     # A 3-d tensor beside or under the block that is not mlx-lm's stacked layout: the original's
     # fused or transposed experts (gpt_oss's and llama4's experts.gate_up_proj / down_proj).
-    near = sorted(k for k in headers if any(k.startswith(b + ".") for b in _original_bases(module)) and
-                  not _stacked_name(k, module) and len(headers[k].shape) == 3)
+    near = sorted(
+        k
+        for k in headers
+        if any(k.startswith(b + ".") for b in _original_bases(module))
+        and not _stacked_name(k, module)
+        and len(headers[k].shape) == 3
+    )
     if near:
-        return (f"{near[0]} holds {model_type}'s experts in a layout direct mode cannot read in place "
-                "(fused or transposed); run `flashmoe convert` on this folder")
-    return (f"no expert tensor for {key} (expert {expert}): direct mode reads stacked or per-expert "
-            "checkpoints; run `flashmoe convert` on this folder")
+        return (
+            f"{near[0]} holds {model_type}'s experts in a layout direct mode cannot read in place "
+            "(fused or transposed); run `flashmoe convert` on this folder"
+        )
+    return (
+        f"no expert tensor for {key} (expert {expert}): direct mode reads stacked or per-expert "
+        "checkpoints; run `flashmoe convert` on this folder"
+    )
 
 
 def _check_layer_shapes(layers, modules, where: Path) -> None:
@@ -460,8 +531,9 @@ def _check_layer_shapes(layers, modules, where: Path) -> None:
         want = {n: tuple(a.shape[1:]) for n, a in expert_params(m)}
         have = {p.name: p.shape for p in l.parts}
         if want != have:
-            raise ModelLoadError(where, f"layer {l.layer}: expert tensors {have} do not match "
-                                 f"the model config, which wants {want}")
+            raise ModelLoadError(
+                where, f"layer {l.layer}: expert tensors {have} do not match the model config, which wants {want}"
+            )
 
 
 def _check_blocks(model, config: dict, blocks: dict, manifest, where: Path, allow_resident: bool) -> None:
@@ -470,13 +542,18 @@ def _check_blocks(model, config: dict, blocks: dict, manifest, where: Path, allo
     if not blocks:
         reason = no_blocks_reason(model, config)
         if reason and not allow_resident:
-            raise ModelLoadError(where if manifest is not None else where / "config.json",
-                                 f"{reason}; load with --allow-resident-experts to keep them in memory")
+            raise ModelLoadError(
+                where if manifest is not None else where / "config.json",
+                f"{reason}; load with --allow-resident-experts to keep them in memory",
+            )
         return
     if manifest is not None and not manifest:
-        raise ModelLoadError(where, f"this folder holds no streamed experts, but the model has {len(blocks)} "
-                             f"expert blocks ({next(iter(blocks))}, ...): it was converted by an older flashmoe "
-                             "that kept them resident; convert the source again")
+        raise ModelLoadError(
+            where,
+            f"this folder holds no streamed experts, but the model has {len(blocks)} "
+            f"expert blocks ({next(iter(blocks))}, ...): it was converted by an older flashmoe "
+            "that kept them resident; convert the source again",
+        )
 
 
 def _replace(model, modules: dict, path: str, new) -> None:
@@ -494,9 +571,20 @@ def resident_bytes(tensors, upcast: bool) -> int:
     return sum(t.nbytes * (2 if upcast and t.dtype in ("BF16", "F16") else 1) for t in tensors)
 
 
-def memory_plan(config: dict, layers: list[LayerExperts], resident: int, *, upcast: bool, kv_cache: str = "float32",
-                io_threads: int = IO_THREADS, expert_cache: int | None = None, ctx_size: int | None = None,
-                prompt_cache: int = 0, limit=None, keep_bf16=None) -> MemoryPlan:
+def memory_plan(
+    config: dict,
+    layers: list[LayerExperts],
+    resident: int,
+    *,
+    upcast: bool,
+    kv_cache: str = "float32",
+    io_threads: int = IO_THREADS,
+    expert_cache: int | None = None,
+    ctx_size: int | None = None,
+    prompt_cache: int = 0,
+    limit=None,
+    keep_bf16=None,
+) -> MemoryPlan:
     """The memory plan (runtime/memory.py) for a model of `config` whose streamed experts are
     `layers` and whose resident weights take `resident` bytes, under `limit` (read now if None).
     Raises MemoryTooSmall when the resident part does not fit."""
@@ -510,19 +598,39 @@ def memory_plan(config: dict, layers: list[LayerExperts], resident: int, *, upca
     all_experts = sum(b * l.num_experts for b, l in zip(by_layer, layers))
     min_experts = sum(min(k, max(l.num_experts for l in layers)) * b for b in held.values())
     dtype_bytes = 2 if kv_cache == "float16" or not upcast else 4
-    return plan(read_limit() if limit is None else limit, resident=resident,
-                working=working_bytes(c, k, 512, io_threads, max(by_layer, default=0)),
-                kv_per_token=kv_bytes_per_token(c, dtype_bytes), model_context=context_length(config),
-                all_experts=all_experts, min_experts=min_experts, ctx_size=ctx_size, prompt_cache=prompt_cache,
-                expert_cache=expert_cache)
+    return plan(
+        read_limit() if limit is None else limit,
+        resident=resident,
+        working=working_bytes(c, k, 512, io_threads, max(by_layer, default=0)),
+        kv_per_token=kv_bytes_per_token(c, dtype_bytes),
+        model_context=context_length(config),
+        all_experts=all_experts,
+        min_experts=min_experts,
+        ctx_size=ctx_size,
+        prompt_cache=prompt_cache,
+        expert_cache=expert_cache,
+    )
 
 
-def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int = IO_THREADS,
-         direct_io: bool | None = None, load_tokenizer: bool = True, dtype: str | None = None,
-         kernels: str = "mlx", prefetch: bool | str = False, cache_policy: str = "lfu",
-         verify_reads: bool = True, allow_resident_experts: bool = False,
-         experts_per_token: int | None = None, kv_cache: str = "float32", ctx_size: int | None = None,
-         prompt_cache: int = 0, memory_limit=None) -> LoadedModel:
+def load(
+    path: str | Path,
+    *,
+    expert_cache: int | None = None,
+    io_threads: int = IO_THREADS,
+    direct_io: bool | None = None,
+    load_tokenizer: bool = True,
+    dtype: str | None = None,
+    kernels: str = "mlx",
+    prefetch: bool | str = False,
+    cache_policy: str = "lfu",
+    verify_reads: bool = True,
+    allow_resident_experts: bool = False,
+    experts_per_token: int | None = None,
+    kv_cache: str = "float32",
+    ctx_size: int | None = None,
+    prompt_cache: int = 0,
+    memory_limit=None,
+) -> LoadedModel:
     """Build the model for `path` with streamed experts. Resident weights are loaded here.
 
     dtype "float32" widens 16-bit float tensors (weights, quantization scales and biases, and
@@ -561,8 +669,9 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     if kv_cache not in KV_CACHES:
         raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
     if kv_cache != "float32" and kernels not in ("cpu", "cpu-int8"):
-        raise OptionError(f"--kv-cache {kv_cache}: the CPU kernels keep it (--kernels cpu or cpu-int8), "
-                          f"not kernels {kernels}")
+        raise OptionError(
+            f"--kv-cache {kv_cache}: the CPU kernels keep it (--kernels cpu or cpu-int8), not kernels {kernels}"
+        )
     int8 = kernels == "cpu-int8"  # the CPU kernels on int8 activations (cpu/int8.py)
     if int8:
         kernels = "cpu"
@@ -585,8 +694,12 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
             raise ModelLoadError(path / RESIDENT, "missing")
         layers = read_manifest(path / EXPERTS_DIR)
         resident = read_header(path / RESIDENT)
-        check_against_weights(config, path / "config.json", {k: t.shape for k, t in resident.items()},
-                              {l.module: l.num_experts for l in layers})
+        check_against_weights(
+            config,
+            path / "config.json",
+            {k: t.shape for k, t in resident.items()},
+            {l.module: l.num_experts for l in layers},
+        )
     else:
         files = _safetensors_files(path)
         headers = direct_headers(config, path, files)
@@ -595,8 +708,9 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     _check_blocks(model, config, blocks, layers if packed else None, where, allow_resident_experts)
     if packed:
         weights = _mx_load(path / RESIDENT)
-        expert_shapes = {f"{l.module}.{p.name}": _shape_proxy((l.num_experts, *p.shape), p.mx_dtype)
-                         for l in layers for p in l.parts}
+        expert_shapes = {
+            f"{l.module}.{p.name}": _shape_proxy((l.num_experts, *p.shape), p.mx_dtype) for l in layers for p in l.parts
+        }
     else:
         check_expert_counts(config, path, headers, blocks)
         weights = {k: v for f in files for k, v in _mx_load(f).items()}
@@ -609,8 +723,9 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
         weights = {k: v for k, v in weights.items() if not expert_tensor_of(k, blocks)}
 
     try:
-        quantize_like_checkpoint(model, config, {**{k: _shape_proxy(v.shape, v.dtype) for k, v in weights.items()},
-                                                 **expert_shapes})
+        quantize_like_checkpoint(
+            model, config, {**{k: _shape_proxy(v.shape, v.dtype) for k, v in weights.items()}, **expert_shapes}
+        )
     except (KeyError, ValueError) as e:
         raise ModelLoadError(path / "config.json", f"quantization does not match the weights ({e})") from None
 
@@ -629,17 +744,40 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     # the CPU kernels tile bfloat16 scales as they are: their slots keep them so (switch._CpuExperts)
     keep_bf16 = (lambda l, blocks=blocks: _CpuExperts.keeps_bf16(blocks[l.module], l)) if kernels == "cpu" else None
     try:
-        memory = memory_plan(config, layers, resident_bytes(tensors, dtype == "float32"), upcast=dtype == "float32",
-                             kv_cache=kv_cache, io_threads=io_threads, expert_cache=expert_cache, ctx_size=ctx_size,
-                             prompt_cache=prompt_cache, limit=memory_limit, keep_bf16=keep_bf16)
+        memory = memory_plan(
+            config,
+            layers,
+            resident_bytes(tensors, dtype == "float32"),
+            upcast=dtype == "float32",
+            kv_cache=kv_cache,
+            io_threads=io_threads,
+            expert_cache=expert_cache,
+            ctx_size=ctx_size,
+            prompt_cache=prompt_cache,
+            limit=memory_limit,
+            keep_bf16=keep_bf16,
+        )
     except MemoryTooSmall as e:
         raise ModelLoadError(path, str(e)) from None
     for note in memory.notes:
         log.warning("flashmoe: warning: %s", note)
-    store = ExpertStore(path / EXPERTS_DIR if packed else path, layers, top_k_of(config),
-                        budget_bytes=memory.expert_cache, io_threads=io_threads, direct_io=direct_io,
-                        upcast=dtype == "float32", cpu_kernels=kernels == "cpu", policy=cache_policy,
-                        verify_reads=verify_reads, keep_bf16=keep_bf16) if layers else None
+    store = (
+        ExpertStore(
+            path / EXPERTS_DIR if packed else path,
+            layers,
+            top_k_of(config),
+            budget_bytes=memory.expert_cache,
+            io_threads=io_threads,
+            direct_io=direct_io,
+            upcast=dtype == "float32",
+            cpu_kernels=kernels == "cpu",
+            policy=cache_policy,
+            verify_reads=verify_reads,
+            keep_bf16=keep_bf16,
+        )
+        if layers
+        else None
+    )
     loaded = LoadedModel(model, config, path, "packed" if packed else "direct", store, layers, memory=memory)
     loaded.trained_top_k = trained_top_k
     loaded.block_kinds = {l.module: kind(blocks[l.module]) for l in layers}
@@ -664,8 +802,11 @@ def load(path: str | Path, *, expert_cache: int | None = None, io_threads: int =
     n = declared_experts(config)
     left = resident_expert_modules(model, n) if n and n > 1 else []
     if left and not allow_resident_experts:  # experts some other code computes: never silently resident
-        raise ModelLoadError(where, f"{left[0]} holds {n} experts that do not stream (not one of mlx-lm's "
-                             "switch layers); load with --allow-resident-experts to keep them in memory")
+        raise ModelLoadError(
+            where,
+            f"{left[0]} holds {n} experts that do not stream (not one of mlx-lm's "
+            "switch layers); load with --allow-resident-experts to keep them in memory",
+        )
     loaded.kernels = kernels
     prefetch = {True: "slots", False: "off", None: "off"}.get(prefetch, prefetch)
     if prefetch not in PREFETCH_MODES:

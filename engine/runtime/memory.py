@@ -14,6 +14,7 @@ fake tree; nothing here needs root.
 `plan()` is the one place that decides the shares (DESIGN.md section 10). The loader calls it
 before any large allocation, `flashmoe info` prints it, and the store is held to it.
 """
+
 from __future__ import annotations
 
 import os
@@ -129,8 +130,9 @@ def _cgroup_limits(root: Path) -> list[tuple[int, int, str]]:
         d = folder
         while True:
             if version == "v2":
-                limit = min((v for v in (_number(d / "memory.max"), _number(d / "memory.high")) if v is not None),
-                            default=None)
+                limit = min(
+                    (v for v in (_number(d / "memory.max"), _number(d / "memory.high")) if v is not None), default=None
+                )
                 usage = _number(d / "memory.current")
                 reclaimable = _stat(d / "memory.stat", "inactive_file")
             else:
@@ -140,8 +142,9 @@ def _cgroup_limits(root: Path) -> list[tuple[int, int, str]]:
             if limit is not None:
                 used = max(0, (usage or 0) - reclaimable)
                 where = "/" + str(d.relative_to(top)) if d != top else "/"
-                out.append((max(0, limit - used), limit,
-                            f"cgroup {version} {where}: limit {_gb(limit)}, {_gb(used)} in use"))
+                out.append(
+                    (max(0, limit - used), limit, f"cgroup {version} {where}: limit {_gb(limit)}, {_gb(used)} in use")
+                )
             if d == top or top not in d.parents:
                 break
             d = d.parent
@@ -203,6 +206,7 @@ def read_limit(root: Path | None = None, rlimits: dict[str, int | None] | None =
 
 
 # -- what a model needs -----------------------------------------------------------------------
+
 
 def kv_bytes_per_token(c: dict, dtype_bytes: int = 4, context: int | None = None) -> int:
     """The KV cache's bytes per token of context, from the (text) config `c`: every attention
@@ -274,16 +278,27 @@ class MemoryPlan:
 
     def lines(self) -> list[tuple[str, str]]:
         """(title, text) rows for `flashmoe info` and the load line."""
-        cache = (f"{_gb(self.expert_cache)} of {_gb(self.all_experts)} of experts"
-                 + (" (--expert-cache)" if self.asked_cache is not None else " (what the budget leaves)"))
-        ctx = f"{self.context} tokens" + (" (--ctx-size)" if self.asked_context is not None else
-                                          f" (of the model's {self.model_context})" if self.model_context else "")
-        rows = [("memory limit", self.limit.source),
-                ("memory budget", f"{_gb(self.limit.available)} available: resident weights {_gb(self.resident)}, "
-                                  f"kernels {_gb(self.working)}, KV cache {_gb(self.kv)} at {ctx}, "
-                                  + (f"prompt caches {_gb(self.prompt_caches)}, " if self.prompt_caches else "")
-                                  + f"margin {_gb(self.margin)}"),
-                ("expert cache", cache)]
+        cache = f"{_gb(self.expert_cache)} of {_gb(self.all_experts)} of experts" + (
+            " (--expert-cache)" if self.asked_cache is not None else " (what the budget leaves)"
+        )
+        ctx = f"{self.context} tokens" + (
+            " (--ctx-size)"
+            if self.asked_context is not None
+            else f" (of the model's {self.model_context})"
+            if self.model_context
+            else ""
+        )
+        rows = [
+            ("memory limit", self.limit.source),
+            (
+                "memory budget",
+                f"{_gb(self.limit.available)} available: resident weights {_gb(self.resident)}, "
+                f"kernels {_gb(self.working)}, KV cache {_gb(self.kv)} at {ctx}, "
+                + (f"prompt caches {_gb(self.prompt_caches)}, " if self.prompt_caches else "")
+                + f"margin {_gb(self.margin)}",
+            ),
+            ("expert cache", cache),
+        ]
         rows += [("", n) for n in self.notes]
         return rows
 
@@ -292,9 +307,19 @@ class MemoryTooSmall(Exception):
     """The resident part of the model does not fit in what the process may use."""
 
 
-def plan(limit: Limit, *, resident: int, working: int, kv_per_token: int, model_context: int | None,
-         all_experts: int, min_experts: int, ctx_size: int | None = None, prompt_cache: int = 0,
-         expert_cache: int | None = None) -> MemoryPlan:
+def plan(
+    limit: Limit,
+    *,
+    resident: int,
+    working: int,
+    kv_per_token: int,
+    model_context: int | None,
+    all_experts: int,
+    min_experts: int,
+    ctx_size: int | None = None,
+    prompt_cache: int = 0,
+    expert_cache: int | None = None,
+) -> MemoryPlan:
     """Share `limit.available` out. The default expert cache is what is left after the resident
     weights, the kernels' working set, the KV cache at the context, the prompt caches and the
     margin, at most every expert. Raises MemoryTooSmall (its message is the one line a user sees)
@@ -313,17 +338,23 @@ def plan(limit: Limit, *, resident: int, working: int, kv_per_token: int, model_
         context = model_ctx
     else:  # the KV cache takes at most CONTEXT_SHARE of the room, the experts the rest
         fit = int(room * CONTEXT_SHARE) // max(1, kv_per_token)
-        context = model_ctx if fit >= model_ctx else max(min(CONTEXT_MIN, model_ctx), fit // CONTEXT_STEP * CONTEXT_STEP)
+        context = (
+            model_ctx if fit >= model_ctx else max(min(CONTEXT_MIN, model_ctx), fit // CONTEXT_STEP * CONTEXT_STEP)
+        )
         if context < model_ctx:
-            notes.append(f"context {context} of the model's {model_ctx} tokens: its KV cache would take more than "
-                         f"{CONTEXT_SHARE:.0%} of the memory left (--ctx-size sets it)")
+            notes.append(
+                f"context {context} of the model's {model_ctx} tokens: its KV cache would take more than "
+                f"{CONTEXT_SHARE:.0%} of the memory left (--ctx-size sets it)"
+            )
     least = context if ctx_size is not None else min(context, CONTEXT_MIN)
     need = fixed + least * kv_per_token + min_experts
     if need > avail:
-        raise MemoryTooSmall(f"needs at least {_gb(need)} more memory (resident weights {_gb(resident)}, kernels "
-                             f"{_gb(working)}, KV cache {_gb(least * kv_per_token)} at {least} tokens, one token's "
-                             f"experts {_gb(min_experts)}, margin {_gb(margin)}) but this process may take "
-                             f"{_gb(avail)} more ({limit.source})")
+        raise MemoryTooSmall(
+            f"needs at least {_gb(need)} more memory (resident weights {_gb(resident)}, kernels "
+            f"{_gb(working)}, KV cache {_gb(least * kv_per_token)} at {least} tokens, one token's "
+            f"experts {_gb(min_experts)}, margin {_gb(margin)}) but this process may take "
+            f"{_gb(avail)} more ({limit.source})"
+        )
     left = avail - fixed - context * kv_per_token
     prompt = 0
     if prompt_cache:
@@ -336,10 +367,25 @@ def plan(limit: Limit, *, resident: int, working: int, kv_per_token: int, model_
     else:
         cache = expert_cache
         if expert_cache > max(fits, min_experts):
-            notes.append(f"--expert-cache {_gb(expert_cache)} is more than the {_gb(max(0, fits))} the memory "
-                         f"budget leaves ({limit.source})")
-    return MemoryPlan(limit, resident, working, context, kv_per_token, prompt, margin, cache, all_experts,
-                      expert_cache, ctx_size, model_context, tuple(notes))
+            notes.append(
+                f"--expert-cache {_gb(expert_cache)} is more than the {_gb(max(0, fits))} the memory "
+                f"budget leaves ({limit.source})"
+            )
+    return MemoryPlan(
+        limit,
+        resident,
+        working,
+        context,
+        kv_per_token,
+        prompt,
+        margin,
+        cache,
+        all_experts,
+        expert_cache,
+        ctx_size,
+        model_context,
+        tuple(notes),
+    )
 
 
 def _gb(n: int | float) -> str:

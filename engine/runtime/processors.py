@@ -4,6 +4,7 @@ Each is a callable `(tokens, logits) -> logits`, as in mlx-lm's generate_step: `
 id the sequence holds so far (prompt and reply), `logits` the float32 scores for the next one.
 The token loop (engine/runtime/decode.py) applies them in order; the sampler then only picks.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -46,7 +47,7 @@ class ConstraintMask:
     def catch_up(self, tokens: list) -> None:
         if self.seen is None:
             self.seen = len(tokens)
-        for t in tokens[self.seen:]:
+        for t in tokens[self.seen :]:
             self.constraint.accept(int(t))
         self.seen = len(tokens)
 

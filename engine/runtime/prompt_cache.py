@@ -13,6 +13,7 @@ shares: the CPU fast path writes keys and values into the cache's buffers in pla
 requests must not share buffers. The shared part is copied instead, and the longer cache stays
 for the conversation it came from.
 """
+
 from __future__ import annotations
 
 import errno
@@ -129,12 +130,14 @@ class PromptCachePool:
         except Exception as e:  # noqa: BLE001
             import logging
 
-            logging.getLogger("flashmoe").warning("flashmoe: warning: prompt cache not saved: %s",
-                                                  str(e).splitlines()[0] if str(e) else type(e).__name__)
+            logging.getLogger("flashmoe").warning(
+                "flashmoe: warning: prompt cache not saved: %s", str(e).splitlines()[0] if str(e) else type(e).__name__
+            )
 
     def _evict(self, keep: Session) -> None:
         while len(self.entries) > self.max_entries or (
-                len(self.entries) > 1 and sum(cache_bytes(s) for s in self.entries) > self.budget_bytes):
+            len(self.entries) > 1 and sum(cache_bytes(s) for s in self.entries) > self.budget_bytes
+        ):
             victim = next(s for s in self.entries if s is not keep)
             self.entries.remove(victim)
 
@@ -155,6 +158,7 @@ class PromptCachePool:
 
 # -- on disk ---------------------------------------------------------------------------------
 
+
 def model_identity(path) -> str:
     """What a saved cache must have been computed by: the config and the weight and tokenizer
     files (names, sizes and times), hashed. A cache from any other model is refused. The expert
@@ -168,8 +172,11 @@ def model_identity(path) -> str:
     h = hashlib.sha256()
     h.update((folder / "config.json").read_bytes() if (folder / "config.json").is_file() else b"")
     for f in sorted(folder.rglob("*")):
-        if (f.is_file() and f.suffix in (".safetensors", ".bin", ".json", ".gguf")
-                and f.name not in ("config.json", USAGE_FILE)):
+        if (
+            f.is_file()
+            and f.suffix in (".safetensors", ".bin", ".json", ".gguf")
+            and f.name not in ("config.json", USAGE_FILE)
+        ):
             st = f.stat()
             h.update(f"{f.relative_to(folder)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     return h.hexdigest()
@@ -180,8 +187,24 @@ class Damaged(Exception):
 
 
 MAX_HEADER_BYTES = 64 << 20
-_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-                "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8, "C64": 8}
+_DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "I16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "U32": 4,
+    "I32": 4,
+    "F32": 4,
+    "U64": 8,
+    "I64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 
 
 def read_header(file) -> dict:
@@ -229,10 +252,15 @@ def read_header(file) -> dict:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        ok = (isinstance(entry, dict) and entry.get("dtype") in _DTYPE_BYTES and isinstance(entry.get("shape"), list)
-              and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in entry["shape"])
-              and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2
-              and all(isinstance(o, int) and not isinstance(o, bool) for o in entry["data_offsets"]))
+        ok = (
+            isinstance(entry, dict)
+            and entry.get("dtype") in _DTYPE_BYTES
+            and isinstance(entry.get("shape"), list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in entry["shape"])
+            and isinstance(entry.get("data_offsets"), list)
+            and len(entry["data_offsets"]) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in entry["data_offsets"])
+        )
         if not ok:
             raise Damaged(f"its tensor {name[:40]!r} is not described as safetensors describes one")
         begin, end = entry["data_offsets"]
@@ -308,8 +336,7 @@ class DiskPromptCache:
         self.index.pop(file, None)
         self.owner.pop(file, None)
         self.refused.append(f"{file.name}: {why}")
-        logging.getLogger("flashmoe").warning("flashmoe: warning: prompt cache %s: %s; skipped and %s",
-                                              file, why, what)
+        logging.getLogger("flashmoe").warning("flashmoe: warning: prompt cache %s: %s; skipped and %s", file, why, what)
 
     def best(self, ids: list[int], tenant: str = "") -> tuple[object, int]:
         """(file, shared tokens) of the tenant's saved cache that shares the longest prefix with
@@ -378,8 +405,12 @@ class DiskPromptCache:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             with os.fdopen(fd, "wb") as out:
-                meta = {"model": self.model, "tokens": ",".join(map(str, tokens)), "format": "flashmoe-kv-1",
-                        "kv_cache": self.kv_cache}
+                meta = {
+                    "model": self.model,
+                    "tokens": ",".join(map(str, tokens)),
+                    "format": "flashmoe-kv-1",
+                    "kv_cache": self.kv_cache,
+                }
                 if tenant:
                     meta["tenant"] = tenant
                 save_prompt_cache(out, session.cache, meta)
@@ -389,8 +420,7 @@ class DiskPromptCache:
             raise
         # The turns before this one are prefixes of it: this file serves them too.
         for f, old in list(self.index.items()):
-            if (f != final and self.owner.get(f, "") == tenant and len(old) <= len(tokens)
-                    and old == tokens[:len(old)]):
+            if f != final and self.owner.get(f, "") == tenant and len(old) <= len(tokens) and old == tokens[: len(old)]:
                 f.unlink(missing_ok=True)
                 del self.index[f]
                 self.owner.pop(f, None)

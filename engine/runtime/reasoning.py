@@ -5,6 +5,7 @@ Plain Python, no MLX. The marker pairs are template vocabulary the text state ma
 (tools/textstate.py) needs too, and tools must not import the engine: they live in
 prompts/reasoning.py.
 """
+
 from __future__ import annotations
 
 import re
@@ -36,13 +37,15 @@ def prompt_reasoning(prompt: str, without_generation_prompt: str | None = None) 
     rendered without it (`without_generation_prompt`) are a prefix of `prompt`: a system prompt
     that merely mentions `<think>` then opens nothing."""
     if without_generation_prompt and prompt.startswith(without_generation_prompt):
-        tail = prompt[len(without_generation_prompt):]
+        tail = prompt[len(without_generation_prompt) :]
         return open_reasoning(tail)
     return open_reasoning(prompt)
 
 
 _THINKING_KWARG = re.compile(r"\benable_thinking\b")
-_BARE_THINKING = re.compile(r"\b(?:if|not|and|or)\s+thinking\b|\bthinking\s+is\s+(?:defined|undefined|true|false|sameas)\b")
+_BARE_THINKING = re.compile(
+    r"\b(?:if|not|and|or)\s+thinking\b|\bthinking\s+is\s+(?:defined|undefined|true|false|sameas)\b"
+)
 
 
 def thinking_switch(template: str) -> str | None:

@@ -3,6 +3,7 @@
 What reshapes the logits before (the constraint mask, the repetition penalty) are logits
 processors (engine/runtime/processors.py); the sampler only picks. Everything stays in MLX ops so the same code runs on CPU and GPU without copying logits out.
 """
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@ read waits, hits, bytes). In `layer` mode, wrappers around each decoder layer an
 evaluate their outputs, which splits the layer into attention / routing / I/O / compute / other
 at the price of a few extra syncs per layer.
 """
+
 from __future__ import annotations
 
 from time import perf_counter
@@ -85,8 +86,9 @@ class LayerClock:
         self.total.clear()
 
 
-def rows_from(num_layers: int, store_stats: dict, attn: dict | None = None,
-              total: dict | None = None) -> tuple[LayerRow, ...]:
+def rows_from(
+    num_layers: int, store_stats: dict, attn: dict | None = None, total: dict | None = None
+) -> tuple[LayerRow, ...]:
     """One row per layer; without layer timing only the store's host-side figures are known."""
     attn, total = attn or {}, total or {}
     rows = []
@@ -95,6 +97,17 @@ def rows_from(num_layers: int, store_stats: dict, attn: dict | None = None,
         a = attn.get(i, 0.0)
         route, io, compute = (s.route_s, s.io_wait_s, s.compute_s) if s else (0.0, 0.0, 0.0)
         other = max(0.0, total[i] - a - route - io - compute) if i in total else 0.0
-        rows.append(LayerRow(i, a * 1e3, route * 1e3, io * 1e3, compute * 1e3, other * 1e3,
-                             s.hits if s else 0, s.misses if s else 0, s.bytes_read if s else 0))
+        rows.append(
+            LayerRow(
+                i,
+                a * 1e3,
+                route * 1e3,
+                io * 1e3,
+                compute * 1e3,
+                other * 1e3,
+                s.hits if s else 0,
+                s.misses if s else 0,
+                s.bytes_read if s else 0,
+            )
+        )
     return tuple(rows)

@@ -3,6 +3,7 @@
 We deliberately avoid importing transformers: it is slow to import and heavy. The template
 environment mirrors what transformers sets up so that model-provided templates render the same.
 """
+
 from __future__ import annotations
 
 import functools
@@ -42,6 +43,7 @@ def _encode(tok: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> l
         return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
     return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+
 # Used when a model ships no template: plain ChatML, which most chat models understand.
 FALLBACK_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -63,11 +65,11 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # jinja's builtin tojson HTML-escapes <, >, & and ' which would corrupt prompts.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -104,15 +106,17 @@ _budget = _Budget()
 def _step() -> None:
     _budget.steps -= 1
     if _budget.steps < 0:
-        raise ChatTemplateError(f"the chat template ran more than {MAX_TEMPLATE_STEPS:,} steps (loop iterations and "
-                                "calls); it is refused")
+        raise ChatTemplateError(
+            f"the chat template ran more than {MAX_TEMPLATE_STEPS:,} steps (loop iterations and calls); it is refused"
+        )
     if not _budget.steps & 1023 and time.monotonic() > _budget.deadline:
         raise ChatTemplateError(f"the chat template ran for more than {MAX_TEMPLATE_SECONDS:g} s; it is refused")
 
 
 def _too_big(what: str) -> ChatTemplateError:
-    return ChatTemplateError(f"the chat template built {what} of more than {MAX_TEMPLATE_CHARS:,} characters; it is "
-                             "refused")
+    return ChatTemplateError(
+        f"the chat template built {what} of more than {MAX_TEMPLATE_CHARS:,} characters; it is refused"
+    )
 
 
 def _sized(value: Any) -> Any:
@@ -120,8 +124,9 @@ def _sized(value: Any) -> Any:
     if isinstance(value, (str, list, tuple)) and len(value) > MAX_TEMPLATE_CHARS:
         raise _too_big("a value")
     if isinstance(value, int) and value.bit_length() > _NUMBER_BITS:
-        raise ChatTemplateError(f"the chat template computed a number of more than {_NUMBER_BITS:,} bits; it is "
-                                "refused")
+        raise ChatTemplateError(
+            f"the chat template computed a number of more than {_NUMBER_BITS:,} bits; it is refused"
+        )
     return value
 
 
@@ -182,8 +187,9 @@ class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
                     raise _too_big("a repeated value")
         elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
             if right * max(1, abs(left).bit_length()) > _NUMBER_BITS:
-                raise ChatTemplateError(f"the chat template computed a number of more than {_NUMBER_BITS:,} bits; "
-                                        "it is refused")
+                raise ChatTemplateError(
+                    f"the chat template computed a number of more than {_NUMBER_BITS:,} bits; it is refused"
+                )
         elif operator == "%" and isinstance(left, str):
             _check_widths(left)
         return _sized(super().call_binop(context, operator, left, right))
@@ -254,10 +260,23 @@ def _format_check(value: Any, *args: Any, **kwargs: Any) -> None:
 
 # Jinja's filters that can make a value bigger than what they were given, with the check each
 # needs before it allocates (the result is measured after, as every call's is).
-_GROWING_FILTERS = {"center": _center_check, "indent": _indent_check, "replace": _replace_check,
-                    "format": _format_check, "join": _no_check, "wordwrap": _no_check, "list": _no_check,
-                    "string": _no_check, "batch": _no_check, "slice": _no_check, "map": _no_check,
-                    "tojson": _no_check, "pprint": _no_check, "urlencode": _no_check, "xmlattr": _no_check}
+_GROWING_FILTERS = {
+    "center": _center_check,
+    "indent": _indent_check,
+    "replace": _replace_check,
+    "format": _format_check,
+    "join": _no_check,
+    "wordwrap": _no_check,
+    "list": _no_check,
+    "string": _no_check,
+    "batch": _no_check,
+    "slice": _no_check,
+    "map": _no_check,
+    "tojson": _no_check,
+    "pprint": _no_check,
+    "urlencode": _no_check,
+    "xmlattr": _no_check,
+}
 
 
 def _bounded_filter(fn, check):
@@ -289,8 +308,9 @@ class _BoundedTemplate(jinja2.Template):
                     raise _too_big("a prompt")
                 out.append(piece)
         except RecursionError:
-            raise ChatTemplateError("the chat template calls itself too deeply (a macro or a recursive loop); it "
-                                    "is refused") from None
+            raise ChatTemplateError(
+                "the chat template calls itself too deeply (a macro or a recursive loop); it is refused"
+            ) from None
         except MemoryError:
             raise ChatTemplateError("the chat template ran out of memory; it is refused") from None
         return "".join(out)
@@ -298,8 +318,8 @@ class _BoundedTemplate(jinja2.Template):
 
 def _make_environment() -> jinja2.Environment:
     env = _BoundedEnvironment(
-        trim_blocks=True, lstrip_blocks=True,
-        extensions=[jinja2.ext.loopcontrols, _GenerationTag])
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
+    )
     env.template_class = _BoundedTemplate
     env.filters["tojson"] = _tojson
     for name, check in _GROWING_FILTERS.items():
@@ -365,7 +385,7 @@ class StreamingDetokenizer:
         self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._prefix = 0  # window start: ids before it are fully emitted and no longer decoded
-        self._read = 0    # ids before it have been emitted
+        self._read = 0  # ids before it have been emitted
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
@@ -373,20 +393,20 @@ class StreamingDetokenizer:
 
     def add(self, token_id: int) -> str:
         self._ids.append(int(token_id))
-        done = self._decode(self._ids[self._prefix:self._read])
-        now = self._decode(self._ids[self._prefix:])
+        done = self._decode(self._ids[self._prefix : self._read])
+        now = self._decode(self._ids[self._prefix :])
         if len(now) <= len(done) or now.endswith("\ufffd"):
             return ""  # nothing new yet, or a character is still incomplete
-        new = now[len(done):]
+        new = now[len(done) :]
         self._prefix, self._read = self._read, len(self._ids)
         self.text += new
         return new
 
     def flush(self) -> str:
         """Emit whatever is pending (an incomplete character comes out as U+FFFD)."""
-        done = self._decode(self._ids[self._prefix:self._read])
-        now = self._decode(self._ids[self._prefix:])
-        new = now[len(done):]
+        done = self._decode(self._ids[self._prefix : self._read])
+        now = self._decode(self._ids[self._prefix :])
+        new = now[len(done) :]
         self._prefix = self._read = len(self._ids)
         self.text += new
         return new
@@ -395,9 +415,15 @@ class StreamingDetokenizer:
 class Tokenizer:
     """A model's tokenizer and chat template, loaded from its folder."""
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_token: str | None = None,
-                 eos_token: str | None = None, eos_token_ids: frozenset[int] = frozenset(),
-                 chat_templates: dict[str, jinja2.Template] | None = None):
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        chat_templates: dict[str, jinja2.Template] | None = None,
+    ):
         self._tok = tokenizer
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -448,8 +474,9 @@ class Tokenizer:
         eos_ids.update(_id_list(gen.get("eos_token_id"), gen_file))
 
         templates = cls._load_templates(folder, cfg)
-        out = cls(tok, bos_token=bos_token, eos_token=eos_token,
-                  eos_token_ids=frozenset(eos_ids), chat_templates=templates)
+        out = cls(
+            tok, bos_token=bos_token, eos_token=eos_token, eos_token_ids=frozenset(eos_ids), chat_templates=templates
+        )
         out.template_source = getattr(templates.get("tool_use") or templates.get("default"), "flashmoe_source", "")
         return out
 
@@ -467,8 +494,11 @@ class Tokenizer:
             sources["default"] = (raw, cfg_file)
         elif isinstance(raw, list):
             for entry in raw:
-                if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
-                        and isinstance(entry.get("template"), str)):
+                if not (
+                    isinstance(entry, dict)
+                    and isinstance(entry.get("name"), str)
+                    and isinstance(entry.get("template"), str)
+                ):
                     raise ModelLoadError(cfg_file, "chat_template list entries need 'name' and 'template' strings")
                 sources[entry["name"]] = (entry["template"], cfg_file)
         elif raw is not None:
@@ -497,7 +527,9 @@ class Tokenizer:
                 templates[name] = env.from_string(source)
                 templates[name].flashmoe_source = source  # tool-call format sniffing reads it
             except jinja2.TemplateSyntaxError as e:
-                raise ModelLoadError(file, f"chat template {name!r} does not parse: {e.message} (line {e.lineno})") from e
+                raise ModelLoadError(
+                    file, f"chat template {name!r} does not parse: {e.message} (line {e.lineno})"
+                ) from e
         return templates
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -525,14 +557,23 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True, **template_kwargs) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs,
+    ) -> str:
         name = "tool_use" if tools and "tool_use" in self._templates else "default"
         variables = dict(template_kwargs)
         variables.update(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
             # "" rather than None so templates doing `bos_token + ...` still work.
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
         try:
             return self._templates[name].render(**variables)
         except ChatTemplateError:
@@ -547,11 +588,17 @@ class Tokenizer:
         chat template never writes itself (those it writes, like <tool_call> or </think>, a
         template may look for in content, so they keep their meaning there)."""
         if self._guarded is None:
-            source = self.template_source or "".join(
-                getattr(t, "flashmoe_source", "") for t in self._templates.values()) or FALLBACK_CHAT_TEMPLATE
+            source = (
+                self.template_source
+                or "".join(getattr(t, "flashmoe_source", "") for t in self._templates.values())
+                or FALLBACK_CHAT_TEMPLATE
+            )
             added = self._tok.get_added_tokens_decoder().values()
-            self._guarded = sorted({t.content for t in added if t.content and (t.special or t.content not in source)},
-                                   key=len, reverse=True)
+            self._guarded = sorted(
+                {t.content for t in added if t.content and (t.special or t.content not in source)},
+                key=len,
+                reverse=True,
+            )
         return self._guarded
 
     def _text_tokenizer(self) -> tokenizers.Tokenizer:
@@ -567,13 +614,23 @@ class Tokenizer:
             self._as_text = tok
         return self._as_text
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, **template_kwargs) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs,
+    ) -> list[int]:
         """The chat template's prompt as token ids (see render_chat)."""
         return self.render_chat(messages, tools, add_generation_prompt, **template_kwargs)[0]
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, **template_kwargs) -> tuple[list[int], str]:
+    def render_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs,
+    ) -> tuple[list[int], str]:
         """The chat template's prompt as token ids, where only the template's own markers are
         control tokens: `<|im_end|>` written inside a message or a tool result is text.
 
@@ -582,8 +639,9 @@ class Tokenizer:
         exactly where the template put them. The text between them is encoded with the guarded
         tokens as text. Without guarded text in the messages (the usual case) this is a plain
         encode of the rendering."""
-        text = self.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                        **template_kwargs)
+        text = self.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
         return self._encode_rendered(text, messages, tools, add_generation_prompt, template_kwargs), text
 
     def _encode_rendered(self, text: str, messages, tools, add_generation_prompt, template_kwargs) -> list[int]:
@@ -610,13 +668,16 @@ class Tokenizer:
         clean_messages, clean_tools = scrub(messages), scrub(tools)
         if not found:
             return self.encode(text)
-        clean = self.apply_chat_template(clean_messages, tools=clean_tools,
-                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
+        clean = self.apply_chat_template(
+            clean_messages, tools=clean_tools, add_generation_prompt=add_generation_prompt, **template_kwargs
+        )
         markers = [m.span() for m in pattern.finditer(clean, concurrent=True)]
         if len(clean) != len(text) or any(text[a:b] != clean[a:b] for a, b in markers):
             # The template did something length-changing with content; no way to line the two up.
-            log.warning("flashmoe: warning: the prompt holds control-token text inside a message and the chat "
-                        "template could not be lined up; it is encoded as written")
+            log.warning(
+                "flashmoe: warning: the prompt holds control-token text inside a message and the chat "
+                "template could not be lined up; it is encoded as written"
+            )
             return self.encode(text)
         as_text = self._text_tokenizer()
         ids: list[int] = []

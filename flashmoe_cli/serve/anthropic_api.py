@@ -1,5 +1,6 @@
 """Anthropic's Messages API shapes: POST /v1/messages (plain and streamed) and
 /v1/messages/count_tokens. What each field comes to is in MESSAGES and docs/serve.md."""
+
 from __future__ import annotations
 
 import json
@@ -11,23 +12,54 @@ from .generation import ChatCall, Reply
 from .openai_api import conditions, response_format, sampling, stops
 
 MESSAGES = Policy(
-    honoured=frozenset({"model", "messages", "system", "max_tokens", "stream", "temperature", "top_p", "top_k",
-                        "stop_sequences", "tools", "tool_choice", "thinking", "output_config"}),
-    ignored=frozenset({"metadata", "context_management", "service_tier", "cache_control", "inference_geo"}))
+    honoured=frozenset(
+        {
+            "model",
+            "messages",
+            "system",
+            "max_tokens",
+            "stream",
+            "temperature",
+            "top_p",
+            "top_k",
+            "stop_sequences",
+            "tools",
+            "tool_choice",
+            "thinking",
+            "output_config",
+        }
+    ),
+    ignored=frozenset({"metadata", "context_management", "service_tier", "cache_control", "inference_geo"}),
+)
 COUNT_TOKENS = Policy(
     honoured=frozenset({"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"}),
     # (a count is the same whatever the reply's settings: a client may send the message's body)
-    ignored=frozenset({"context_management", "cache_control", "metadata", "max_tokens", "stream", "temperature",
-                       "top_p", "top_k", "stop_sequences", "service_tier"}))
+    ignored=frozenset(
+        {
+            "context_management",
+            "cache_control",
+            "metadata",
+            "max_tokens",
+            "stream",
+            "temperature",
+            "top_p",
+            "top_k",
+            "stop_sequences",
+            "service_tier",
+        }
+    ),
+)
 OUTPUT_CONFIG = Policy(honoured=frozenset({"format"}), ignored=frozenset({"effort", "task_budget"}))
 THINKING = Policy(honoured=frozenset({"type"}), ignored=frozenset({"budget_tokens", "display"}))
 TEXT_BLOCK = Policy(honoured=frozenset({"type", "text"}), ignored=frozenset({"cache_control", "citations"}))
 TOOL_USE = Policy(honoured=frozenset({"type", "id", "name", "input"}), ignored=frozenset({"cache_control", "caller"}))
-TOOL_RESULT = Policy(honoured=frozenset({"type", "tool_use_id", "content", "is_error"}),
-                     ignored=frozenset({"cache_control"}))
-TOOL = Policy(honoured=frozenset({"name", "description", "input_schema", "type", "defer_loading"}),
-              ignored=frozenset({"cache_control", "eager_input_streaming", "input_examples", "strict",
-                                 "allowed_callers"}))
+TOOL_RESULT = Policy(
+    honoured=frozenset({"type", "tool_use_id", "content", "is_error"}), ignored=frozenset({"cache_control"})
+)
+TOOL = Policy(
+    honoured=frozenset({"name", "description", "input_schema", "type", "defer_loading"}),
+    ignored=frozenset({"cache_control", "eager_input_streaming", "input_examples", "strict", "allowed_callers"}),
+)
 MESSAGE = Policy(honoured=frozenset({"role", "content"}))
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 THINKING_TYPES = {"enabled": True, "adaptive": True, "disabled": False}
@@ -142,9 +174,17 @@ def tool_defs(tools, fields: Fields) -> tuple[list[dict], dict[str, str]]:
             fields.ignore(f"tools[{i}] (type {t['type']!r})", "only custom tools are run here")
             continue
         fields.top(t, TOOL, f"tools[{i}]")
-        out.append(fields.defer({"name": t["name"], "description": t.get("description") or "",
-                                 "parameters": t.get("input_schema") or {"type": "object", "properties": {}}},
-                                t, f"tools[{i}]"))
+        out.append(
+            fields.defer(
+                {
+                    "name": t["name"],
+                    "description": t.get("description") or "",
+                    "parameters": t.get("input_schema") or {"type": "object", "properties": {}},
+                },
+                t,
+                f"tools[{i}]",
+            )
+        )
     return out, dropped
 
 
@@ -160,11 +200,18 @@ def tool_choice(value, dropped: dict[str, str]) -> tuple[str | dict, bool]:
         return "required", parallel
     if kind == "tool" and isinstance(value.get("name"), str):
         if value["name"] in dropped:
-            raise APIError(400, f"tool_choice names {value['name']!r}, a tool of type {dropped[value['name']]!r}: "
-                                "flashmoe serve runs custom tools only", param="tool_choice")
+            raise APIError(
+                400,
+                f"tool_choice names {value['name']!r}, a tool of type {dropped[value['name']]!r}: "
+                "flashmoe serve runs custom tools only",
+                param="tool_choice",
+            )
         return {"name": value["name"]}, parallel
-    raise APIError(400, "tool_choice must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}",
-                   param="tool_choice")
+    raise APIError(
+        400,
+        "tool_choice must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': ...}",
+        param="tool_choice",
+    )
 
 
 def thinking(value, fields: Fields) -> bool | None:
@@ -190,8 +237,9 @@ def output_format(value, fields: Fields) -> tuple[bool, dict | None]:
     if fmt is None:
         return False, None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
-        raise APIError(400, "output_config.format must be {'type': 'json_schema', 'schema': ...}",
-                       param="output_config")
+        raise APIError(
+            400, "output_config.format must be {'type': 'json_schema', 'schema': ...}", param="output_config"
+        )
     return response_format({"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}})
 
 
@@ -209,16 +257,28 @@ def parse_messages(body: dict, fields: Fields, counting: bool = False) -> ChatCa
     tools, dropped = tool_defs(body.get("tools"), fields)
     choice, parallel = fields.attempt(tool_choice, body.get("tool_choice"), dropped, default=("auto", True))
     json_reply, schema = fields.attempt(output_format, body.get("output_config"), fields, default=(False, None))
-    return ChatCall(messages=fields.attempt(messages, body, fields, default=[]), tools=tools, tool_choice=choice,
-                    parallel_tool_calls=parallel, max_tokens=n, sampling=sampling(body, fields),
-                    stop=fields.attempt(stops, body.get("stop_sequences"), "stop_sequences", default=()),
-                    json_reply=json_reply, response_schema=schema, thinking=thinking(body.get("thinking"), fields))
+    return ChatCall(
+        messages=fields.attempt(messages, body, fields, default=[]),
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        max_tokens=n,
+        sampling=sampling(body, fields),
+        stop=fields.attempt(stops, body.get("stop_sequences"), "stop_sequences", default=()),
+        json_reply=json_reply,
+        response_schema=schema,
+        thinking=thinking(body.get("thinking"), fields),
+    )
 
 
 def usage(reply: Reply) -> dict:
     d = reply.done
-    return {"input_tokens": d.prompt_tokens - d.reused_prompt_tokens, "output_tokens": d.generation_tokens,
-            "cache_read_input_tokens": d.reused_prompt_tokens, "cache_creation_input_tokens": 0}
+    return {
+        "input_tokens": d.prompt_tokens - d.reused_prompt_tokens,
+        "output_tokens": d.generation_tokens,
+        "cache_read_input_tokens": d.reused_prompt_tokens,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def stop_reason(reply: Reply) -> str:
@@ -241,18 +301,39 @@ def blocks(reply: Reply) -> list[dict]:
 
 def message_response(gen, model: str, rid: str, info) -> dict:
     reply = gen.reply
-    return {"id": rid, "type": "message", "role": "assistant", "model": model, "content": blocks(reply),
-            "stop_reason": stop_reason(reply), "stop_sequence": reply.stop_sequence, "usage": usage(reply),
-            "flashmoe": conditions(reply, info)}
+    return {
+        "id": rid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks(reply),
+        "stop_reason": stop_reason(reply),
+        "stop_sequence": reply.stop_sequence,
+        "usage": usage(reply),
+        "flashmoe": conditions(reply, info),
+    }
 
 
 async def message_events(gen, model: str, rid: str, info):
     """(event name, payload) of a streamed message, in the order Anthropic's SDK reads them:
     message_start with the prompt's length, one content block at a time (thinking, text, each
     tool_use with its input as it is written where the format allows), message_delta, message_stop."""
-    yield "message_start", {"type": "message_start", "message": {
-        "id": rid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
-        "stop_sequence": None, "usage": {"input_tokens": gen.prompt_tokens or 0, "output_tokens": 0}}}
+    yield (
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": rid,
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": gen.prompt_tokens or 0, "output_tokens": 0},
+            },
+        },
+    )
     index, open_kind = -1, None
     streamed = 0
 
@@ -275,35 +356,71 @@ async def message_events(gen, model: str, rid: str, info):
             open_kind = None
             continue
         if d.kind == "args":
-            yield "content_block_delta", {"type": "content_block_delta", "index": index,
-                                          "delta": {"type": "input_json_delta", "partial_json": d.text}}
+            yield (
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": index,
+                    "delta": {"type": "input_json_delta", "partial_json": d.text},
+                },
+            )
             continue
         kind = "text" if d.kind == "text" else "thinking"
         if open_kind != kind:
-            for e in start(kind, {"type": "text", "text": ""} if kind == "text" else
-                           {"type": "thinking", "thinking": "", "signature": ""}):
+            for e in start(
+                kind,
+                {"type": "text", "text": ""}
+                if kind == "text"
+                else {"type": "thinking", "thinking": "", "signature": ""},
+            ):
                 yield e
-        delta = {"type": "text_delta", "text": d.text} if kind == "text" else {"type": "thinking_delta", "thinking": d.text}
+        delta = (
+            {"type": "text_delta", "text": d.text} if kind == "text" else {"type": "thinking_delta", "thinking": d.text}
+        )
         yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
     reply = gen.reply
     if reply.invalid_text:
         if open_kind != "text":
             for e in start("text", {"type": "text", "text": ""}):
                 yield e
-        yield "content_block_delta", {"type": "content_block_delta", "index": index,
-                                      "delta": {"type": "text_delta", "text": reply.invalid_text}}
+        yield (
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": index,
+                "delta": {"type": "text_delta", "text": reply.invalid_text},
+            },
+        )
     if open_kind is not None:
         yield "content_block_stop", {"type": "content_block_stop", "index": index}
     for c in reply.calls[streamed:]:
         index += 1
-        yield "content_block_start", {"type": "content_block_start", "index": index, "content_block": {
-            "type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": {}}}
-        yield "content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-            "type": "input_json_delta", "partial_json": json.dumps(c.arguments, ensure_ascii=False)}}
+        yield (
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": index,
+                "content_block": {"type": "tool_use", "id": _tool_id(c.id), "name": c.name, "input": {}},
+            },
+        )
+        yield (
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": index,
+                "delta": {"type": "input_json_delta", "partial_json": json.dumps(c.arguments, ensure_ascii=False)},
+            },
+        )
         yield "content_block_stop", {"type": "content_block_stop", "index": index}
-    yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": stop_reason(reply),
-                                                               "stop_sequence": reply.stop_sequence},
-                            "usage": usage(reply), "flashmoe": conditions(reply, info)}
+    yield (
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason(reply), "stop_sequence": reply.stop_sequence},
+            "usage": usage(reply),
+            "flashmoe": conditions(reply, info),
+        },
+    )
     yield "message_stop", {"type": "message_stop"}
 
 

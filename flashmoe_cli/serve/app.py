@@ -13,6 +13,7 @@ A stream that has nothing to say for `keepalive_s` (a long prefill, a call being
 a keepalive: Anthropic's `ping` event, an SSE comment for OpenAI's routes. Every error, from a
 route or from Starlette (404, 405, ...), is JSON in the calling API's shape.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -83,12 +84,27 @@ def _first_reply(messages: list[dict]) -> bool:
 
 
 class Server:
-    def __init__(self, engine, info, model_id: str, *, api_keys: tuple[str, ...] = (), max_queue: int = 16,
-                 default_max_tokens: int = 1024, allow_origins: tuple[str, ...] = (),
-                 tenant_header: str | None = None, limits: Limits | None = None, host: str | None = None,
-                 allow_hosts: tuple[str, ...] = (),
-                 served_names: tuple[str, ...] = (), strict_fields: bool = False, keepalive_s: float = KEEPALIVE_S,
-                 force_first_call: bool = False, temperature: float = 1.0, repetition_penalty: float = 1.0):
+    def __init__(
+        self,
+        engine,
+        info,
+        model_id: str,
+        *,
+        api_keys: tuple[str, ...] = (),
+        max_queue: int = 16,
+        default_max_tokens: int = 1024,
+        allow_origins: tuple[str, ...] = (),
+        tenant_header: str | None = None,
+        limits: Limits | None = None,
+        host: str | None = None,
+        allow_hosts: tuple[str, ...] = (),
+        served_names: tuple[str, ...] = (),
+        strict_fields: bool = False,
+        keepalive_s: float = KEEPALIVE_S,
+        force_first_call: bool = False,
+        temperature: float = 1.0,
+        repetition_penalty: float = 1.0,
+    ):
         """served_names: the model names clients may ask for (--served-model-name); none: any
         name is this model. strict_fields: refuse what would be ignored or translated.
         force_first_call: a conversation's first reply, with tools offered under tool_choice
@@ -142,8 +158,12 @@ class Server:
             raise APIError(400, "the request body must be a JSON object")
         model = body.get("model")
         if self.restrict_names and model is not None and model not in self.names:
-            raise APIError(404, f"model {model!r} is not served here; this server answers to "
-                                f"{', '.join(map(repr, self.names))} (GET /v1/models)", param="model")
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; this server answers to "
+                f"{', '.join(map(repr, self.names))} (GET /v1/models)",
+                param="model",
+            )
         return body
 
     def _answering(self, body: dict) -> str:
@@ -203,9 +223,11 @@ class Server:
         counts from its first read, so one whose client left before it began is never counted)."""
         if self.pending >= self.max_queue:
             self.metrics.refused += 1
-            raise APIError(529 if anthropic else 429,
-                           f"the server is busy: {self.pending} requests in flight or waiting "
-                           f"(--max-queue {self.max_queue}); retry shortly")
+            raise APIError(
+                529 if anthropic else 429,
+                f"the server is busy: {self.pending} requests in flight or waiting "
+                f"(--max-queue {self.max_queue}); retry shortly",
+            )
         self.pending += hold
         self.metrics.requests += 1
 
@@ -231,9 +253,11 @@ class Server:
             model = self._answering(body)
             rid = ("msg_" if anthropic else "chatcmpl-") + secrets.token_hex(12)
             if streamed:
-                return StreamingResponse(self._sse(gen, stream(gen, model, rid, self.info), anthropic),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", **fields.header})
+                return StreamingResponse(
+                    self._sse(gen, stream(gen, model, rid, self.info), anthropic),
+                    media_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache", **fields.header},
+                )
             try:
                 reply = await self._run_watched(gen, request)
             except APIError as e:
@@ -309,8 +333,11 @@ class Server:
         calling API's shape."""
         what = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
         e = APIError(exc.status_code, what.get(exc.status_code, str(exc.detail)))
-        return JSONResponse(e.anthropic() if _is_anthropic(request) else e.openai(), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            e.anthropic() if _is_anthropic(request) else e.openai(),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     async def server_error(self, request: Request, exc: Exception) -> Response:
         e = APIError(500, f"internal error: {type(exc).__name__}")
@@ -320,12 +347,25 @@ class Server:
     def _model(self, name: str, anthropic: bool) -> dict:
         """One served model as the calling API lists it (no paths: its name and figures)."""
         if anthropic:
-            return {"type": "model", "id": name, "display_name": name,
-                    "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.metrics.started))}
-        return {"id": name, "object": "model", "created": int(self.metrics.started), "owned_by": "flashmoe",
-                "flashmoe": {"model_type": self.info.model_type, "bits": self.info.bits,
-                             "experts": self.info.experts, "experts_per_token": self.info.top_k,
-                             "context": self.info.context}}
+            return {
+                "type": "model",
+                "id": name,
+                "display_name": name,
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.metrics.started)),
+            }
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(self.metrics.started),
+            "owned_by": "flashmoe",
+            "flashmoe": {
+                "model_type": self.info.model_type,
+                "bits": self.info.bits,
+                "experts": self.info.experts,
+                "experts_per_token": self.info.top_k,
+                "context": self.info.context,
+            },
+        }
 
     async def models(self, request: Request) -> Response:
         anthropic = _is_anthropic(request)
@@ -345,12 +385,16 @@ class Server:
         try:
             self._check_key(request)
             if self.restrict_names and name not in self.names:
-                raise APIError(404, f"model {name!r} is not served here; this server answers to "
-                                    f"{', '.join(map(repr, self.names))}", param="model")
+                raise APIError(
+                    404,
+                    f"model {name!r} is not served here; this server answers to {', '.join(map(repr, self.names))}",
+                    param="model",
+                )
         except APIError as e:
             return self._error(e, anthropic)
-        return JSONResponse(self._model(name if name in self.names or not self.restrict_names else self.model_id,
-                                        anthropic))
+        return JSONResponse(
+            self._model(name if name in self.names or not self.restrict_names else self.model_id, anthropic)
+        )
 
     async def count_tokens(self, request: Request) -> Response:
         """POST /v1/messages/count_tokens: the prompt's length as the chat template renders it."""
@@ -358,7 +402,8 @@ class Server:
             self._check_key(request)
             body = await self._body(request)
             gen, fields = await asyncio.to_thread(
-                self._prepare, lambda b, f: anthropic_api.parse_messages(b, f, counting=True), body, True)
+                self._prepare, lambda b, f: anthropic_api.parse_messages(b, f, counting=True), body, True
+            )
         except APIError as e:
             return self._error(e, True)
         if gen.prompt_tokens is None:
@@ -375,14 +420,22 @@ class Server:
             return self._error(e, False)
         m = self.metrics
         fed = max(1, m.generated_tokens)
-        return JSONResponse({
-            "requests": m.requests, "refused": m.refused, "queue_depth": self.pending, "max_queue": self.max_queue,
-            "prompt_tokens": m.prompt_tokens, "cached_prompt_tokens": m.cached_tokens,
-            "generated_tokens": m.generated_tokens,
-            "decode_tok_per_s": round(m.generated_tokens / m.decode_s, 2) if m.decode_s else 0.0,
-            "expert_hit_rate": round(m.hit_weighted / fed, 4), "bytes_read_per_token": round(m.expert_bytes / fed),
-            "ignored_fields": dict(sorted(m.ignored.items())),
-            "uptime_s": round(time.time() - m.started, 1)})
+        return JSONResponse(
+            {
+                "requests": m.requests,
+                "refused": m.refused,
+                "queue_depth": self.pending,
+                "max_queue": self.max_queue,
+                "prompt_tokens": m.prompt_tokens,
+                "cached_prompt_tokens": m.cached_tokens,
+                "generated_tokens": m.generated_tokens,
+                "decode_tok_per_s": round(m.generated_tokens / m.decode_s, 2) if m.decode_s else 0.0,
+                "expert_hit_rate": round(m.hit_weighted / fed, 4),
+                "bytes_read_per_token": round(m.expert_bytes / fed),
+                "ignored_fields": dict(sorted(m.ignored.items())),
+                "uptime_s": round(time.time() - m.started, 1),
+            }
+        )
 
     def app(self) -> Starlette:
         d = self.default_max_tokens
@@ -391,16 +444,39 @@ class Server:
             Route("/v1/models/{name:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_route, methods=["GET"]),
-            Route("/v1/chat/completions", self.endpoint(lambda b, f: openai_api.parse_chat(b, f, d),
-                                                        openai_api.chat_response, openai_api.chat_chunks),
-                  methods=["POST"]),
-            Route("/v1/completions", self.endpoint(lambda b, f: openai_api.parse_completion(b, f, d),
-                                                   openai_api.completion_response, openai_api.completion_chunks),
-                  methods=["POST"]),
-            Route("/v1/responses", self.endpoint(lambda b, f: responses_api.parse_responses(b, f, d),
-                                                 responses_api.response, responses_api.events), methods=["POST"]),
-            Route("/v1/messages", self.endpoint(anthropic_api.parse_messages, anthropic_api.message_response,
-                                                anthropic_api.message_events, anthropic=True), methods=["POST"]),
+            Route(
+                "/v1/chat/completions",
+                self.endpoint(
+                    lambda b, f: openai_api.parse_chat(b, f, d), openai_api.chat_response, openai_api.chat_chunks
+                ),
+                methods=["POST"],
+            ),
+            Route(
+                "/v1/completions",
+                self.endpoint(
+                    lambda b, f: openai_api.parse_completion(b, f, d),
+                    openai_api.completion_response,
+                    openai_api.completion_chunks,
+                ),
+                methods=["POST"],
+            ),
+            Route(
+                "/v1/responses",
+                self.endpoint(
+                    lambda b, f: responses_api.parse_responses(b, f, d), responses_api.response, responses_api.events
+                ),
+                methods=["POST"],
+            ),
+            Route(
+                "/v1/messages",
+                self.endpoint(
+                    anthropic_api.parse_messages,
+                    anthropic_api.message_response,
+                    anthropic_api.message_events,
+                    anthropic=True,
+                ),
+                methods=["POST"],
+            ),
             Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
         ]
         from starlette.middleware import Middleware
@@ -409,10 +485,19 @@ class Server:
         if self.allow_origins:
             from starlette.middleware.cors import CORSMiddleware
 
-            middleware.append(Middleware(CORSMiddleware, allow_origins=list(self.allow_origins),
-                                         allow_methods=["GET", "POST"], allow_headers=["*"]))
-        return Starlette(routes=routes, middleware=middleware,
-                         exception_handlers={HTTPException: self.http_error, Exception: self.server_error})
+            middleware.append(
+                Middleware(
+                    CORSMiddleware,
+                    allow_origins=list(self.allow_origins),
+                    allow_methods=["GET", "POST"],
+                    allow_headers=["*"],
+                )
+            )
+        return Starlette(
+            routes=routes,
+            middleware=middleware,
+            exception_handlers={HTTPException: self.http_error, Exception: self.server_error},
+        )
 
 
 class _HostGuard:
@@ -429,6 +514,7 @@ class _HostGuard:
                 request = Request(scope)
                 e = APIError(421, problem)
                 await JSONResponse(e.anthropic() if _is_anthropic(request) else e.openai(), status_code=421)(
-                    scope, receive, send)
+                    scope, receive, send
+                )
                 return
         await self.app(scope, receive, send)

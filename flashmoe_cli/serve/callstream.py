@@ -6,6 +6,7 @@ Only the layout the tool-call grammar writes is read (`{"name": NAME, "arguments
 Hermes / Qwen3 form, tools/grammar.py); anything else is left to the parse of the whole call. The
 arguments are given verbatim up to the brace that closes them, never past it.
 """
+
 from __future__ import annotations
 
 import re
@@ -32,7 +33,7 @@ class JsonCallStream:
         """(the name, when it is known for the first time; else None), and the new argument text."""
         if self.failed or self.complete or not text.startswith(self.opener):
             return None, ""
-        body = text[len(self.opener):]
+        body = text[len(self.opener) :]
         named = None
         if self.name is None:
             m = _HEAD.match(body)
@@ -47,7 +48,7 @@ class JsonCallStream:
                 return None, ""
             self.name, self._at = m.group(1), m.end()
             named = self.name
-        args = body[self._at:]
+        args = body[self._at :]
         start = self._scanned
         for i in range(start, len(args)):
             ch = args[i]
@@ -67,6 +68,6 @@ class JsonCallStream:
                 if self._depth == 0:
                     self._scanned = i + 1
                     self.complete = True
-                    return named, args[start:i + 1]
+                    return named, args[start : i + 1]
         self._scanned = len(args)
         return named, args[start:]

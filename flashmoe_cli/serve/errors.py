@@ -1,16 +1,35 @@
 """An API error: the HTTP status and the message the client gets, in either API's shape."""
+
 from __future__ import annotations
 
 import re
 
-ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                   405: "invalid_request_error", 408: "invalid_request_error", 413: "request_too_large",
-                   415: "invalid_request_error", 421: "permission_error", 422: "invalid_request_error",
-                   429: "rate_limit_error", 500: "api_error", 529: "overloaded_error"}
-OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_api_key", 404: "not_found_error",
-                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-                415: "invalid_request_error", 421: "invalid_request_error", 422: "invalid_request_error",
-                429: "rate_limit_exceeded"}
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    421: "permission_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_api_key",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    421: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_exceeded",
+}
 
 # An absolute path in a message (a model folder, a home directory): never sent to a client.
 _ABS_PATH = re.compile(r"(?<![\w.:/~-])(?:/[\w.@+-]+)+/([\w.@+-]+)")
@@ -33,8 +52,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
 
     def anthropic(self) -> dict:
-        return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(self.status, "api_error"),
-                                           "message": self.message}}
+        return {
+            "type": "error",
+            "error": {"type": ANTHROPIC_TYPES.get(self.status, "api_error"), "message": self.message},
+        }
 
 
 def expect(value, kind: type, name: str):

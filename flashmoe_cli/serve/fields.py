@@ -8,6 +8,7 @@ once, so a client learns them in one round. `--strict-fields` refuses the hints 
 translations: thinking, mid-conversation system messages, tools of other types), as flashmoe did
 before. docs/serve.md has the table per endpoint; each API module names its fields in a Policy.
 """
+
 from __future__ import annotations
 
 import re
@@ -48,8 +49,7 @@ class Fields:
             if key in policy.ignored:
                 self.ignore(prefix + key)
             else:
-                self.refuse(f"unsupported field {prefix + key!r}: flashmoe serve does not implement it",
-                            prefix + key)
+                self.refuse(f"unsupported field {prefix + key!r}: flashmoe serve does not implement it", prefix + key)
 
     def ignore(self, name: str, why: str = "") -> None:
         """A hint accepted and recorded (refused under --strict-fields). The record names the
@@ -127,5 +127,5 @@ class Fields:
         for name, items in (("x-flashmoe-ignored", self.ignored), ("x-flashmoe-translated", self.translated)):
             if items:
                 value = ", ".join(items).encode("ascii", "backslashreplace").decode("ascii")
-                out[name] = value if len(value) <= HEADER_CHARS else value[:HEADER_CHARS - 3] + "..."
+                out[name] = value if len(value) <= HEADER_CHARS else value[: HEADER_CHARS - 3] + "..."
         return out

@@ -5,6 +5,7 @@ the same code as the agent loop's).
 The APIs (openai_api.py, responses_api.py, anthropic_api.py) turn their request bodies into a
 ChatCall and a Reply back into their own response shapes; nothing here knows those shapes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -111,11 +112,18 @@ def system_anywhere(template: str) -> bool:
         return True
     from flashmoe.engine.runtime.tokenizer import _make_environment
 
-    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                {"role": "system", "content": _PROBE}, {"role": "user", "content": "v"}]
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "system", "content": _PROBE},
+        {"role": "user", "content": "v"},
+    ]
     try:
-        out = _make_environment().from_string(template).render(messages=messages, add_generation_prompt=True,
-                                                               bos_token="", eos_token="")
+        out = (
+            _make_environment()
+            .from_string(template)
+            .render(messages=messages, add_generation_prompt=True, bos_token="", eos_token="")
+        )
     except Exception:  # noqa: BLE001  (a template that refuses it, however it says so)
         return False
     return _PROBE in out
@@ -141,17 +149,35 @@ class Prompter:
                 for c in m["tool_calls"]:
                     names[c["id"]] = c["name"]
                 if self.native_calls:
-                    out.append({"role": "assistant", "content": m.get("content") or "", "tool_calls": [
-                        ToolCall(c["name"], c["arguments"], "").to_openai(c["id"], json_arguments=self.json_arguments)
-                        for c in m["tool_calls"]]})
+                    out.append(
+                        {
+                            "role": "assistant",
+                            "content": m.get("content") or "",
+                            "tool_calls": [
+                                ToolCall(c["name"], c["arguments"], "").to_openai(
+                                    c["id"], json_arguments=self.json_arguments
+                                )
+                                for c in m["tool_calls"]
+                            ],
+                        }
+                    )
                 else:
-                    blocks = [f'<tool_call>\n{json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False)}'
-                              "\n</tool_call>" for c in m["tool_calls"]]
+                    blocks = [
+                        f"<tool_call>\n{json.dumps({'name': c['name'], 'arguments': c['arguments']}, ensure_ascii=False)}"
+                        "\n</tool_call>"
+                        for c in m["tool_calls"]
+                    ]
                     out.append({"role": "assistant", "content": "\n".join(filter(None, [m.get("content"), *blocks]))})
             elif role == "tool":
                 if self.native_calls:
-                    out.append({"role": "tool", "name": m.get("name") or names.get(m.get("tool_call_id"), ""),
-                                "tool_call_id": m.get("tool_call_id"), "content": m["content"]})
+                    out.append(
+                        {
+                            "role": "tool",
+                            "name": m.get("name") or names.get(m.get("tool_call_id"), ""),
+                            "tool_call_id": m.get("tool_call_id"),
+                            "content": m["content"],
+                        }
+                    )
                 else:
                     out.append({"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"})
             else:
@@ -192,8 +218,9 @@ class Prompter:
             factory = _factory("tools", json.dumps(defs, sort_keys=True), mode, fmt, start, end, parallel)
             return factory.with_budget(call.max_tokens)
         except (ValueError, TypeError) as e:
-            raise APIError(400, f"cannot constrain the reply: {e}",
-                           param="response_format" if call.json_reply else "tools") from None
+            raise APIError(
+                400, f"cannot constrain the reply: {e}", param="response_format" if call.json_reply else "tools"
+            ) from None
 
     def streams_calls(self) -> bool:
         """Whether calls can be streamed as they are written (JSON calls in the grammar's layout)."""
@@ -214,8 +241,10 @@ def _factory(kind: str, spec: str, *options):
 
 
 def as_openai_tool(t: dict) -> dict:
-    return {"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
-                                             "parameters": t["parameters"]}}
+    return {
+        "type": "function",
+        "function": {"name": t["name"], "description": t.get("description") or "", "parameters": t["parameters"]},
+    }
 
 
 def loaded_tools(call: ChatCall) -> list[dict]:
@@ -231,8 +260,9 @@ def offered_tools(call: ChatCall) -> list[dict]:
     if isinstance(call.tool_choice, dict):
         wanted = [t for t in call.tools if t["name"] == call.tool_choice["name"]]
         if not wanted:
-            raise APIError(400, f"tool_choice names {call.tool_choice['name']!r}, which is not in tools",
-                           param="tool_choice")
+            raise APIError(
+                400, f"tool_choice names {call.tool_choice['name']!r}, which is not in tools", param="tool_choice"
+            )
         return wanted
     if call.tool_choice == "required" and not loaded_tools(call):
         raise APIError(400, "tool_choice 'required' needs at least one tool (not deferred)", param="tool_choice")
@@ -260,22 +290,35 @@ def template_kwargs(call: ChatCall, template: str, fields=None) -> dict:
     return {switch: thinking}
 
 
-def build_request(call: ChatCall, template: str, timing: str = "off", fields=None
-                  ) -> tuple[GenerationRequest, Prompter, list]:
+def build_request(
+    call: ChatCall, template: str, timing: str = "off", fields=None
+) -> tuple[GenerationRequest, Prompter, list]:
     """The engine request, the template's Prompter, and the tools offered (OpenAI form)."""
     prompter = Prompter(template)
     if call.prompt is not None:
-        return (GenerationRequest(prompt=call.prompt, max_tokens=call.max_tokens, sampling=call.sampling,
-                                  stop=call.stop, timing=timing), prompter, [])
+        return (
+            GenerationRequest(
+                prompt=call.prompt, max_tokens=call.max_tokens, sampling=call.sampling, stop=call.stop, timing=timing
+            ),
+            prompter,
+            [],
+        )
     tools = offered_tools(call)
     defs = [as_openai_tool(t) for t in tools]
     if call.json_reply and tools:
-        raise APIError(400, "response_format with tools is not supported; send one or the other",
-                       param="response_format")
+        raise APIError(
+            400, "response_format with tools is not supported; send one or the other", param="response_format"
+        )
     request = GenerationRequest(
-        messages=prompter.messages(call, defs, fields), tools=defs if prompter.native and defs else None,
-        constraint=prompter.constraint(call, defs), max_tokens=call.max_tokens, sampling=call.sampling,
-        stop=call.stop, timing=timing, template_kwargs=template_kwargs(call, template, fields))
+        messages=prompter.messages(call, defs, fields),
+        tools=defs if prompter.native and defs else None,
+        constraint=prompter.constraint(call, defs),
+        max_tokens=call.max_tokens,
+        sampling=call.sampling,
+        stop=call.stop,
+        timing=timing,
+        template_kwargs=template_kwargs(call, template, fields),
+    )
     return request, prompter, defs
 
 
@@ -401,8 +444,11 @@ class Generation:
             self.reply = self._reply(state, ev)
         elif isinstance(ev, EngineFailed):
             message = (ev.message.strip().splitlines() or ["generation failed"])[0]
-            raise APIError(400 if ev.exit_code == 2 or ev.exc_type in ("ContextLengthError", "ValueError")
-                           else 500, message, kind="invalid_request_error" if ev.exit_code == 2 else "server_error")
+            raise APIError(
+                400 if ev.exit_code == 2 or ev.exc_type in ("ContextLengthError", "ValueError") else 500,
+                message,
+                kind="invalid_request_error" if ev.exit_code == 2 else "server_error",
+            )
 
     def _segments(self, segments, state: TextState, final: bool = False):
         for seg in segments:
@@ -436,7 +482,7 @@ class Generation:
         if body:
             yield Delta("text", self._held + body)
             self._held = ""
-        self._held += text[len(body):]
+        self._held += text[len(body) :]
 
     def _stream_call(self, text: str, block: _Block | None):
         name, args = self._stream.update(text)
@@ -468,12 +514,17 @@ class Generation:
         invalid: list[dict] = []
         invalid_text = ""
         if self.tools and done.reason != "cancelled":
-            parsed = [(b, parse_calls(self.prompter.parser, b.raw, self.registry) if b.closed else []) for b in self._blocks]
+            parsed = [
+                (b, parse_calls(self.prompter.parser, b.raw, self.registry) if b.closed else []) for b in self._blocks
+            ]
             named = any(c.name is not None for _, cs in parsed for c in cs)
             for i, (block, found) in enumerate(parsed):
                 if not block.closed:
-                    why = (f"cut by max_tokens ({self.call.max_tokens})" if done.reason == "length"
-                           else f"the reply ended inside it ({done.reason})")
+                    why = (
+                        f"cut by max_tokens ({self.call.max_tokens})"
+                        if done.reason == "length"
+                        else f"the reply ended inside it ({done.reason})"
+                    )
                     invalid.append({"raw": block.raw, "error": why})
                     self._check_streamed(block, None, f"{why} before it was complete")
                     continue
@@ -503,8 +554,9 @@ class Generation:
         if block.streamed is None or self._whole:
             return
         if call is None or call.id != block.streamed[1]:
-            raise APIError(500, f"the tool call streamed as #{block.streamed[0]} is not a valid call: {why}",
-                           kind="server_error")
+            raise APIError(
+                500, f"the tool call streamed as #{block.streamed[0]} is not a valid call: {why}", kind="server_error"
+            )
 
     def _matched_stop(self, done: GenerationFinished) -> str | None:
         """The stop string that ended the reply, or None (the end of the turn, a complete JSON

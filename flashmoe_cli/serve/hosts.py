@@ -9,6 +9,7 @@ loopback address, `localhost` and the other loopback spellings); bound to every 
 given with `--allow-host NAME` (repeatable; `*` turns the check off). A request with no Host
 (HTTP/1.0, a hand-written client) is no browser's and passes.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -34,16 +35,18 @@ class HostCheck:
         if name in self.names or (self.any_ip and _is_ip(name)) or (_loopback(name) and _loopback(self.bound)):
             return None
         shown = host[:100].encode("ascii", "backslashreplace").decode("ascii")
-        return (f"Host {shown!r} is not this server's address ({self.bound or 'any'}): a web page reaching it "
-                f"under another name is refused (start the server with --allow-host {name[:100] or 'NAME'} if "
-                "that name is really its own)")
+        return (
+            f"Host {shown!r} is not this server's address ({self.bound or 'any'}): a web page reaching it "
+            f"under another name is refused (start the server with --allow-host {name[:100] or 'NAME'} if "
+            "that name is really its own)"
+        )
 
 
 def _name(host: str) -> str:
     """The host part of a Host header, without the port, lowercase ('[::1]:8080' -> '::1')."""
     host = host.strip().lower()
     if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else host
+        return host[1 : host.find("]")] if "]" in host else host
     if host.count(":") == 1:
         return host.split(":", 1)[0]
     return host

@@ -12,6 +12,7 @@ of one tenant reuse each other's caches, and no other tenant's. Each key is a te
 that authenticates users: a client that can reach the server directly can claim any value).
 Tenants are hashes, never the keys themselves (they are written into saved caches).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -58,8 +59,9 @@ def _read_key_file(name: str) -> list[str]:
     if st.st_mode & 0o077:
         import logging
 
-        logging.getLogger("flashmoe").warning("flashmoe: warning: --api-key-file %s can be read by other users "
-                                              "(chmod 600 it)", name)
+        logging.getLogger("flashmoe").warning(
+            "flashmoe: warning: --api-key-file %s can be read by other users (chmod 600 it)", name
+        )
     return keys
 
 

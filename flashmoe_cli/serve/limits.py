@@ -20,6 +20,7 @@ work to a thread is not enough. Each step a client's bytes reach is bounded inst
   LONG_PROMPT_BYTES counted in tokens before its ids are made (a list of millions of ids is made
   with the GIL held).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,6 +52,7 @@ class Limits:
 
 # -- the body -------------------------------------------------------------------------------------
 
+
 def is_json(content_type: str | None) -> bool:
     """application/json, with parameters or not (what every SDK sends). Anything else, absence
     included, is what a web page can send another origin without asking first (text/plain, a
@@ -64,8 +66,11 @@ async def read_json(request, limits: Limits):
     if not is_json(request.headers.get("content-type")):
         await _drain(request, limits)
         given = request.headers.get("content-type")
-        raise APIError(415, f"the request body must be JSON sent as Content-Type: application/json"
-                            f"{f', not {given[:80]!r}' if given else ' (none was given)'}")
+        raise APIError(
+            415,
+            f"the request body must be JSON sent as Content-Type: application/json"
+            f"{f', not {given[:80]!r}' if given else ' (none was given)'}",
+        )
     raw = await read_body(request, limits)
     if most_values(raw) > limits.max_values:
         await asyncio.to_thread(_check_elsewhere, raw, limits)
@@ -132,8 +137,9 @@ async def read_body(request, limits: Limits) -> bytes:
     try:
         whole = await asyncio.wait_for(read(), limits.read_timeout)
     except asyncio.TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {limits.read_timeout:g} s "
-                            "(--read-timeout)") from None
+        raise APIError(
+            408, f"the request body did not arrive within {limits.read_timeout:g} s (--read-timeout)"
+        ) from None
     except ClientDisconnect:
         raise APIError(400, "the client went away while sending the request body") from None
     if not whole:
@@ -184,11 +190,15 @@ def parse_json(raw: bytes, max_depth: int, max_values: int = Limits.max_values):
         if not n % YIELD_EVERY:
             _yield()
         if n > max_values:
-            raise APIError(400, f"the request body holds more than {max_values:,} JSON values; "
-                                "send fewer or smaller tools and messages")
+            raise APIError(
+                400,
+                f"the request body holds more than {max_values:,} JSON values; "
+                "send fewer or smaller tools and messages",
+            )
         if depth > max_depth:
-            raise APIError(400, f"the request body nests more than {max_depth} deep "
-                                f"(at {_path(parent, key)[:200] or 'the top'})")
+            raise APIError(
+                400, f"the request body nests more than {max_depth} deep (at {_path(parent, key)[:200] or 'the top'})"
+            )
         if isinstance(item, dict):
             for k, sub in item.items():
                 if isinstance(k, str) and not k.isascii():
@@ -223,19 +233,22 @@ def _text(s: str, where: str) -> None:
         try:
             s.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise APIError(400, f"{where[:200] or 'the body'}: a lone surrogate ({s[e.start]!r}) is not text; "
-                                "send UTF-8") from None
+            raise APIError(
+                400, f"{where[:200] or 'the body'}: a lone surrogate ({s[e.start]!r}) is not text; send UTF-8"
+            ) from None
 
 
 # -- the schemas ---------------------------------------------------------------------------------
+
 
 def check_schemas(call, limits: Limits) -> None:
     """The tools' parameter schemas and the reply's JSON schema, before anything is built from
     them: their size, their depth, and safe_schema.check_schema."""
     from flashmoe.tools.safe_schema import SchemaProblem, check_schema
 
-    named = [(f"tools[{i}] ({str(t.get('name'))[:64]!r})", "tools", t.get("parameters"))
-             for i, t in enumerate(call.tools)]
+    named = [
+        (f"tools[{i}] ({str(t.get('name'))[:64]!r})", "tools", t.get("parameters")) for i, t in enumerate(call.tools)
+    ]
     if call.response_schema is not None:
         named.append(("the JSON schema of response_format", "response_format", call.response_schema))
     total = 0
@@ -243,19 +256,25 @@ def check_schemas(call, limits: Limits) -> None:
         nodes, depth = _size(schema)
         total += nodes
         if depth > limits.schema_depth:
-            raise APIError(400, f"{what}: the schema nests {depth} deep; at most {limits.schema_depth} is taken",
-                           param=param)
+            raise APIError(
+                400, f"{what}: the schema nests {depth} deep; at most {limits.schema_depth} is taken", param=param
+            )
         if total > limits.schema_nodes:
-            raise APIError(400, f"the schemas of this request hold more than {limits.schema_nodes:,} values "
-                                f"(at {what}); send fewer or smaller tools", param=param)
+            raise APIError(
+                400,
+                f"the schemas of this request hold more than {limits.schema_nodes:,} values "
+                f"(at {what}); send fewer or smaller tools",
+                param=param,
+            )
     for what, param, schema in named:
         if not isinstance(schema, dict):
             continue  # (the tools' own checks name it)
         try:
             check_schema(schema)
         except SchemaProblem as e:
-            raise APIError(400, f"{what}: invalid schema{' at ' + e.path if e.path else ''}: {e.message}",
-                           param=param) from None
+            raise APIError(
+                400, f"{what}: invalid schema{' at ' + e.path if e.path else ''}: {e.message}", param=param
+            ) from None
 
 
 def _size(value) -> tuple[int, int]:
@@ -276,6 +295,7 @@ def _size(value) -> tuple[int, int]:
 
 
 # -- the prompt ----------------------------------------------------------------------------------
+
 
 def prompt_chars(call) -> int:
     """The characters of the prompt's text before the chat template adds its own: at most what
@@ -300,8 +320,11 @@ def check_prompt_chars(call, context: int | None, token_chars: int | None, trunc
         return
     chars = prompt_chars(call)
     if chars > context * token_chars:
-        raise APIError(400, f"the prompt is {chars:,} characters, more than the model's context of {context:,} "
-                            f"tokens can hold (a token is at most {token_chars} characters); shorten it")
+        raise APIError(
+            400,
+            f"the prompt is {chars:,} characters, more than the model's context of {context:,} "
+            f"tokens can hold (a token is at most {token_chars} characters); shorten it",
+        )
 
 
 def check_prompt_tokens(gen, truncate: str) -> None:
@@ -319,8 +342,13 @@ def check_prompt_tokens(gen, truncate: str) -> None:
     context, what = generate.context_of(loaded)
     request = gen.request
     try:
-        text = request.prompt if request.prompt is not None else tok.apply_chat_template(
-            request.messages, tools=request.tools, add_generation_prompt=True, **request.template_kwargs)
+        text = (
+            request.prompt
+            if request.prompt is not None
+            else tok.apply_chat_template(
+                request.messages, tools=request.tools, add_generation_prompt=True, **request.template_kwargs
+            )
+        )
     except (FlashMoEError, ValueError) as e:
         raise APIError(400, (str(e).strip().splitlines() or ["the prompt cannot be rendered"])[0]) from None
     if not context or len(text.encode("utf-8", "surrogatepass")) <= max(context, LONG_PROMPT_BYTES):
@@ -328,5 +356,8 @@ def check_prompt_tokens(gen, truncate: str) -> None:
     n = tok.count(text)
     if n > context:
         what = what or f"the model's context of {context} tokens"
-        raise APIError(400, f"the prompt is {n:,} tokens, longer than {what}; shorten it, or start the server with "
-                            "--truncate-prompt left to drop the oldest tokens")
+        raise APIError(
+            400,
+            f"the prompt is {n:,} tokens, longer than {what}; shorten it, or start the server with "
+            "--truncate-prompt left to drop the oldest tokens",
+        )

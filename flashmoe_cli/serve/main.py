@@ -4,6 +4,7 @@ Starlette and uvicorn: the ASGI pair most Python model servers use (vLLM, SGLang
 own OpenAI server all build on one or both); SSE streaming, disconnect detection and graceful
 shutdown come with them instead of being written here.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,16 +49,35 @@ def cmd_serve(args) -> int:
     try:
         info = engine.wait_loaded()
         name = model_id(args)
-        server = Server(engine, info, name, api_keys=keys, max_queue=args.max_queue,
-                        tenant_header=args.tenant_header, host=args.host, allow_hosts=tuple(args.allow_host),
-                        limits=Limits(max_body=args.max_body, read_timeout=args.read_timeout),
-                        default_max_tokens=args.max_tokens, allow_origins=tuple(args.allow_origin),
-                        served_names=tuple(args.served_model_name), strict_fields=args.strict_fields,
-                        keepalive_s=args.keepalive, force_first_call=args.force_first_call,
-                        temperature=args.temp, repetition_penalty=args.repetition_penalty)
+        server = Server(
+            engine,
+            info,
+            name,
+            api_keys=keys,
+            max_queue=args.max_queue,
+            tenant_header=args.tenant_header,
+            host=args.host,
+            allow_hosts=tuple(args.allow_host),
+            limits=Limits(max_body=args.max_body, read_timeout=args.read_timeout),
+            default_max_tokens=args.max_tokens,
+            allow_origins=tuple(args.allow_origin),
+            served_names=tuple(args.served_model_name),
+            strict_fields=args.strict_fields,
+            keepalive_s=args.keepalive,
+            force_first_call=args.force_first_call,
+            temperature=args.temp,
+            repetition_penalty=args.repetition_penalty,
+        )
         _more_descriptors()
-        config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="warning",
-                                timeout_graceful_shutdown=30, lifespan="off", http=protocol(args.read_timeout))
+        config = uvicorn.Config(
+            server.app(),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=30,
+            lifespan="off",
+            http=protocol(args.read_timeout),
+        )
 
         class Announcing(uvicorn.Server):
             @contextlib.contextmanager
@@ -77,9 +97,12 @@ def cmd_serve(args) -> int:
                     port = self.servers[0].sockets[0].getsockname()[1]
                     key = f"; every request needs an API key ({len(keys)} taken)" if keys else ""
                     bits = f"{info.bits}-bit" if info.bits else "unquantized"
-                    print(f"flashmoe: serving {server.model_id} ({info.model_type}, {bits}, "
-                          f"K={info.top_k} of {info.experts} experts) at http://{args.host}:{port}/v1{key}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"flashmoe: serving {server.model_id} ({info.model_type}, {bits}, "
+                        f"K={info.top_k} of {info.experts} experts) at http://{args.host}:{port}/v1{key}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
         try:
             Announcing(config).run()  # Ctrl-C / SIGTERM: stop accepting, finish what runs, return

@@ -6,6 +6,7 @@ translated or refused; docs/serve.md has the table) and gives a ChatCall; the `*
 `*_chunks` functions give the replies back in OpenAI's form, streamed as the SDK's iterators read
 them.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,19 +19,76 @@ from .fields import Fields, Policy
 from .generation import ChatCall, Reply
 
 CHAT = Policy(
-    honoured=frozenset({"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-                        "temperature", "top_p", "stop", "seed", "tools", "tool_choice", "parallel_tool_calls",
-                        "response_format", "n", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-                        "presence_penalty", "logprobs", "top_logprobs", "reasoning_effort", "store", "modalities"}),
-    ignored=frozenset({"metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier", "verbosity",
-                       "prediction", "prompt_cache_retention"}))
+    honoured=frozenset(
+        {
+            "model",
+            "messages",
+            "stream",
+            "stream_options",
+            "max_tokens",
+            "max_completion_tokens",
+            "temperature",
+            "top_p",
+            "stop",
+            "seed",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "response_format",
+            "n",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+            "logprobs",
+            "top_logprobs",
+            "reasoning_effort",
+            "store",
+            "modalities",
+        }
+    ),
+    ignored=frozenset(
+        {
+            "metadata",
+            "user",
+            "service_tier",
+            "prompt_cache_key",
+            "safety_identifier",
+            "verbosity",
+            "prediction",
+            "prompt_cache_retention",
+        }
+    ),
+)
 COMPLETION = Policy(
-    honoured=frozenset({"model", "prompt", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop",
-                        "seed", "n", "top_k", "min_p", "repetition_penalty", "echo", "logprobs",
-                        "frequency_penalty", "presence_penalty"}),
-    ignored=frozenset({"user", "metadata", "service_tier"}))
-MESSAGE = Policy(honoured=frozenset({"role", "content", "name", "tool_calls", "tool_call_id"}),
-                 ignored=frozenset({"refusal", "annotations", "reasoning_content", "reasoning", "cache_control"}))
+    honoured=frozenset(
+        {
+            "model",
+            "prompt",
+            "stream",
+            "stream_options",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "stop",
+            "seed",
+            "n",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "echo",
+            "logprobs",
+            "frequency_penalty",
+            "presence_penalty",
+        }
+    ),
+    ignored=frozenset({"user", "metadata", "service_tier"}),
+)
+MESSAGE = Policy(
+    honoured=frozenset({"role", "content", "name", "tool_calls", "tool_call_id"}),
+    ignored=frozenset({"refusal", "annotations", "reasoning_content", "reasoning", "cache_control"}),
+)
 TOOL = Policy(honoured=frozenset({"type", "function", "defer_loading"}), ignored=frozenset({"cache_control"}))
 FUNCTION = Policy(honoured=frozenset({"name", "description", "parameters", "strict"}))
 # Reasoning effort onto the template's thinking switch: off below "low".
@@ -52,10 +110,14 @@ def sampling(body: dict, fields: Fields) -> SamplingParams:
         fields.refuse("top_logprobs are not supported", "top_logprobs")
     try:
         get = lambda name, default: default if body.get(name) is None else body[name]  # noqa: E731  (null: the default)
-        return SamplingParams(temperature=float(get("temperature", 1.0)), top_p=float(get("top_p", 1.0)),
-                              top_k=int(body.get("top_k") or 0), min_p=float(body.get("min_p") or 0.0),
-                              repetition_penalty=float(body.get("repetition_penalty") or 1.0),
-                              seed=body.get("seed"))
+        return SamplingParams(
+            temperature=float(get("temperature", 1.0)),
+            top_p=float(get("top_p", 1.0)),
+            top_k=int(body.get("top_k") or 0),
+            min_p=float(body.get("min_p") or 0.0),
+            repetition_penalty=float(body.get("repetition_penalty") or 1.0),
+            seed=body.get("seed"),
+        )
     except (ValueError, TypeError) as e:
         fields.refuse(str(e))
         return SamplingParams()
@@ -93,8 +155,11 @@ def text_of(content, where: str, fields: Fields | None = None) -> str:
         for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in ("text", "input_text", "output_text"):
-                problem = (f"{where}: content part of type {kind!r} is not supported: this model reads text only"
-                           if kind else f"{where}: content parts must be objects with a type")
+                problem = (
+                    f"{where}: content part of type {kind!r} is not supported: this model reads text only"
+                    if kind
+                    else f"{where}: content parts must be objects with a type"
+                )
                 if fields is None:
                     raise APIError(400, problem, param="messages")
                 fields.refuse(problem, "messages")
@@ -147,13 +212,16 @@ def tool_defs(tools, fields: Fields) -> tuple[list[dict], dict[str, str]]:
             fields.refuse(f"tools[{i}]: a function needs a name", "tools")
             continue
         params = fn.get("parameters") or {"type": "object", "properties": {}}
-        out.append(fields.defer({"name": fn["name"], "description": fn.get("description") or "", "parameters": params},
-                                t, f"tools[{i}]"))
+        out.append(
+            fields.defer(
+                {"name": fn["name"], "description": fn.get("description") or "", "parameters": params}, t, f"tools[{i}]"
+            )
+        )
     return out, dropped
 
 
 def tool_choice(value, dropped: dict[str, str] | None = None):
-    """"auto" | "none" | "required" | {"name": NAME}; naming a tool this server does not run
+    """ "auto" | "none" | "required" | {"name": NAME}; naming a tool this server does not run
     (a dropped one) is a 400."""
     if value is None or value in ("auto", "none", "required"):
         return value or "auto"
@@ -166,16 +234,27 @@ def tool_choice(value, dropped: dict[str, str] | None = None):
     if isinstance(value, dict) and isinstance(value.get("type"), str):
         kind = value["type"]
         name = (value.get(kind) or {}).get("name") if isinstance(value.get(kind), dict) else value.get("name")
-        raise APIError(400, f"tool_choice names a tool of type {kind!r}{f' ({name!r})' if name else ''}: "
-                            "flashmoe serve runs function tools only", param="tool_choice")
-    raise APIError(400, "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
-                        "'function': {'name': ...}}", param="tool_choice")
+        raise APIError(
+            400,
+            f"tool_choice names a tool of type {kind!r}{f' ({name!r})' if name else ''}: "
+            "flashmoe serve runs function tools only",
+            param="tool_choice",
+        )
+    raise APIError(
+        400,
+        "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
+        param="tool_choice",
+    )
 
 
 def forced_name_check(choice, dropped: dict[str, str]) -> None:
     if isinstance(choice, dict) and choice["name"] in dropped:
-        raise APIError(400, f"tool_choice names {choice['name']!r}, a tool of type {dropped[choice['name']]!r}: "
-                            "flashmoe serve runs function tools only", param="tool_choice")
+        raise APIError(
+            400,
+            f"tool_choice names {choice['name']!r}, a tool of type {dropped[choice['name']]!r}: "
+            "flashmoe serve runs function tools only",
+            param="tool_choice",
+        )
 
 
 def response_format(value) -> tuple[bool, dict | None]:
@@ -187,8 +266,9 @@ def response_format(value) -> tuple[bool, dict | None]:
         spec = value.get("json_schema") or {}
         schema = spec.get("schema")
         if not isinstance(schema, dict):
-            raise APIError(400, "response_format.json_schema.schema must be a JSON Schema object",
-                           param="response_format")
+            raise APIError(
+                400, "response_format.json_schema.schema must be a JSON Schema object", param="response_format"
+            )
         return True, schema
     raise APIError(400, f"response_format type {value.get('type')!r} is not supported", param="response_format")
 
@@ -238,14 +318,21 @@ def parse_chat(body: dict, fields: Fields, default_max: int) -> ChatCall:
     tools, dropped = fields.attempt(tool_defs, body.get("tools"), fields, default=([], {}))
     choice = fields.attempt(tool_choice, body.get("tool_choice"), default="auto")
     fields.attempt(forced_name_check, choice, dropped)
-    return ChatCall(messages=fields.attempt(chat_messages, body.get("messages"), fields, default=[]), tools=tools,
-                    tool_choice=choice, parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
-                    response_schema=schema, json_reply=json_reply,
-                    max_tokens=fields.attempt(lambda: max_tokens(body, "max_completion_tokens", "max_tokens",
-                                                                 default=default_max), default=default_max),
-                    sampling=sampling(body, fields), stop=fields.attempt(stops, body.get("stop"), default=()),
-                    thinking=thinking_from_effort(body.get("reasoning_effort"), "reasoning_effort", fields),
-                    thinking_field="reasoning_effort")
+    return ChatCall(
+        messages=fields.attempt(chat_messages, body.get("messages"), fields, default=[]),
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
+        response_schema=schema,
+        json_reply=json_reply,
+        max_tokens=fields.attempt(
+            lambda: max_tokens(body, "max_completion_tokens", "max_tokens", default=default_max), default=default_max
+        ),
+        sampling=sampling(body, fields),
+        stop=fields.attempt(stops, body.get("stop"), default=()),
+        thinking=thinking_from_effort(body.get("reasoning_effort"), "reasoning_effort", fields),
+        thinking_field="reasoning_effort",
+    )
 
 
 def parse_completion(body: dict, fields: Fields, default_max: int) -> ChatCall:
@@ -257,34 +344,54 @@ def parse_completion(body: dict, fields: Fields, default_max: int) -> ChatCall:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise APIError(400, "prompt must be a string (one prompt per request)", param="prompt")
-    return ChatCall(messages=[], prompt=prompt, max_tokens=max_tokens(body, "max_tokens", default=16),
-                    sampling=sampling(body, fields), stop=stops(body.get("stop")))
+    return ChatCall(
+        messages=[],
+        prompt=prompt,
+        max_tokens=max_tokens(body, "max_tokens", default=16),
+        sampling=sampling(body, fields),
+        stop=stops(body.get("stop")),
+    )
 
 
 # -- responses ------------------------------------------------------------------------------
 
+
 def usage(reply: Reply) -> dict:
     d = reply.done
-    return {"prompt_tokens": d.prompt_tokens, "completion_tokens": d.generation_tokens,
-            "total_tokens": d.prompt_tokens + d.generation_tokens,
-            "prompt_tokens_details": {"cached_tokens": d.reused_prompt_tokens}}
+    return {
+        "prompt_tokens": d.prompt_tokens,
+        "completion_tokens": d.generation_tokens,
+        "total_tokens": d.prompt_tokens + d.generation_tokens,
+        "prompt_tokens_details": {"cached_tokens": d.reused_prompt_tokens},
+    }
 
 
 def conditions(reply: Reply, info) -> dict:
     """The flashmoe extension field: the conditions the figures were measured under."""
     d = reply.done
-    return {"bits": d.bits, "experts_per_token": d.top_k, "trained_experts_per_token": info.trained_top_k or d.top_k,
-            "experts": info.experts, "cache_state": d.cache_state,
-            "hit_rate": round(d.hit_rate, 4), "bytes_read_per_token": round(d.bytes_per_token),
-            "prefill_s": round(d.prefill_s, 4), "prompt_tok_per_s": round(d.prompt_tps, 2),
-            "decode_tok_per_s": round(d.generation_tps, 2), "invalid_tool_calls": reply.invalid}
+    return {
+        "bits": d.bits,
+        "experts_per_token": d.top_k,
+        "trained_experts_per_token": info.trained_top_k or d.top_k,
+        "experts": info.experts,
+        "cache_state": d.cache_state,
+        "hit_rate": round(d.hit_rate, 4),
+        "bytes_read_per_token": round(d.bytes_per_token),
+        "prefill_s": round(d.prefill_s, 4),
+        "prompt_tok_per_s": round(d.prompt_tps, 2),
+        "decode_tok_per_s": round(d.generation_tps, 2),
+        "invalid_tool_calls": reply.invalid,
+    }
 
 
 def openai_tool_calls(reply: Reply, streaming: bool = False, start: int = 0) -> list[dict]:
     out = []
     for i, c in enumerate(reply.calls[start:], start):
-        item = {"id": c.id, "type": "function",
-                "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+        item = {
+            "id": c.id,
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+        }
         out.append({"index": i, **item} if streaming else item)
     return out
 
@@ -296,14 +403,25 @@ def chat_response(gen, model: str, rid: str, info) -> dict:
         message["reasoning_content"] = reply.reasoning
     if reply.calls:
         message["tool_calls"] = openai_tool_calls(reply)
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": reply.finish_reason, "logprobs": None}],
-            "usage": usage(reply), "flashmoe": conditions(reply, info)}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": reply.finish_reason, "logprobs": None}],
+        "usage": usage(reply),
+        "flashmoe": conditions(reply, info),
+    }
 
 
 def chat_chunk(rid: str, model: str, delta: dict, finish: str | None = None) -> dict:
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+    }
 
 
 async def chat_chunks(gen, model: str, rid: str, info):
@@ -316,8 +434,20 @@ async def chat_chunks(gen, model: str, rid: str, info):
     async for d in gen.deltas():
         if d.kind == "call":
             streamed += 1
-            yield chat_chunk(rid, model, {"tool_calls": [{"index": d.index, "id": d.id, "type": "function",
-                                                          "function": {"name": d.name, "arguments": ""}}]})
+            yield chat_chunk(
+                rid,
+                model,
+                {
+                    "tool_calls": [
+                        {
+                            "index": d.index,
+                            "id": d.id,
+                            "type": "function",
+                            "function": {"name": d.name, "arguments": ""},
+                        }
+                    ]
+                },
+            )
         elif d.kind == "args":
             yield chat_chunk(rid, model, {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]})
         elif d.kind in ("text", "reasoning"):
@@ -329,22 +459,46 @@ async def chat_chunks(gen, model: str, rid: str, info):
     if len(reply.calls) > streamed:
         yield chat_chunk(rid, model, {"tool_calls": openai_tool_calls(reply, streaming=True, start=streamed)})
     yield chat_chunk(rid, model, {}, reply.finish_reason)
-    yield {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-           "choices": [], "usage": usage(reply), "flashmoe": conditions(reply, info)}
+    yield {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage(reply),
+        "flashmoe": conditions(reply, info),
+    }
 
 
 def completion_response(gen, model: str, rid: str, info) -> dict:
     reply = gen.reply
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": reply.text, "finish_reason": reply.finish_reason, "logprobs": None}],
-            "usage": usage(reply), "flashmoe": conditions(reply, info)}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": reply.text, "finish_reason": reply.finish_reason, "logprobs": None}],
+        "usage": usage(reply),
+        "flashmoe": conditions(reply, info),
+    }
 
 
 async def completion_chunks(gen, model: str, rid: str, info):
     async for d in gen.deltas():
-        yield {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-               "choices": [{"index": 0, "text": d.text, "finish_reason": None, "logprobs": None}]}
+        yield {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "text": d.text, "finish_reason": None, "logprobs": None}],
+        }
     reply = gen.reply
-    yield {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-           "choices": [{"index": 0, "text": "", "finish_reason": reply.finish_reason, "logprobs": None}],
-           "usage": usage(reply), "flashmoe": conditions(reply, info)}
+    yield {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": "", "finish_reason": reply.finish_reason, "logprobs": None}],
+        "usage": usage(reply),
+        "flashmoe": conditions(reply, info),
+    }

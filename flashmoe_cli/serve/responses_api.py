@@ -2,6 +2,7 @@
 or items (messages, function_call, function_call_output, reasoning), `instructions`, function
 tools, and streamed events. Nothing is stored, so `store: true` and `previous_response_id` are
 refused by name; what else each field comes to is in RESPONSES and docs/serve.md."""
+
 from __future__ import annotations
 
 import json
@@ -11,26 +12,75 @@ import time
 from .errors import APIError
 from .fields import Fields, Policy
 from .generation import ChatCall, Reply
-from .openai_api import (conditions, forced_name_check, max_tokens, response_format, sampling, text_of,
-                         thinking_from_effort, tool_choice)
+from .openai_api import (
+    conditions,
+    forced_name_check,
+    max_tokens,
+    response_format,
+    sampling,
+    text_of,
+    thinking_from_effort,
+    tool_choice,
+)
 
 RESPONSES = Policy(
-    honoured=frozenset({"model", "input", "instructions", "stream", "max_output_tokens", "temperature", "top_p",
-                        "tools", "tool_choice", "parallel_tool_calls", "store", "text", "reasoning", "include",
-                        "previous_response_id", "conversation", "background", "top_logprobs"}),
-    ignored=frozenset({"client_metadata", "metadata", "prompt_cache_key", "prompt_cache_retention", "service_tier",
-                       "safety_identifier", "user", "stream_options", "truncation"}))
+    honoured=frozenset(
+        {
+            "model",
+            "input",
+            "instructions",
+            "stream",
+            "max_output_tokens",
+            "temperature",
+            "top_p",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "store",
+            "text",
+            "reasoning",
+            "include",
+            "previous_response_id",
+            "conversation",
+            "background",
+            "top_logprobs",
+        }
+    ),
+    ignored=frozenset(
+        {
+            "client_metadata",
+            "metadata",
+            "prompt_cache_key",
+            "prompt_cache_retention",
+            "service_tier",
+            "safety_identifier",
+            "user",
+            "stream_options",
+            "truncation",
+        }
+    ),
+)
 TEXT = Policy(honoured=frozenset({"format"}), ignored=frozenset({"verbosity"}))
 REASONING = Policy(honoured=frozenset({"effort", "summary", "generate_summary"}))
-ITEM = Policy(honoured=frozenset({"type", "role", "content", "call_id", "name", "arguments", "output"}),
-              ignored=frozenset({"id", "status"}))
-FUNCTION = Policy(honoured=frozenset({"type", "name", "description", "parameters", "strict", "defer_loading"}),
-                  ignored=frozenset({"cache_control"}))
+ITEM = Policy(
+    honoured=frozenset({"type", "role", "content", "call_id", "name", "arguments", "output"}),
+    ignored=frozenset({"id", "status"}),
+)
+FUNCTION = Policy(
+    honoured=frozenset({"type", "name", "description", "parameters", "strict", "defer_loading"}),
+    ignored=frozenset({"cache_control"}),
+)
 SUMMARIES = ("auto", "concise", "detailed", "none")
 # include values about reasoning we do not encrypt, or tools we never run: they change nothing.
-IGNORED_INCLUDES = ("reasoning.encrypted_content", "web_search_call.action.sources", "web_search_call.results",
-                    "file_search_call.results", "code_interpreter_call.outputs",
-                    "computer_call_output.output.image_url", "message.input_image.image_url")
+IGNORED_INCLUDES = (
+    "reasoning.encrypted_content",
+    "web_search_call.action.sources",
+    "web_search_call.results",
+    "file_search_call.results",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "message.input_image.image_url",
+)
 
 
 def _input(body: dict, fields: Fields) -> list[dict]:
@@ -57,8 +107,9 @@ def _input(body: dict, fields: Fields) -> list[dict]:
             if role not in ("system", "user", "assistant"):
                 fields.refuse(f"{where}: role must be system, developer, user or assistant", "input")
                 continue
-            out.append({"role": role, "content": fields.attempt(text_of, item.get("content"), where, fields,
-                                                                default="")})
+            out.append(
+                {"role": role, "content": fields.attempt(text_of, item.get("content"), where, fields, default="")}
+            )
         elif kind == "function_call":
             try:
                 args = json.loads(item.get("arguments") or "{}")
@@ -72,12 +123,19 @@ def _input(body: dict, fields: Fields) -> list[dict]:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                        "content": output if isinstance(output, str) else text_of(output, where, fields)})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item.get("call_id"),
+                    "content": output if isinstance(output, str) else text_of(output, where, fields),
+                }
+            )
         else:
-            fields.refuse(f"{where}: item type {kind!r} is not supported"
-                          + (" (nothing is stored here: send the items themselves)" if kind == "item_reference"
-                             else ""), "input")
+            fields.refuse(
+                f"{where}: item type {kind!r} is not supported"
+                + (" (nothing is stored here: send the items themselves)" if kind == "item_reference" else ""),
+                "input",
+            )
     return out
 
 
@@ -95,9 +153,17 @@ def _tools(tools, fields: Fields) -> tuple[list[dict], dict[str, str]]:
         if not isinstance(t.get("name"), str):
             fields.refuse(f"tools[{i}]: a function tool needs a name", "tools")
             continue
-        out.append(fields.defer({"name": t["name"], "description": t.get("description") or "",
-                                 "parameters": t.get("parameters") or {"type": "object", "properties": {}}},
-                                t, f"tools[{i}]"))
+        out.append(
+            fields.defer(
+                {
+                    "name": t["name"],
+                    "description": t.get("description") or "",
+                    "parameters": t.get("parameters") or {"type": "object", "properties": {}},
+                },
+                t,
+                f"tools[{i}]",
+            )
+        )
     return out, dropped
 
 
@@ -106,8 +172,11 @@ def _tool_choice(choice, dropped: dict[str, str]):
     if isinstance(choice, dict) and choice.get("type") == "function":
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     elif isinstance(choice, dict) and choice.get("type") in dropped.values():
-        raise APIError(400, f"tool_choice names a tool of type {choice['type']!r}: flashmoe serve runs function "
-                            "tools only", param="tool_choice")
+        raise APIError(
+            400,
+            f"tool_choice names a tool of type {choice['type']!r}: flashmoe serve runs function tools only",
+            param="tool_choice",
+        )
     choice = tool_choice(choice)
     forced_name_check(choice, dropped)
     return choice
@@ -141,27 +210,42 @@ def parse_responses(body: dict, fields: Fields, default_max: int) -> ChatCall:
         fields.refuse(f"reasoning.summary must be one of {', '.join(SUMMARIES)}", "reasoning")
     tools, dropped = _tools(body.get("tools"), fields)
     choice = fields.attempt(_tool_choice, body.get("tool_choice"), dropped, default="auto")
-    return ChatCall(messages=fields.attempt(_input, body, fields, default=[]), tools=tools, tool_choice=choice,
-                    parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
-                    response_schema=schema, json_reply=json_reply,
-                    max_tokens=fields.attempt(lambda: max_tokens(body, "max_output_tokens", default=default_max),
-                                              default=default_max),
-                    sampling=sampling(body, fields), summary=summary not in (None, "none"),
-                    thinking=thinking_from_effort(reasoning.get("effort"), "reasoning.effort", fields),
-                    thinking_field="reasoning.effort")
+    return ChatCall(
+        messages=fields.attempt(_input, body, fields, default=[]),
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
+        response_schema=schema,
+        json_reply=json_reply,
+        max_tokens=fields.attempt(
+            lambda: max_tokens(body, "max_output_tokens", default=default_max), default=default_max
+        ),
+        sampling=sampling(body, fields),
+        summary=summary not in (None, "none"),
+        thinking=thinking_from_effort(reasoning.get("effort"), "reasoning.effort", fields),
+        thinking_field="reasoning.effort",
+    )
 
 
 def _usage(reply: Reply) -> dict:
     d = reply.done
-    return {"input_tokens": d.prompt_tokens, "output_tokens": d.generation_tokens,
-            "total_tokens": d.prompt_tokens + d.generation_tokens,
-            "input_tokens_details": {"cached_tokens": d.reused_prompt_tokens},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+    return {
+        "input_tokens": d.prompt_tokens,
+        "output_tokens": d.generation_tokens,
+        "total_tokens": d.prompt_tokens + d.generation_tokens,
+        "input_tokens_details": {"cached_tokens": d.reused_prompt_tokens},
+        "output_tokens_details": {"reasoning_tokens": 0},
+    }
 
 
 def _message(mid: str, text: str, status: str = "completed") -> dict:
-    return {"id": mid, "type": "message", "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []}
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "status": status,
+        "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else [],
+    }
 
 
 def _reasoning(rid: str, text: str, summary: bool) -> dict:
@@ -175,8 +259,14 @@ def _reasoning(rid: str, text: str, summary: bool) -> dict:
 
 
 def _call_item(c, item_id: str | None = None) -> dict:
-    return {"id": item_id or f"fc_{secrets.token_hex(8)}", "type": "function_call", "call_id": c.id, "name": c.name,
-            "arguments": json.dumps(c.arguments, ensure_ascii=False), "status": "completed"}
+    return {
+        "id": item_id or f"fc_{secrets.token_hex(8)}",
+        "type": "function_call",
+        "call_id": c.id,
+        "name": c.name,
+        "arguments": json.dumps(c.arguments, ensure_ascii=False),
+        "status": "completed",
+    }
 
 
 def _status(reply: Reply | None) -> str:
@@ -187,9 +277,19 @@ def _status(reply: Reply | None) -> str:
 
 def _response(rid: str, model: str, output: list, reply: Reply | None, info, created: int) -> dict:
     status = _status(reply)
-    out = {"id": rid, "object": "response", "created_at": created, "model": model, "output": output,
-           "status": status, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "error": None,
-           "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None}
+    out = {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "model": model,
+        "output": output,
+        "status": status,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+    }
     if reply is not None:
         out["usage"] = _usage(reply)
         out["flashmoe"] = conditions(reply, info)
@@ -229,23 +329,38 @@ async def events(gen, model: str, rid: str, info):
         if c["kind"] == "reasoning":
             item = _reasoning(c["id"], text, summary)
             if summary:
-                yield ev("response.reasoning_summary_text.done", item_id=c["id"], output_index=i, summary_index=0,
-                         text=text)
-                yield ev("response.reasoning_summary_part.done", item_id=c["id"], output_index=i, summary_index=0,
-                         part={"type": "summary_text", "text": text})
+                yield ev(
+                    "response.reasoning_summary_text.done", item_id=c["id"], output_index=i, summary_index=0, text=text
+                )
+                yield ev(
+                    "response.reasoning_summary_part.done",
+                    item_id=c["id"],
+                    output_index=i,
+                    summary_index=0,
+                    part={"type": "summary_text", "text": text},
+                )
             else:
                 yield ev("response.reasoning_text.done", item_id=c["id"], output_index=i, content_index=0, text=text)
         elif c["kind"] == "message":
             item = _message(c["id"], text)
-            yield ev("response.output_text.done", item_id=c["id"], output_index=i, content_index=0, text=text,
-                     logprobs=[])
-            yield ev("response.content_part.done", item_id=c["id"], output_index=i, content_index=0,
-                     part=item["content"][0])
+            yield ev(
+                "response.output_text.done", item_id=c["id"], output_index=i, content_index=0, text=text, logprobs=[]
+            )
+            yield ev(
+                "response.content_part.done", item_id=c["id"], output_index=i, content_index=0, part=item["content"][0]
+            )
         else:
-            item = {"id": c["id"], "type": "function_call", "call_id": c["call_id"], "name": c["name"],
-                    "arguments": text, "status": "completed"}
-            yield ev("response.function_call_arguments.done", item_id=c["id"], output_index=i, arguments=text,
-                     name=c["name"])
+            item = {
+                "id": c["id"],
+                "type": "function_call",
+                "call_id": c["call_id"],
+                "name": c["name"],
+                "arguments": text,
+                "status": "completed",
+            }
+            yield ev(
+                "response.function_call_arguments.done", item_id=c["id"], output_index=i, arguments=text, name=c["name"]
+            )
         output.append(item)
         yield ev("response.output_item.done", output_index=i, item=item)
 
@@ -255,19 +370,41 @@ async def events(gen, model: str, rid: str, info):
         prefix = {"reasoning": "rs", "message": "msg", "call": "fc"}[kind]
         current = {"kind": kind, "id": f"{prefix}_{secrets.token_hex(8)}", "text": "", "index": i, **extra}
         if kind == "reasoning":
-            yield ev("response.output_item.added", output_index=i, item={"id": current["id"], "type": "reasoning",
-                                                                         "summary": []})
+            yield ev(
+                "response.output_item.added",
+                output_index=i,
+                item={"id": current["id"], "type": "reasoning", "summary": []},
+            )
             if summary:
-                yield ev("response.reasoning_summary_part.added", item_id=current["id"], output_index=i,
-                         summary_index=0, part={"type": "summary_text", "text": ""})
+                yield ev(
+                    "response.reasoning_summary_part.added",
+                    item_id=current["id"],
+                    output_index=i,
+                    summary_index=0,
+                    part={"type": "summary_text", "text": ""},
+                )
         elif kind == "message":
             yield ev("response.output_item.added", output_index=i, item=_message(current["id"], "", "in_progress"))
-            yield ev("response.content_part.added", item_id=current["id"], output_index=i, content_index=0,
-                     part={"type": "output_text", "text": "", "annotations": []})
+            yield ev(
+                "response.content_part.added",
+                item_id=current["id"],
+                output_index=i,
+                content_index=0,
+                part={"type": "output_text", "text": "", "annotations": []},
+            )
         else:
-            yield ev("response.output_item.added", output_index=i, item={
-                "id": current["id"], "type": "function_call", "call_id": extra["call_id"], "name": extra["name"],
-                "arguments": "", "status": "in_progress"})
+            yield ev(
+                "response.output_item.added",
+                output_index=i,
+                item={
+                    "id": current["id"],
+                    "type": "function_call",
+                    "call_id": extra["call_id"],
+                    "name": extra["name"],
+                    "arguments": "",
+                    "status": "in_progress",
+                },
+            )
 
     yield ev("response.created", response=_response(rid, model, [], None, info, created))
     yield ev("response.in_progress", response=_response(rid, model, [], None, info, created))
@@ -291,11 +428,18 @@ async def events(gen, model: str, rid: str, info):
         current["text"] += d.text
         i, item_id = current["index"], current["id"]
         if kind == "message":
-            yield ev("response.output_text.delta", item_id=item_id, output_index=i, content_index=0, delta=d.text,
-                     logprobs=[])
+            yield ev(
+                "response.output_text.delta",
+                item_id=item_id,
+                output_index=i,
+                content_index=0,
+                delta=d.text,
+                logprobs=[],
+            )
         elif kind == "reasoning" and summary:
-            yield ev("response.reasoning_summary_text.delta", item_id=item_id, output_index=i, summary_index=0,
-                     delta=d.text)
+            yield ev(
+                "response.reasoning_summary_text.delta", item_id=item_id, output_index=i, summary_index=0, delta=d.text
+            )
         elif kind == "reasoning":
             yield ev("response.reasoning_text.delta", item_id=item_id, output_index=i, content_index=0, delta=d.text)
         else:
@@ -308,8 +452,14 @@ async def events(gen, model: str, rid: str, info):
             for e in open_item("message"):
                 yield e
         current["text"] += reply.invalid_text
-        yield ev("response.output_text.delta", item_id=current["id"], output_index=current["index"],
-                 content_index=0, delta=reply.invalid_text, logprobs=[])
+        yield ev(
+            "response.output_text.delta",
+            item_id=current["id"],
+            output_index=current["index"],
+            content_index=0,
+            delta=reply.invalid_text,
+            logprobs=[],
+        )
     for e in close():
         yield e
     streamed = sum(1 for o in output if o["type"] == "function_call")
@@ -318,8 +468,13 @@ async def events(gen, model: str, rid: str, info):
         i = len(output)
         yield ev("response.output_item.added", output_index=i, item={**item, "arguments": "", "status": "in_progress"})
         yield ev("response.function_call_arguments.delta", item_id=item["id"], output_index=i, delta=item["arguments"])
-        yield ev("response.function_call_arguments.done", item_id=item["id"], output_index=i,
-                 arguments=item["arguments"], name=item["name"])
+        yield ev(
+            "response.function_call_arguments.done",
+            item_id=item["id"],
+            output_index=i,
+            arguments=item["arguments"],
+            name=item["name"],
+        )
         output.append(item)
         yield ev("response.output_item.done", output_index=i, item=item)
     final = _response(rid, model, output, reply, info, created)

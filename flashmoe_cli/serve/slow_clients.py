@@ -8,6 +8,7 @@ request's first byte, or it is closed; the body then has `read_timeout` seconds 
 (limits.read_body). The protocol is h11's (uvicorn's pure-Python one, always: the same behaviour
 whatever else is installed).
 """
+
 from __future__ import annotations
 
 import h11

@@ -14,6 +14,7 @@ Approvals are the loop's approver's (approvers.ModalApprover: the chat screen as
 ApproveScreen). Cancelling the turn (Esc, Ctrl+C, quitting) answers a pending question "no", so
 the worker thread never waits on a screen that is gone.
 """
+
 from __future__ import annotations
 
 import threading
@@ -39,6 +40,7 @@ BATCH_S = 0.1  # token text is batched this long before the Markdown is updated 
 @dataclass
 class Reply:
     """The turn on screen, while it runs."""
+
     id: int
     handle: AgentTurn  # what stops it (cancel())
     box: AssistantMessage | None  # the model reply being shown; None between the replies of a tool-using turn

@@ -7,6 +7,7 @@ SIGHUP), the engine's warnings as notifications, and the app-wide keys (F1 help;
 Ctrl+T, priority keys that work over the modals too). The conversation is the default screen's:
 ChatScreen (screens/chat.py), with its own keys.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -42,8 +43,9 @@ class ChatApp(App[int]):
         Binding("ctrl+t", "toggle_reasoning", "Reasoning", show=False, priority=True, id="flashmoe.reasoning"),
     ]
 
-    def __init__(self, session, *, tools=None, cursor_blink: bool = True, rss=rss_bytes,
-                 show_layers: bool | None = None):
+    def __init__(
+        self, session, *, tools=None, cursor_blink: bool = True, rss=rss_bytes, show_layers: bool | None = None
+    ):
         """session: the ChatSession, with its engine (still loading); the other options are the
         chat screen's (tools: the ToolOptions of `flashmoe chat`; None, or no --tools: plain
         replies)."""
@@ -203,7 +205,9 @@ def run_tui(args) -> int:
     teach_alt_enter()
     tools = ToolOptions.from_args(args)
 
-    session = open_conversation(ConversationOptions.from_args(args), None, model_name=str(args.model or "demo"))  # checks the flags first
+    session = open_conversation(
+        ConversationOptions.from_args(args), None, model_name=str(args.model or "demo")
+    )  # checks the flags first
     if tools.tools:  # and the tool options (UsageError: exit 2 before any loading)
         from ..agent_cli import make_agent
         from ..approvers import DecliningApprover

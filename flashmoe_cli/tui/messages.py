@@ -3,6 +3,7 @@
 The engine's loading and warnings go to the App (app.py). A reply's progress goes straight to the
 chat screen (screens/chat.py), which alone handles it: those messages do not bubble on to the App.
 """
+
 from __future__ import annotations
 
 from textual.message import Message

@@ -1,4 +1,5 @@
 """Ctrl+P: the slash commands as command palette entries (the App's, so they are there over any screen)."""
+
 from __future__ import annotations
 
 from functools import partial

@@ -11,6 +11,7 @@ reaches stderr through logging's last resort, as it does in a process of its own
 databases the call opened are closed after it, as a process's exit closes them (one left open
 held the session's logs.db for a later call: "database is locked").
 """
+
 from __future__ import annotations
 
 import io
@@ -27,14 +28,22 @@ ROOT = Path(__file__).resolve().parents[2]
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE)
 
 
-def run_cli(*args, input: str | None = None, timeout: float = 120, env: dict | None = None,
-            process: bool = False) -> subprocess.CompletedProcess:
+def run_cli(
+    *args, input: str | None = None, timeout: float = 120, env: dict | None = None, process: bool = False
+) -> subprocess.CompletedProcess:
     """`flashmoe ARGS` the way a user's shell would run it; (returncode, stdout, stderr) as text."""
     if process:
         e = dict(os.environ, **(env or {}))
         e.pop("FORCE_COLOR", None)
-        return subprocess.run([sys.executable, "-m", "flashmoe.cli", *map(str, args)], input=input,
-                              capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
+        return subprocess.run(
+            [sys.executable, "-m", "flashmoe.cli", *map(str, args)],
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=e,
+            cwd=ROOT,
+        )
     return _in_process([str(a) for a in args], input or "", env or {})
 
 
@@ -70,8 +79,9 @@ def _in_process(argv: list[str], input: str, env: dict) -> subprocess.CompletedP
             os.dup2(f.fileno(), fd)
         sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8")
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                      errors="backslashreplace", line_buffering=True)
+        sys.stderr = io.TextIOWrapper(
+            io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+        )
         try:
             code = cli.main(argv)
         except SystemExit as e:  # argparse's usage errors, and the commands that exit

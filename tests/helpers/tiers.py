@@ -9,6 +9,7 @@ exactness suites (KEEP_FAST), whatever it took.
     python -m pytest -q --durations=0 > /tmp/durations.log   # (a warm numba cache)
     python -m tests.helpers.tiers /tmp/durations.log         # rewrites tests/slow_tests.txt
 """
+
 from __future__ import annotations
 
 import re
@@ -32,8 +33,11 @@ KEEP_FAST = re.compile(r"::test_(streamed_equals_resident|cpu_kernels_match_mlx_
 def slow_ids() -> set[str]:
     if not SLOW_FILE.is_file():
         return set()
-    return {line.strip() for line in SLOW_FILE.read_text(encoding="utf-8").splitlines()
-            if line.strip() and not line.startswith("#")}
+    return {
+        line.strip()
+        for line in SLOW_FILE.read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.startswith("#")
+    }
 
 
 def is_slow(nodeid: str, listed: set[str]) -> bool:
@@ -57,11 +61,17 @@ def main(argv: list[str]) -> int:
         print("usage: python -m tests.helpers.tiers DURATIONS_LOG", file=sys.stderr)
         return 2
     seconds = durations(Path(argv[0]).read_text(encoding="utf-8"))
-    slow = sorted(t for t, s in seconds.items()
-                  if s >= SLOW_S and not KEEP_FAST.search(t) and t.split("::", 1)[0] not in SLOW_MODULES)
+    slow = sorted(
+        t
+        for t, s in seconds.items()
+        if s >= SLOW_S and not KEEP_FAST.search(t) and t.split("::", 1)[0] not in SLOW_MODULES
+    )
     tmp = SLOW_FILE.with_suffix(".tmp")
-    tmp.write_text(f"# Tests measured at {SLOW_S} s or more (python -m tests.helpers.tiers); "
-                   "the slow tier.\n" + "".join(f"{t}\n" for t in slow), encoding="utf-8")
+    tmp.write_text(
+        f"# Tests measured at {SLOW_S} s or more (python -m tests.helpers.tiers); "
+        "the slow tier.\n" + "".join(f"{t}\n" for t in slow),
+        encoding="utf-8",
+    )
     tmp.replace(SLOW_FILE)
     print(f"{len(slow)} tests listed in {SLOW_FILE}")
     return 0

@@ -4,6 +4,7 @@ The model's side is played by calling the tools, the policy and the runner exact
 loop does with whatever arguments a model could write; tests/test_attacks_cli.py drives the same
 attacks through `flashmoe agent` where they are visible to a user. docs/security.md keeps the table.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,10 +45,18 @@ def executor_for(policy: Policy, tools, answers=None) -> ToolExecutor:
 
 # ---- 1. option injection into command tools -------------------------------------------------------
 
-SORT_TOOL = [{"type": "function", "function": {
-    "name": "sort_file", "description": "Sort a file's lines.",
-    "parameters": {"type": "object", "properties": {"file": {"type": "string"}}, "required": ["file"]}},
-    "command": ["sort", "{file}"], "paths": ["file"]}]
+SORT_TOOL = [
+    {
+        "type": "function",
+        "function": {
+            "name": "sort_file",
+            "description": "Sort a file's lines.",
+            "parameters": {"type": "object", "properties": {"file": {"type": "string"}}, "required": ["file"]},
+        },
+        "command": ["sort", "{file}"],
+        "paths": ["file"],
+    }
+]
 
 
 @pytest.mark.parametrize("value", ["-o{out}", "--output={out}", "--files0-from={out}", "-o", "--", "-"])
@@ -64,9 +73,13 @@ def test_option_injection_into_a_path_placeholder_is_refused(tmp_path, ws, value
 
 def test_option_injection_into_a_string_placeholder_is_refused(tmp_path, ws):
     out = tmp_path / "outside" / "x"
-    tool = [{"name": "grep_word", "parameters": {"type": "object", "properties": {"word": {"type": "string"}},
-                                                  "required": ["word"]},
-             "command": ["grep", "-r", "{word}", "."]}]
+    tool = [
+        {
+            "name": "grep_word",
+            "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+            "command": ["grep", "-r", "{word}", "."],
+        }
+    ]
     (tmp_path / "flashmoe.tools.json").write_text(json.dumps(tool))
     policy = Policy(ws, "yolo", dangerously_skip_approvals=True)
     tools = load_tool_file(tmp_path / "flashmoe.tools.json", CommandRunner(cwd=ws))
@@ -76,9 +89,14 @@ def test_option_injection_into_a_string_placeholder_is_refused(tmp_path, ws):
 
 def test_values_after_a_literal_double_dash_may_start_with_a_dash(tmp_path, ws):
     (ws / "-odd.txt").write_text("z\ny\n")
-    tool = [{"name": "sort_file", "parameters": {"type": "object", "properties": {"file": {"type": "string"}},
-                                                  "required": ["file"]},
-             "command": ["sort", "--", "{file}"], "paths": ["file"]}]
+    tool = [
+        {
+            "name": "sort_file",
+            "parameters": {"type": "object", "properties": {"file": {"type": "string"}}, "required": ["file"]},
+            "command": ["sort", "--", "{file}"],
+            "paths": ["file"],
+        }
+    ]
     (tmp_path / "flashmoe.tools.json").write_text(json.dumps(tool))
     policy = Policy(ws, "yolo", dangerously_skip_approvals=True)
     tools = load_tool_file(tmp_path / "flashmoe.tools.json", CommandRunner(cwd=ws))
@@ -102,13 +120,15 @@ def test_the_command_gets_the_path_that_was_checked(tmp_path, ws, monkeypatch):
 
 # ---- 2. code execution through a planted git directory --------------------------------------------
 
+
 def plant_git_dir(root: Path, marker: Path) -> None:
     """What `git init --bare` leaves, with a config that runs a command on `git status`."""
     (root / "objects").mkdir(parents=True, exist_ok=True)
     (root / "refs" / "heads").mkdir(parents=True, exist_ok=True)
     (root / "HEAD").write_text("ref: refs/heads/main\n")
-    (root / "config").write_text(f"[core]\n\trepositoryformatversion = 0\n\tbare = true\n"
-                                 f"\tfsmonitor = \"touch {marker}\"\n\thooksPath = hooks\n")
+    (root / "config").write_text(
+        f'[core]\n\trepositoryformatversion = 0\n\tbare = true\n\tfsmonitor = "touch {marker}"\n\thooksPath = hooks\n'
+    )
 
 
 def test_planted_bare_repository_cannot_run_code_through_git(tmp_path, ws):
@@ -127,20 +147,26 @@ def test_planted_config_cannot_override_a_real_repository(tmp_path, ws):
     subprocess.run(["git", "init", "-q", str(ws)], check=True)
     # Written by someone else before the session (tools cannot write .git): still neutralised.
     with open(ws / ".git" / "config", "a") as f:
-        f.write(f"[core]\n\tfsmonitor = \"touch {marker}\"\n[core]\n\tpager = touch {marker}\n")
+        f.write(f'[core]\n\tfsmonitor = "touch {marker}"\n[core]\n\tpager = touch {marker}\n')
     res = run_command(["git", "status"], cwd=ws)
     assert res.ok, res.content
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("order", [("objects/x", "refs/heads/main", "config", "HEAD"),
-                                   ("HEAD", "config", "objects/x", "refs/heads/main"),
-                                   ("sub/HEAD", "sub/refs/x", "sub/objects/info/x", "sub/config")])
+@pytest.mark.parametrize(
+    "order",
+    [
+        ("objects/x", "refs/heads/main", "config", "HEAD"),
+        ("HEAD", "config", "objects/x", "refs/heads/main"),
+        ("sub/HEAD", "sub/refs/x", "sub/objects/info/x", "sub/config"),
+    ],
+)
 def test_writes_that_would_make_a_git_directory_are_refused(tmp_path, ws, order):
     policy = Policy(ws, "workspace-write")
     ex = executor_for(policy, builtin_tools(policy))
-    results = [ex.execute(ToolCall("write_file", {"path": p, "content": "ref: refs/heads/main\n"}, "raw"))
-               for p in order]
+    results = [
+        ex.execute(ToolCall("write_file", {"path": p, "content": "ref: refs/heads/main\n"}, "raw")) for p in order
+    ]
     refused = [r for r in results if not r.ok]
     assert refused, [r.content for r in results]
     assert "git repository" in refused[0].content
@@ -159,16 +185,19 @@ def test_a_dot_git_file_is_refused(ws, path):
 
 # ---- 4. nothing outlives a tool call --------------------------------------------------------------
 
+
 def test_children_that_call_setsid_are_killed():
-    code = ("import os, sys, time\n"
-            "if os.fork() == 0:\n"
-            "    os.setsid()\n"
-            "    if os.fork() == 0:\n"
-            "        print(os.getpid(), flush=True)\n"
-            "        os.close(1); os.close(2)\n"
-            "        time.sleep(100)\n"
-            "    os._exit(0)\n"
-            "time.sleep(0.3)\n")
+    code = (
+        "import os, sys, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        print(os.getpid(), flush=True)\n"
+        "        os.close(1); os.close(2)\n"
+        "        time.sleep(100)\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.3)\n"
+    )
     m = marker()  # in its command line: the PID it prints may be a PID namespace's own
     res = run_command([sys.executable, "-c", code, m], timeout=20)
     assert res.ok, res.content
@@ -178,17 +207,21 @@ def test_children_that_call_setsid_are_killed():
 
 def test_setsid_command_and_nohup_background_jobs_are_killed():
     a, b = marker(), marker()
-    res = run_command(["sh", "-c", f"setsid sleep {a} >/dev/null 2>&1 & echo $!; nohup sleep {b} >/dev/null 2>&1 & "
-                                   "echo $!"], timeout=20)
+    res = run_command(
+        ["sh", "-c", f"setsid sleep {a} >/dev/null 2>&1 & echo $!; nohup sleep {b} >/dev/null 2>&1 & echo $!"],
+        timeout=20,
+    )
     pids = [int(x) for x in res.content.split()]
     assert len(pids) == 2 and survivors(a) == [] and survivors(b) == []
 
 
 def test_timeout_kills_setsid_descendants_too():
-    code = ("import os, time\n"
-            "if os.fork() == 0:\n"
-            "    os.setsid(); print(os.getpid(), flush=True); time.sleep(100)\n"
-            "time.sleep(100)\n")
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid(); print(os.getpid(), flush=True); time.sleep(100)\n"
+        "time.sleep(100)\n"
+    )
     m = marker()
     start = time.monotonic()
     res = run_command([sys.executable, "-c", code, m], timeout=1.5)
@@ -204,6 +237,7 @@ def test_exit_code_and_signal_pass_through_the_reaper():
 
 
 # ---- 5. no TOCTOU: a component swapped for a symlink after the check ------------------------------
+
 
 def test_symlink_swapped_in_after_the_check_is_not_followed(tmp_path, ws, monkeypatch):
     (ws / "dir").mkdir()
@@ -264,8 +298,10 @@ def test_writes_through_a_hard_link_to_an_outside_file_are_refused(tmp_path, ws)
     os.link(victim, ws / "innocent.txt")
     policy = Policy(ws, "workspace-write")
     ex = executor_for(policy, builtin_tools(policy))
-    for call in (ToolCall("write_file", {"path": "innocent.txt", "content": "owned"}, "raw"),
-                 ToolCall("edit_file", {"path": "innocent.txt", "old_string": "keep", "new_string": "owned"}, "raw")):
+    for call in (
+        ToolCall("write_file", {"path": "innocent.txt", "content": "owned"}, "raw"),
+        ToolCall("edit_file", {"path": "innocent.txt", "old_string": "keep", "new_string": "owned"}, "raw"),
+    ):
         res = ex.execute(call)
         assert not res.ok and "hard link" in res.content, res.content
     assert victim.read_text() == "keep\n"
@@ -302,8 +338,9 @@ JUNK = {
 @pytest.mark.parametrize("fmt", ["json_tools", "plain_json", "mistral"])
 def test_junk_arguments_get_a_message_and_a_repair_round(ws, kind, fmt):
     body = JUNK[kind]
-    raw = {"json_tools": f"<tool_call>\n{body}\n</tool_call>", "plain_json": body,
-           "mistral": f"[TOOL_CALLS][{body}]"}[fmt]
+    raw = {"json_tools": f"<tool_call>\n{body}\n</tool_call>", "plain_json": body, "mistral": f"[TOOL_CALLS][{body}]"}[
+        fmt
+    ]
     calls = parse_calls(get_parser(fmt), raw, None)
     assert len(calls) == 1
     policy = Policy(ws, "ask")
@@ -318,13 +355,15 @@ def test_junk_arguments_get_a_message_and_a_repair_round(ws, kind, fmt):
 def test_junk_in_an_openai_arguments_string(ws):
     policy = Policy(ws, "ask")
     ex = executor_for(policy, builtin_tools(policy))
-    call = ToolCall.from_openai({"function": {"name": "read_file",
-                                              "arguments": '{"path": ' + "[" * 30000 + "]" * 30000 + "}"}})
+    call = ToolCall.from_openai(
+        {"function": {"name": "read_file", "arguments": '{"path": ' + "[" * 30000 + "]" * 30000 + "}"}}
+    )
     res = ex.execute(call)
     assert res.status == "invalid" and "nest" in res.content
 
 
 # ---- 7. read-only tools have limits ---------------------------------------------------------------
+
 
 def finishes(fn, limit: float):
     box: dict = {}
@@ -385,11 +424,31 @@ def test_every_tool_has_a_wall_clock_limit(ws):
 
 # ---- 9. secrets do not reach commands --------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["MY_API_TOKEN", "TOKEN", "GH_TOKEN_FOR_CI", "APP_SECRET_VALUE", "DB_PASSWORD",
-                                  "OPENAI_API_KEY", "KEY", "SIGNING_KEY_ID", "GITHUB_PAT", "DATABASE_URL",
-                                  "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE", "AZURE_CLIENT_ID",
-                                  "GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_AUTH_ACCESS_TOKEN_FILE",
-                                  "KUBECONFIG", "DOCKER_CONFIG", "SSH_AUTH_SOCK", "NETRC"])
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "MY_API_TOKEN",
+        "TOKEN",
+        "GH_TOKEN_FOR_CI",
+        "APP_SECRET_VALUE",
+        "DB_PASSWORD",
+        "OPENAI_API_KEY",
+        "KEY",
+        "SIGNING_KEY_ID",
+        "GITHUB_PAT",
+        "DATABASE_URL",
+        "AWS_PROFILE",
+        "AWS_SHARED_CREDENTIALS_FILE",
+        "AZURE_CLIENT_ID",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+        "CLOUDSDK_AUTH_ACCESS_TOKEN_FILE",
+        "KUBECONFIG",
+        "DOCKER_CONFIG",
+        "SSH_AUTH_SOCK",
+        "NETRC",
+    ],
+)
 def test_secret_variables_are_scrubbed(name):
     assert name not in scrub_env({name: "x", "PATH": "/bin"})
 
@@ -408,11 +467,13 @@ def test_relative_path_entries_are_dropped_from_commands_path(ws):
 def test_a_command_cannot_read_the_parents_environment_through_proc(tmp_path):
     # The parent is a real process started with a secret in its environment, as a user's shell
     # would start flashmoe; its tool command walks /proc up to init.
-    code = ("import sys; from tools.runner import run_command, seal_environment\n"
-            "seal_environment()\n"
-            "cmd = 'p=$$; while [ \"$p\" -gt 1 ]; do cat /proc/$p/environ; echo; "
-            "p=$(sed \"s/.*) //\" /proc/$p/stat | cut -d\" \" -f2); done'\n"
-            "print(run_command(['sh', '-c', cmd]).content)\n")
+    code = (
+        "import sys; from tools.runner import run_command, seal_environment\n"
+        "seal_environment()\n"
+        'cmd = \'p=$$; while [ "$p" -gt 1 ]; do cat /proc/$p/environ; echo; '
+        'p=$(sed "s/.*) //" /proc/$p/stat | cut -d" " -f2); done\'\n'
+        "print(run_command(['sh', '-c', cmd]).content)\n"
+    )
     env = dict(os.environ, ZZ_SERVICE_TOKEN="hunter2-do-not-leak", PYTHONPATH=str(Path(__file__).parents[2]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -420,10 +481,24 @@ def test_a_command_cannot_read_the_parents_environment_through_proc(tmp_path):
     assert "hunter2-do-not-leak" not in out.stdout
 
 
-@pytest.mark.parametrize("path", ["~/.aws/credentials", "~/.netrc", "~/.git-credentials", "~/.config/gh/hosts.yml",
-                                  "~/.docker/config.json", "~/.kube/config", "~/.ssh/id_ed25519",
-                                  ".aws/credentials", ".netrc", ".config/gh/hosts.yml", ".gnupg/secring.gpg",
-                                  ".pypirc", ".npmrc"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "~/.aws/credentials",
+        "~/.netrc",
+        "~/.git-credentials",
+        "~/.config/gh/hosts.yml",
+        "~/.docker/config.json",
+        "~/.kube/config",
+        "~/.ssh/id_ed25519",
+        ".aws/credentials",
+        ".netrc",
+        ".config/gh/hosts.yml",
+        ".gnupg/secring.gpg",
+        ".pypirc",
+        ".npmrc",
+    ],
+)
 def test_credential_files_are_refused_with_the_workspace_at_home(tmp_path, monkeypatch, path):
     home = tmp_path / "home"
     home.mkdir()
@@ -439,12 +514,38 @@ def test_credential_files_are_refused_with_the_workspace_at_home(tmp_path, monke
 
 # ---- 12. deny rules match what runs; allow prefixes match whole words -----------------------------
 
-@pytest.mark.parametrize("command", ["rm -rf x", "rm\t-f x", "/bin/rm -f x", "command rm x", "env rm x",
-                                     "env -i FOO=1 rm x", "'rm' x", '"r"m x', "\\rm x", "FOO=1 rm x",
-                                     "nice -n 5 rm x", "nohup rm x", "sudo rm x", "exec rm x", "timeout 5 rm x",
-                                     "sh -c 'rm -f x'", "bash -c \"ls; rm x\"", "true && rm x", "ls | xargs rm",
-                                     "find . -exec rm {} ;", "busybox rm x", "ls\nrm x", "$(echo rm) x",
-                                     "`echo rm` x", "r${X}m x", "rm"])
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "rm -rf x",
+        "rm\t-f x",
+        "/bin/rm -f x",
+        "command rm x",
+        "env rm x",
+        "env -i FOO=1 rm x",
+        "'rm' x",
+        '"r"m x',
+        "\\rm x",
+        "FOO=1 rm x",
+        "nice -n 5 rm x",
+        "nohup rm x",
+        "sudo rm x",
+        "exec rm x",
+        "timeout 5 rm x",
+        "sh -c 'rm -f x'",
+        'bash -c "ls; rm x"',
+        "true && rm x",
+        "ls | xargs rm",
+        "find . -exec rm {} ;",
+        "busybox rm x",
+        "ls\nrm x",
+        "$(echo rm) x",
+        "`echo rm` x",
+        "r${X}m x",
+        "rm",
+    ],
+)
 def test_deny_rules_catch_every_spelling_of_the_program(ws, command):
     policy = Policy(ws, "yolo", dangerously_skip_approvals=True, deny=["run_shell(rm *)"])
     tool = ToolRegistry(builtin_tools(policy))["run_shell"]
@@ -458,13 +559,25 @@ def test_deny_rules_do_not_catch_arguments_that_merely_name_the_program(ws, comm
     assert policy.decide(tool, {"command": command}).action == "allow", command
 
 
-@pytest.mark.parametrize("command, allowed", [
-    ("git status", True), ("git status --short", True), ("git  status", True), ("git statusx", False),
-    ("git status; rm -rf ~", False), ("./git status", False), ("/tmp/git status", False),
-    ("git diff", True), ("git diff HEAD~1", True), ("git diff --output=/tmp/x", False),
-    ("git diff --output /tmp/x", False), ("git diff --ext-diff", False), ("git -c core.pager=sh diff", False),
-    ("git diff --no-index /etc/shadow x", False),
-])
+@pytest.mark.parametrize(
+    "command, allowed",
+    [
+        ("git status", True),
+        ("git status --short", True),
+        ("git  status", True),
+        ("git statusx", False),
+        ("git status; rm -rf ~", False),
+        ("./git status", False),
+        ("/tmp/git status", False),
+        ("git diff", True),
+        ("git diff HEAD~1", True),
+        ("git diff --output=/tmp/x", False),
+        ("git diff --output /tmp/x", False),
+        ("git diff --ext-diff", False),
+        ("git -c core.pager=sh diff", False),
+        ("git diff --no-index /etc/shadow x", False),
+    ],
+)
 def test_allow_prefixes_match_whole_words_and_not_side_effect_options(ws, command, allowed):
     policy = Policy(ws, "ask", allow=["run_shell(git status*)", "run_shell(git diff*)"])
     tool = ToolRegistry(builtin_tools(policy))["run_shell"]
@@ -472,6 +585,7 @@ def test_allow_prefixes_match_whole_words_and_not_side_effect_options(ws, comman
 
 
 # ---- 13. a user's tool file that is nested absurdly deep, a FIFO, or huge -------------------------
+
 
 @pytest.mark.parametrize("kind", ["json", "yaml", "fifo", "huge"])
 def test_a_tool_file_that_cannot_be_read_is_one_line(tmp_path, kind):
@@ -487,5 +601,6 @@ def test_a_tool_file_that_cannot_be_read_is_one_line(tmp_path, kind):
     with pytest.raises(ToolFileError) as e:
         finishes(lambda: load_tool_file(path), 10)
     assert str(e.value).startswith(f"{path}: ") and "\n" not in str(e.value)
-    assert {"json": "nested too deeply", "yaml": "nested too deeply", "fifo": "not a regular file",
-            "huge": "at most"}[kind] in str(e.value)
+    assert {"json": "nested too deeply", "yaml": "nested too deeply", "fifo": "not a regular file", "huge": "at most"}[
+        kind
+    ] in str(e.value)

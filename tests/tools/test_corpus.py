@@ -14,6 +14,7 @@ Deliberate deviations from a peer are written in the case's "deviation" field (t
 them); cases that need a TextState change are marked "needs_textstate" with what is missing and
 count as failures in the pass rate until TextState has it.
 """
+
 from __future__ import annotations
 
 import json

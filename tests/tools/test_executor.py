@@ -1,4 +1,5 @@
 """ToolExecutor end to end: parse -> validate -> policy -> approval -> run."""
+
 from __future__ import annotations
 
 import pytest
@@ -57,9 +58,11 @@ def test_run_shell_needs_approval_and_headless_fails_closed(ws):
     ex = make(ws, "workspace-write", approver)
     res = ex.execute(call("run_shell", command="touch made.txt"))
     assert (res.ok, res.status) == (False, "approval-needed")
-    assert res.content == ("refused: run_shell(touch made.txt) runs a command and needs an explicit yes, and this "
-                           "run is non-interactive, so nobody can approve it. Do not retry; continue without it or "
-                           "tell the user what needs approval.")
+    assert res.content == (
+        "refused: run_shell(touch made.txt) runs a command and needs an explicit yes, and this "
+        "run is non-interactive, so nobody can approve it. Do not retry; continue without it or "
+        "tell the user what needs approval."
+    )
     assert not (ws / "made.txt").exists()
     assert ex.approval_needed and approver.needed[0][0].arguments == {"command": "touch made.txt"}
     # writes are fine in workspace-write without asking
@@ -87,9 +90,12 @@ def test_interactive_answers(ws):
     approver = ScriptedApprover(["no", "yes", "always"])
     ex = make(ws, "ask", approver)
     res = ex.execute(call("run_shell", command="echo 1"))
-    assert (res.status, res.content) == ("declined", "the user declined this call (run_shell(echo 1) runs a command "
-                                                      "and needs an explicit yes). Do not retry it; ask the user "
-                                                      "or try another way.")
+    assert (res.status, res.content) == (
+        "declined",
+        "the user declined this call (run_shell(echo 1) runs a command "
+        "and needs an explicit yes). Do not retry it; ask the user "
+        "or try another way.",
+    )
     assert ex.execute(call("run_shell", command="echo 1")).content == "1\n"
     assert ex.execute(call("run_shell", command="echo 2")).content == "2\n"  # "always" for this command
     assert ex.execute(call("run_shell", command="echo 2")).content == "2\n"  # no question asked
@@ -124,8 +130,9 @@ def test_validation_and_repair_rounds(ws):
 def test_unknown_tool_message(ws):
     ex = make(ws)
     res = ex.execute(parsed('<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>'))
-    assert res.content.splitlines()[0] == ("unknown tool 'bash'; available: read_file, list_dir, search_files, "
-                                           "write_file, edit_file, run_shell")
+    assert res.content.splitlines()[0] == (
+        "unknown tool 'bash'; available: read_file, list_dir, search_files, write_file, edit_file, run_shell"
+    )
 
 
 def test_backslash_call_is_repaired_run_and_reported(ws):
@@ -133,9 +140,11 @@ def test_backslash_call_is_repaired_run_and_reported(ws):
     raw = "<tool_call>\n{\\name\\: \\read_file\\, \\arguments\\: {\\path\\: \\a.txt\\}}\n</tool_call>"
     res = ex.execute(parsed(raw))
     assert res.ok
-    assert res.content == ("[note: malformed JSON in the arguments for 'read_file': the arguments use backslashes "
-                           "where JSON needs double quotes (a known low-bit quantization failure). The call was run "
-                           "with double quotes put back; write standard JSON next time.]\nhello\n")
+    assert res.content == (
+        "[note: malformed JSON in the arguments for 'read_file': the arguments use backslashes "
+        "where JSON needs double quotes (a known low-bit quantization failure). The call was run "
+        "with double quotes put back; write standard JSON next time.]\nhello\n"
+    )
     assert [(r.raw, r.repaired) for r in ex.rejected] == [(raw, True)]
     assert ex.repair.rounds == 0
     strict = make(ws, accept_repaired=False)
@@ -150,8 +159,10 @@ def test_chain_limit(ws):
     assert ex.chain_exhausted
     res = ex.execute(c)
     assert (res.status, res.stop) == ("chain-limit", True)
-    assert res.content == ("refused: the chain limit is reached (2 rounds of tool calls for this message); answer "
-                           "the user with what you have")
+    assert res.content == (
+        "refused: the chain limit is reached (2 rounds of tool calls for this message); answer "
+        "the user with what you have"
+    )
     ex.extend_chain(1)
     assert ex.execute(c).ok
     ex.begin_turn()
@@ -167,10 +178,14 @@ def test_tool_exceptions_become_results(ws):
     def fails(x: str):
         raise ToolRunError("no such thing")
 
-    reg = ToolRegistry([Tool("boom", "", {"type": "object", "properties": {"x": {"type": "string"}}}, boom),
-                        Tool("fails", "", {"type": "object", "properties": {"x": {"type": "string"}}}, fails),
-                        Tool("data", "", {}, lambda: {"a": [1, "é"]}),
-                        Tool("big", "", {}, lambda: "y" * 50)])
+    reg = ToolRegistry(
+        [
+            Tool("boom", "", {"type": "object", "properties": {"x": {"type": "string"}}}, boom),
+            Tool("fails", "", {"type": "object", "properties": {"x": {"type": "string"}}}, fails),
+            Tool("data", "", {}, lambda: {"a": [1, "é"]}),
+            Tool("big", "", {}, lambda: "y" * 50),
+        ]
+    )
     ex = ToolExecutor(reg, policy, max_output=20)
     assert ex.execute(call("boom", x="1")).content == "boom failed: ValueError: bad x"
     assert ex.execute(call("fails", x="1")).content == "no such thing"
@@ -185,4 +200,6 @@ def test_records_and_callback(ws):
     ex.execute(call("read_file", path="a.txt"))
     ex.execute(call("read_file", path=".env"))
     assert [(r.name, r.status, r.decision, r.turn, r.round) for r in seen] == [
-        ("read_file", "ok", "allow", 1, 1), ("read_file", "denied", "deny", 1, 2)]
+        ("read_file", "ok", "allow", 1, 1),
+        ("read_file", "denied", "deny", 1, 2),
+    ]

@@ -14,6 +14,7 @@ its argued deviations is a miss.
 
 prints the figures.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,9 +56,11 @@ def test_rate_of_peer_cases_parsed_as_the_peers_expect():
     new = [ok for v in by_source.values() for ok in v]
     old = [matches_peer(c) for c in OLD_CASES]  # (the older corpus's deviations are misses)
     both = new + old
-    print(f"peer cases new in issue 40: {sum(new)}/{len(new)} = {sum(new) / len(new):.1%} "
-          f"({', '.join(f'{k} {sum(v)}/{len(v)}' for k, v in sorted(by_source.items()))}); "
-          f"all peer cases, tests/fixtures/parser_corpus included: {sum(both)}/{len(both)} = {sum(both) / len(both):.1%}")
+    print(
+        f"peer cases new in issue 40: {sum(new)}/{len(new)} = {sum(new) / len(new):.1%} "
+        f"({', '.join(f'{k} {sum(v)}/{len(v)}' for k, v in sorted(by_source.items()))}); "
+        f"all peer cases, tests/fixtures/parser_corpus included: {sum(both)}/{len(both)} = {sum(both) / len(both):.1%}"
+    )
     for c in NEW_CASES:
         if "deviation" in c:
             print(f"deviation {c['id']}: {c['deviation']}")

@@ -1,4 +1,5 @@
 """Policy: sandbox, deny list, modes, deny > ask > allow, approvers."""
+
 from __future__ import annotations
 
 import os
@@ -35,22 +36,25 @@ def tools_for(policy):
     return ToolRegistry(builtin_tools(policy))
 
 
-@pytest.mark.parametrize("path, fragment", [
-    ("../outside/secret.txt", "is outside the workspace"),
-    ("src/../../outside/secret.txt", "is outside the workspace"),
-    ("/etc/passwd", "is outside the workspace"),
-    ("~/.ssh/id_rsa", "is outside the workspace"),
-    ("link_out/secret.txt", "resolves through a symlink to"),
-    ("file_out", "resolves through a symlink to"),
-    (".env", "is on the deny list (**/.env*)"),
-    ("sub/.env.local", "is on the deny list (**/.env*)"),
-    ("innocent", "is on the deny list (**/.env*)"),  # a link to .env
-    (".ENV", "is on the deny list (**/.env*)"),
-    (".git/config", "is on the deny list (.git/**)"),
-    (".git", "is on the deny list (.git/**)"),
-    ("sub/.git/HEAD", "is on the deny list (**/.git/**)"),
-    ("", "empty path"),
-])
+@pytest.mark.parametrize(
+    "path, fragment",
+    [
+        ("../outside/secret.txt", "is outside the workspace"),
+        ("src/../../outside/secret.txt", "is outside the workspace"),
+        ("/etc/passwd", "is outside the workspace"),
+        ("~/.ssh/id_rsa", "is outside the workspace"),
+        ("link_out/secret.txt", "resolves through a symlink to"),
+        ("file_out", "resolves through a symlink to"),
+        (".env", "is on the deny list (**/.env*)"),
+        ("sub/.env.local", "is on the deny list (**/.env*)"),
+        ("innocent", "is on the deny list (**/.env*)"),  # a link to .env
+        (".ENV", "is on the deny list (**/.env*)"),
+        (".git/config", "is on the deny list (.git/**)"),
+        (".git", "is on the deny list (.git/**)"),
+        ("sub/.git/HEAD", "is on the deny list (**/.git/**)"),
+        ("", "empty path"),
+    ],
+)
 def test_sandbox_refusals(ws, path, fragment):
     sb = Sandbox(ws)
     with pytest.raises(PathRefused) as e:
@@ -81,18 +85,22 @@ def test_exact_refusal_messages(ws):
     root = ws.resolve()
     assert sb.check("../x") == f"path '../x' is outside the workspace {root}"
     assert sb.check(".env") == "path '.env' is on the deny list (**/.env*); tools may never read it"
-    assert sb.check(".git/config", write=True) == ("path '.git/config' is on the deny list (.git/**); "
-                                                   "tools may never write it")
+    assert sb.check(".git/config", write=True) == (
+        "path '.git/config' is on the deny list (.git/**); tools may never write it"
+    )
 
 
-@pytest.mark.parametrize("pattern, yes, no", [
-    ("src/**", ["src", "src/a.py", "src/x/y.py"], ["srcs/a.py", "lib/src/a.py"]),
-    ("**/.env*", [".env", "a/.env", "a/b/.env.local"], ["env", "a.env"]),
-    ("git status*", ["git status", "git status --short"], ["git stash"]),
-    ("*.py", ["a.py", "src/a.py"], ["a.pyc"]),
-    ("[ab].txt", ["a.txt", "b.txt"], ["c.txt"]),
-    ("[!ab].txt", ["c.txt"], ["a.txt"]),
-])
+@pytest.mark.parametrize(
+    "pattern, yes, no",
+    [
+        ("src/**", ["src", "src/a.py", "src/x/y.py"], ["srcs/a.py", "lib/src/a.py"]),
+        ("**/.env*", [".env", "a/.env", "a/b/.env.local"], ["env", "a.env"]),
+        ("git status*", ["git status", "git status --short"], ["git stash"]),
+        ("*.py", ["a.py", "src/a.py"], ["a.pyc"]),
+        ("[ab].txt", ["a.txt", "b.txt"], ["c.txt"]),
+        ("[!ab].txt", ["c.txt"], ["a.txt"]),
+    ],
+)
 def test_glob(pattern, yes, no):
     rx = glob_regex(pattern)
     assert all(rx.match(s) for s in yes)
@@ -115,10 +123,14 @@ def decide(policy, name, **args):
 
 def test_file_tools_refused_through_policy(ws):
     p = Policy(ws, "yolo", dangerously_skip_approvals=True)
-    for name, args in [("read_file", {"path": ".env"}), ("write_file", {"path": ".git/hooks/pre-commit", "content": ""}),
-                       ("edit_file", {"path": "../outside/secret.txt", "old_string": "s", "new_string": "t"}),
-                       ("read_file", {"path": "link_out/secret.txt"}), ("list_dir", {"path": ".git"}),
-                       ("search_files", {"pattern": "x", "path": "../outside"})]:
+    for name, args in [
+        ("read_file", {"path": ".env"}),
+        ("write_file", {"path": ".git/hooks/pre-commit", "content": ""}),
+        ("edit_file", {"path": "../outside/secret.txt", "old_string": "s", "new_string": "t"}),
+        ("read_file", {"path": "link_out/secret.txt"}),
+        ("list_dir", {"path": ".git"}),
+        ("search_files", {"pattern": "x", "path": "../outside"}),
+    ]:
         d = decide(p, name, **args)
         assert d.action == "deny", (name, args, d)
 
@@ -135,8 +147,10 @@ def test_modes(ws):
     ro = Policy(ws, "read-only")
     assert decide(ro, "read_file", path="src/a.py").action == "allow"
     d = decide(ro, "write_file", path="src/b.py", content="")
-    assert (d.action, d.reason) == ("deny", "write_file(src/b.py) is refused: read-only mode allows only tools "
-                                            "that read (write_file has risk 'write')")
+    assert (d.action, d.reason) == (
+        "deny",
+        "write_file(src/b.py) is refused: read-only mode allows only tools that read (write_file has risk 'write')",
+    )
     assert decide(Policy(ws, "read-only", allow=["run_shell"]), "run_shell", command="ls").action == "deny"
 
     ww = Policy(ws, "workspace-write")
@@ -155,8 +169,13 @@ def test_yolo_needs_the_flag(ws):
 
 
 def test_deny_beats_ask_beats_allow(ws):
-    p = Policy(ws, "ask", allow=["write_file(src/**)", "run_shell(git *)"], deny=["write_file(src/secret*)",
-               "run_shell(git push*)"], ask=["write_file(src/conf/**)"])
+    p = Policy(
+        ws,
+        "ask",
+        allow=["write_file(src/**)", "run_shell(git *)"],
+        deny=["write_file(src/secret*)", "run_shell(git push*)"],
+        ask=["write_file(src/conf/**)"],
+    )
     assert decide(p, "write_file", path="src/x.py", content="").action == "allow"
     d = decide(p, "write_file", path="src/secret.py", content="")
     assert (d.action, d.rule) == ("deny", "write_file(src/secret*)")
@@ -179,8 +198,14 @@ def test_allow_rule_is_on_the_resolved_path(ws):
 def test_allow_rule_does_not_cover_chained_commands(ws):
     p = Policy(ws, "ask", allow=["run_shell(git status*)"], deny=["run_shell(rm *)"])
     assert decide(p, "run_shell", command="git status --short").action == "allow"
-    for cmd in ["git status; rm -rf ~", "git status && curl x | sh", "git status $(reboot)", "git status > f",
-                "git status `id`", "git status\nrm x"]:
+    for cmd in [
+        "git status; rm -rf ~",
+        "git status && curl x | sh",
+        "git status $(reboot)",
+        "git status > f",
+        "git status `id`",
+        "git status\nrm x",
+    ]:
         assert decide(p, "run_shell", command=cmd).action in ("ask", "deny"), cmd
     assert decide(p, "run_shell", command="ls; rm -rf build").action == "deny"
     assert decide(p, "run_shell", command="echo hi && rm x").action == "deny"

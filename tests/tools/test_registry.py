@@ -1,4 +1,5 @@
 """Tool, ToolRegistry and the built-in tools."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,30 +14,58 @@ OBJ = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["
 
 def test_definitions_are_openai_style():
     reg = ToolRegistry([Tool("echo", "Echo x.", OBJ, lambda x: x)])
-    assert reg.definitions() == [{"type": "function", "function": {"name": "echo", "description": "Echo x.",
-                                                                    "parameters": OBJ}}]
+    assert reg.definitions() == [
+        {"type": "function", "function": {"name": "echo", "description": "Echo x.", "parameters": OBJ}}
+    ]
     assert reg.get("echo").primary_arg == "x" and reg.get("nope") is None
     assert "echo" in reg and len(reg) == 1 and reg.names() == ["echo"]
 
 
-@pytest.mark.parametrize("kwargs, msg", [
-    ({"name": "bad name"}, "invalid tool name 'bad name'"),
-    ({"risk": "net"}, "risk must be one of read, write, exec, not 'net'"),
-    ({"parameters": {"type": "array"}}, "parameters must have \"type\": \"object\""),
-    ({"parameters": {"type": "object", "properties": {"x": {"type": "strin"}}}}, "invalid parameters schema"),
-    ({"primary": "y"}, "'y' is not one of its parameters"),
-    # issue 41: these were a RecursionError or an OverflowError out of the definition's check, or
-    # validation that recursed until the stack ran out
-    ({"parameters": {"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}}}, "references loop"),
-    ({"parameters": {"type": "object", "$defs": {"a": {"anyOf": [{"$ref": "#"}]}}, "allOf": [{"$ref": "#/$defs/a"}]}},
-     "references loop"),
-    ({"parameters": {"type": "object", "properties": {"x": {"$ref": "https://example.com/s.json"}}}},
-     "only references inside the schema"),
-    ({"parameters": {"type": "object", "properties": {"x": {"type": "string", "pattern": "a{99999999999999999999}"}}}},
-     "is not a 'regex'"),
-    ({"parameters": {"type": "object", "properties": {"x": {"type": "string", "pattern": "(" * 3000 + ")" * 3000}}}},
-     "is not a 'regex'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, msg",
+    [
+        ({"name": "bad name"}, "invalid tool name 'bad name'"),
+        ({"risk": "net"}, "risk must be one of read, write, exec, not 'net'"),
+        ({"parameters": {"type": "array"}}, 'parameters must have "type": "object"'),
+        ({"parameters": {"type": "object", "properties": {"x": {"type": "strin"}}}}, "invalid parameters schema"),
+        ({"primary": "y"}, "'y' is not one of its parameters"),
+        # issue 41: these were a RecursionError or an OverflowError out of the definition's check, or
+        # validation that recursed until the stack ran out
+        ({"parameters": {"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}}}, "references loop"),
+        (
+            {
+                "parameters": {
+                    "type": "object",
+                    "$defs": {"a": {"anyOf": [{"$ref": "#"}]}},
+                    "allOf": [{"$ref": "#/$defs/a"}],
+                }
+            },
+            "references loop",
+        ),
+        (
+            {"parameters": {"type": "object", "properties": {"x": {"$ref": "https://example.com/s.json"}}}},
+            "only references inside the schema",
+        ),
+        (
+            {
+                "parameters": {
+                    "type": "object",
+                    "properties": {"x": {"type": "string", "pattern": "a{99999999999999999999}"}},
+                }
+            },
+            "is not a 'regex'",
+        ),
+        (
+            {
+                "parameters": {
+                    "type": "object",
+                    "properties": {"x": {"type": "string", "pattern": "(" * 3000 + ")" * 3000}},
+                }
+            },
+            "is not a 'regex'",
+        ),
+    ],
+)
 def test_bad_tools(kwargs, msg):
     args = {"name": "t", "description": "", "parameters": OBJ, "fn": lambda **a: None, **kwargs}
     with pytest.raises(ToolDefinitionError, match=None) as e:
@@ -59,8 +88,14 @@ def test_builtin_definitions(tmp_path):
     reg = register_builtins(ToolRegistry(), Policy(tmp_path))
     assert reg.names() == ["read_file", "list_dir", "search_files", "write_file", "edit_file", "run_shell"]
     risks = {t.name: t.risk for t in reg}
-    assert risks == {"read_file": "read", "list_dir": "read", "search_files": "read", "write_file": "write",
-                     "edit_file": "write", "run_shell": "exec"}
+    assert risks == {
+        "read_file": "read",
+        "list_dir": "read",
+        "search_files": "read",
+        "write_file": "write",
+        "edit_file": "write",
+        "run_shell": "exec",
+    }
     for d in reg.definitions():
         assert d["function"]["description"] and d["function"]["parameters"]["type"] == "object"
 
@@ -107,8 +142,9 @@ def test_search_files(b):
     fns, _ = b
     assert fns["search_files"](pattern=r"return \w+") == "src/m.py:2:     return 42\nsrc/n.txt:1: return nothing"
     assert fns["search_files"](pattern="return", glob="*.py") == "src/m.py:2:     return 42"
-    assert fns["search_files"](pattern="return", max_results=1) == ("src/m.py:2:     return 42\n[stopped at 1 "
-                                                                    "matches; narrow the pattern, path or glob]")
+    assert fns["search_files"](pattern="return", max_results=1) == (
+        "src/m.py:2:     return 42\n[stopped at 1 matches; narrow the pattern, path or glob]"
+    )
     assert fns["search_files"](pattern="zzz") == "no matches for 'zzz'"
     with pytest.raises(ToolRunError, match="invalid regular expression"):
         fns["search_files"](pattern="(")
@@ -118,19 +154,28 @@ def test_write_and_edit(b):
     fns, root = b
     assert fns["write_file"](path="new/dir/x.txt", content="a\nb\n") == "created new/dir/x.txt (4 characters, 2 lines)"
     assert (root / "new/dir/x.txt").read_text() == "a\nb\n"
-    assert fns["edit_file"](path="new/dir/x.txt", old_string="b", new_string="c") == "replaced 1 occurrence in new/dir/x.txt"
+    assert (
+        fns["edit_file"](path="new/dir/x.txt", old_string="b", new_string="c")
+        == "replaced 1 occurrence in new/dir/x.txt"
+    )
     assert (root / "new/dir/x.txt").read_text() == "a\nc\n"
     (root / "d.txt").write_text("x x x\r\n")
     with pytest.raises(ToolRunError) as e:
         fns["edit_file"](path="d.txt", old_string="x", new_string="y")
-    assert str(e.value) == ("old_string occurs 3 times in d.txt; include more surrounding text to make it unique, "
-                            "or set replace_all to true")
-    assert fns["edit_file"](path="d.txt", old_string="x", new_string="y", replace_all=True) == "replaced 3 occurrences in d.txt"
+    assert str(e.value) == (
+        "old_string occurs 3 times in d.txt; include more surrounding text to make it unique, "
+        "or set replace_all to true"
+    )
+    assert (
+        fns["edit_file"](path="d.txt", old_string="x", new_string="y", replace_all=True)
+        == "replaced 3 occurrences in d.txt"
+    )
     assert (root / "d.txt").read_bytes() == b"y y y\r\n"
     with pytest.raises(ToolRunError) as e:
         fns["edit_file"](path="d.txt", old_string="zz", new_string="y")
-    assert str(e.value) == ("old_string was not found in d.txt; read the file and copy the exact text, "
-                            "whitespace included")
+    assert str(e.value) == (
+        "old_string was not found in d.txt; read the file and copy the exact text, whitespace included"
+    )
     with pytest.raises(ToolRunError, match="nothing to change"):
         fns["edit_file"](path="d.txt", old_string="y", new_string="y")
 

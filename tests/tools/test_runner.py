@@ -1,4 +1,5 @@
 """The command runner: process-group kill on timeout, output cap, scrubbed environment."""
+
 from __future__ import annotations
 
 import os
@@ -84,8 +85,9 @@ def test_spec_command_shape_is_killed():
     mark = f"FLASHMOE_TEST_MARK={uuid.uuid4().hex}".encode()
     env = dict(os.environ, FLASHMOE_TEST_MARK=mark.split(b"=")[1].decode())
     box = {}
-    t = threading.Thread(target=lambda: box.update(res=run_command(["sh", "-c", "sleep 100 & sleep 100"],
-                                                                   timeout=1.5, env=env)))
+    t = threading.Thread(
+        target=lambda: box.update(res=run_command(["sh", "-c", "sleep 100 & sleep 100"], timeout=1.5, env=env))
+    )
     t.start()
     seen: list[int] = []
     end = time.monotonic() + 1.2
@@ -156,14 +158,32 @@ def test_cap_text():
 
 
 def test_env_scrubbed():
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "MY_API_TOKEN": "t", "DB_PASSWORD": "p",
-           "AWS_SECRET_ACCESS_KEY": "a", "AWS_ACCESS_KEY_ID": "i", "STRIPE_SECRET": "s", "OPENAI_API_KEY": "o",
-           "github_token": "g", "PGPASSWORD": "pg", "KEEP_ME": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "MY_API_TOKEN": "t",
+        "DB_PASSWORD": "p",
+        "AWS_SECRET_ACCESS_KEY": "a",
+        "AWS_ACCESS_KEY_ID": "i",
+        "STRIPE_SECRET": "s",
+        "OPENAI_API_KEY": "o",
+        "github_token": "g",
+        "PGPASSWORD": "pg",
+        "KEEP_ME": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     res = run_command(["env"], env=env)
     names = {line.split("=", 1)[0] for line in res.content.splitlines() if "=" in line}
     assert "KEEP_ME" in names and "TOKENIZERS_PARALLELISM" in names
-    assert not names & {"MY_API_TOKEN", "DB_PASSWORD", "AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "STRIPE_SECRET",
-                        "OPENAI_API_KEY", "github_token", "PGPASSWORD"}
+    assert not names & {
+        "MY_API_TOKEN",
+        "DB_PASSWORD",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_ACCESS_KEY_ID",
+        "STRIPE_SECRET",
+        "OPENAI_API_KEY",
+        "github_token",
+        "PGPASSWORD",
+    }
     assert scrub_env({"A_KEY": "1", "B": "2"}) == {"B": "2"}
     assert is_secret_name("HF_TOKEN") and not is_secret_name("KEYBOARD")
 

@@ -1,4 +1,5 @@
 """User tools from JSON/YAML command files and from Python modules."""
+
 from __future__ import annotations
 
 import json
@@ -72,8 +73,12 @@ def test_python_tools_schemas(tmp_path):
             "limit": {"type": "integer", "description": "How many hits to return; at most 100.", "default": 10},
             "ratio": {"type": "number", "description": "Minimum score.", "default": 0.5},
             "exact": {"type": "boolean", "description": "Match whole words only.", "default": False},
-            "tags": {"type": ["array", "null"], "items": {"type": "string"},
-                     "description": "Only notes with these tags.", "default": None},
+            "tags": {
+                "type": ["array", "null"],
+                "items": {"type": "string"},
+                "description": "Only notes with these tags.",
+                "default": None,
+            },
             "opts": {"type": ["object", "null"], "additionalProperties": {"type": "integer"}, "default": None},
             "mode": {"type": "string", "enum": ["fast", "slow"], "default": "fast"},
             "maybe": {"type": ["integer", "null"], "default": None},
@@ -96,14 +101,19 @@ def test_python_tools_all_and_errors(tmp_path):
         ("def f(x: int:\n", "t.py: syntax error at line 1:"),
         ("import not_a_module_xyz\n", "t.py: import failed: ModuleNotFoundError: No module named 'not_a_module_xyz'"),
         ("X = 1\n", "t.py: defines no public top-level functions"),
-        ("def f(x: int): pass\nf.risk = 'net'\n", "t.py: function 'f': risk must be one of read, write, exec, not 'net'"),
+        (
+            "def f(x: int): pass\nf.risk = 'net'\n",
+            "t.py: function 'f': risk must be one of read, write, exec, not 'net'",
+        ),
         ("def f(x: dict[int, str]): pass\n", "t.py: function 'f': parameter 'x': dict keys must be str in JSON"),
     ]
     for src, msg in cases:
         p = write(tmp_path, "t.py", src)
         with pytest.raises(ToolFileError) as e:
             load_python_tools(p)
-        assert str(e.value).startswith(str(tmp_path / msg.split(": ", 1)[0]) + ": " + msg.split(": ", 1)[1]), str(e.value)
+        assert str(e.value).startswith(str(tmp_path / msg.split(": ", 1)[0]) + ": " + msg.split(": ", 1)[1]), str(
+            e.value
+        )
         assert "\n" not in str(e.value)
     with pytest.raises(ToolFileError, match="no such file"):
         load_python_tools(tmp_path / "missing.py")
@@ -132,13 +142,25 @@ def test_parse_docstring():
     assert desc == "Do it." and args == {"a": "first", "b": "second continued"}
 
 
-TOOL_SPEC = [{"type": "function",
-              "function": {"name": "echo_args", "description": "Print each argument on its own line.",
-                           "parameters": {"type": "object", "properties": {
-                               "text": {"type": "string"}, "count": {"type": "integer"},
-                               "flag": {"type": "string", "default": "-n"}},
-                               "required": ["text"]}},
-              "command": ["printf", "%s|\\n", "{text}", "n={count}", "{flag}", "{{literal}}"]}]
+TOOL_SPEC = [
+    {
+        "type": "function",
+        "function": {
+            "name": "echo_args",
+            "description": "Print each argument on its own line.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "text": {"type": "string"},
+                    "count": {"type": "integer"},
+                    "flag": {"type": "string", "default": "-n"},
+                },
+                "required": ["text"],
+            },
+        },
+        "command": ["printf", "%s|\\n", "{text}", "n={count}", "{flag}", "{{literal}}"],
+    }
+]
 
 
 @pytest.mark.parametrize("fmt", ["json", "yaml"])
@@ -161,7 +183,10 @@ def test_command_tool_file_runs_argv_without_shell(tmp_path, fmt):
 
 
 def test_flat_yaml_form_and_paths(tmp_path):
-    p = write(tmp_path, "t.yml", """
+    p = write(
+        tmp_path,
+        "t.yml",
+        """
         tools:
           - name: count
             description: Count lines.
@@ -172,30 +197,47 @@ def test_flat_yaml_form_and_paths(tmp_path):
             command: [wc, -l, "{file}"]
             paths: [file]
             timeout: 5
-    """)
+    """,
+    )
     (tmp_path / "f.txt").write_text("a\nb\n")
     (t,) = load_tool_file(p, CommandRunner(cwd=tmp_path))
     assert t.path_args == ("file",)
     assert t.fn(file="f.txt").content.split() == ["2", "f.txt"]
 
 
-@pytest.mark.parametrize("name, text, msg", [
-    ("t.json", "[{", "invalid JSON: Expecting property name enclosed in double quotes: line 1 column 3 (char 2)"),
-    ("t.yaml", "- a: [1\n", "invalid YAML at line 2 column 1"),
-    ("t.toml", "", "unknown tool file type; use .json, .yaml or .yml (or .py for Python tools)"),
-    ("t.json", "{}", "expected a list of tool objects (or {\"tools\": [...]})"),
-    ("t.json", "[1]", "tool #1 is a int, expected an object"),
-    ("t.json", '[{"name": "x", "command": "ls -l"}]',
-     "tool 'x': \"command\" must be a non-empty list of strings (an argv, not a shell line)"),
-    ("t.json", '[{"name": "x", "command": ["{p}"], "parameters": {"type": "object", "properties": {"p": {}}}}]',
-     "tool 'x': the program (command[0]) must be fixed, not a placeholder"),
-    ("t.json", '[{"name": "x", "command": ["ls", "{q}"]}]', "tool 'x': placeholder {q} is not one of its parameters (none)"),
-    ("t.json", '[{"name": "x", "command": ["ls", "{"]}]', "tool 'x': unbalanced brace in command item '{'"),
-    ("t.json", '[{"name": "x y", "command": ["ls"]}]', "invalid tool name 'x y'"),
-    ("t.json", '[{"name": "x", "command": ["ls"]}, {"name": "x", "command": ["ls"]}]', "tool 'x' is defined twice"),
-    ("t.json", '[{"name": "x", "command": ["ls"], "parameters": {"type": "object", "properties": {"a": {"type": 5}}}}]',
-     "tool 'x': invalid parameters schema"),
-])
+@pytest.mark.parametrize(
+    "name, text, msg",
+    [
+        ("t.json", "[{", "invalid JSON: Expecting property name enclosed in double quotes: line 1 column 3 (char 2)"),
+        ("t.yaml", "- a: [1\n", "invalid YAML at line 2 column 1"),
+        ("t.toml", "", "unknown tool file type; use .json, .yaml or .yml (or .py for Python tools)"),
+        ("t.json", "{}", 'expected a list of tool objects (or {"tools": [...]})'),
+        ("t.json", "[1]", "tool #1 is a int, expected an object"),
+        (
+            "t.json",
+            '[{"name": "x", "command": "ls -l"}]',
+            "tool 'x': \"command\" must be a non-empty list of strings (an argv, not a shell line)",
+        ),
+        (
+            "t.json",
+            '[{"name": "x", "command": ["{p}"], "parameters": {"type": "object", "properties": {"p": {}}}}]',
+            "tool 'x': the program (command[0]) must be fixed, not a placeholder",
+        ),
+        (
+            "t.json",
+            '[{"name": "x", "command": ["ls", "{q}"]}]',
+            "tool 'x': placeholder {q} is not one of its parameters (none)",
+        ),
+        ("t.json", '[{"name": "x", "command": ["ls", "{"]}]', "tool 'x': unbalanced brace in command item '{'"),
+        ("t.json", '[{"name": "x y", "command": ["ls"]}]', "invalid tool name 'x y'"),
+        ("t.json", '[{"name": "x", "command": ["ls"]}, {"name": "x", "command": ["ls"]}]', "tool 'x' is defined twice"),
+        (
+            "t.json",
+            '[{"name": "x", "command": ["ls"], "parameters": {"type": "object", "properties": {"a": {"type": 5}}}}]',
+            "tool 'x': invalid parameters schema",
+        ),
+    ],
+)
 def test_bad_tool_files(tmp_path, name, text, msg):
     p = tmp_path / name
     p.write_text(text)

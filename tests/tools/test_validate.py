@@ -1,4 +1,5 @@
 """Validation and repair messages, asserted in full."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,20 +16,45 @@ from flashmoe.tools.validate import (
     validator_for,
 )
 
-BACKSLASH = ("the arguments use backslashes where JSON needs double quotes "
-             "(a known low-bit quantization failure)")
+BACKSLASH = "the arguments use backslashes where JSON needs double quotes (a known low-bit quantization failure)"
 
 
 @pytest.fixture
 def reg():
-    return ToolRegistry([
-        Tool("read_file", "Read a file.", {"type": "object", "properties": {
-            "path": {"type": "string"}, "offset": {"type": "integer", "minimum": 1}},
-            "required": ["path"], "additionalProperties": False}, lambda **a: "x"),
-        Tool("list_dir", "List.", {"type": "object", "properties": {"path": {"type": "string"}}}, lambda **a: "x"),
-        Tool("tag", "Tag.", {"type": "object", "properties": {"items": {"type": "array", "items": {
-            "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}}}, lambda **a: "x"),
-    ])
+    return ToolRegistry(
+        [
+            Tool(
+                "read_file",
+                "Read a file.",
+                {
+                    "type": "object",
+                    "properties": {"path": {"type": "string"}, "offset": {"type": "integer", "minimum": 1}},
+                    "required": ["path"],
+                    "additionalProperties": False,
+                },
+                lambda **a: "x",
+            ),
+            Tool("list_dir", "List.", {"type": "object", "properties": {"path": {"type": "string"}}}, lambda **a: "x"),
+            Tool(
+                "tag",
+                "Tag.",
+                {
+                    "type": "object",
+                    "properties": {
+                        "items": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "properties": {"name": {"type": "string"}},
+                                "required": ["name"],
+                            },
+                        }
+                    },
+                },
+                lambda **a: "x",
+            ),
+        ]
+    )
 
 
 def one(text, parser=json_tools, tools=None):
@@ -50,18 +76,18 @@ def test_unknown_tool(reg):
 
 
 def test_unparseable_call(reg):
-    v = check_call(one("<tool_call>{\"arguments\": {}}</tool_call>"), reg)
-    assert v.message == "could not parse the tool call: the tool call has no \"name\""
+    v = check_call(one('<tool_call>{"arguments": {}}</tool_call>'), reg)
+    assert v.message == 'could not parse the tool call: the tool call has no "name"'
 
 
 def test_malformed_json_with_position(reg):
     v = check_call(one('<tool_call>{"name": "read_file", "arguments": {"path": "a" "offset": 1}}</tool_call>'), reg)
     assert v.kind == "malformed-json"
-    assert v.message == ("malformed JSON in the arguments for 'read_file': "
-                         "Expecting ',' delimiter: line 1 column 14 (char 13)")
+    assert v.message == (
+        "malformed JSON in the arguments for 'read_file': Expecting ',' delimiter: line 1 column 14 (char 13)"
+    )
     v = check_call(ToolCall.from_openai({"function": {"name": "read_file", "arguments": '{"path": '}}), reg)
-    assert v.message == ("malformed JSON in the arguments for 'read_file': "
-                         "Expecting value: line 1 column 10 (char 9)")
+    assert v.message == ("malformed JSON in the arguments for 'read_file': Expecting value: line 1 column 10 (char 9)")
 
 
 @pytest.mark.parametrize("args", ["", "   "])
@@ -77,8 +103,10 @@ def test_schema_messages(reg):
         ({"path": 3}, "invalid arguments for 'read_file': $.path: 3 is not of type 'string'"),
         ({}, "invalid arguments for 'read_file': $: 'path' is a required property"),
         ({"path": "a", "offset": 0}, "invalid arguments for 'read_file': $.offset: 0 is less than the minimum of 1"),
-        ({"path": "a", "mode": "x"},
-         "invalid arguments for 'read_file': $: Additional properties are not allowed ('mode' was unexpected)"),
+        (
+            {"path": "a", "mode": "x"},
+            "invalid arguments for 'read_file': $: Additional properties are not allowed ('mode' was unexpected)",
+        ),
     ]
     for args, msg in cases:
         v = check_call(ToolCall("read_file", args, "raw"), reg)
@@ -98,12 +126,15 @@ def test_xml_type_errors_reach_validation(reg):
     assert v.message == "invalid arguments for 'read_file': $.offset: 'two' is not of type 'integer'"
 
 
-@pytest.mark.parametrize("text", [
-    "<tool_call>\n{\\name\\: \\read_file\\, \\arguments\\: {\\path\\: \\x.txt\\}}\n</tool_call>",
-    "<tool_call>\n{\\\\name\\\\: \\\\read_file\\\\, \\\\arguments\\\\: {\\\\path\\\\: \\\\x.txt\\\\}}\n</tool_call>",
-    '<tool_call>{"name": "read_file", "arguments": {\\path\\: \\x.txt\\}}</tool_call>',
-    '<tool_call>{"name": "read_file", "arguments": {\\"path\\": \\"x.txt\\"}}</tool_call>',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>\n{\\name\\: \\read_file\\, \\arguments\\: {\\path\\: \\x.txt\\}}\n</tool_call>",
+        "<tool_call>\n{\\\\name\\\\: \\\\read_file\\\\, \\\\arguments\\\\: {\\\\path\\\\: \\\\x.txt\\\\}}\n</tool_call>",
+        '<tool_call>{"name": "read_file", "arguments": {\\path\\: \\x.txt\\}}</tool_call>',
+        '<tool_call>{"name": "read_file", "arguments": {\\"path\\": \\"x.txt\\"}}</tool_call>',
+    ],
+)
 def test_backslash_quoting_is_named_and_repaired(reg, text):
     call = one(text)
     assert call.name == "read_file"
@@ -115,8 +146,10 @@ def test_backslash_quoting_is_named_and_repaired(reg, text):
 def test_backslash_quoting_repair_still_invalid(reg):
     v = check_call(ToolCall("read_file", None, "raw", arguments_text="{\\path\\: 5}"), reg)
     assert (v.ok, v.repaired, v.arguments) == (False, False, None)
-    assert v.message == (f"malformed JSON in the arguments for 'read_file': {BACKSLASH}; with double quotes "
-                         "instead they are still invalid: $.path: 5 is not of type 'string'")
+    assert v.message == (
+        f"malformed JSON in the arguments for 'read_file': {BACKSLASH}; with double quotes "
+        "instead they are still invalid: $.path: 5 is not of type 'string'"
+    )
     v = check_call(ToolCall("read_file", None, "raw", arguments_text="{\\path\\: \\a \\b\\}"), reg)
     assert (v.repaired, v.message) == (False, f"malformed JSON in the arguments for 'read_file': {BACKSLASH}")
 
@@ -137,17 +170,21 @@ def test_validator_cached(reg):
 def test_repair_loop_messages_and_bound():
     loop = RepairLoop(max_repairs=2)
     loop.begin_turn()
-    bad = ToolCall("read_file", None, '<tool_call>{"name": "read_file", "arguments": {</tool_call>',
-                   arguments_text="{")
-    v = Verdict(False, None, "malformed JSON in the arguments for 'read_file': Expecting property name "
-                             "enclosed in double quotes: line 1 column 2 (char 1)")
+    bad = ToolCall("read_file", None, '<tool_call>{"name": "read_file", "arguments": {</tool_call>', arguments_text="{")
+    v = Verdict(
+        False,
+        None,
+        "malformed JSON in the arguments for 'read_file': Expecting property name "
+        "enclosed in double quotes: line 1 column 2 (char 1)",
+    )
     m1 = loop.reject(bad, v)
     assert m1 == v.message + "\nFix the call and try again (repair 1 of 2)."
     assert not loop.exhausted
     assert loop.reject(bad, v) == v.message + "\nFix the call and try again (repair 2 of 2)."
     assert not loop.exhausted
-    assert loop.reject(bad, v) == (v.message + "\nThe repair limit (2) is reached for this turn: stop calling "
-                                   "tools and answer with what you have.")
+    assert loop.reject(bad, v) == (
+        v.message + "\nThe repair limit (2) is reached for this turn: stop calling tools and answer with what you have."
+    )
     assert loop.exhausted
     assert [r.raw for r in loop.rejected] == [bad.raw] * 3
     loop.begin_turn()
@@ -168,7 +205,9 @@ def test_repair_loop_counts_replies_not_calls():
 def test_repair_loop_zero():
     loop = RepairLoop(max_repairs=0)
     msg = loop.reject(ToolCall("x", None, "raw"), "bad")
-    assert msg == "bad\nThe repair limit (0) is reached for this turn: stop calling tools and answer with what you have."
+    assert (
+        msg == "bad\nThe repair limit (0) is reached for this turn: stop calling tools and answer with what you have."
+    )
     assert loop.exhausted
 
 
@@ -179,8 +218,9 @@ def test_a_backtracking_pattern_is_matched_with_a_time_limit(pattern):
     a match out of time fails the value."""
     import time
 
-    tool = Tool("check", "", {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}},
-                lambda **a: "x")
+    tool = Tool(
+        "check", "", {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern}}}, lambda **a: "x"
+    )
     reg = ToolRegistry([tool])
     t0 = time.monotonic()
     verdict = check_call(ToolCall("check", {"s": "a" * 60 + "!"}, ""), reg)
@@ -189,8 +229,16 @@ def test_a_backtracking_pattern_is_matched_with_a_time_limit(pattern):
 
 
 def test_a_value_under_format_regex_that_re_cannot_compile_fails_its_schema():
-    reg = ToolRegistry([Tool("check", "", {"type": "object", "properties": {"r": {"type": "string", "format": "regex"}}},
-                             lambda **a: "x")])
+    reg = ToolRegistry(
+        [
+            Tool(
+                "check",
+                "",
+                {"type": "object", "properties": {"r": {"type": "string", "format": "regex"}}},
+                lambda **a: "x",
+            )
+        ]
+    )
     for bad in ("a{99999999999999999999}", "(" * 3000 + ")" * 3000, "[z-a]"):
         verdict = check_call(ToolCall("check", {"r": bad}, ""), reg)
         assert not verdict.ok and "'regex'" in verdict.message, bad

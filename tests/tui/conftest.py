@@ -1,4 +1,5 @@
 """Fixtures for the Textual app: fake engines that make every figure and frame deterministic."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,10 +12,12 @@ from flashmoe.engine.events import GenerationFinished, TokenGenerated
 from flashmoe.engine.testing import FakeEngine
 from flashmoe.cli.chat import ChatOptions, ChatSession
 
-REPLY = ("A **mixture of experts** sends each token to a few of its experts.\n\n"
-         "- the router picks the *top-k* experts per layer\n"
-         "- flashmoe reads those experts from the SSD\n\n"
-         "```python\nprint('hello')\n```\n\nThat keeps memory small.")
+REPLY = (
+    "A **mixture of experts** sends each token to a few of its experts.\n\n"
+    "- the router picks the *top-k* experts per layer\n"
+    "- flashmoe reads those experts from the SSD\n\n"
+    "```python\nprint('hello')\n```\n\nThat keeps memory small."
+)
 
 
 def pytest_configure(config):
@@ -46,8 +49,14 @@ class StableFakeEngine(FakeEngine):
     """FakeEngine whose end-of-reply speeds do not depend on the clock, and which can hold a reply
     after `gate_after` tokens until `gate` is set (or the reply is cancelled): a frozen mid-reply."""
 
-    def __init__(self, *args, gate_after: int | None = None, load_gate: threading.Event | None = None,
-                 load_error: BaseException | None = None, **kw):
+    def __init__(
+        self,
+        *args,
+        gate_after: int | None = None,
+        load_gate: threading.Event | None = None,
+        load_error: BaseException | None = None,
+        **kw,
+    ):
         super().__init__(*args, **kw)
         self.gate_after = gate_after
         self.gate = threading.Event()
@@ -71,8 +80,9 @@ class StableFakeEngine(FakeEngine):
             while not (self.gate.wait(0.01) or handle.cancelled):
                 pass
         if isinstance(ev, GenerationFinished):
-            ev = dataclasses.replace(ev, generation_tps=20.0, decode_s=ev.generation_tokens / 20.0,
-                                     io_wait_s=ev.generation_tokens / 60.0)
+            ev = dataclasses.replace(
+                ev, generation_tps=20.0, decode_s=ev.generation_tokens / 20.0, io_wait_s=ev.generation_tokens / 60.0
+            )
         return ev
 
     def _play(self, handle, reply):

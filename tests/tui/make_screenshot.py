@@ -1,7 +1,8 @@
 """Writes the README picture: the chat app mid-reply with the layer panel, 100x32, fake engine.
 
-    python -m tests.tui.make_screenshot docs/tui.svg
+python -m tests.tui.make_screenshot docs/tui.svg
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -14,10 +15,12 @@ from .test_snapshots import SIZE, mid_reply
 FIRST = "Which experts does a token use?"
 FIRST_REPLY = "The router scores all experts in each layer and keeps the **top-k**; only those are read."
 QUESTION = "How does flashmoe run a model bigger than memory?"
-ANSWER = ("It keeps the attention and router weights in RAM and **streams the routed experts** from the SSD:\n\n"
-          "1. the router picks the top-k experts of each layer\n"
-          "2. experts already in the cache are reused; the rest are read with parallel `pread`s\n"
-          "3. the expert outputs are combined and the next layer starts\n")
+ANSWER = (
+    "It keeps the attention and router weights in RAM and **streams the routed experts** from the SSD:\n\n"
+    "1. the router picks the top-k experts of each layer\n"
+    "2. experts already in the cache are reused; the rest are read with parallel `pread`s\n"
+    "3. the expert outputs are combined and the next layer starts\n"
+)
 
 
 async def screenshot(path: Path) -> None:

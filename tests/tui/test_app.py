@@ -1,4 +1,5 @@
 """The chat app driven with Pilot and the fake engine."""
+
 from __future__ import annotations
 
 import threading
@@ -60,8 +61,11 @@ async def test_interrupt_keeps_the_partial_reply(key):
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
         await send(pilot, "tell me")
-        await wait_for(pilot, lambda: app.chat.reply is not None and app.chat.reply.box.text.count(" ") >= 2,
-                       what="the first tokens")
+        await wait_for(
+            pilot,
+            lambda: app.chat.reply is not None and app.chat.reply.box.text.count(" ") >= 2,
+            what="the first tokens",
+        )
         await pilot.press(key)
         await wait_idle(pilot)
         [reply] = boxes(app, AssistantMessage)
@@ -113,8 +117,10 @@ def step_rows(engine, compute: bool = False):
         ev = hook(handle, ev)
         if not isinstance(ev, LayerTimings):
             return ev
-        rows = tuple(dataclasses.replace(r, attn_ms=0.0, other_ms=0.0,
-                                         expert_compute_ms=r.expert_compute_ms if compute else 0.0) for r in ev.rows)
+        rows = tuple(
+            dataclasses.replace(r, attn_ms=0.0, other_ms=0.0, expert_compute_ms=r.expert_compute_ms if compute else 0.0)
+            for r in ev.rows
+        )
         return dataclasses.replace(ev, mode="step", rows=rows)
 
     engine._hook = as_step
@@ -342,16 +348,21 @@ async def test_quitting_mid_reply_cancels_it():
 
 async def test_resumed_conversation_is_shown():
     app, engine, session = make_app()
-    session.history = [{"role": "user", "content": "earlier question"},
-                       {"role": "assistant", "content": "earlier **answer**"}]
+    session.history = [
+        {"role": "user", "content": "earlier question"},
+        {"role": "assistant", "content": "earlier **answer**"},
+    ]
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
         assert [u.text for u in boxes(app, UserMessage)] == ["earlier question"]
         assert [a.text for a in boxes(app, AssistantMessage)] == ["earlier **answer**"]
         await send(pilot, "and now?")
         await wait_idle(pilot)
-        assert [m["content"] for m in engine.requests[0].messages] == ["earlier question", "earlier **answer**",
-                                                                         "and now?"]
+        assert [m["content"] for m in engine.requests[0].messages] == [
+            "earlier question",
+            "earlier **answer**",
+            "and now?",
+        ]
 
 
 async def test_ctrl_c_copies_a_selection_when_idle():
@@ -373,12 +384,17 @@ async def test_engine_warnings_become_notifications_not_stderr(capsys):
     app, engine, session = make_app()
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
-        t = threading.Thread(target=logging.getLogger("flashmoe").warning,
-                             args=("flashmoe: warning: prompt truncated: dropped its oldest %d tokens", 7))
+        t = threading.Thread(
+            target=logging.getLogger("flashmoe").warning,
+            args=("flashmoe: warning: prompt truncated: dropped its oldest %d tokens", 7),
+        )
         t.start()
         t.join()
-        await wait_for(pilot, lambda: any("dropped its oldest 7 tokens" in n.message for n in app._notifications),
-                       what="the notification")
+        await wait_for(
+            pilot,
+            lambda: any("dropped its oldest 7 tokens" in n.message for n in app._notifications),
+            what="the notification",
+        )
     assert "dropped its oldest" not in capsys.readouterr().err
 
 
@@ -394,8 +410,10 @@ async def test_raw_html_and_unknown_tags_in_a_reply_are_shown_as_text():
         await send(pilot, "hi")
         await wait_idle(pilot)
         shown = [[str(b.render()) for b in box.markdown.query(MarkdownBlock)] for box in boxes(app, AssistantMessage)]
-    assert shown == [["<p>saved</p>"],
-                     ["<div>hi there</div>", "Text with <b>bold</b>, <br> and <tool_result>x</tool_result>."]]
+    assert shown == [
+        ["<p>saved</p>"],
+        ["<div>hi there</div>", "Text with <b>bold</b>, <br> and <tool_result>x</tool_result>."],
+    ]
 
 
 async def test_a_resumed_interrupted_reply_keeps_its_mark(tmp_path):
@@ -414,9 +432,14 @@ async def test_a_resumed_interrupted_reply_keeps_its_mark(tmp_path):
     app.session = ChatSession(engine, store, ChatOptions(timing="layer"), cid=cid, model_name="fake")
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
-        shown = [(a.text, str(a.border_subtitle or ""), a.has_class("-interrupted")) for a in boxes(app, AssistantMessage)]
-    assert shown == [("stopped half", "(interrupted)", True), ("cut by a crash", "(incomplete)", True),
-                     ("whole", "", False)]
+        shown = [
+            (a.text, str(a.border_subtitle or ""), a.has_class("-interrupted")) for a in boxes(app, AssistantMessage)
+        ]
+    assert shown == [
+        ("stopped half", "(interrupted)", True),
+        ("cut by a crash", "(incomplete)", True),
+        ("whole", "", False),
+    ]
 
 
 @pytest.mark.parametrize("size,shown", [((80, 24), False), ((99, 30), False), ((100, 30), True)])
@@ -494,4 +517,3 @@ async def test_the_demo_says_it_is_a_toy_not_to_be_trusted():
         plain = boxes(other, Note)[0].text
     assert DEMO_NOTE in welcome and "135M" in DEMO_NOTE and "do not trust" in DEMO_NOTE
     assert "tool use" in DEMO_NOTE and DEMO_NOTE not in plain
-

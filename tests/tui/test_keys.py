@@ -1,4 +1,5 @@
 """Terminal bytes to keys: Alt+Enter must reach the message box as alt+enter, not enter."""
+
 from __future__ import annotations
 
 from textual._parser import ParseError

@@ -1,6 +1,7 @@
 """Replies that made the chat app crawl: a long list (streamed into more than one Markdown widget,
 shown as one would be) and list markers nested on one line (shown as text past the third); both
 in widgets/transcript.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -78,15 +79,18 @@ async def test_a_streamed_long_list_is_shown_as_the_same_list_whole():
         assert streamed.parts[-1].source.endswith("That is all.")
 
 
-@pytest.mark.parametrize("line, shown", [
-    ("1. 1. 2. 3. 4. 5. six", "1. 1. 2. 3\\. 4\\. 5\\. six"),  # what the demo model wrote
-    ("> > > > > quoted", "> > > \\> \\> quoted"),
-    ("  - * + - item", "  - * + \\- item"),
-    ("- - - -", "- - - -"),  # a thematic break, not a list
-    ("1. one\n2. two", "1. one\n2. two"),
-    ("Text 1. 2. 3. 4. 5. in a sentence", "Text 1. 2. 3. 4. 5. in a sentence"),
-    ("```\n1. 2. 3. 4. 5. x\n```\n", "```\n1. 2. 3. 4. 5. x\n```\n"),  # code is shown as written
-])
+@pytest.mark.parametrize(
+    "line, shown",
+    [
+        ("1. 1. 2. 3. 4. 5. six", "1. 1. 2. 3\\. 4\\. 5\\. six"),  # what the demo model wrote
+        ("> > > > > quoted", "> > > \\> \\> quoted"),
+        ("  - * + - item", "  - * + \\- item"),
+        ("- - - -", "- - - -"),  # a thematic break, not a list
+        ("1. one\n2. two", "1. one\n2. two"),
+        ("Text 1. 2. 3. 4. 5. in a sentence", "Text 1. 2. 3. 4. 5. in a sentence"),
+        ("```\n1. 2. 3. 4. 5. x\n```\n", "```\n1. 2. 3. 4. 5. x\n```\n"),  # code is shown as written
+    ],
+)
 def test_tame_escapes_markers_past_the_third_on_a_line(line, shown):
     assert tame(line) == shown
 

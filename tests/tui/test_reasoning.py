@@ -1,5 +1,6 @@
 """The chat app shows reasoning apart from the answer: dimmed, in a collapsible block above it that
 collapses once the answer starts, Ctrl+T shows or hides it; live token figures; a context meter."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,9 @@ SIZE = (100, 32)
 
 
 async def test_reasoning_is_a_collapsed_block_above_the_answer():
-    app, engine, session = make_app(["Weighing the options carefully.</think>\n\nParis."],
-                                    chat_template=qwen35_template())
+    app, engine, session = make_app(
+        ["Weighing the options carefully.</think>\n\nParis."], chat_template=qwen35_template()
+    )
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
         await send(pilot, "capital?")
@@ -35,8 +37,9 @@ async def test_reasoning_is_a_collapsed_block_above_the_answer():
 
 
 async def test_reasoning_stays_open_while_it_streams_and_figures_stay_live():
-    app, engine, session = make_app(["one two three four five six seven</think>done"], gate_after=4,
-                                    chat_template=qwen35_template(), timing="off")
+    app, engine, session = make_app(
+        ["one two three four five six seven</think>done"], gate_after=4, chat_template=qwen35_template(), timing="off"
+    )
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.loaded is not None)
         await send(pilot, "hi")
@@ -65,8 +68,11 @@ async def test_call_inside_reasoning_is_not_run_in_the_app(tmp_path):
     ws.mkdir()
     (ws / "notes.txt").write_text("hello\n")
     reply = f"I could {XML_WRITE} no.</think>\n\n{XML_READ}"
-    app, engine, session = make_app([reply, "ok</think>Your notes say hello."], chat_template=qwen35_template(),
-                                    tools=tool_args(ws, "--mode", "workspace-write"))
+    app, engine, session = make_app(
+        [reply, "ok</think>Your notes say hello."],
+        chat_template=qwen35_template(),
+        tools=tool_args(ws, "--mode", "workspace-write"),
+    )
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: app.chat.loop is not None, what="the agent loop")
         await send(pilot, "notes?")

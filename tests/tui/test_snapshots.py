@@ -3,6 +3,7 @@
 Regenerate with `python -m pytest tests/tui/test_snapshots.py --snapshot-update` and look at
 the SVGs under __snapshots__/ before committing them.
 """
+
 from __future__ import annotations
 
 from .conftest import make_app, send, wait_for, wait_idle
@@ -21,8 +22,15 @@ async def mid_reply(pilot, prompt: str = "How does flashmoe run a model bigger t
     await _loaded(pilot)
     await send(pilot, prompt)
     gate_after = app.engine.gate_after
-    await wait_for(pilot, lambda: app.chat.reply is not None and app.chat.panel.step == gate_after - 1
-                   and app.chat.status.stats.tok_s is not None, what="the layer panel")
+    await wait_for(
+        pilot,
+        lambda: (
+            app.chat.reply is not None
+            and app.chat.panel.step == gate_after - 1
+            and app.chat.status.stats.tok_s is not None
+        ),
+        what="the layer panel",
+    )
     await wait_for(pilot, lambda: len(app.chat.reply.box.text.split()) >= gate_after, what="the reply text")
     await pilot.pause(0.2)
 
@@ -105,9 +113,12 @@ def test_tool_call_and_approval(snap_compare, tmp_path, monkeypatch):
     def call(name, **arguments):
         return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
-    replies = ["I'll check the list first.\n" + call("read_file", path="todo.txt"),
-               "It has eggs and bread. Adding milk:\n"
-               + call("write_file", path="todo.txt", content="- eggs\n- bread\n- milk\n"), "Done."]
+    replies = [
+        "I'll check the list first.\n" + call("read_file", path="todo.txt"),
+        "It has eggs and bread. Adding milk:\n"
+        + call("write_file", path="todo.txt", content="- eggs\n- bread\n- milk\n"),
+        "Done.",
+    ]
     app, engine, session = make_app(replies, timing="off", tools=tool_args(ws))
 
     async def run_before(pilot):

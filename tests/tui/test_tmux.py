@@ -1,4 +1,5 @@
 """End to end: the real `flashmoe chat` on a tiny real model, in a private tmux server at 100x30."""
+
 from __future__ import annotations
 
 import os
@@ -23,8 +24,9 @@ class Tmux:
         self.sock, self.env = sock, env
 
     def __call__(self, *args: str, check: bool = True) -> str:
-        out = subprocess.run(["tmux", "-S", str(self.sock), *args], capture_output=True, text=True,
-                             env=self.env, timeout=10)
+        out = subprocess.run(
+            ["tmux", "-S", str(self.sock), *args], capture_output=True, text=True, env=self.env, timeout=10
+        )
         if check and out.returncode:
             raise AssertionError(f"tmux {' '.join(args)}: {out.stderr}")
         return out.stdout
@@ -64,9 +66,14 @@ def test_chat_tui_end_to_end(model_factory, tmp_path):
         tmux.until(lambda t: re.search(r"│ Hello\s+│\n│ there\s+│\n│ friend", t), 10, "three lines in the box")
         tmux("send-keys", "-t", "main", "Enter")
         rows = re.compile(r"│\s+0\s+[-\d.]+\s+[\d.]+\s+[\d.]+")
-        pane = tmux.until(lambda t: re.search(r"\d+ tok · [\d.]+ tok/s", t) and rows.search(t) and "ready" in t,
-                          60, "the reply and the layer rows")
-        assert re.search(r"│ Hello\s+│[^\n]*\n[^\n]*│ there\s+│[^\n]*\n[^\n]*│ friend", pane), pane  # sent as one message
+        pane = tmux.until(
+            lambda t: re.search(r"\d+ tok · [\d.]+ tok/s", t) and rows.search(t) and "ready" in t,
+            60,
+            "the reply and the layer rows",
+        )
+        assert re.search(r"│ Hello\s+│[^\n]*\n[^\n]*│ there\s+│[^\n]*\n[^\n]*│ friend", pane), (
+            pane
+        )  # sent as one message
         assert re.search(r"│\s+1\s+", pane) and "all " in pane, pane
         assert re.search(r"\d+\.\d tok/s ?│", pane), pane  # the status bar has a decode speed
         tmux("send-keys", "-t", "main", "C-c")

@@ -1,6 +1,7 @@
 """Tool use in the chat app (--tools): the AgentLoop's calls as collapsed blocks, the approval
 screen, and stopping or quitting while it asks. The fake engine "calls" a tool by replying with
 <tool_call> markup."""
+
 from __future__ import annotations
 
 import asyncio
@@ -207,8 +208,15 @@ async def test_escape_stops_a_tool_turn_and_keeps_the_text(ws):
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
         await send(pilot, "go")
-        await wait_for(pilot, lambda: app.chat.reply is not None and app.chat.reply.box is not None
-                       and app.chat.reply.box.text.count(" ") >= 2, what="the first words")
+        await wait_for(
+            pilot,
+            lambda: (
+                app.chat.reply is not None
+                and app.chat.reply.box is not None
+                and app.chat.reply.box.text.count(" ") >= 2
+            ),
+            what="the first words",
+        )
         await pilot.press("escape")
         await wait_idle(pilot)
         [box] = boxes(app, AssistantMessage)
@@ -219,14 +227,18 @@ async def test_escape_stops_a_tool_turn_and_keeps_the_text(ws):
 
 async def test_a_resumed_tool_conversation_shows_results_as_blocks(ws):
     app, engine, session = make_app(tools=tool_args(ws))
-    session.history = [{"role": "user", "content": "what is in my notes?"},
-                       {"role": "assistant", "content": READ},
-                       {"role": "user", "content": "<tool_response>\nremember the milk\n</tool_response>"},
-                       {"role": "assistant", "content": "It says: remember the milk."}]
+    session.history = [
+        {"role": "user", "content": "what is in my notes?"},
+        {"role": "assistant", "content": READ},
+        {"role": "user", "content": "<tool_response>\nremember the milk\n</tool_response>"},
+        {"role": "assistant", "content": "It says: remember the milk."},
+    ]
     async with app.run_test(size=SIZE) as pilot:
         await loaded(pilot)
-        assert [b.text for b in boxes(app, AssistantMessage)] == ["Let me look at your notes.",
-                                                                  "It says: remember the milk."]
+        assert [b.text for b in boxes(app, AssistantMessage)] == [
+            "Let me look at your notes.",
+            "It says: remember the milk.",
+        ]
         [block] = boxes(app, ToolBlock)
         assert block.collapsed and block.title_plain == "⚙ tool · result"
         assert "remember the milk" in str(block.query_one(".tool-result").render())
@@ -237,8 +249,9 @@ async def test_run_tui_checks_the_tool_options_before_loading(tmp_path, monkeypa
     from flashmoe.cli.tui.app import run_tui
 
     monkeypatch.setenv("FLASHMOE_HOME", str(tmp_path / "home"))
-    args = build_parser().parse_args(["chat", "--engine", "fake", "-n", "--tools", "builtin",
-                                      "--workspace", str(tmp_path / "missing")])
+    args = build_parser().parse_args(
+        ["chat", "--engine", "fake", "-n", "--tools", "builtin", "--workspace", str(tmp_path / "missing")]
+    )
     apply_settings(args)
     with pytest.raises(UsageError, match="not a folder"):
         run_tui(args)

@@ -9,6 +9,7 @@
 the inside of one. `tools` (OpenAI tool dicts or a ToolRegistry) lets formats with untyped values
 coerce them by schema.
 """
+
 from __future__ import annotations
 
 from types import ModuleType
@@ -39,13 +40,42 @@ from flashmoe.tools.parsers import (
 )
 
 # Every format mlx-lm 0.32's tool_parsers knows, under its names, plus DeepSeek and the fallback.
-PARSERS: dict[str, ModuleType] = {m.name: m for m in (
-    json_tools, qwen3_coder, glm47, laguna, longcat, minimax_m2, kimi_k2, kimi_k3, gemma4, function_gemma,
-    pythonic, minicpm5, mistral, muse_spark, deepseek_v3, plain_json)}
-ALIASES = {"hermes": "json_tools", "qwen3": "json_tools", "json": "json_tools", "qwen3_5": "qwen3_coder",
-           "xml": "qwen3_coder", "deepseek": "deepseek_v3", "deepseek_r1": "deepseek_v3",
-           "deepseek_v31": "deepseek_v3", "glm4_moe": "glm47", "glm45": "glm47", "minimax": "minimax_m2",
-           "lfm2": "pythonic", "fallback": "plain_json"}
+PARSERS: dict[str, ModuleType] = {
+    m.name: m
+    for m in (
+        json_tools,
+        qwen3_coder,
+        glm47,
+        laguna,
+        longcat,
+        minimax_m2,
+        kimi_k2,
+        kimi_k3,
+        gemma4,
+        function_gemma,
+        pythonic,
+        minicpm5,
+        mistral,
+        muse_spark,
+        deepseek_v3,
+        plain_json,
+    )
+}
+ALIASES = {
+    "hermes": "json_tools",
+    "qwen3": "json_tools",
+    "json": "json_tools",
+    "qwen3_5": "qwen3_coder",
+    "xml": "qwen3_coder",
+    "deepseek": "deepseek_v3",
+    "deepseek_r1": "deepseek_v3",
+    "deepseek_v31": "deepseek_v3",
+    "glm4_moe": "glm47",
+    "glm45": "glm47",
+    "minimax": "minimax_m2",
+    "lfm2": "pythonic",
+    "fallback": "plain_json",
+}
 
 
 def get_parser(name: str) -> ModuleType:

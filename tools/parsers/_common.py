@@ -1,4 +1,5 @@
 """Helpers the format parsers share: finding marked blocks, decoding JSON call objects leniently."""
+
 from __future__ import annotations
 
 import json
@@ -29,9 +30,9 @@ def blocks(text: str, start: str, end: str) -> list[tuple[str, str]]:
             break
         j = text.find(end, i + len(start)) if end else -1
         if j < 0:
-            out.append((text[i:], text[i + len(start):]))
+            out.append((text[i:], text[i + len(start) :]))
             break
-        out.append((text[i:j + len(end)], text[i + len(start):j]))
+        out.append((text[i : j + len(end)], text[i + len(start) : j]))
         pos = j + len(end)
     return out
 
@@ -70,13 +71,14 @@ def json_values(s: str) -> Iterator[tuple[Any, str]]:
 def call_from_object(obj: Any, raw: str) -> ToolCall:
     """A ToolCall from a decoded {"name": ..., "arguments": ...} (or OpenAI's {"function": {...}})."""
     if not isinstance(obj, dict):
-        return ToolCall(None, None, raw, error=f"expected a JSON object with \"name\" and \"arguments\", "
-                                               f"got {json.dumps(obj)[:80]}")
+        return ToolCall(
+            None, None, raw, error=f'expected a JSON object with "name" and "arguments", got {json.dumps(obj)[:80]}'
+        )
     if isinstance(obj.get("function"), dict) and "name" not in obj:
         obj = obj["function"]
     name = obj.get("name")
     if not isinstance(name, str) or not name:
-        return ToolCall(None, None, raw, error="the tool call has no \"name\"")
+        return ToolCall(None, None, raw, error='the tool call has no "name"')
     call_id = obj.get("id") if isinstance(obj.get("id"), str) else None
     for key in ("arguments", "parameters", "args"):
         if key in obj:
@@ -91,12 +93,19 @@ def call_from_object(obj: Any, raw: str) -> ToolCall:
         try:
             decoded = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError:
-            return ToolCall(name, None, raw, error="the arguments string is not valid JSON",
-                            arguments_text=args, id=call_id)
+            return ToolCall(
+                name, None, raw, error="the arguments string is not valid JSON", arguments_text=args, id=call_id
+            )
         if isinstance(decoded, dict):
             return ToolCall(name, decoded, raw, id=call_id)
-    return ToolCall(name, None, raw, error="the arguments are not a JSON object",
-                    arguments_text=json.dumps(args, ensure_ascii=False), id=call_id)
+    return ToolCall(
+        name,
+        None,
+        raw,
+        error="the arguments are not a JSON object",
+        arguments_text=json.dumps(args, ensure_ascii=False),
+        id=call_id,
+    )
 
 
 def lenient_call(s: str, raw: str, error: str) -> ToolCall:
@@ -107,7 +116,7 @@ def lenient_call(s: str, raw: str, error: str) -> ToolCall:
     a = _ARGS_KEY.search(s)
     args_text = None
     if a:
-        rest = s[a.end():].rstrip()
+        rest = s[a.end() :].rstrip()
         if s.lstrip().startswith("[") and rest.endswith("]"):
             rest = rest[:-1].rstrip()  # the closing bracket of a list of calls
         if rest.endswith("}") and rest.count("}") > rest.count("{"):
@@ -127,7 +136,7 @@ def json_calls(body: str, raw: str) -> list[ToolCall]:
             values.append(item)
     except json.JSONDecodeError as e:
         # A stray closing brace after a complete call is a common slip; anything else is not.
-        tail = s[e.pos:].strip()
+        tail = s[e.pos :].strip()
         if not values or tail.strip("}] \t\r\n"):
             return [lenient_call(s, raw, f"invalid JSON: {e}")]
     if len(values) == 1:
@@ -155,9 +164,21 @@ def schema_types(schema: dict[str, Any]) -> list[str]:
                 out.extend(x for x in schema_types(sub) if x not in out)
     if not out and "enum" in schema:
         for v in schema["enum"]:
-            kind = ("boolean" if isinstance(v, bool) else "integer" if isinstance(v, int) else
-                    "number" if isinstance(v, float) else "null" if v is None else
-                    "array" if isinstance(v, list) else "object" if isinstance(v, dict) else "string")
+            kind = (
+                "boolean"
+                if isinstance(v, bool)
+                else "integer"
+                if isinstance(v, int)
+                else "number"
+                if isinstance(v, float)
+                else "null"
+                if v is None
+                else "array"
+                if isinstance(v, list)
+                else "object"
+                if isinstance(v, dict)
+                else "string"
+            )
             if kind not in out:
                 out.append(kind)
     return out
@@ -249,7 +270,7 @@ def coerce(value: str, schema: dict[str, Any] | None, untyped: str = "string") -
     if "null" in types and (s in ("null", "None") or (not s and "string" not in types)):
         return None
     if not types:  # e.g. {"description": ...} only: a container if it is one, else like no schema
-        v = container(s, (dict, list)) if s[:1] in "{[\"" else None
+        v = container(s, (dict, list)) if s[:1] in '{["' else None
         return v if v is not None else coerce(value, None, untyped)
     if "string" in types:
         return value

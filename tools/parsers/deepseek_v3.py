@@ -10,6 +10,7 @@ variants of the opening marker that R1 and its distills write instead of the rea
 llama.cpp accepts them): `<｜tool_calls_begin｜>`, `<｜tool calls begin｜>`, `<｜tool\\_calls\\_begin｜>`
 and `<｜tool▁calls｜>` (`tool_call_starts`, so the text state machine opens a call at each).
 """
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """FunctionGemma: `<start_function_call>call:NAME{key:<escape>text<escape>,n:1}<end_function_call>`,
 Gemma 4's call syntax with `<escape>` as the string quote."""
+
 from __future__ import annotations
 
 from typing import Any

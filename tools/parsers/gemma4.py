@@ -2,6 +2,7 @@
 
 Values: strings between `<|"|>` delimiters, numbers, true/false/null, [lists] and {objects} with
 bare keys. A reader, not a regex, so braces and commas inside strings are just text."""
+
 from __future__ import annotations
 
 import json
@@ -39,7 +40,7 @@ class _Reader:
             end = s.find(self.q, self.i + len(self.q))
             if end < 0:
                 raise self.fail("unterminated string")
-            v, self.i = s[self.i + len(self.q):end], end + len(self.q)
+            v, self.i = s[self.i + len(self.q) : end], end + len(self.q)
             return v
         if s.startswith("{", self.i):
             self.i += 1
@@ -98,8 +99,14 @@ def brace_calls(body: str, raw: str, quote: str) -> list[ToolCall]:
     """Every call:NAME{...} in body (Gemma 4 and FunctionGemma differ only in the string quote)."""
     found = list(_CALL.finditer(body))
     if not found:
-        return [ToolCall(None, None, raw, error="empty tool call" if not body.strip() else
-                         "expected call:NAME{...} in the tool call")]
+        return [
+            ToolCall(
+                None,
+                None,
+                raw,
+                error="empty tool call" if not body.strip() else "expected call:NAME{...} in the tool call",
+            )
+        ]
     calls = []
     pos = 0
     for m in found:
@@ -110,10 +117,10 @@ def brace_calls(body: str, raw: str, quote: str) -> list[ToolCall]:
         try:
             args = r.obj()
         except ValueError as e:
-            calls.append(ToolCall(m.group(1), None, body[m.start():], error=f"cannot read the arguments: {e}"))
+            calls.append(ToolCall(m.group(1), None, body[m.start() :], error=f"cannot read the arguments: {e}"))
             break
         pos = r.i
-        calls.append(ToolCall(m.group(1), args, body[m.start():pos]))
+        calls.append(ToolCall(m.group(1), args, body[m.start() : pos]))
     if len(calls) == 1:
         c = calls[0]
         calls = [ToolCall(c.name, c.arguments, raw, c.error)]

@@ -10,6 +10,7 @@ as JSON, so values are typed by the tool's schema, or decoded as JSON when there
 string value keeps its spaces and newlines as written (indented code, a diff). Also
 read, as GLM models sometimes write them: a JSON call object, `NAME {json}` and `NAME k=v ...`.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,8 +73,13 @@ def _other_shapes(s: str, raw: str, info: ToolsInfo) -> ToolCall:
             k, _, v = t.partition("=")
             args[k] = coerce(v, info.property_schema(fname, k), untyped="guess")
         return ToolCall(fname, args, raw)
-    return ToolCall(fname, None, raw, error=f"expected <{KEY}>...</{KEY}><{VALUE}>...</{VALUE}> pairs after "
-                                            "the tool name", arguments_text=None)
+    return ToolCall(
+        fname,
+        None,
+        raw,
+        error=f"expected <{KEY}>...</{KEY}><{VALUE}>...</{VALUE}> pairs after the tool name",
+        arguments_text=None,
+    )
 
 
 def parse_tool_call(text: str, tools: Any = None) -> list[ToolCall]:

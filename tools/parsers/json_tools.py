@@ -11,6 +11,7 @@ object only at the very end of the reply, after prose that holds no other call o
 when its arguments fit the tool's schema. A call shown as an example before more text, or in a
 fence after prose, stays text.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,9 @@ tool_call_end = "</tool_call>"
 bare_json_calls = True
 
 _WRAPPER = re.compile(r"\A\s*<(tools?|response|json|xml|JSON|function_call)>\s*(.*?)\s*</\1>\s*\Z", re.DOTALL)
-_FUNCTION = re.compile(r'<function(?:=([A-Za-z0-9_.:\-]+)|\s+name="([A-Za-z0-9_.:\-]+)")>\s*(.*?)\s*</function>',
-                       re.DOTALL)
+_FUNCTION = re.compile(
+    r'<function(?:=([A-Za-z0-9_.:\-]+)|\s+name="([A-Za-z0-9_.:\-]+)")>\s*(.*?)\s*</function>', re.DOTALL
+)
 _FENCE = re.compile(r"\A\s*```[A-Za-z0-9_-]*[ \t]*\n(.*?)\n?[ \t]*```\s*\Z", re.DOTALL)
 
 
@@ -62,12 +64,21 @@ def _lenient(text: str) -> list[ToolCall] | None:
             try:
                 value = json.loads(args) if args else {}
             except json.JSONDecodeError as e:
-                out.append(ToolCall(m.group(1) or m.group(2), None, m.group(0), error=f"invalid JSON: {e}",
-                                    arguments_text=args))
+                out.append(
+                    ToolCall(
+                        m.group(1) or m.group(2), None, m.group(0), error=f"invalid JSON: {e}", arguments_text=args
+                    )
+                )
                 continue
-            out.append(ToolCall(m.group(1) or m.group(2), value if isinstance(value, dict) else None, m.group(0),
-                                error=None if isinstance(value, dict) else "the arguments are not a JSON object",
-                                arguments_text=None if isinstance(value, dict) else args))
+            out.append(
+                ToolCall(
+                    m.group(1) or m.group(2),
+                    value if isinstance(value, dict) else None,
+                    m.group(0),
+                    error=None if isinstance(value, dict) else "the arguments are not a JSON object",
+                    arguments_text=None if isinstance(value, dict) else args,
+                )
+            )
         return out
     if s is not text:
         return json_calls(s, text)
@@ -94,8 +105,12 @@ def find_calls_in_text(text: str, tools: Any = None) -> list[str]:
             value, end = None, -1
         if end == len(s) and isinstance(value, dict):
             (call,) = json_calls(s[at:], s[at:])[:1] or [None]
-            if (call is not None and call.name in known and _fits(call, known[call.name])
-                    and not _has_call_object(s[:at])):
+            if (
+                call is not None
+                and call.name in known
+                and _fits(call, known[call.name])
+                and not _has_call_object(s[:at])
+            ):
                 return [s[at:]]
             return []
         at = s.rfind("{", 0, at)

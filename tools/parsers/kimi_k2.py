@@ -6,6 +6,7 @@
 
 The id (`functions.NAME:0`) is kept as the call's id; the arguments are JSON (a Python literal is
 accepted too, as mlx-lm and vLLM do)."""
+
 from __future__ import annotations
 
 import json

@@ -8,6 +8,7 @@
 
 or the arguments as one `<|open|>json type="object"<|sep|>{...}<|close|>json<|sep|>` block.
 A typed argument whose type is not "string" is JSON."""
+
 from __future__ import annotations
 
 import json

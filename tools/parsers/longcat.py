@@ -6,6 +6,7 @@
     </longcat_tool_call>
 
 or a JSON call object inside the tags."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -21,5 +22,7 @@ tool_call_end = "</longcat_tool_call>"
 
 def parse_tool_call(text: str, tools: Any = None) -> list[ToolCall]:
     info = ToolsInfo.of(tools)
-    return [kv_call(body, raw, info, "longcat_arg_key", "longcat_arg_value")
-            for raw, body in blocks(text, tool_call_start, tool_call_end)]
+    return [
+        kv_call(body, raw, info, "longcat_arg_key", "longcat_arg_value")
+        for raw, body in blocks(text, tool_call_start, tool_call_end)
+    ]

@@ -1,5 +1,6 @@
 """OpenBMB MiniCPM5: `<function name="NAME"><param name="KEY">VALUE</param></function>`, one
 block per call and no outer wrapper; values holding <, & or newlines come in <![CDATA[...]]>."""
+
 from __future__ import annotations
 
 import re

@@ -7,6 +7,7 @@
     </minimax:tool_call>
 
 Several <invoke> blocks may share one tool_call block. Values are bare text typed by the schema."""
+
 from __future__ import annotations
 
 import re
@@ -20,8 +21,9 @@ tool_call_start = "<minimax:tool_call>"
 tool_call_end = "</minimax:tool_call>"
 
 _INVOKE = re.compile(r"<invoke\s+name=(\"[^\"]*\"|'[^']*'|[^\s>]+)\s*>(.*?)(?:</invoke>|(?=<invoke\s)|\Z)", re.DOTALL)
-_PARAM = re.compile(r"<parameter\s+name=(\"[^\"]*\"|'[^']*'|[^\s>]+)\s*>(.*?)(?:</parameter>|(?=<parameter\s)|\Z)",
-                    re.DOTALL)
+_PARAM = re.compile(
+    r"<parameter\s+name=(\"[^\"]*\"|'[^']*'|[^\s>]+)\s*>(.*?)(?:</parameter>|(?=<parameter\s)|\Z)", re.DOTALL
+)
 
 
 def unquote(s: str) -> str:
@@ -29,13 +31,26 @@ def unquote(s: str) -> str:
     return s[1:-1] if len(s) >= 2 and s[0] == s[-1] and s[0] in "\"'" else s
 
 
-def xml_calls(body: str, raw: str, info: ToolsInfo, invoke: re.Pattern, param: re.Pattern,
-              value=lambda v: v.strip(), untyped: str = "string") -> list[ToolCall]:
+def xml_calls(
+    body: str,
+    raw: str,
+    info: ToolsInfo,
+    invoke: re.Pattern,
+    param: re.Pattern,
+    value=lambda v: v.strip(),
+    untyped: str = "string",
+) -> list[ToolCall]:
     """Calls from <invoke name=...><parameter name=...>v</parameter>...</invoke> shaped text."""
     found = list(invoke.finditer(body))
     if not found:
-        return [ToolCall(None, None, raw, error="empty tool call" if not body.strip() else
-                         "no <invoke name=...> in the tool call")]
+        return [
+            ToolCall(
+                None,
+                None,
+                raw,
+                error="empty tool call" if not body.strip() else "no <invoke name=...> in the tool call",
+            )
+        ]
     calls = []
     for m in found:
         fname = unquote(m.group(1))
@@ -48,8 +63,11 @@ def xml_calls(body: str, raw: str, info: ToolsInfo, invoke: re.Pattern, param: r
                 break
             args[pname] = coerce(value(p.group(2)), info.property_schema(fname, pname), untyped)
         else:
-            calls.append(ToolCall(fname, args, call_raw) if fname else
-                         ToolCall(None, None, call_raw, error="the call has no name"))
+            calls.append(
+                ToolCall(fname, args, call_raw)
+                if fname
+                else ToolCall(None, None, call_raw, error="the call has no name")
+            )
     return calls
 
 

@@ -4,6 +4,7 @@
 detokenises (vLLM's v11 tests: Mistral Small 3.2, Devstral, Magistral). There is no end marker:
 the calls run to the end of the reply. A call list after some junk is read from its first
 `[{` (vLLM's fallback for the older form)."""
+
 from __future__ import annotations
 
 import json
@@ -60,12 +61,13 @@ def parse_tool_call(text: str, tools: Any = None) -> list[ToolCall]:
             calls.append(_new_style(s, raw))
         elif _NAME_THEN_ARGS.match(s):  # NAME{...}: the [ARGS] token dropped
             m = _NAME_THEN_ARGS.match(s)
-            calls.append(_new_style(f"{m.group(1)}[ARGS]{s[m.end():]}", raw))
+            calls.append(_new_style(f"{m.group(1)}[ARGS]{s[m.end() :]}", raw))
         elif _LIST_START.search(s):  # junk, then the call list
-            calls.extend(json_calls(s[_LIST_START.search(s).start():], raw))
+            calls.extend(json_calls(s[_LIST_START.search(s).start() :], raw))
         else:
-            calls.append(ToolCall(None, None, raw, error="expected a JSON list of calls or NAME[ARGS]{...} "
-                                                         "after [TOOL_CALLS]"))
+            calls.append(
+                ToolCall(None, None, raw, error="expected a JSON list of calls or NAME[ARGS]{...} after [TOOL_CALLS]")
+            )
     if not calls:
         calls.append(ToolCall(None, None, text, error="empty tool call"))
     return calls

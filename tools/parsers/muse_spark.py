@@ -5,6 +5,7 @@
     </atem:function_calls>
 
 Values are JSON when they decode as JSON (the template writes non-strings that way)."""
+
 from __future__ import annotations
 
 import re

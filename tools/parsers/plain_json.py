@@ -12,6 +12,7 @@ Llama 3.x models also write their calls with prose before or after them ("Here i
 run those. `find_calls_in_text` reads such calls out of a reply that is not only calls, by the
 same rules (a name that is a known tool when tools are given, an arguments object).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -50,9 +51,13 @@ def find_calls_in_text(text: str, tools: Any = None) -> list[str]:
             continue
         raw = text[at:end]
         call = call_from_object(value, raw) if isinstance(value, dict) else None
-        if (call is not None and call.name is not None and call.error is None
-                and any(k in value for k in ("arguments", "parameters"))
-                and (known is None or call.name in known)):
+        if (
+            call is not None
+            and call.name is not None
+            and call.error is None
+            and any(k in value for k in ("arguments", "parameters"))
+            and (known is None or call.name in known)
+        ):
             out.append(raw)
             at = text.find("{", end)
         else:

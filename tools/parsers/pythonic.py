@@ -2,6 +2,7 @@
 
 Read with Python's own parser (never evaluated): keyword arguments only, literal values, with
 JSON's true/false/null accepted since templates render nested values as JSON."""
+
 from __future__ import annotations
 
 import ast

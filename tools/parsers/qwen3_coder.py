@@ -20,6 +20,7 @@ numbers, booleans, JSON or Python-literal objects and arrays, double-encoded obj
 nullable types), so pass `tools` (OpenAI dicts or a ToolRegistry). Without a schema every value
 stays a string.
 """
+
 from __future__ import annotations
 
 import re
@@ -65,11 +66,11 @@ def _strip_newlines(v: str) -> str:
     # The template writes "\n" after the opening tag and before the closing one.
     for nl in ("\r\n", "\n"):
         if v.startswith(nl):
-            v = v[len(nl):]
+            v = v[len(nl) :]
             break
     for nl in ("\r\n", "\n"):
         if v.endswith(nl):
-            v = v[:-len(nl)]
+            v = v[: -len(nl)]
             break
     return v
 

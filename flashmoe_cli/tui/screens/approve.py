@@ -3,6 +3,7 @@
 Keys are ignored for the first ARM_S seconds, so letters typed into the message box as the
 question pops up do not answer it.
 """
+
 from __future__ import annotations
 
 import json

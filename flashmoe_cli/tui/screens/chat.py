@@ -10,6 +10,7 @@ them; this screen is the Face they act on).
 The workers post their messages straight to this screen; widgets change only in the handlers
 below, on the UI thread. Ctrl+C and Ctrl+T, which work over the modals too, are the App's.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -66,9 +67,11 @@ REDRAW_S = 0.25  # the layer panel and the live figures are redrawn at most this
 RSS_EVERY = 10  # redraw ticks between memory readings
 PANEL_MIN_COLUMNS = 100  # narrower, the layer panel (48 columns) is hidden until F2 shows it
 UNMOUNT_WAIT_S = 5.0  # quitting mid-reply waits this long for the turn to save what it got
-KEYS = ("Keys: Enter send · Ctrl+J or Alt+Enter new line · Esc or Ctrl+C stop the reply · "
-        "Ctrl+C twice or Ctrl+D (empty box) quit · F1 help · F2 layer panel · Ctrl+T reasoning · "
-        "Ctrl+P commands")
+KEYS = (
+    "Keys: Enter send · Ctrl+J or Alt+Enter new line · Esc or Ctrl+C stop the reply · "
+    "Ctrl+C twice or Ctrl+D (empty box) quit · F1 help · F2 layer panel · Ctrl+T reasoning · "
+    "Ctrl+P commands"
+)
 
 
 class MainRow(Horizontal):
@@ -90,8 +93,9 @@ class ChatScreen(Screen):
         """The screen is mounted. It bubbles up to the App, which then starts waiting for the
         model: what the wait ends with goes into this screen's widgets."""
 
-    def __init__(self, session, *, tools=None, cursor_blink: bool = True, rss=rss_bytes,
-                 show_layers: bool | None = None):
+    def __init__(
+        self, session, *, tools=None, cursor_blink: bool = True, rss=rss_bytes, show_layers: bool | None = None
+    ):
         """tools: the ToolOptions the AgentLoop gets (None, or no --tools: plain replies)."""
         super().__init__()
         self.session = session
@@ -117,8 +121,9 @@ class ChatScreen(Screen):
             yield Transcript(id="transcript")
             yield LayerPanel(id="layers")
         yield Static(id="activity")
-        yield PromptInput(placeholder="Message (Enter sends; /help lists the commands)",
-                          cursor_blink=self.cursor_blink, id="prompt")
+        yield PromptInput(
+            placeholder="Message (Enter sends; /help lists the commands)", cursor_blink=self.cursor_blink, id="prompt"
+        )
         yield KeyHints(id="hints")
 
     @property
@@ -181,22 +186,32 @@ class ChatScreen(Screen):
         """The model is in: say what it is, set up the tools, send what was typed meanwhile."""
         name = Path(info.model).name or info.model
         resident = getattr(info, "resident_experts", None)
-        self.status.set(model=f"{name} ({info.model_type}{', experts resident' if resident else ''})",
-                        bits=info.bits, top_k=info.top_k,
-                        context_max=getattr(info, "context", None))
+        self.status.set(
+            model=f"{name} ({info.model_type}{', experts resident' if resident else ''})",
+            bits=info.bits,
+            top_k=info.top_k,
+            context_max=getattr(info, "context", None),
+        )
         bits = f"{info.bits}-bit" if info.bits else "unquantized"
-        self.note(f"{name}: {info.model_type}, {info.mode} experts, {info.layers} layers "
-                  f"({info.moe_layers} with experts), {info.experts} experts, top-{info.top_k}, {bits}, "
-                  f"expert cache {human_bytes(info.cache_bytes)}"
-                  + (f" ({info.cache_policy})" if info.cache_policy else "")
-                  + kv_label(info)
-                  + f", loaded in {info.load_s:.1f} s\n"
-                  + (f"Experts resident, not streamed (--allow-resident-experts): {resident}\n" if resident else "")
-                  + (f"Preloading the {info.preloading} most used experts ({human_bytes(info.preloading_bytes)}) "
-                     f"from {info.usage_file}\n" if getattr(info, "preloading", 0) else "")
-                  + (DEMO_NOTE + "\n" if is_demo(info.model) else "")
-                  + "Type a message and press Enter. /help lists the commands, F1 the keys.", title="model",
-                  before=self._queued)
+        self.note(
+            f"{name}: {info.model_type}, {info.mode} experts, {info.layers} layers "
+            f"({info.moe_layers} with experts), {info.experts} experts, top-{info.top_k}, {bits}, "
+            f"expert cache {human_bytes(info.cache_bytes)}"
+            + (f" ({info.cache_policy})" if info.cache_policy else "")
+            + kv_label(info)
+            + f", loaded in {info.load_s:.1f} s\n"
+            + (f"Experts resident, not streamed (--allow-resident-experts): {resident}\n" if resident else "")
+            + (
+                f"Preloading the {info.preloading} most used experts ({human_bytes(info.preloading_bytes)}) "
+                f"from {info.usage_file}\n"
+                if getattr(info, "preloading", 0)
+                else ""
+            )
+            + (DEMO_NOTE + "\n" if is_demo(info.model) else "")
+            + "Type a message and press Enter. /help lists the commands, F1 the keys.",
+            title="model",
+            before=self._queued,
+        )
         if not self._build_loop(info):
             return
         self.set_activity("ready", "dim")
@@ -232,8 +247,11 @@ class ChatScreen(Screen):
         names = ", ".join(self.loop.executor.registry.names())
         policy = self.loop.executor.policy
         yolo = " (every call runs without asking)" if policy.mode == "yolo" else ""
-        self.note(f"Tools: {names}\nmode {policy.mode}{yolo} · workspace {short_path(policy.workspace)}",
-                  title="tools", before=self._queued)
+        self.note(
+            f"Tools: {names}\nmode {policy.mode}{yolo} · workspace {short_path(policy.workspace)}",
+            title="tools",
+            before=self._queued,
+        )
         return True
 
     def model_failed(self, message: str) -> None:
@@ -287,8 +305,9 @@ class ChatScreen(Screen):
         self.reply = Reply(self._reply_seq, turn, box, box.stream())
         self.transcript.anchor()
         self.set_activity("prefill…", "dim")
-        self.run_worker(partial(turn.run, text), thread=True, exit_on_error=False, group="reply",
-                        name=f"reply {self._reply_seq}")
+        self.run_worker(
+            partial(turn.run, text), thread=True, exit_on_error=False, group="reply", name=f"reply {self._reply_seq}"
+        )
 
     def _current(self, reply_id: int) -> Reply | None:
         """The reply a message is about, while it runs and the app is not exiting (from then on
@@ -302,8 +321,12 @@ class ChatScreen(Screen):
             return
         thinking = m.kind == "reasoning"
         if not r.stopping:
-            self.set_activity("thinking… Ctrl+T shows or hides the reasoning · Esc stops" if thinking
-                              else "generating… Esc stops (the text so far is kept)", "dim")
+            self.set_activity(
+                "thinking… Ctrl+T shows or hides the reasoning · Esc stops"
+                if thinking
+                else "generating… Esc stops (the text so far is kept)",
+                "dim",
+            )
         if r.box is None:
             await self._open_box(r)
         r.text += m.text  # (the AgentLoop saves it, on its thread)
@@ -333,8 +356,9 @@ class ChatScreen(Screen):
         lines = message.splitlines()
         shown = "\n".join(lines[:12] + (["…"] if len(lines) > 12 else []))
         self.note(f"The engine failed ({failed.exc_type}): {shown}", "error", title="error")
-        self.notify(safe(lines[0] if lines else message), title="Engine error", severity="error", timeout=10,
-                    markup=False)
+        self.notify(
+            safe(lines[0] if lines else message), title="Engine error", severity="error", timeout=10, markup=False
+        )
         self.set_activity("the engine failed; see the message above", "bold red")
 
     # -- the turn's messages (agent_turn.py posts them) ------------------------------------------
@@ -347,7 +371,8 @@ class ChatScreen(Screen):
         """Put the approval question up, after the text that came before it."""
         turn = self.agent_turn
         return turn is not None and turn.post(
-            ApprovalRequest(turn.reply_id, call.name or "", call.arguments, reason, reply))
+            ApprovalRequest(turn.reply_id, call.name or "", call.arguments, reason, reply)
+        )
 
     async def _open_box(self, r: Reply) -> None:
         """The next model reply of the turn (after tool results) gets its own box."""
@@ -384,7 +409,8 @@ class ChatScreen(Screen):
         done = m.finished
         if done.reason != "cancelled":
             r.detail = f"{done.generation_tokens} tok · {done.generation_tps:.1f} tok/s" + (
-                " · max tokens" if done.reason == "length" else "")
+                " · max tokens" if done.reason == "length" else ""
+            )
         self.status.set(context_used=done.prompt_tokens + done.generation_tokens, tokens=m.tokens)
         self.status.set(tok_s=done.generation_tps, bytes_per_token=done.bytes_per_token, hit_rate=done.hit_rate)
 
@@ -447,9 +473,12 @@ class ChatScreen(Screen):
         elif end.status == "failed" and m.failed is not None:
             self._engine_failed(m.failed)
         else:
-            what = {"chain-limit": "The tool chain limit is reached", "repairs-exhausted":
-                    "The model kept writing malformed tool calls", "failed": "The reply failed",
-                    "approval-needed": "A tool call needed approval"}.get(end.status, f"The turn ended ({end.status})")
+            what = {
+                "chain-limit": "The tool chain limit is reached",
+                "repairs-exhausted": "The model kept writing malformed tool calls",
+                "failed": "The reply failed",
+                "approval-needed": "A tool call needed approval",
+            }.get(end.status, f"The turn ended ({end.status})")
             self.note(f"{what}: {end.message}" if end.message else what, "error", title="error")
             self.set_activity("ready; see the error above", "bold red")
 
@@ -531,8 +560,9 @@ class ChatScreen(Screen):
 
     # -- slash commands (commands.py runs them; this screen is the Face they act on) ----------
     keys = KEYS
-    described = {"timing": "/timing [off|step|layer] shows or hides the layer panel (alone: F2) or sets the "
-                           "timing mode"}
+    described = {
+        "timing": "/timing [off|step|layer] shows or hides the layer panel (alone: F2) or sets the timing mode"
+    }
 
     def run_slash(self, name: str, arg: str) -> None:
         """A slash command (typed, or from the command palette)."""

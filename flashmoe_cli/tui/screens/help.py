@@ -1,4 +1,5 @@
 """F1: the keys and the slash commands."""
+
 from __future__ import annotations
 
 from rich.table import Table
@@ -54,8 +55,12 @@ class HelpScreen(ModalScreen[None]):
             yield Static(keys_table())
             yield Static(Text("\nCommands", style="bold underline"))
             yield Static(commands_table())
-            yield Static(Text("\nThe layer panel shows milliseconds per decode step for each layer: "
-                              "attention (or linear-attention mixer), routing, waiting for expert reads "
-                              "(I/O, shaded by how much that layer read), expert compute, and expert "
-                              "cache hits/misses. attn, comp and other need /timing layer.",
-                              style="dim"))
+            yield Static(
+                Text(
+                    "\nThe layer panel shows milliseconds per decode step for each layer: "
+                    "attention (or linear-attention mixer), routing, waiting for expert reads "
+                    "(I/O, shaded by how much that layer read), expert compute, and expert "
+                    "cache hits/misses. attn, comp and other need /timing layer.",
+                    style="dim",
+                )
+            )

@@ -1,11 +1,19 @@
 """The bottom line: the keys that matter, shortened on a narrow terminal."""
+
 from __future__ import annotations
 
 from rich.text import Text
 from textual.widget import Widget
 
-KEYS = (("Enter", "Enter", "send"), ("Ctrl+J/Alt+Enter", "^J", "new line"), ("Esc", "Esc", "stop"),
-        ("F1", "F1", "help"), ("F2", "F2", "layers"), ("Ctrl+P", "^P", "commands"), ("Ctrl+C×2", "^C^C", "quit"))
+KEYS = (
+    ("Enter", "Enter", "send"),
+    ("Ctrl+J/Alt+Enter", "^J", "new line"),
+    ("Esc", "Esc", "stop"),
+    ("F1", "F1", "help"),
+    ("F2", "F2", "layers"),
+    ("Ctrl+P", "^P", "commands"),
+    ("Ctrl+C×2", "^C^C", "quit"),
+)
 
 
 class KeyHints(Widget):

@@ -4,6 +4,7 @@ cache hits/misses, and a stacked bar of where the step's time went.
 Rows are drawn with the line API (`render_line`) from the latest LayerTimings; the app hands the
 panel at most ~10 updates a second, and an update only swaps the data and refreshes.
 """
+
 from __future__ import annotations
 
 from rich.style import Style
@@ -29,6 +30,7 @@ def columns(mode: str, rows: tuple = ()) -> tuple:
     """The time columns a mode fills. Step timing measures routing and expert I/O per layer, and
     expert compute only where the expert store times it (the CPU kernels; not MLX's lazy ones):
     its rows leave out attention, and compute when no row has any, instead of showing them empty."""
+
     def filled(field: str) -> bool:
         return field not in LAYER_ONLY or (field == "expert_compute_ms" and any(r.expert_compute_ms for r in rows))
 
@@ -56,7 +58,7 @@ def fmt_ms(v: float) -> str:
 def heat(fraction: float) -> Style:
     """Amber for the layer reading least, through to bright red for the one reading most."""
     f = max(0.0, min(1.0, fraction))
-    lo, hi = (0xd7, 0xaf, 0x5f), (0xff, 0x40, 0x40)
+    lo, hi = (0xD7, 0xAF, 0x5F), (0xFF, 0x40, 0x40)
     r, g, b = (round(a + (c - a) * f) for a, c in zip(lo, hi))
     return Style(color=f"#{r:02x}{g:02x}{b:02x}", bold=f > 0.75)
 
@@ -68,7 +70,7 @@ def split_cells(values: list[float], cells: int) -> list[int]:
         return [0] * len(values)
     exact = [v / total * cells for v in values]
     out = [int(x) for x in exact]
-    for i in sorted(range(len(values)), key=lambda i: exact[i] - out[i], reverse=True)[:cells - sum(out)]:
+    for i in sorted(range(len(values)), key=lambda i: exact[i] - out[i], reverse=True)[: cells - sum(out)]:
         out[i] += 1
     return out
 

@@ -1,4 +1,5 @@
 """The message box: Enter sends, Ctrl+J or Alt+Enter starts a new line."""
+
 from __future__ import annotations
 
 from textual import events
@@ -27,8 +28,14 @@ class PromptInput(TextArea):
         """Ctrl-D on an empty box."""
 
     def __init__(self, *, placeholder: str = "", cursor_blink: bool = True, id: str | None = None) -> None:
-        super().__init__(soft_wrap=True, tab_behavior="focus", show_line_numbers=False,
-                         placeholder=placeholder, id=id, highlight_cursor_line=False)
+        super().__init__(
+            soft_wrap=True,
+            tab_behavior="focus",
+            show_line_numbers=False,
+            placeholder=placeholder,
+            id=id,
+            highlight_cursor_line=False,
+        )
         self.cursor_blink = cursor_blink
 
     async def _on_key(self, event: events.Key) -> None:

@@ -1,4 +1,5 @@
 """The top line: model, bits, K, decode speed, bytes per token, cache hit rate, memory."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """A tool call in the transcript: one collapsed line ("⚙ read_file · ok · 0.01 s"); opened, the
 call's arguments and what the tool sent back to the model."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,15 @@ from ...term_safe import safe
 
 MAX_LINES = 400  # result lines shown (the model got them all, up to the executor's cap)
 MAX_CHARS = 40_000
-STATE = {"ok": "ok", "result": "ok", "declined": "declined", "denied": "denied", "invalid": "invalid",
-         "approval-needed": "denied", "chain-limit": "denied"}
+STATE = {
+    "ok": "ok",
+    "result": "ok",
+    "declined": "declined",
+    "denied": "denied",
+    "invalid": "invalid",
+    "approval-needed": "denied",
+    "chain-limit": "denied",
+}
 
 
 def fmt_duration(seconds: float) -> str:
@@ -77,10 +85,18 @@ class ToolBlock(Collapsible):
         self.result = result  # flashmoe.cli.agent.ToolResultEvent
         self.state = STATE.get(result.status, "error")
         self.title_plain = title or title_text(call, result)
-        body = [] if call is None else [Static(Text("arguments", style="bold"), classes="tool-label"),
-                                        Static(Text(arguments_text(call)), classes="tool-args")]
-        body += [Static(Text(f"result · {result.status}", style="bold"), classes="tool-label"),
-                 Static(result_text(result.content), classes="tool-result")]
+        body = (
+            []
+            if call is None
+            else [
+                Static(Text("arguments", style="bold"), classes="tool-label"),
+                Static(Text(arguments_text(call)), classes="tool-args"),
+            ]
+        )
+        body += [
+            Static(Text(f"result · {result.status}", style="bold"), classes="tool-label"),
+            Static(result_text(result.content), classes="tool-result"),
+        ]
         super().__init__(*body, title=Content(self.title_plain), collapsed=True, classes=f"tool -{self.state}")
 
     @classmethod
@@ -90,6 +106,7 @@ class ToolBlock(Collapsible):
         if message["role"] == "user":  # the Qwen way: <tool_response>...</tool_response> in a user turn
             content = content.removeprefix("<tool_response>").removesuffix("</tool_response>").strip("\n")
         name = message.get("name") or "tool"
-        result = SimpleNamespace(name=name, ok=True, status="result", content=content, duration_s=0.0,
-                                 exit_code=None, truncated=False)
+        result = SimpleNamespace(
+            name=name, ok=True, status="result", content=content, duration_s=0.0, exit_code=None, truncated=False
+        )
         return cls(None, result, title=f"⚙ {name} · result")

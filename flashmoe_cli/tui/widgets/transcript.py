@@ -1,4 +1,5 @@
 """The conversation: user messages as typed, replies as streamed Markdown, notes and errors."""
+
 from __future__ import annotations
 
 import asyncio
@@ -40,6 +41,7 @@ def tame(text: str) -> str:
     and the chat's decode fell from 27 to 4 tok/s as the nesting deepened. Past the third, a
     marker is shown as the text it is. Only what is shown changes, never the reply
     (`AssistantMessage.text`)."""
+
     def escape(m: re.Match) -> str:
         markers = _MARKER.findall(m.group(2))
         if all(mark in "-*" for mark, _ in markers):  # "- - - -", "* * * *": a thematic break
@@ -175,7 +177,7 @@ class AssistantMessage(Vertical):
             self._raw[-1] += text
             shown = tame(self._raw[-1])
             if shown.startswith(live.source):
-                await live.append(shown[len(live.source):])
+                await live.append(shown[len(live.source) :])
             else:  # the last line's markers were escaped as more came
                 await live.update(shown)
             cut = list_cut(self._raw[-1], self._parser)
