@@ -204,7 +204,7 @@ def attend(q: np.ndarray, K: np.ndarray, V: np.ndarray, T: int, scale) -> np.nda
     below; long ones in blocks (`attend_steps`). sgemm is slow on the scores' shape (K rows
     against 1-8 query rows, [T, D] x [D, g]): the loop halves attention at 1000 positions (0.21 ->
     0.09 ms for 9 heads of 64 over 3 kv heads; 1.1 -> 0.46 ms for 32 of 128 over 8;
-    benchmarks/RESULTS.md)."""
+    benchmarks/log/, indexed in benchmarks/README.md)."""
     Hk = K.shape[0]
     H, D = q.shape
     return attend_qs(np.ascontiguousarray(q * np.float32(scale)).reshape(Hk, H // Hk, D), K, V, T)

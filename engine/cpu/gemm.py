@@ -14,7 +14,7 @@ Raising BLAS's own thread count for the product, as this module did first, woke 
 worker thread, which polls for work (sched_yield) before it sleeps. On two cores, in some
 processes, it held a whole core beside numba's kernel threads, through the MoE kernels that
 follow each layer's attention and the decode after the prompt (the upcycled demo's 1k-token
-prefill: 130 instead of 170 tok/s, process by process; benchmarks/RESULTS.md).
+prefill: 130 instead of 170 tok/s, process by process; benchmarks/log/, indexed in benchmarks/README.md).
 """
 
 from __future__ import annotations

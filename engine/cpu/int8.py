@@ -16,7 +16,7 @@ group's largest value; and the group's exact float sum xs. Row r's output is the
 the dots in integers. One term is what llama.cpp does (Q8 activations): 2-5% of the largest
 output off when a channel is an outlier (SmolLM2's hidden state has some), which moved the top
 token on 1 in 5 decode steps of the dense 4-bit model; the second term costs a quarter to a third
-more time and brings the error to about 1e-4 (benchmarks/RESULTS.md). It is still not the float
+more time and brings the error to about 1e-4 (benchmarks/log/, indexed in benchmarks/README.md). It is still not the float
 kernels' arithmetic, so greedy tokens may differ from mlx-lm's: an explicit option, never the
 default (tests/test_int8.py holds the kernel to its definition and to the float product).
 
@@ -102,7 +102,7 @@ def host_x() -> str:
     """cpu-int8's x format on this CPU: two int8 terms where VPDPBUSD sums 64 byte products at
     once (VNNI); elsewhere one int16 term, whose VPMADDWD beat VPMADDUBSW's two int8 terms on
     AVX2 (a Zen 2 VM, one thread, 4096 x 2048: 8-bit 308 against 448 us, 4-bit 261 against 293;
-    the float kernels 488 and 449; benchmarks/RESULTS.md) at the same accuracy."""
+    the float kernels 488 and 449; benchmarks/log/, indexed in benchmarks/README.md) at the same accuracy."""
     return "int8x2" if host_dot() == "vnni" else "int16"
 
 
@@ -115,7 +115,7 @@ def many_rows() -> bool:
     """Whether the int8 kernels take a prefill's many rows too, or leave them to the float path
     (dequantize + sgemm; grouped float kernels for experts). With VNNI they beat it at every row
     count; with AVX2 they did not (a Zen 2 VM, 1k-token prompt: the dense model 207.7 against 246.9
-    tok/s, the demo 134.5 against 158.6; benchmarks/RESULTS.md), so there cpu-int8 is the float
+    tok/s, the demo 134.5 against 158.6; benchmarks/log/, indexed in benchmarks/README.md), so there cpu-int8 is the float
     path's prefill and int8 decode."""
     return host_dot() == "vnni"
 

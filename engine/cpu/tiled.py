@@ -14,7 +14,7 @@ routers, the output head) is read the same way every token, so at load time it i
 rows is one contiguous load, each of its values multiplies one x value broadcast to every lane,
 and each group's sum is scaled and added per lane. No shuffle and no horizontal sum: 10-11 G
 values/s on one thread, 1.1-1.8x the old kernels on the small matrices of a decode step
-(benchmarks/bench_tiled.py; figures in benchmarks/RESULTS.md). The kernel itself is an LLVM
+(benchmarks/bench_tiled.py; figures in benchmarks/log/, indexed in benchmarks/README.md). The kernel itself is an LLVM
 intrinsic (`_tile_out`) that keeps every sum in a vector register across a row of groups, and
 decodes each weight word once for up to ROWS x rows: 1.6-2.4x the same loops written in numba.
 

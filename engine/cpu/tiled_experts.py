@@ -1,7 +1,7 @@
 """Streamed experts in tiles: each expert in the slot bank is repacked, in place, into tiled.py's
 layout once its read has landed, so the experts a token routes to run on the same kernels as the
 resident matrices instead of qmm.py's row-layout ones (the upcycled demo's 8-bit experts, on two
-cores: gate and up 213 -> 64-82 us per expert, down 70 -> 35-40 us; benchmarks/RESULTS.md).
+cores: gate and up 213 -> 64-82 us per expert, down 70 -> 35-40 us; benchmarks/log/, indexed in benchmarks/README.md).
 
 A slot holds an expert's parts as read: packed words [N, K*bits/32], scales and biases
 [N, K/group]. With N a multiple of 16 the tiled form, [N/16, K*bits/32, 16] and [N/16, K/group,
@@ -195,7 +195,7 @@ class TiledBank:
         x2 and writes its own output row: x2 is prepared once per token, not once per expert it
         chose. Against dequantize + sgemm per expert (what prefill did before): 1.1-1.3x on the
         demos' whole prefill; where experts get few rows each (512 tokens, 8 of 128 experts: 32),
-        against a row per entry, 2.4x (benchmarks/RESULTS.md)."""
+        against a row per entry, 2.4x (benchmarks/log/, indexed in benchmarks/README.md)."""
         order = np.argsort(idx, kind="stable")
         slots, starts = np.unique(idx[order], return_index=True)
         fn, _ = self._fn(*self.formats[names[0]], "grouped")

@@ -2,7 +2,7 @@
 
 Those kernels keep a tile's 16 sums in vector registers for a whole row of groups. Written as
 numba loops over 16 lanes, the sums went through memory at every group (numba cannot show LLVM
-that a scratch array aliases nothing), which cost 1.3-2.5x (benchmarks/RESULTS.md)."""
+that a scratch array aliases nothing), which cost 1.3-2.5x (benchmarks/log/, indexed in benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ VH16 = ir.VectorType(I16, 16)
 # lines (one word of a tile's 16 rows): the hardware prefetchers alone left a decode step's
 # experts, read from RAM, at 7 GB/s a core. Swept on the upcycled demo's experts, every one
 # cached, two cores, on 2 MiB pages: 8 lines 282, 16 272, 32 313, 64 294 us a
-# layer, none 325 (benchmarks/RESULTS.md).
+# layer, none 325 (benchmarks/log/, indexed in benchmarks/README.md).
 PREFETCH_LINES = 16
 
 
