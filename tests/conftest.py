@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.paths import OUTSIDE, USER_HOME
 from tests.tiny_models import save_folder
 
-ROOT = Path(__file__).resolve().parents[1]
-# The workspace's research notes beside the repository: a public clone has no such folder, so
-# the suite must never read it (everything a test needs is in tests/fixtures/, SOURCES.md says
-# from where). Every open of a path inside it fails the test that tried, in this process.
-OUTSIDE = ROOT.parent / "shared"
+# USER_HOME is read as tests.helpers.paths is imported here, before the session fixture below
+# replaces FLASHMOE_HOME. Every open of a path inside OUTSIDE (the workspace's research notes beside
+# the repository) fails the test that tried, in this process.
 
 
 def _refuse_outside(event: str, args) -> None:
@@ -26,19 +25,6 @@ def _refuse_outside(event: str, args) -> None:
 
 
 sys.addaudithook(_refuse_outside)
-
-
-def _user_home() -> Path:
-    """The FLASHMOE_HOME the user's own runs use (as engine.demo.flashmoe_home finds it)."""
-    env = os.environ.get("FLASHMOE_HOME")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_data_dir("flashmoe", appauthor=False))
-
-
-USER_HOME = _user_home()  # read before the session fixture below replaces it
 
 
 def _build_demo(home: Path) -> None:

@@ -26,15 +26,15 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from tests.arch_zoo import (
     ARCH_TYPES,
+    CASES,
     COLLAPSING_GREEDY,
     CONFIGS,
     FLOAT_ONLY,
     METAL_FORWARD,
-    TWO_BIT,
     coverage_table,
     save_folder,
 )
-from tests.test_streaming_exact import greedy, small_budget
+from tests.helpers.streaming import greedy, small_budget
 from tests.tiny_models import reference_model
 
 PROMPT = [3, 17, 250, 42, 9, 101, 77, 5, 64, 200, 13, 8]
@@ -42,9 +42,6 @@ FORCED = [5, 99, 250, 31, 7, 180, 64, 12]  # decode steps fed these tokens, what
 STEPS = 12  # greedy tokens compared per variant
 ROOT = Path(__file__).resolve().parents[1]
 
-CASES = (
-    [(t, None) for t in ARCH_TYPES] + [(t, 4) for t in ARCH_TYPES if t not in FLOAT_ONLY] + [(t, 2) for t in TWO_BIT]
-)
 FULL = [c for c in CASES if c[0] not in METAL_FORWARD]
 
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tests.helpers.cli import run_cli
-from tests.tools.test_runner import marker, survivors
+from tests.helpers.processes import marker, survivors
 
 
 def call(name: str, **arguments) -> str:
@@ -253,7 +253,7 @@ def test_a_wrapper_above_flashmoe_does_not_show_its_secrets(tmp_path, ws):
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.helpers.paths import ROOT
 
     walk = (
         'p=$$; while [ "$p" -gt 1 ]; do cat /proc/$p/environ; echo; '
@@ -390,7 +390,7 @@ def test_sigterm_stops_a_running_tool(tmp_path, ws, reply, extra):
     import sys
     import time
 
-    from tests.conftest import ROOT
+    from tests.helpers.paths import ROOT
 
     (tmp_path / "slow.py").write_text(SLOW_TOOL)
     extra = [e.format(slow=tmp_path / "slow.py") for e in extra]

@@ -93,7 +93,7 @@ def test_the_replay_counts_what_the_expert_store_counts(model_factory, policy):
     """The same trace through the real engine (a tiny cache, so it evicts) and through replay."""
     from flashmoe.engine.experts.trace import record
     from flashmoe.engine.runtime.loader import load
-    from tests.test_streaming_exact import PROMPT
+    from tests.helpers.streaming import PROMPT
 
     packed = model_factory("qwen3_moe", 4, converted=True)
     lm = load(packed, expert_cache=0, cache_policy=policy, prefetch="hint")
@@ -114,7 +114,7 @@ def test_recorded_tokens_see_the_ones_before_them(model_factory):
 
     from flashmoe.engine.experts.trace import record
     from flashmoe.engine.runtime.loader import load
-    from tests.test_streaming_exact import PROMPT
+    from tests.helpers.streaming import PROMPT
 
     lm = load(model_factory("qwen3_moe", 4, converted=True), kernels="cpu")
     ids = (PROMPT * 2)[:24]

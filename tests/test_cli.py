@@ -13,7 +13,7 @@ import pytest
 
 from flashmoe.cli.argtypes import parse_size
 from flashmoe.cli.headless import read_prompt
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 from tests.helpers.cli import run_cli
 
 

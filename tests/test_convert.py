@@ -17,7 +17,7 @@ from mlx_lm.utils import load_model, quantize_model
 from flashmoe.engine.formats.convert import convert
 from flashmoe.engine.errors import ConvertError, ModelLoadError
 from flashmoe.engine.runtime.loader import load
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 from tests.helpers.cli import run_cli
 
 TOKENS = mx.array([[3, 17, 250, 42, 9, 101, 77, 5]])

@@ -14,7 +14,7 @@ import numba  # noqa: E402,F401 - required: a missing one fails here, never skip
 from flashmoe.engine.cpu.fused import CpuAttention, CpuMLP, CpuMoE, RopeTable  # noqa: E402
 from flashmoe.engine.cpu import attn as cpu_attn  # noqa: E402
 from flashmoe.engine.runtime.loader import load  # noqa: E402
-from tests.test_streaming_exact import PROMPT, greedy  # noqa: E402
+from tests.helpers.streaming import PROMPT, greedy  # noqa: E402
 
 RNG = np.random.default_rng(3)
 

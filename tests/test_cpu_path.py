@@ -13,7 +13,7 @@ import pytest
 import numba  # noqa: E402,F401 - required: a missing one fails here, never skips
 
 from flashmoe.engine.runtime.loader import load  # noqa: E402
-from tests.test_streaming_exact import CASES, PROMPT, greedy, small_budget  # noqa: E402
+from tests.helpers.streaming import CASES, PROMPT, greedy, small_budget  # noqa: E402
 
 QUANTIZED = [(a, b) for a, b in CASES if b is not None]
 

@@ -61,7 +61,7 @@ def test_paris_golden_and_identical_to_resident_mlx_lm(folders):
     from flashmoe.engine.formats.demo import DEMO_EXPERTS, DEMO_TOP_K
     from flashmoe.engine.runtime.generate import GenerationRequest, Session, generate
     from flashmoe.engine.runtime.loader import load
-    from tests.test_streaming_exact import greedy
+    from tests.helpers.streaming import greedy
 
     demo, carved, _ = folders
     # cache 0: every token really streams its experts; on the CPU kernels, as `flashmoe run` does
@@ -83,7 +83,7 @@ def test_paris_golden_and_identical_to_resident_mlx_lm(folders):
 def test_every_expert_routed_is_resident_mlx_lm_at_k_equals_e(folders):
     from flashmoe.engine.formats.demo import DEMO_EXPERTS
     from flashmoe.engine.runtime.loader import load
-    from tests.test_streaming_exact import greedy
+    from tests.helpers.streaming import greedy
 
     demo, carved, _ = folders
     lm = load(demo, expert_cache=0, experts_per_token=DEMO_EXPERTS, kernels="cpu")

@@ -8,7 +8,7 @@ from flashmoe.engine import EngineFailed, GenerationFinished, LayerTimings, Pref
 from flashmoe.engine.runtime.engine import Engine
 from flashmoe.engine.runtime.generate import GenerationRequest, Session, StopMatcher, generate
 from flashmoe.engine.runtime.loader import load
-from tests.test_streaming_exact import greedy
+from tests.helpers.streaming import greedy
 from tests.tiny_models import reference_model
 
 CHAT = [{"role": "user", "content": "Tell me about café culture in Paris."}]

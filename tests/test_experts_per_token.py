@@ -10,7 +10,7 @@ import pytest
 
 from flashmoe.engine.runtime.loader import load
 from tests.helpers.cli import run_cli
-from tests.test_streaming_exact import PROMPT, greedy
+from tests.helpers.streaming import PROMPT, greedy
 
 
 def resident_with_k(folder, k):

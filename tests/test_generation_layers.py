@@ -17,7 +17,7 @@ from flashmoe.engine.runtime.generate import GenerationRequest, Session, generat
 from flashmoe.engine.runtime.loader import load
 from flashmoe.engine.runtime.processors import ConstraintMask, apply, processors_for, repetition_penalty
 from flashmoe.engine.runtime.sampling import Sampler, SamplingParams
-from tests.test_streaming_exact import greedy
+from tests.helpers.streaming import greedy
 from tests.tiny_models import reference_model
 
 CHAT = [{"role": "user", "content": "Name three rivers."}]

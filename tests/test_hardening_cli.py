@@ -19,7 +19,7 @@ import pytest
 
 from flashmoe.cli.store import Store
 from flashmoe.cli.term_safe import safe
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 from tests.helpers.cli import run_cli
 
 # What a hostile model writes: a clipboard write (OSC 52), a title change (OSC 0), a screen clear,
@@ -152,7 +152,7 @@ def test_logs_show_escapes_on_a_terminal_only(tmp_path):
 
 
 def test_repl_escapes_replies_and_tool_questions(tmp_path, monkeypatch):
-    from tests.test_repl import CTRL_D, ENTER, drive
+    from tests.helpers.repl import CTRL_D, ENTER, drive
 
     monkeypatch.setenv("FLASHMOE_HOME", str(tmp_path / "home"))
     from flashmoe.engine.testing import FakeEngine
@@ -211,7 +211,7 @@ def tui_call(name: str, **arguments) -> str:
 
 @pytest.mark.asyncio
 async def test_tui_transcript_shows_control_sequences_escaped():
-    from tests.tui.conftest import make_app, send, wait_idle
+    from tests.helpers.tui import make_app, send, wait_idle
 
     app, engine, session = make_app([ATTACK])
     async with app.run_test(size=(120, 40)) as pilot:
@@ -228,7 +228,7 @@ async def test_tui_transcript_shows_control_sequences_escaped():
 async def test_tui_tool_blocks_and_approval_show_control_sequences_escaped(tmp_path):
     from flashmoe.cli.tui.screens import ApproveScreen
     from flashmoe.cli.tui.widgets import ToolBlock
-    from tests.tui.conftest import make_app, send, tool_args, wait_for, wait_idle
+    from tests.helpers.tui import make_app, send, tool_args, wait_for, wait_idle
 
     ws = tmp_path / "ws"
     ws.mkdir()
@@ -516,7 +516,7 @@ def test_streaming_saves_are_throttled(tmp_path):
 async def test_tui_saves_the_reply_as_it_streams_and_when_quitting_mid_reply(tmp_path):
     from flashmoe.cli.chat import ChatOptions, ChatSession
     from flashmoe.cli.tui.app import ChatApp
-    from tests.tui.conftest import StableFakeEngine, send, wait_for
+    from tests.helpers.tui import StableFakeEngine, send, wait_for
 
     store = Store(tmp_path / "logs.db")
     engine = StableFakeEngine([LONG], gate_after=30)  # holds the reply after 30 tokens

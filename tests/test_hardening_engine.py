@@ -20,7 +20,7 @@ import pytest
 from flashmoe.engine import EngineFailed, GenerationFinished
 from flashmoe.engine.errors import ConvertError
 from flashmoe.engine.runtime.generate import GenerationRequest
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 from tests.helpers.cli import run_cli
 
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog while the cat sleeps. " * 4

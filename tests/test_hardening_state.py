@@ -20,7 +20,7 @@ import pytest
 from flashmoe.engine.events import EngineFailed, GenerationFinished
 from flashmoe.engine.runtime.generate import GenerationRequest
 from flashmoe.engine.runtime.sampling import SamplingParams
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 from tests.helpers.cli import run_cli
 
 GREEDY = SamplingParams(temperature=0.0)

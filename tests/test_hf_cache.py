@@ -235,7 +235,7 @@ def test_no_snapshot_is_one_line_naming_what_is_there(cache):
 
 def test_info_and_run_from_the_cache(cache, tiny):
     from flashmoe.engine.runtime.tokenizer import Tokenizer
-    from tests.test_streaming_exact import greedy
+    from tests.helpers.streaming import greedy
     from tests.tiny_models import reference_model
 
     snap = add_snapshot(cache, C1, tiny, refs=["main"])

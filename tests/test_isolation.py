@@ -6,7 +6,7 @@ import os
 import sqlite3
 from pathlib import Path
 
-from tests.conftest import USER_HOME
+from tests.helpers.paths import USER_HOME
 
 from tests.helpers.cli import run_cli
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from flashmoe.cli.store import Store
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 from tests.helpers.cli import run_cli
 
 REPLY = "one two three four five six"

@@ -12,7 +12,7 @@ import sys
 
 from flashmoe.cli.progress import PrefillMeter
 from flashmoe.engine.events import PrefillProgress
-from tests.conftest import ROOT
+from tests.helpers.paths import ROOT
 from tests.helpers.cli import run_cli
 
 LONG = "word " * 330  # about 1300 tokens of the tiny tokenizer: three chunks of 512

@@ -4,30 +4,15 @@ inside it, a call written there is never run, and every face shows the answer ap
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from flashmoe.engine.runtime.reasoning import open_reasoning, prompt_reasoning, thinking_kwargs, thinking_switch
 from tests.helpers.cli import run_cli
-
-ROOT = Path(__file__).resolve().parents[1]
-TEMPLATES = ROOT / "tests" / "fixtures" / "reference" / "chat_templates"
-
-
-def qwen35_template() -> str:
-    return (TEMPLATES / "qwen3.5-family_xml_toolcall.from_gguf.jinja").read_text()
-
-
-def deepseek_r1_template() -> str:
-    """DeepSeek-R1 (0528)'s template is V3's with `<think>\\n` after the generation prompt."""
-    v3 = (TEMPLATES / "deepseek_v3_tokenizer_config.chat_template.jinja").read_text()
-    gen = "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}"
-    assert gen in v3
-    return v3.replace(
-        gen, "{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\\n'}}{% endif %}"
-    )
+from tests.helpers.repl import CTRL_D, ENTER, drive
+from tests.helpers.repl import private_home  # noqa: F401 (the autouse fixture `home`: a FLASHMOE_HOME per test)
+from tests.helpers.templates import XML_READ, XML_WRITE, deepseek_r1_template, qwen35_template
 
 
 def render(template: str, messages, gen: bool, **kw) -> str:
@@ -106,11 +91,6 @@ def test_thinking_switch_names():
 
 
 # -- end to end through the agent loop --------------------------------------------------------------
-XML_WRITE = (
-    "<tool_call>\n<function=write_file>\n<parameter=path>\nx.txt\n</parameter>\n<parameter=content>\n"
-    "no\n</parameter>\n</function>\n</tool_call>"
-)
-XML_READ = "<tool_call>\n<function=read_file>\n<parameter=path>\nnotes.txt\n</parameter>\n</function>\n</tool_call>"
 B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 
@@ -266,7 +246,6 @@ def test_run_cut_off_inside_reasoning_says_so(tmp_path):
 
 
 # -- the line REPL ------------------------------------------------------------------------------------
-from tests.test_repl import CTRL_D, ENTER, drive, home  # noqa: E402,F401  (home: its autouse fixture)
 
 
 def test_repl_sets_reasoning_apart_and_switches_thinking():

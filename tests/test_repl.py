@@ -13,7 +13,6 @@ import os
 import select
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -25,56 +24,9 @@ from flashmoe.engine.testing import FakeEngine
 from flashmoe.cli import cli, startup
 from flashmoe.cli.exit_codes import ExitCode
 from flashmoe.cli.repl import LineRepl, SlashCompleter, run_repl
-from tests.conftest import ROOT
-
-ENTER, ALT_ENTER, CTRL_C, CTRL_D, CTRL_R, RIGHT = "\r", "\x1b\r", "\x03", "\x04", "\x12", "\x1b[C"
-
-
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLASHMOE_HOME", str(tmp_path / "home"))
-    for var in [v for v in os.environ if v.startswith("FLASHMOE_") and v != "FLASHMOE_HOME"]:
-        monkeypatch.delenv(var)
-    return tmp_path / "home"
-
-
-def chat_args(*flags):
-    args = cli.build_parser().parse_args(["chat", "--no-tui", "--engine", "fake", *flags])
-    cli.apply_settings(args)
-    return args
-
-
-class Transcript:
-    def __init__(self, code, out, err, engine):
-        self.code, self.out, self.err, self.engine = code, out, err, engine
-
-    def __repr__(self):  # shown by pytest when an assertion fails
-        return f"exit {self.code}\n--- stdout\n{self.out}--- stderr\n{self.err}"
-
-
-def drive(keys: str | list[str], engine=None, *flags, clock=time.monotonic) -> Transcript:
-    """Run the REPL on `keys` (which must end by quitting) and capture everything it printed.
-
-    A list of chunks is typed one chunk at a time, 0.1 s apart, for what needs a pause (a
-    suggestion from the history is computed in the background after each keystroke).
-    """
-    engine = engine or FakeEngine(["Hello there."])
-    out, err = io.StringIO(), io.StringIO()
-    with create_pipe_input() as inp:
-        if isinstance(keys, str):
-            inp.send_text(keys)
-        else:
-
-            def typist():
-                for chunk in keys:
-                    time.sleep(0.1)
-                    inp.send_text(chunk)
-
-            threading.Thread(target=typist, daemon=True).start()
-        code = run_repl(
-            chat_args(*flags), engine=engine, input=inp, output=DummyOutput(), stdout=out, stderr=err, clock=clock
-        )
-    return Transcript(code, out.getvalue(), err.getvalue(), engine)
+from tests.helpers.paths import ROOT
+from tests.helpers.repl import ALT_ENTER, CTRL_C, CTRL_D, CTRL_R, ENTER, RIGHT, Transcript, chat_args, drive
+from tests.helpers.repl import private_home  # noqa: F401 (the autouse fixture `home`)
 
 
 def user_messages(request):

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.conftest import OUTSIDE, ROOT
+from tests.helpers.paths import OUTSIDE, ROOT
 
 FIXTURES = ROOT / "tests" / "fixtures"
 

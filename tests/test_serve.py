@@ -4,10 +4,6 @@ process on 127.0.0.1 running a tiny random model (built here) or the scripted te
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,62 +13,10 @@ import jsonschema
 import openai
 import pytest
 
-from tests.conftest import ROOT
-
 from tests.helpers.cli import run_cli
+from tests.helpers.server import HELLO, WEATHER, ServerProcess
 
 KEY = "sk-test-serve"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"type": "string", "enum": ["C", "F"]}},
-            "required": ["city", "unit"],
-        },
-    },
-}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    def __init__(self, *args: str, env: dict | None = None):
-        self.port = free_port()
-        e = dict(os.environ, **(env or {}))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flashmoe.cli", "serve", "--port", str(self.port), *args],
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-            env=e,
-            cwd=ROOT,
-        )
-        self.lines: list[str] = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = self.proc.stderr.readline()
-            if not line:
-                raise RuntimeError(f"the server exited: {''.join(self.lines)}")
-            self.lines.append(line)
-            if "serving" in line:
-                break
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def _drain(self):
-        for line in self.proc.stderr:
-            self.lines.append(line)
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        return self.proc.wait(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +42,6 @@ def an(server):
 
 
 MODEL = "qwen3_moe-None-64"  # the tiny model's folder name (model_factory), as /v1/models lists it
-HELLO = [{"role": "user", "content": "Say hello to the world."}]
 
 
 def test_startup_line_names_the_model_and_url(server):

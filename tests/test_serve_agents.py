@@ -19,7 +19,7 @@ from starlette.testclient import TestClient
 
 from flashmoe.cli.serve.app import Server
 from flashmoe.engine.testing import FakeEngine
-from tests.test_serve import ServerProcess
+from tests.helpers.server import ServerProcess
 from tests.tiny_tokenizer import CHAT_TEMPLATE
 
 FIXTURES = Path(__file__).parent / "fixtures" / "agents"

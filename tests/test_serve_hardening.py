@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from tests.helpers.cli import run_cli
-from tests.test_serve import ServerProcess
+from tests.helpers.server import ServerProcess
 from tests.tiny_tokenizer import CHAT_TEMPLATE
 
 KA, KB = "sk-alice-key-0123456789", "sk-bob-key-9876543210"

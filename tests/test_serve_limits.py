@@ -20,7 +20,7 @@ from starlette.testclient import TestClient
 
 from flashmoe.cli.serve.app import Server
 from flashmoe.engine.testing import FakeEngine
-from tests.test_serve import HELLO, WEATHER, ServerProcess
+from tests.helpers.server import HELLO, WEATHER, ServerProcess
 from tests.tiny_tokenizer import CHAT_TEMPLATE
 
 MODEL = "tiny"

@@ -14,7 +14,7 @@ import mlx.core as mx  # noqa: E402
 
 from flashmoe.engine.cpu import tiled as T  # noqa: E402
 from flashmoe.engine.cpu.qmm import qmm  # noqa: E402
-from tests.test_kernels import check, quantize  # noqa: E402
+from tests.helpers.kernels import check, quantize, quantize_bf16  # noqa: E402
 
 RNG = np.random.default_rng(99)
 
@@ -98,13 +98,6 @@ def test_unsupported_formats_are_refused():
     wq, s, b, _ = quantize(RNG.standard_normal((4, 64)).astype(np.float32), 3, 32)
     with pytest.raises(ValueError, match="3-bit"):
         T.Tiled.from_mlx(wq, s, b, 3, 32)
-
-
-def quantize_bf16(w: np.ndarray, bits: int, gs: int):
-    """As a real MLX checkpoint is: w rounded to bfloat16, quantized there (bfloat16 scales and
-    biases), then widened to float32 as the loader gives them; (packed, scales, biases)."""
-    wq, s, b = mx.quantize(mx.array(w).astype(mx.bfloat16), group_size=gs, bits=bits)
-    return np.array(wq), np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32))
 
 
 @pytest.mark.parametrize("bits,gs", [(4, 64), (8, 64), (2, 32)])

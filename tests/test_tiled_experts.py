@@ -14,7 +14,7 @@ mx = pytest.importorskip("mlx.core")
 
 from flashmoe.engine.cpu import tiled as T  # noqa: E402
 from flashmoe.engine.cpu.tiled_experts import TiledBank  # noqa: E402
-from tests.test_kernels import check, quantize  # noqa: E402
+from tests.helpers.kernels import check, quantize  # noqa: E402
 
 RNG = np.random.default_rng(7)
 
@@ -227,7 +227,7 @@ def test_experts_land_in_tiles_on_the_reader_threads_and_change_no_token(model_f
     from flashmoe.engine.cpu import tiled
     from flashmoe.engine.experts.switch import StreamingSwitchGLU
     from flashmoe.engine.runtime.loader import load
-    from tests.test_streaming_exact import PROMPT, greedy
+    from tests.helpers.streaming import PROMPT, greedy
 
     packed = model_factory("qwen3_moe", 8, converted=True, expert_layout="mlx")
     eager = load(packed, load_tokenizer=False, kernels="cpu")
@@ -256,7 +256,7 @@ def test_experts_stored_in_tiles_are_used_as_read_and_give_the_same_tokens(model
     both give the tokens of the same model stored in MLX's rows, and of the resident mlx-lm model."""
     from flashmoe.engine.cpu import tiled
     from flashmoe.engine.runtime.loader import load
-    from tests.test_streaming_exact import PROMPT, greedy
+    from tests.helpers.streaming import PROMPT, greedy
     from tests.tiny_models import reference_model
 
     tiles = model_factory("qwen3_moe", bits, converted=True)
@@ -285,7 +285,7 @@ def test_bfloat16_scales_tile_into_half_their_bytes_for_the_same_floats(int8):
     a decode step's one-call SwiGLU, the gathers and a grouped prefill give what float32 tiles
     of the same experts give, bit for bit."""
     from flashmoe.engine.cpu.gemm import GEMM_ROWS
-    from tests.test_tiled import quantize_bf16
+    from tests.helpers.kernels import quantize_bf16
 
     S, shapes, parts = 5, {"gate_proj": (32, 128), "up_proj": (32, 128), "down_proj": (128, 32)}, {}
     for name, (n, k) in shapes.items():
@@ -329,7 +329,7 @@ def test_a_model_with_bfloat16_scales_keeps_them_so_and_the_same_tokens(model_fa
     from flashmoe.engine.experts.switch import StreamingSwitchGLU
     from flashmoe.engine.formats.convert import convert
     from flashmoe.engine.runtime.loader import load
-    from tests.test_streaming_exact import PROMPT, greedy
+    from tests.helpers.streaming import PROMPT, greedy
 
     out = convert(model_factory("qwen3_moe"), tmp_path / "bf16", bits=4, dtype="bfloat16")
     ref = load(out, load_tokenizer=False, dtype="float32", kernels="mlx")

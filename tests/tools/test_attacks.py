@@ -27,7 +27,7 @@ from flashmoe.tools.registry import Tool, ToolRegistry
 from flashmoe.tools.runner import CommandRunner, run_command, scrub_env
 from flashmoe.tools.user_tools import load_tool_file
 
-from tests.tools.test_runner import marker, survivors
+from tests.helpers.processes import marker, survivors
 
 
 @pytest.fixture

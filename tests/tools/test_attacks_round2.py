@@ -21,7 +21,7 @@ from flashmoe.tools.policy import Policy, ScriptedApprover
 from flashmoe.tools.registry import ToolRegistry
 from flashmoe.tools.runner import CommandRunner
 from flashmoe.tools.user_tools import load_tool_file
-from tests.tools.test_runner import marker, survivors
+from tests.helpers.processes import marker, survivors
 
 
 @pytest.fixture

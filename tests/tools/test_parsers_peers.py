@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from flashmoe.tools.parsers import PARSERS
-from tests.tools.test_corpus import CASES as OLD_CASES
-from tests.tools.test_corpus import _splits, run
+from tests.helpers.parser_cases import CASES as OLD_CASES
+from tests.helpers.parser_cases import run, splits
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "parser_cases"
 NEW_CASES = [c for p in sorted(FIXTURES.glob("*.json")) for c in json.loads(p.read_text(encoding="utf-8"))]
@@ -78,5 +78,5 @@ def test_case(case):
 @pytest.mark.parametrize("case", NEW_CASES, ids=[c["id"] for c in NEW_CASES])
 def test_every_split_gives_the_same_calls(case):
     whole = run(case, [case["text"]])
-    for chunks in _splits(case["text"]):
+    for chunks in splits(case["text"]):
         assert run(case, chunks) == whole, chunks

@@ -9,8 +9,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from .conftest import make_app, send, wait_for, wait_idle
-from .test_snapshots import SIZE, mid_reply
+from tests.helpers.tui import SIZE, make_app, mid_reply, send, wait_for, wait_idle
 
 FIRST = "Which experts does a token use?"
 FIRST_REPLY = "The router scores all experts in each layer and keeps the **top-k**; only those are read."

@@ -12,7 +12,7 @@ from flashmoe.cli.tui.messages import ReplyText
 from flashmoe.cli.tui.screens import HelpScreen
 from flashmoe.cli.tui.widgets import AssistantMessage, Note, UserMessage
 
-from .conftest import REPLY, make_app, send, wait_for, wait_idle
+from tests.helpers.tui import REPLY, make_app, send, step_rows, wait_for, wait_idle
 
 pytestmark = pytest.mark.asyncio
 SIZE = (100, 32)
@@ -101,29 +101,6 @@ async def test_layer_panel_has_a_row_per_layer_and_coalesces():
         assert route == 0.3 and comp == 3.0 and attn in (1.0, 1.5, 2.0) and 2.0 <= io <= 6.0
         assert fields[5] == "3/1"
         assert "█" in row
-
-
-def step_rows(engine, compute: bool = False):
-    """The fake reports layer-timing rows; make them step rows as the engine sends them: no
-    attention or other time, and expert compute only where the store times it (compute=True: the
-    CPU kernels)."""
-    import dataclasses
-
-    from flashmoe.engine.events import LayerTimings
-
-    hook = engine._hook
-
-    def as_step(handle, ev):
-        ev = hook(handle, ev)
-        if not isinstance(ev, LayerTimings):
-            return ev
-        rows = tuple(
-            dataclasses.replace(r, attn_ms=0.0, other_ms=0.0, expert_compute_ms=r.expert_compute_ms if compute else 0.0)
-            for r in ev.rows
-        )
-        return dataclasses.replace(ev, mode="step", rows=rows)
-
-    engine._hook = as_step
 
 
 async def test_step_timing_drops_the_columns_it_cannot_fill():

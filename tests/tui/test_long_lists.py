@@ -9,7 +9,7 @@ import pytest
 from flashmoe.cli.tui.widgets import AssistantMessage
 from flashmoe.cli.tui.widgets.transcript import LIST_CUT, MARKER_RUN, html_as_text, list_cut, tame
 
-from .conftest import make_app, send, wait_for, wait_idle
+from tests.helpers.tui import make_app, send, wait_for, wait_idle
 
 SIZE = (100, 32)
 ITEMS = 3 * LIST_CUT + 5

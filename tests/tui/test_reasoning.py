@@ -7,9 +7,9 @@ import pytest
 
 from flashmoe.cli.tui.widgets import AssistantMessage, ToolBlock
 from flashmoe.cli.tui.widgets.transcript import ReasoningBlock
-from tests.test_reasoning import XML_READ, XML_WRITE, qwen35_template
+from tests.helpers.templates import XML_READ, XML_WRITE, qwen35_template
 
-from .conftest import make_app, send, tool_args, wait_for, wait_idle
+from tests.helpers.tui import make_app, send, tool_args, wait_for, wait_idle
 
 pytestmark = pytest.mark.asyncio
 SIZE = (100, 32)

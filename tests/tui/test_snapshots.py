@@ -6,40 +6,14 @@ the SVGs under __snapshots__/ before committing them.
 
 from __future__ import annotations
 
-from .conftest import make_app, send, wait_for, wait_idle
-
-SIZE = (100, 32)
-
-
-async def _loaded(pilot):
-    pilot.app.theme = "textual-dark"
-    await wait_for(pilot, lambda: pilot.app.loaded is not None, what="the model")
-
-
-async def mid_reply(pilot, prompt: str = "How does flashmoe run a model bigger than memory?"):
-    """A reply frozen after a few tokens (the fake holds the rest), with the layer panel drawn."""
-    app = pilot.app
-    await _loaded(pilot)
-    await send(pilot, prompt)
-    gate_after = app.engine.gate_after
-    await wait_for(
-        pilot,
-        lambda: (
-            app.chat.reply is not None
-            and app.chat.panel.step == gate_after - 1
-            and app.chat.status.stats.tok_s is not None
-        ),
-        what="the layer panel",
-    )
-    await wait_for(pilot, lambda: len(app.chat.reply.box.text.split()) >= gate_after, what="the reply text")
-    await pilot.pause(0.2)
+from tests.helpers.tui import SIZE, make_app, mid_reply, send, step_rows, tool_args, wait_for, wait_idle, wait_loaded
 
 
 def test_main_screen_after_a_reply(snap_compare):
     app, engine, session = make_app()
 
     async def run_before(pilot):
-        await _loaded(pilot)
+        await wait_loaded(pilot)
         await send(pilot, "What is a mixture of experts?")
         await wait_idle(pilot)
 
@@ -66,7 +40,7 @@ def test_engine_error(snap_compare):
     app, engine, session = make_app(fail="layer 3 expert 17: read failed (I/O error)")
 
     async def run_before(pilot):
-        await _loaded(pilot)
+        await wait_loaded(pilot)
         await send(pilot, "hi")
         await wait_idle(pilot)
         pilot.app.clear_notifications()
@@ -78,7 +52,7 @@ def test_help_screen(snap_compare):
     app, engine, session = make_app()
 
     async def run_before(pilot):
-        await _loaded(pilot)
+        await wait_loaded(pilot)
         await pilot.press("f1")
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
@@ -102,8 +76,6 @@ def test_tool_call_and_approval(snap_compare, tmp_path, monkeypatch):
     import flashmoe.tools.executor
     from flashmoe.cli.tui.screens import ApproveScreen
 
-    from .conftest import tool_args
-
     ws = tmp_path / "ws"
     ws.mkdir()
     (ws / "todo.txt").write_text("- eggs\n- bread\n")
@@ -122,7 +94,7 @@ def test_tool_call_and_approval(snap_compare, tmp_path, monkeypatch):
     app, engine, session = make_app(replies, timing="off", tools=tool_args(ws))
 
     async def run_before(pilot):
-        await _loaded(pilot)
+        await wait_loaded(pilot)
         await send(pilot, "Add milk to my todo list.")
         await wait_for(pilot, lambda: isinstance(pilot.app.screen, ApproveScreen), what="the question")
         await pilot.pause(0.2)
@@ -152,8 +124,6 @@ def test_80x24_layer_panel_on_f2(snap_compare):
 def test_100x30_step_timing_panel_says_which_rows_show(snap_compare):
     """Step timing (as with the CPU kernels): no attention column; the title says which of the 30
     rows are in view."""
-    from .test_app import step_rows
-
     app, engine, session = make_app(layers=30, gate_after=9, timing="step")
     step_rows(engine, compute=True)
     assert snap_compare(app, terminal_size=(100, 30), run_before=mid_reply)

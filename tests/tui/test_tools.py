@@ -14,7 +14,7 @@ from flashmoe.cli.tui.messages import ReplyText
 from flashmoe.cli.tui.screens import ApproveScreen
 from flashmoe.cli.tui.widgets import AssistantMessage, Note, ToolBlock
 
-from .conftest import make_app, send, tool_args, wait_for, wait_idle
+from tests.helpers.tui import make_app, send, tool_args, wait_for, wait_idle
 
 pytestmark = pytest.mark.asyncio
 SIZE = (100, 32)
