@@ -17,7 +17,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-SLOW_S = 1.5  # a test's setup, call and teardown together, with two workers on two cores
+SLOW_S = 1.0  # a test's setup, call and teardown together, with two workers on two cores
 SESSION_SETUP_S = 10.0  # a setup this long is the first test of a worker waiting for the kernels
 SLOW_FILE = Path(__file__).resolve().parents[1] / "slow_tests.txt"
 SLOW_MODULES = {
